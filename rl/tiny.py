@@ -1,0 +1,136 @@
+"""Tiny offline models: a byte-level tokenizer and a small causal LM or sequence classifier.
+
+Nothing here downloads anything. The model is built from a config with random weights, saved with
+`save_pretrained`, and meant to be loaded back through `AutoTokenizer` / `AutoModelForCausalLM` /
+`AutoModelForSequenceClassification`, which is the same loading path a real checkpoint takes.
+
+    python -m rl.tiny --family llama --out /tmp/tiny-llama
+    python -m rl.tiny --family qwen2 --task classifier --out /tmp/tiny-rm
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+from pathlib import Path
+
+FAMILIES = ("llama", "qwen2", "gemma", "gpt2")
+TASKS = ("causal-lm", "classifier")
+SPECIAL_TOKENS = {"pad_token": "<pad>", "bos_token": "<s>", "eos_token": "</s>"}
+
+# A minimal chat template so chat-format data ({"messages": [...]}) renders with the tokenizer's
+# own `apply_chat_template`, exactly as it would with a real instruct model.
+CHAT_TEMPLATE = (
+    "{% for m in messages %}<|{{ m['role'] }}|>\n{{ m['content'] }}\n{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>\n{% endif %}"
+)
+
+
+def build_tokenizer():
+    """Byte-level BPE tokenizer with no merges: one token per byte, plus pad/bos/eos (259 ids)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    alphabet = pre_tokenizers.ByteLevel.alphabet()  # the 256 printable stand-ins for bytes
+    vocab = {sym: i for i, sym in enumerate(sorted(alphabet))}
+    for tok in SPECIAL_TOKENS.values():
+        vocab[tok] = len(vocab)
+    core = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    core.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    core.decoder = decoders.ByteLevel()
+    tok = PreTrainedTokenizerFast(tokenizer_object=core, **SPECIAL_TOKENS)
+    tok.chat_template = CHAT_TEMPLATE
+    return tok
+
+
+def build_config(family: str, vocab_size: int, hidden: int = 64, layers: int = 2, heads: int = 4,
+                 max_positions: int = 1024, task: str = "causal-lm", pad_id: int = 0,
+                 bos_id: int = 1, eos_id: int = 2):
+    """A transformers config of the given family, `hidden` wide and `layers` deep."""
+    from transformers import AutoConfig
+
+    if family not in FAMILIES:
+        raise ValueError(f"unknown family {family!r}; choose one of {', '.join(FAMILIES)}")
+    common = dict(vocab_size=vocab_size, pad_token_id=pad_id, bos_token_id=bos_id, eos_token_id=eos_id)
+    if family == "gpt2":
+        cfg = AutoConfig.for_model("gpt2", n_embd=hidden, n_layer=layers, n_head=heads,
+                                   n_positions=max_positions, **common)
+    else:
+        extra = dict(hidden_size=hidden, intermediate_size=hidden * 4, num_hidden_layers=layers,
+                     num_attention_heads=heads, num_key_value_heads=max(1, heads // 2),
+                     max_position_embeddings=max_positions, tie_word_embeddings=True)
+        if family == "gemma":
+            extra["head_dim"] = hidden // heads
+        cfg = AutoConfig.for_model(family, **extra, **common)
+    if task == "classifier":
+        cfg.num_labels = 1
+    return cfg
+
+
+def write_tiny_model(out: str | os.PathLike, family: str = "llama", task: str = "causal-lm",
+                     hidden: int = 64, layers: int = 2, heads: int = 4, seed: int = 0) -> Path:
+    """Write tokenizer + randomly initialised model to `out` and return the path.
+
+    Idempotent: if `out` already holds a model written with the same arguments, it is reused.
+    """
+    import torch
+    from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
+
+    if task not in TASKS:
+        raise ValueError(f"unknown task {task!r}; choose one of {', '.join(TASKS)}")
+    out = Path(out)
+    spec = dict(family=family, task=task, hidden=hidden, layers=layers, heads=heads, seed=seed)
+    marker = out / "tiny_spec.json"
+    if marker.exists() and json.loads(marker.read_text()) == spec:
+        return out
+    out.mkdir(parents=True, exist_ok=True)
+    tok = build_tokenizer()
+    # Headroom above the 259 tokens: some families' tokenizer classes (Qwen2's) add a special token of
+    # their own on load, and a multiple of 64 keeps the embedding matmuls aligned.
+    vocab_size = 320
+    cfg = build_config(family, vocab_size, hidden, layers, heads, task=task,
+                       pad_id=tok.pad_token_id, bos_id=tok.bos_token_id, eos_id=tok.eos_token_id)
+    torch.manual_seed(seed)
+    cls = AutoModelForSequenceClassification if task == "classifier" else AutoModelForCausalLM
+    model = cls.from_config(cfg)
+    model.save_pretrained(out, safe_serialization=True)
+    tok.save_pretrained(out)
+    marker.write_text(json.dumps(spec))
+    return out
+
+
+TINY_PREFIX = "tiny:"
+
+
+def resolve_model_path(name: str, cache_dir: str | os.PathLike | None = None) -> str:
+    """Map `tiny:<family>[-classifier]` to a locally written tiny model; other names pass through.
+
+    Recipes name `model_name: tiny:llama` so that a fresh machine runs them without any download.
+    """
+    if not name.startswith(TINY_PREFIX):
+        return name
+    spec = name[len(TINY_PREFIX):]
+    family, _, task = spec.partition("-")
+    task = "classifier" if task == "classifier" else "causal-lm"
+    root = Path(cache_dir or os.environ.get("RL_TINY_CACHE", Path.home() / ".cache" / "rl-tiny"))
+    return str(write_tiny_model(root / spec, family=family, task=task))
+
+
+def main(argv=None) -> None:
+    p = argparse.ArgumentParser(prog="python -m rl.tiny", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--family", choices=FAMILIES, default="llama", help="model family (default llama)")
+    p.add_argument("--task", choices=TASKS, default="causal-lm", help="causal-lm or classifier")
+    p.add_argument("--out", required=True, help="directory to write the model and tokenizer to")
+    p.add_argument("--hidden", type=int, default=64, help="hidden size (default 64)")
+    p.add_argument("--layers", type=int, default=2, help="number of layers (default 2)")
+    p.add_argument("--heads", type=int, default=4, help="attention heads (default 4)")
+    p.add_argument("--seed", type=int, default=0, help="initialisation seed (default 0)")
+    a = p.parse_args(argv)
+    path = write_tiny_model(a.out, a.family, a.task, a.hidden, a.layers, a.heads, a.seed)
+    print(f"wrote tiny {a.family} {a.task} to {path}")
+
+
+if __name__ == "__main__":
+    main()
