@@ -1,0 +1,455 @@
+"""Typed recipe configs: a YAML recipe as the base, command-line overrides on top, strict validation.
+
+Every trainer has one dataclass schema whose fields carry a one-line help text (`opt(default,
+"help")`). `parse_config(Schema, argv)` reads `--config recipe.yaml`, applies `--key value`,
+`--key=value` and `key=value` overrides (dotted keys such as `lora.rank=16` reach nested sections),
+converts each value to the field's type and builds the dataclass. Mistakes become one `ConfigError`
+line naming the key, the value and what was expected; the launch scripts print it and exit with 2.
+
+Why not plain argparse or HfArgumentParser: neither merges a YAML base with overrides of nested
+sections, nor suggests the closest key for a typo, which is most of what goes wrong with recipes.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import sys
+import types
+import typing
+from pathlib import Path
+from typing import Any, Literal, Union, get_args, get_origin
+
+import yaml
+
+REQUIRED = dataclasses.MISSING
+
+
+class ConfigError(ValueError):
+    """A user-facing configuration mistake; its message is one line that says how to fix it."""
+
+
+def opt(default: Any = REQUIRED, help: str = "", **kw) -> Any:
+    """A schema field with a default (`REQUIRED` for none) and a one-line help text."""
+    meta = {"help": help}
+    if isinstance(default, (list, dict, set)):
+        return dataclasses.field(default_factory=lambda d=default: type(d)(d), metadata=meta, **kw)
+    if dataclasses.is_dataclass(default) and isinstance(default, type):
+        return dataclasses.field(default_factory=default, metadata=meta, **kw)
+    return dataclasses.field(default=default, metadata=meta, **kw)
+
+
+def section(cls: type, help: str = "") -> Any:
+    """A nested config section (itself a dataclass), filled from a YAML mapping or dotted keys."""
+    return dataclasses.field(default_factory=cls, metadata={"help": help})
+
+
+# --------------------------------------------------------------------------------------------------
+# Type conversion
+# --------------------------------------------------------------------------------------------------
+
+_TRUE = {"true", "yes", "on", "1"}
+_FALSE = {"false", "no", "off", "0"}
+
+
+def _type_name(tp: Any) -> str:
+    origin = get_origin(tp)
+    if origin is Literal:
+        return " | ".join(repr(a) for a in get_args(tp))
+    if origin in (Union, types.UnionType):
+        return " or ".join(_type_name(a) for a in get_args(tp))
+    if origin is not None:
+        return f"{origin.__name__}[{', '.join(_type_name(a) for a in get_args(tp))}]"
+    return "null" if tp is type(None) else getattr(tp, "__name__", str(tp))
+
+
+def _convert(value: Any, tp: Any) -> Any:
+    """Convert a YAML/CLI value to `tp`, raising TypeError(expected-type) when it cannot."""
+    origin = get_origin(tp)
+    if tp is Any:
+        return value
+    if origin in (Union, types.UnionType):
+        args = get_args(tp)
+        if value is None or (isinstance(value, str) and value.lower() in ("none", "null")):
+            if type(None) in args:
+                return None
+        for a in args:
+            if a is type(None):
+                continue
+            try:
+                return _convert(value, a)
+            except (TypeError, ValueError):
+                pass
+        raise TypeError(_type_name(tp))
+    if origin is Literal:
+        choices = get_args(tp)
+        if value in choices:
+            return value
+        raise TypeError(_type_name(tp))
+    if origin in (list, tuple):
+        if isinstance(value, str):
+            parsed = yaml.safe_load(value) if value.strip().startswith("[") else value.split(",")
+            value = parsed if isinstance(parsed, list) else [parsed]
+        if not isinstance(value, (list, tuple)):
+            raise TypeError(_type_name(tp))
+        (inner, *_) = get_args(tp) or (Any,)
+        return [_convert(v, inner) for v in value]
+    if origin is dict or tp is dict:
+        if isinstance(value, str):
+            value = yaml.safe_load(value)
+        if not isinstance(value, dict):
+            raise TypeError(_type_name(tp))
+        return dict(value)
+    if tp is bool:
+        if isinstance(value, bool):
+            return value
+        if isinstance(value, str) and value.lower() in _TRUE | _FALSE:
+            return value.lower() in _TRUE
+        if isinstance(value, int) and value in (0, 1):
+            return bool(value)
+        raise TypeError("bool (true or false)")
+    if tp is int:
+        if isinstance(value, bool):
+            raise TypeError("int")
+        if isinstance(value, int):
+            return value
+        if isinstance(value, float) and value.is_integer():
+            return int(value)
+        if isinstance(value, str):
+            try:
+                return int(value)
+            except ValueError:
+                f = float(value)  # accepts "1e3"
+                if f.is_integer():
+                    return int(f)
+        raise TypeError("int")
+    if tp is float:
+        if isinstance(value, bool):
+            raise TypeError("float")
+        if isinstance(value, (int, float)):
+            return float(value)
+        if isinstance(value, str):
+            try:
+                return float(value)
+            except ValueError:
+                pass
+        raise TypeError("float")
+    if tp is str:
+        if isinstance(value, (str, int, float)) and not isinstance(value, bool):
+            return str(value)
+        raise TypeError("str")
+    return value
+
+
+# --------------------------------------------------------------------------------------------------
+# Building a schema from a nested mapping
+# --------------------------------------------------------------------------------------------------
+
+def _fields(cls: type) -> dict[str, dataclasses.Field]:
+    return {f.name: f for f in dataclasses.fields(cls) if f.init}
+
+
+def _hints(cls: type) -> dict[str, Any]:
+    return typing.get_type_hints(cls)
+
+
+def _aliases(cls: type) -> dict[str, str]:
+    """Alternative key names (e.g. the reference CLI's `rl_gamma` for `gamma`)."""
+    return dict(getattr(cls, "ALIASES", {}))
+
+
+def _all_keys(cls: type, prefix: str = "") -> list[str]:
+    keys = []
+    hints = _hints(cls)
+    for name in _fields(cls):
+        keys.append(prefix + name)
+        if dataclasses.is_dataclass(hints[name]):
+            keys += _all_keys(hints[name], f"{prefix}{name}.")
+    return keys + [prefix + a for a in _aliases(cls)]
+
+
+def _unknown(key: str, cls: type, where: str) -> ConfigError:
+    close = difflib.get_close_matches(key, _all_keys(cls), n=3, cutoff=0.6)
+    hint = f" (did you mean {', '.join(close)}?)" if close else " (run with --help to list the keys)"
+    return ConfigError(f"{where}: unknown key '{key}'{hint}")
+
+
+def build(cls: type, data: dict, where: str = "config", prefix: str = "", root: type | None = None,
+          require: bool = True):
+    """Instantiate dataclass `cls` from a (possibly nested) mapping, validating every key.
+
+    With `require=False` only the keys and types are checked (a recipe may leave a required key to
+    the command line) and None is returned."""
+    root = root or cls
+    fields, hints, aliases = _fields(cls), _hints(cls), _aliases(cls)
+    kwargs: dict[str, Any] = {}
+    for raw_key, value in data.items():
+        key = aliases.get(raw_key, raw_key)
+        if key not in fields:
+            raise _unknown(prefix + raw_key, root, where)
+        tp = hints[key]
+        if dataclasses.is_dataclass(tp):
+            if value is None:
+                value = {}
+            if not isinstance(value, dict):
+                raise ConfigError(f"{where}: key '{prefix}{raw_key}' is a section; give it a mapping "
+                                  f"of keys, e.g. {prefix}{raw_key}.<key>=<value>")
+            kwargs[key] = build(tp, value, where, f"{prefix}{key}.", root, require)
+            continue
+        try:
+            kwargs[key] = _convert(value, tp)
+        except (TypeError, ValueError) as e:
+            expected = e.args[0] if isinstance(e, TypeError) and e.args else _type_name(tp)
+            raise ConfigError(f"{where}: key '{prefix}{raw_key}' has value {value!r}, "
+                              f"expected {expected}") from None
+    if not require:
+        return None
+    missing = [n for n, f in fields.items() if n not in kwargs and f.default is REQUIRED
+               and f.default_factory is REQUIRED]
+    if missing:
+        name = prefix + missing[0]
+        raise ConfigError(f"missing required key '{name}': set it in the recipe or pass --{name} VALUE")
+    try:
+        return cls(**kwargs)
+    except ConfigError as e:
+        raise ConfigError(f"{where}: {e}") from None
+
+
+# --------------------------------------------------------------------------------------------------
+# Command line
+# --------------------------------------------------------------------------------------------------
+
+def _set_dotted(tree: dict, dotted: str, value: Any) -> None:
+    parts = dotted.split(".")
+    node = tree
+    for p in parts[:-1]:
+        child = node.get(p)
+        if not isinstance(child, dict):
+            child = {}
+            node[p] = child
+        node = child
+    node[parts[-1]] = value
+
+
+def _field_type(cls: type, dotted: str) -> Any:
+    """Type of a dotted key, or None when the key is unknown (reported later by `build`)."""
+    tp: Any = cls
+    for part in dotted.split("."):
+        if not dataclasses.is_dataclass(tp):
+            return None
+        part = _aliases(tp).get(part, part)
+        hints = _hints(tp)
+        if part not in hints:
+            return None
+        tp = hints[part]
+    return tp
+
+
+def _parse_scalar(text: str) -> Any:
+    """A command-line value as YAML would read it ('3' -> 3, 'true' -> True, '[1,2]' -> list)."""
+    try:
+        return yaml.safe_load(text)
+    except yaml.YAMLError:
+        return text
+
+
+def split_argv(cls: type, argv: list[str]) -> tuple[str | None, dict, bool]:
+    """Split argv into (recipe path, overrides tree, help requested)."""
+    recipe, overrides, want_help = None, {}, False
+    i = 0
+    while i < len(argv):
+        arg = argv[i]
+        if arg in ("-h", "--help"):
+            want_help = True
+            i += 1
+            continue
+        if arg.startswith("--"):
+            key, eq, value = arg[2:].partition("=")
+            key = key.replace("-", "_")
+            if not eq:
+                tp = _field_type(cls, key)
+                nxt = argv[i + 1] if i + 1 < len(argv) else None
+                takes_flag = tp is bool and (nxt is None or nxt.startswith("--") or "=" in nxt
+                                             or nxt.lower() not in _TRUE | _FALSE)
+                if takes_flag:
+                    value = "true"
+                elif nxt is None:
+                    raise ConfigError(f"command line: option '--{key}' needs a value")
+                else:
+                    value, i = nxt, i + 1
+        elif "=" in arg:
+            key, _, value = arg.partition("=")
+            key = key.replace("-", "_")
+        else:
+            raise ConfigError(f"command line: unexpected argument '{arg}'; use --key value or key=value")
+        if key == "config":
+            recipe = value
+        else:
+            _set_dotted(overrides, key, _parse_scalar(value))
+        i += 1
+    return recipe, overrides, want_help
+
+
+def _merge(base: dict, over: dict) -> dict:
+    out = dict(base)
+    for k, v in over.items():
+        out[k] = _merge(out[k], v) if isinstance(v, dict) and isinstance(out.get(k), dict) else v
+    return out
+
+
+def load_recipe(path: str) -> dict:
+    p = Path(path)
+    if not p.is_file():
+        raise ConfigError(f"recipe file not found: {path} (pass --config recipes/<name>.yaml)")
+    try:
+        data = yaml.safe_load(p.read_text()) or {}
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None)
+        line = f" line {mark.line + 1}" if mark else ""
+        raise ConfigError(f"{path}:{line} is not valid YAML ({getattr(e, 'problem', e)})") from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"{path}: a recipe must be a mapping of key: value lines")
+    return data
+
+
+def help_text(cls: type, prog: str, description: str = "") -> str:
+    lines = [f"usage: {prog} [--config RECIPE.yaml] [--key VALUE | key=VALUE ...]", ""]
+    if description:
+        lines += [description.strip(), ""]
+    lines += ["Every key below can be set in the recipe and overridden on the command line;",
+              "nested keys use dots (lora.rank=16). Booleans accept --flag or --flag false.", "",
+              "  --config PATH    YAML recipe used as the base (default: none, all defaults)"]
+
+    def walk(c: type, prefix: str) -> None:
+        hints = _hints(c)
+        for name, f in _fields(c).items():
+            tp = hints[name]
+            if dataclasses.is_dataclass(tp):
+                lines.append(f"\n  [{prefix}{name}] {f.metadata.get('help', '')}")
+                walk(tp, f"{prefix}{name}.")
+                continue
+            if f.default is not REQUIRED:
+                default = f.default
+            elif f.default_factory is not REQUIRED:
+                default = f.default_factory()
+            else:
+                default = "REQUIRED"
+            lines.append(f"  --{prefix}{name} {_type_name(tp)}  (default: {default})")
+            lines.append(f"        {f.metadata.get('help', '')}")
+        al = _aliases(c)
+        if al:
+            lines.append("  aliases: " + ", ".join(f"{prefix}{a} -> {prefix}{t}" for a, t in al.items()))
+
+    walk(cls, "")
+    return "\n".join(lines) + "\n"
+
+
+def parse_config(cls: type, argv: list[str] | None = None, prog: str | None = None,
+                 description: str = ""):
+    """Recipe + overrides -> a validated `cls`. Raises ConfigError; prints help and exits on --help."""
+    argv = sys.argv[1:] if argv is None else list(argv)
+    recipe, overrides, want_help = split_argv(cls, argv)
+    if want_help:
+        print(help_text(cls, prog or Path(sys.argv[0]).name, description))
+        raise SystemExit(0)
+    data = load_recipe(recipe) if recipe else {}
+    where = recipe or "config"
+    build(cls, data, where, require=False)  # so that a mistake in the recipe names the recipe file
+    return build(cls, _merge(data, overrides), "command line" if overrides else where)
+
+
+def cli_config(cls: type, argv: list[str] | None = None, prog: str | None = None,
+               description: str = ""):
+    """`parse_config` for launch scripts: a ConfigError becomes one `error:` line and exit code 2."""
+    try:
+        return parse_config(cls, argv, prog, description)
+    except ConfigError as e:
+        print(f"error: {e}", file=sys.stderr)
+        raise SystemExit(2) from None
+
+
+def to_dict(cfg) -> dict:
+    return dataclasses.asdict(cfg)
+
+
+def save_config(cfg, directory: str | Path, name: str = "config.yaml") -> Path:
+    """Write the resolved config (every field, defaults included) as YAML next to the outputs."""
+    d = Path(directory)
+    d.mkdir(parents=True, exist_ok=True)
+    path = d / name
+    path.write_text(yaml.safe_dump(to_dict(cfg), sort_keys=False))
+    return path
+
+
+# --------------------------------------------------------------------------------------------------
+# Sections shared by the trainers
+# --------------------------------------------------------------------------------------------------
+
+@dataclasses.dataclass
+class LoraSection:
+    enabled: bool = opt(False, "train LoRA adapters instead of all weights")
+    rank: int = opt(16, "LoRA rank r")
+    alpha: int = opt(32, "LoRA scaling alpha (effective scale alpha / r)")
+    dropout: float = opt(0.05, "dropout on the LoRA input")
+    target_modules: str = opt("all-linear", "modules to adapt: 'all-linear' or a comma-separated list")
+
+
+@dataclasses.dataclass
+class DataSection:
+    path: str | None = opt(None, "training data: a .jsonl/.json/.csv/.parquet file or a saved datasets dir")
+    eval_path: str | None = opt(None, "optional evaluation data in the same format")
+    eval_fraction: float = opt(0.0, "fraction of the training data held out for evaluation when no eval_path")
+    text_column: str = opt("text", "column with the full text (SFT) or the prompt text (PPO/GRPO)")
+    prompt_column: str = opt("prompt", "column with the prompt")
+    completion_column: str = opt("completion", "column with the completion (SFT prompt/completion data)")
+    chosen_column: str = opt("chosen", "column with the preferred answer")
+    rejected_column: str = opt("rejected", "column with the rejected answer")
+    messages_column: str = opt("messages", "column with chat messages, rendered with the chat template")
+    strict: bool = opt(False, "fail on examples longer than max_length instead of truncating them")
+    max_examples: int | None = opt(None, "use only the first N examples (smoke tests)")
+
+
+@dataclasses.dataclass
+class TrainConfig:
+    """Fields every trainer shares."""
+
+    model_name: str = opt(REQUIRED, "HF model id or local path; 'tiny:llama' builds a tiny local model")
+    output_dir: str = opt("runs/run", "where checkpoints, metrics, plots and the final model go")
+    seed: int = opt(42, "random seed for initialisation, shuffling and sampling")
+    learning_rate: float = opt(1e-5, "peak learning rate of AdamW")
+    weight_decay: float = opt(0.0, "AdamW weight decay")
+    lr_scheduler: Literal["constant", "linear", "cosine"] = opt("linear", "schedule after warmup")
+    warmup_ratio: float = opt(0.0, "fraction of the optimizer steps used for linear warmup")
+    num_epochs: int = opt(1, "passes over the training data")
+    max_steps: int | None = opt(None, "stop after this many optimizer steps (overrides num_epochs)")
+    batch_size: int = opt(8, "examples per device per micro-batch")
+    gradient_accumulation_steps: int = opt(1, "micro-batches accumulated per optimizer step")
+    max_grad_norm: float | None = opt(1.0, "clip the global gradient norm to this (null: no clipping)")
+    max_length: int = opt(512, "maximum tokens per example (prompt plus answer)")
+    dtype: Literal["float32", "bfloat16", "float16", "auto"] = opt(
+        "auto", "weights/compute dtype; auto = bfloat16 on GPUs that support it, else float32")
+    gradient_checkpointing: bool = opt(False, "recompute activations in backward to save memory")
+    attn_implementation: str | None = opt(None, "attention kernel: sdpa, eager, flash_attention_2 (null: default)")
+    trust_remote_code: bool = opt(False, "allow model code from the checkpoint (only if you trust it)")
+    deepspeed: str | None = opt(None, "DeepSpeed config JSON (e.g. ds_configs/zero3.json) when not given to accelerate")
+    log_every: int = opt(1, "log metrics every N optimizer steps")
+    eval_every: int = opt(0, "evaluate every N optimizer steps (0: only at the end)")
+    save_every: int = opt(0, "checkpoint every N optimizer steps (0: only the final model)")
+    resume: str | None = opt(None, "'auto' resumes from the newest complete checkpoint, or a checkpoint path")
+    report_to: list[str] = opt(["jsonl"], "metric sinks: jsonl, wandb (offline unless configured)")
+    run_name: str | None = opt(None, "name of the run in wandb and the plots (default: output_dir name)")
+    dry_run: bool = opt(False, "print the resolved config and sizes, then exit without training")
+    lora: LoraSection = section(LoraSection, "LoRA adapters")
+    data: DataSection = section(DataSection, "training data and its columns")
+
+    def __post_init__(self):
+        for name in ("batch_size", "gradient_accumulation_steps", "num_epochs", "max_length", "log_every"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"key '{name}' must be at least 1, got {getattr(self, name)}")
+        if not 0.0 <= self.warmup_ratio < 1.0:
+            raise ConfigError(f"key 'warmup_ratio' must be in [0, 1), got {self.warmup_ratio}")
+        if self.max_steps is not None and self.max_steps < 1:
+            raise ConfigError(f"key 'max_steps' must be at least 1 or null, got {self.max_steps}")
+        bad = [r for r in self.report_to if r not in ("jsonl", "wandb", "none")]
+        if bad:
+            raise ConfigError(f"key 'report_to' has unknown sink {bad[0]!r}; use jsonl, wandb or none")
