@@ -1,0 +1,485 @@
+"""The engine: ordered forward-backward / optimizer-step requests on top of Accelerate.
+
+`ForwardBackwardPipeline` keeps the reference's call shapes (every call returns a future) and fixes
+what the reference got wrong:
+
+* Requests run in submission order on ONE worker thread, whatever `max_workers` says, so an
+  `optim_step` always sees the gradients of the `forward_backward` calls submitted before it.
+* Gradients are accumulated over exactly `gradient_accumulation_steps` micro-batches, scaled by
+  1/N (Accelerate does it, or DeepSpeed in its own backward), synchronised across processes only on
+  the last micro-batch, and cleared after every optimizer step.
+* The same code runs single-process, DDP and DeepSpeed ZeRO-2/3, because the model and optimizer
+  go through `accelerator.prepare` and the backward through `accelerator.backward`.
+* `save_state` writes to a temporary directory and renames it when complete, so a crash mid-save
+  leaves the previous checkpoint loadable. Nothing is unpickled on load (`weights_only=True`).
+
+Under DeepSpeed the optimizer step happens inside the backward of the last micro-batch (that is how
+DeepSpeed works); `optim_step` then only reports the gradient norm and steps the scheduler.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import shutil
+from concurrent.futures import Future, ThreadPoolExecutor
+from contextlib import nullcontext
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+import numpy as np
+import torch
+
+from rl import losses
+
+COMPLETE_MARKER = "COMPLETE"
+
+
+@dataclass
+class ForwardBackwardResult:
+    """What one forward(-backward) request produced. `loss` is the unscaled micro-batch loss."""
+
+    loss: float
+    metrics: dict[str, float] = field(default_factory=dict)
+    num_tokens: int = 0
+    outputs: Any = None  # per-token tensors for forward(); None for forward_backward
+
+
+@dataclass
+class OptimStepResult:
+    grad_norm: float | None
+    step: int
+    learning_rate: float | None
+
+
+def build_accelerator(gradient_accumulation_steps: int = 1, device: str | None = None,
+                      micro_batch_size: int | None = None, max_grad_norm: float | None = None,
+                      mixed_precision: str | None = None, deepspeed_config: str | None = None):
+    """An Accelerator that works the same on CPU (gloo) and GPU, with or without DeepSpeed.
+
+    * On CPU, torch.distributed needs the gloo backend, or accelerate silently falls back to one
+      process (measured: `num_processes == 1` under a 2-process launch without it).
+    * `deepspeed_config` lets a recipe name its ds_config when `accelerate launch` was not given one.
+    * DeepSpeed's "auto" micro-batch size and clipping are filled from our config, since we do not
+      hand accelerate a dataloader to read them from.
+    """
+    from accelerate import Accelerator, DeepSpeedPlugin
+    from accelerate.utils import InitProcessGroupKwargs
+
+    handlers = []
+    launched = int(os.environ.get("WORLD_SIZE", "1")) > 1
+    if launched and not torch.cuda.is_available():
+        handlers.append(InitProcessGroupKwargs(backend="gloo"))
+    ds_plugin = None
+    env_ds = os.environ.get("ACCELERATE_USE_DEEPSPEED", "false").lower() == "true"
+    if deepspeed_config and not env_ds:
+        ds_plugin = DeepSpeedPlugin(hf_ds_config=deepspeed_config,
+                                    gradient_accumulation_steps=gradient_accumulation_steps)
+    kwargs: dict[str, Any] = dict(
+        kwargs_handlers=handlers,
+        cpu=(device == "cpu"),
+    )
+    if mixed_precision:
+        kwargs["mixed_precision"] = mixed_precision
+    if ds_plugin is not None:
+        kwargs["deepspeed_plugin"] = ds_plugin
+    acc = Accelerator(**kwargs)
+    plugin = acc.state.deepspeed_plugin
+    if plugin is not None:
+        ds = plugin.deepspeed_config
+        if micro_batch_size is not None:
+            ds["train_micro_batch_size_per_gpu"] = micro_batch_size
+            ds["train_batch_size"] = micro_batch_size * gradient_accumulation_steps * acc.num_processes
+        if ds.get("gradient_clipping", "auto") == "auto":
+            ds["gradient_clipping"] = float(max_grad_norm) if max_grad_norm else 0.0
+        ds["gradient_accumulation_steps"] = gradient_accumulation_steps
+    return acc
+
+
+def is_deepspeed(accelerator) -> bool:
+    from accelerate.utils import DistributedType
+
+    return accelerator.distributed_type == DistributedType.DEEPSPEED
+
+
+def zero_stage(accelerator) -> int:
+    if not is_deepspeed(accelerator):
+        return 0
+    return int(accelerator.state.deepspeed_plugin.zero_stage or 0)
+
+
+class ForwardBackwardPipeline:
+    """Ordered, future-returning forward/backward/optimizer requests on one model.
+
+    Args:
+        model: a `torch.nn.Module` whose forward takes `input_ids`/`attention_mask` and returns an
+            object with `.logits` (any HF causal LM), not yet prepared by accelerate.
+        device: "cpu" forces the CPU; None lets accelerate choose.
+        max_workers: accepted for compatibility with the reference; requests always run on one
+            worker so that their order is the submission order.
+        gradient_accumulation_steps: micro-batches per optimizer step.
+        optimizer, scheduler: optional here; required here under DeepSpeed, which builds its
+            engine from model and optimizer together. Elsewhere the optimizer may be passed to the
+            first `optim_step` instead.
+        accelerator: an existing Accelerator (its accumulation steps must match).
+        checkpoint_dir: where `save_state(name)` writes `<checkpoint_dir>/<name>`.
+    """
+
+    def __init__(self, model, device: str | None = None, max_workers: int = 1,
+                 gradient_accumulation_steps: int = 1, *, optimizer=None, scheduler=None,
+                 accelerator=None, checkpoint_dir: str | os.PathLike = "checkpoints",
+                 micro_batch_size: int | None = None, max_grad_norm: float | None = None):
+        if gradient_accumulation_steps < 1:
+            raise ValueError(f"gradient_accumulation_steps must be >= 1, got {gradient_accumulation_steps}")
+        if accelerator is None:
+            accelerator = build_accelerator(gradient_accumulation_steps, device,
+                                            micro_batch_size=micro_batch_size, max_grad_norm=max_grad_norm)
+        elif is_deepspeed(accelerator):
+            ds = accelerator.state.deepspeed_plugin.deepspeed_config
+            ds["gradient_accumulation_steps"] = gradient_accumulation_steps
+            if micro_batch_size is not None:
+                ds["train_micro_batch_size_per_gpu"] = micro_batch_size
+                ds["train_batch_size"] = micro_batch_size * gradient_accumulation_steps * accelerator.num_processes
+        self.accelerator = accelerator
+        self.gradient_accumulation_steps = gradient_accumulation_steps
+        self.checkpoint_dir = Path(checkpoint_dir)
+        self.max_workers = max_workers
+        self.optimizer = None
+        self.scheduler = None
+        if optimizer is not None:
+            self.model, self.optimizer = accelerator.prepare(model, optimizer)
+            # The scheduler stays ours: accelerate's wrapper steps it once per process per call.
+            self.scheduler = scheduler
+        elif is_deepspeed(accelerator):
+            raise ValueError("under DeepSpeed, pass optimizer= (and scheduler=) to ForwardBackwardPipeline: "
+                             "DeepSpeed builds its engine from the model and optimizer together")
+        else:
+            self.model = accelerator.prepare(model)
+        self.step = 0  # optimizer steps taken
+        self.micro_step = 0  # micro-batches since the last optimizer step
+        self.loss_fns: dict[str, Callable] = dict(losses.LOSS_FNS)
+        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="fb-worker")
+
+    # ------------------------------------------------------------------ plumbing
+    @property
+    def device(self) -> torch.device:
+        return self.accelerator.device
+
+    @property
+    def unwrapped_model(self):
+        return self.accelerator.unwrap_model(self.model)
+
+    def submit(self, fn: Callable, *args, **kwargs) -> Future:
+        """Run `fn` on the worker after every request submitted before it."""
+        return self._executor.submit(fn, *args, **kwargs)
+
+    def shutdown(self, wait: bool = True) -> None:
+        self._executor.shutdown(wait=wait)
+
+    def _to_device(self, t):
+        if t is None:
+            return None
+        if not torch.is_tensor(t):
+            t = torch.as_tensor(t)
+        return t.to(self.device)
+
+    def _backward(self, loss: torch.Tensor) -> None:
+        """Accumulate 1/N of this micro-batch's gradient; synchronise only on the N-th.
+
+        We keep our own micro-batch counter instead of `accelerator.accumulate`: accelerate's
+        gradient state is a process-wide singleton, so a second pipeline (a reward model, a
+        critic) with another accumulation count would silently change this one's scaling."""
+        last = self.micro_step + 1 == self.gradient_accumulation_steps
+        acc = self.accelerator
+        if is_deepspeed(acc):
+            engine = self.model  # DeepSpeed scales by 1/N itself and steps at the boundary
+            engine.set_gradient_accumulation_boundary(is_boundary=last)
+            engine.backward(loss)
+            if last:
+                engine.step()
+        else:
+            scaled = loss / self.gradient_accumulation_steps
+            with nullcontext() if last else acc.no_sync(self.model):
+                if acc.scaler is not None:
+                    acc.scaler.scale(scaled).backward()
+                else:
+                    scaled.backward()
+        self.micro_step += 1
+
+    # ------------------------------------------------------------------ requests
+    def forward_backward(self, input_ids, attention_mask=None, labels=None,
+                         loss_fn: str | Callable = "cross_entropy", **loss_kwargs) -> Future:
+        """Forward + loss + backward on one micro-batch; returns Future[ForwardBackwardResult].
+
+        `loss_fn` names a built-in loss (see `rl.losses.LOSS_FNS`) or is a callable
+        `(logits, labels, attention_mask, **loss_kwargs) -> (loss, metrics)`. `labels` follow the
+        HF convention (same length as `input_ids`, -100 = ignored; the shift happens inside).
+        """
+        return self.submit(self._forward_backward, input_ids, attention_mask, labels, loss_fn, loss_kwargs)
+
+    def _forward_backward(self, input_ids, attention_mask, labels, loss_fn, loss_kwargs):
+        fn = self.loss_fns[loss_fn] if isinstance(loss_fn, str) else loss_fn
+        if isinstance(loss_fn, str) and loss_fn not in self.loss_fns:
+            raise KeyError(f"unknown loss_fn {loss_fn!r}; built-in: {', '.join(self.loss_fns)}")
+        self._check_accumulation_room()
+        input_ids = self._to_device(input_ids)
+        attention_mask = self._to_device(attention_mask) if attention_mask is not None else torch.ones_like(input_ids)
+        labels = self._to_device(labels) if labels is not None else input_ids.masked_fill(attention_mask == 0, -100)
+        kwargs = {k: self._to_device(v) if torch.is_tensor(v) else v for k, v in loss_kwargs.items()}
+        self.model.train()
+        outputs = self.model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False)
+        loss, metrics = fn(outputs.logits, labels, attention_mask, **kwargs)
+        self._backward(loss)
+        n = int((labels[:, 1:] != -100).sum())
+        return ForwardBackwardResult(loss=float(loss.detach()), metrics=_floats(metrics), num_tokens=n)
+
+    def forward_backward_custom(self, custom_loss_fn: Callable, input_ids, attention_mask=None,
+                                **kwargs) -> Future:
+        """Backward through `custom_loss_fn(model, inputs, outputs, **kwargs) -> scalar loss`.
+
+        The loss may also be returned as `(loss, metrics)`. The next `optim_step` applies it
+        like any other micro-batch (the reference made it a no-op)."""
+        return self.submit(self._forward_backward_custom, custom_loss_fn, input_ids, attention_mask, kwargs)
+
+    def _forward_backward_custom(self, custom_loss_fn, input_ids, attention_mask, kwargs):
+        self._check_accumulation_room()
+        input_ids = self._to_device(input_ids)
+        attention_mask = self._to_device(attention_mask) if attention_mask is not None else torch.ones_like(input_ids)
+        inputs = {"input_ids": input_ids, "attention_mask": attention_mask}
+        self.model.train()
+        outputs = self.model(**inputs, use_cache=False)
+        out = custom_loss_fn(self.model, inputs, outputs, **kwargs)
+        loss, metrics = out if isinstance(out, tuple) else (out, {})
+        if not torch.is_tensor(loss) or loss.dim() != 0:
+            raise ValueError("custom_loss_fn must return a scalar tensor (or (scalar, metrics))")
+        self._backward(loss)
+        return ForwardBackwardResult(loss=float(loss.detach()), metrics=_floats(metrics),
+                                     num_tokens=int(attention_mask.sum()))
+
+    def _check_accumulation_room(self) -> None:
+        if self.micro_step >= self.gradient_accumulation_steps:
+            raise RuntimeError(
+                f"{self.micro_step} micro-batches were accumulated but gradient_accumulation_steps="
+                f"{self.gradient_accumulation_steps}; call optim_step before the next forward_backward")
+
+    def optim_step(self, optimizer=None, scheduler=None, max_grad_norm: float | None = None) -> Future:
+        """Clip, step the optimizer and scheduler, clear gradients; Future[OptimStepResult].
+
+        Must follow exactly `gradient_accumulation_steps` forward_backward calls: anything else
+        would apply a wrongly scaled gradient, so it is an error rather than a silent fix."""
+        return self.submit(self._optim_step, optimizer, scheduler, max_grad_norm)
+
+    def _optim_step(self, optimizer, scheduler, max_grad_norm):
+        acc = self.accelerator
+        if self.micro_step != self.gradient_accumulation_steps:
+            raise RuntimeError(
+                f"optim_step after {self.micro_step} forward_backward calls, but "
+                f"gradient_accumulation_steps={self.gradient_accumulation_steps}")
+        self._adopt(optimizer, scheduler)
+        if self.optimizer is None:
+            raise ValueError("optim_step needs an optimizer (pass it here or to the pipeline)")
+        grad_norm = None
+        inner = _inner(self.optimizer)
+        if is_deepspeed(acc):
+            # DeepSpeed clipped, stepped and cleared the gradients inside the last backward.
+            grad_norm = self.model.get_global_grad_norm()
+        else:
+            if max_grad_norm is not None and max_grad_norm > 0:
+                grad_norm = acc.clip_grad_norm_(self.model.parameters(), max_grad_norm)  # unscales fp16
+            else:
+                grads = [p.grad.detach().float().norm() for p in self.model.parameters() if p.grad is not None]
+                grad_norm = torch.stack(grads).norm() if grads else 0.0
+            if acc.scaler is not None:
+                acc.scaler.step(inner)
+                acc.scaler.update()
+            else:
+                inner.step()
+            inner.zero_grad(set_to_none=True)
+        if self.scheduler is not None:
+            self.scheduler.step()
+        self.micro_step = 0
+        self.step += 1
+        lr = inner.param_groups[0]["lr"] if inner.param_groups else None
+        return OptimStepResult(grad_norm=None if grad_norm is None else float(grad_norm),
+                               step=self.step, learning_rate=lr)
+
+    def _adopt(self, optimizer, scheduler) -> None:
+        """Prepare an optimizer/scheduler handed to optim_step (allowed outside DeepSpeed)."""
+        if optimizer is not None and self.optimizer is None:
+            self.optimizer = self.accelerator.prepare_optimizer(optimizer)
+        elif optimizer is not None and _inner(optimizer) is not _inner(self.optimizer):
+            raise ValueError("optim_step got a different optimizer from the one already in use")
+        if scheduler is not None and self.scheduler is None:
+            self.scheduler = scheduler
+
+    def forward(self, input_ids, attention_mask=None, labels=None, model=None) -> Future:
+        """No-grad forward; Future[ForwardBackwardResult] whose `outputs` holds per-token log-probs
+        of `labels` (or of the inputs themselves), shape (B, T-1), zero where masked."""
+        return self.submit(self._forward, input_ids, attention_mask, labels, model)
+
+    @torch.no_grad()
+    def _forward(self, input_ids, attention_mask, labels, model=None):
+        model = model or self.model
+        input_ids = self._to_device(input_ids)
+        attention_mask = self._to_device(attention_mask) if attention_mask is not None else torch.ones_like(input_ids)
+        labels = self._to_device(labels) if labels is not None else input_ids.masked_fill(attention_mask == 0, -100)
+        was_training = model.training
+        model.eval()
+        logits = model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).logits
+        model.train(was_training)
+        logp, mask = losses.token_logprobs(logits, labels)
+        nll = -(logp * mask).sum() / mask.sum().clamp(min=1)
+        return ForwardBackwardResult(loss=float(nll), num_tokens=int(mask.sum()), outputs=logp * mask)
+
+    # ------------------------------------------------------------------ checkpoints
+    def save_state(self, name: str, extra_state: dict | None = None) -> Future:
+        """Write `<checkpoint_dir>/<name>` atomically; Future[dict] with the reference's keys
+        `path`, `model_path`, `optimizer_path`, `state_path`. Call it on every process."""
+        return self.submit(self._save_state, name, extra_state or {})
+
+    def _save_state(self, name: str, extra_state: dict) -> dict:
+        acc = self.accelerator
+        final = self.checkpoint_dir / name
+        tmp = self.checkpoint_dir / f".tmp-{name}"
+        if acc.is_main_process:
+            shutil.rmtree(tmp, ignore_errors=True)
+            tmp.mkdir(parents=True)
+        acc.wait_for_everyone()
+        # The full state dict (gathered under ZeRO-3: every rank must take part).
+        state_dict = acc.get_state_dict(self.model)
+        if acc.is_main_process:
+            from safetensors.torch import save_file
+
+            save_file(_dedupe_shared(state_dict), str(tmp / "model.safetensors"))
+        if is_deepspeed(acc):
+            self.model.save_checkpoint(str(tmp / "deepspeed"), tag="state")  # sharded optimizer
+            optimizer_path = tmp / "deepspeed"
+        else:
+            optimizer_path = tmp / "optimizer.pt"
+            if acc.is_main_process and self.optimizer is not None:
+                torch.save(self.optimizer.state_dict(), optimizer_path)
+        if acc.is_main_process and self.scheduler is not None:
+            torch.save(self.scheduler.state_dict(), tmp / "scheduler.pt")
+        torch.save(_torch_rng_state(), tmp / f"rng_{acc.process_index}.pt")
+        if acc.is_main_process:
+            state = {"step": self.step, "micro_step": self.micro_step,
+                     "gradient_accumulation_steps": self.gradient_accumulation_steps,
+                     "num_processes": acc.num_processes, "python_rng": _py_rng_state(),
+                     "numpy_rng": _np_rng_state(), "extra": extra_state}
+            (tmp / "state.json").write_text(json.dumps(state))
+            (tmp / COMPLETE_MARKER).write_text("ok\n")
+        acc.wait_for_everyone()
+        if acc.is_main_process:
+            old = self.checkpoint_dir / f".old-{name}"
+            if final.exists():
+                shutil.rmtree(old, ignore_errors=True)
+                os.replace(final, old)
+            os.replace(tmp, final)
+            shutil.rmtree(old, ignore_errors=True)
+        acc.wait_for_everyone()
+        rel = optimizer_path.name
+        return {"path": str(final), "model_path": str(final / "model.safetensors"),
+                "optimizer_path": str(final / rel), "state_path": str(final / "state.json")}
+
+    def load_state(self, path: str | os.PathLike) -> Future:
+        """Restore what `save_state` wrote; Future[dict] of the `extra_state` saved with it."""
+        return self.submit(self._load_state, Path(path))
+
+    def _load_state(self, path: Path) -> dict:
+        acc = self.accelerator
+        if not (path / COMPLETE_MARKER).exists():
+            raise FileNotFoundError(f"{path} is not a complete checkpoint (no {COMPLETE_MARKER} file)")
+        state = json.loads((path / "state.json").read_text())
+        if is_deepspeed(acc):
+            self.model.load_checkpoint(str(path / "deepspeed"), tag="state", load_module_strict=True,
+                                       load_optimizer_states=True, load_lr_scheduler_states=False)
+        else:
+            from safetensors.torch import load_file
+
+            sd = load_file(str(path / "model.safetensors"), device=str(self.device))
+            _load_state_dict(self.unwrapped_model, sd)
+            opt_path = path / "optimizer.pt"
+            if self.optimizer is not None and opt_path.exists():
+                self.optimizer.load_state_dict(torch.load(opt_path, map_location=self.device, weights_only=True))
+        if self.scheduler is not None and (path / "scheduler.pt").exists():
+            self.scheduler.load_state_dict(torch.load(path / "scheduler.pt", weights_only=True))
+        rng_path = path / f"rng_{acc.process_index}.pt"
+        if rng_path.exists():
+            _set_torch_rng_state(torch.load(rng_path, weights_only=True))
+        _set_py_rng_state(state["python_rng"])
+        _set_np_rng_state(state["numpy_rng"])
+        self.step, self.micro_step = state["step"], state["micro_step"]
+        if self.optimizer is not None:
+            _inner(self.optimizer).zero_grad(set_to_none=True)
+        return state.get("extra", {})
+
+
+# ------------------------------------------------------------------------------------------ helpers
+
+def _floats(metrics: dict) -> dict[str, float]:
+    return {k: float(v.detach()) if torch.is_tensor(v) else float(v) for k, v in (metrics or {}).items()}
+
+
+def _inner(optimizer):
+    return getattr(optimizer, "optimizer", optimizer)
+
+
+def _dedupe_shared(state_dict: dict) -> dict:
+    """safetensors refuses tensors that share memory (tied embeddings); keep one copy of each."""
+    seen: dict[tuple, str] = {}
+    out = {}
+    for k, v in state_dict.items():
+        v = v.detach().cpu().contiguous()
+        key = (v.data_ptr(), v.shape, v.dtype) if v.numel() else None
+        if key is not None and key in seen:
+            continue
+        if key is not None:
+            seen[key] = k
+        out[k] = v
+    return out
+
+
+def _load_state_dict(model: torch.nn.Module, sd: dict) -> None:
+    """Load a (deduplicated) state dict; a missing key is fine only if it is tied to a loaded one."""
+    missing, unexpected = model.load_state_dict(sd, strict=False)
+    if unexpected:
+        raise KeyError(f"checkpoint has parameters the model lacks: {unexpected[:5]}")
+    if missing:
+        params = dict(model.named_parameters(remove_duplicate=False))
+        loaded_ptrs = {params[k].data_ptr() for k in sd if k in params}
+        untied = [k for k in missing if k not in params or params[k].data_ptr() not in loaded_ptrs]
+        if untied:
+            raise KeyError(f"checkpoint lacks parameters of the model: {untied[:5]}")
+
+
+def _torch_rng_state() -> dict:
+    state = {"cpu": torch.get_rng_state()}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.stack([s for s in torch.cuda.get_rng_state_all()])
+    return state
+
+
+def _set_torch_rng_state(state: dict) -> None:
+    torch.set_rng_state(state["cpu"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(list(state["cuda"]))
+
+
+def _py_rng_state():
+    version, internal, gauss = random.getstate()
+    return [version, list(internal), gauss]
+
+
+def _set_py_rng_state(state) -> None:
+    random.setstate((state[0], tuple(state[1]), state[2]))
+
+
+def _np_rng_state():
+    name, keys, pos, has_gauss, cached = np.random.get_state()
+    return [name, keys.tolist(), int(pos), int(has_gauss), float(cached)]
+
+
+def _set_np_rng_state(state) -> None:
+    np.random.set_state((state[0], np.array(state[1], dtype=np.uint32), state[2], state[3], state[4]))

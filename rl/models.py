@@ -1,0 +1,151 @@
+"""Loading models and building optimizers: dtype, LoRA, 4-bit, gradient checkpointing, frozen copies.
+
+Every trainer loads through here so that `tiny:<family>` names, `trust_remote_code` (off unless the
+user asks), attention kernels and LoRA targets behave the same everywhere.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from rl.tiny import resolve_model_path
+
+
+def resolve_dtype(name: str | None) -> torch.dtype:
+    """'auto' -> bfloat16 on a CUDA GPU that supports it, else float32 (CPU bf16 is slow here)."""
+    if name in (None, "auto"):
+        if torch.cuda.is_available() and torch.cuda.is_bf16_supported():
+            return torch.bfloat16
+        return torch.float32
+    return {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16,
+            "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16}[name]
+
+
+def load_tokenizer(name: str, trust_remote_code: bool = False, padding_side: str = "right"):
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(resolve_model_path(name), trust_remote_code=trust_remote_code)
+    if tok.pad_token is None:
+        # Many causal LMs ship without a pad token; reuse EOS (masked out everywhere we pad).
+        tok.pad_token = tok.eos_token
+    tok.padding_side = padding_side
+    return tok
+
+
+def load_causal_lm(name: str, dtype: str | torch.dtype | None = "auto", trust_remote_code: bool = False,
+                   attn_implementation: str | None = None, gradient_checkpointing: bool = False,
+                   quantization: str | None = None, task: str = "causal-lm", num_labels: int = 1):
+    """Load a causal LM (or, with task='classifier', a sequence classifier) by id, path or tiny:name.
+
+    `quantization` = '4bit' | '8bit' loads the weights through bitsandbytes (QLoRA)."""
+    from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
+
+    # A causal-LM checkpoint loads as a classifier too (new score head): how reward models start.
+    path = resolve_model_path(name)
+    torch_dtype = dtype if isinstance(dtype, torch.dtype) else resolve_dtype(dtype)
+    kwargs = dict(dtype=torch_dtype, trust_remote_code=trust_remote_code)
+    if attn_implementation:
+        kwargs["attn_implementation"] = attn_implementation
+    if quantization in ("4bit", "8bit"):
+        from transformers import BitsAndBytesConfig
+
+        kwargs["quantization_config"] = (
+            BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4",
+                               bnb_4bit_compute_dtype=torch_dtype, bnb_4bit_use_double_quant=True)
+            if quantization == "4bit" else BitsAndBytesConfig(load_in_8bit=True))
+    if task == "classifier":
+        model = AutoModelForSequenceClassification.from_pretrained(path, num_labels=num_labels, **kwargs)
+        if model.config.pad_token_id is None:
+            model.config.pad_token_id = model.config.eos_token_id
+    else:
+        model = AutoModelForCausalLM.from_pretrained(path, **kwargs)
+    if gradient_checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        model.config.use_cache = False
+    return model
+
+
+def apply_lora(model, rank: int = 16, alpha: int = 32, dropout: float = 0.05,
+               target_modules: str | list[str] = "all-linear", task_type: str = "CAUSAL_LM",
+               modules_to_save: list[str] | None = None):
+    """Wrap `model` with LoRA adapters. 'all-linear' adapts every linear layer but the output head,
+    so GPT-2 (Conv1D c_attn), Llama, Qwen2 and Gemma all work without naming their modules."""
+    from peft import LoraConfig, get_peft_model, prepare_model_for_kbit_training
+
+    if getattr(model, "is_loaded_in_4bit", False) or getattr(model, "is_loaded_in_8bit", False):
+        model = prepare_model_for_kbit_training(model, use_gradient_checkpointing=False)
+    if isinstance(target_modules, str) and target_modules != "all-linear":
+        target_modules = [m.strip() for m in target_modules.split(",") if m.strip()]
+    cfg = LoraConfig(r=rank, lora_alpha=alpha, lora_dropout=dropout, target_modules=target_modules,
+                     task_type=task_type, modules_to_save=modules_to_save)
+    return get_peft_model(model, cfg)
+
+
+def freeze(model):
+    """A frozen copy for reference/reward use: eval mode, no gradients."""
+    model.eval()
+    for p in model.parameters():
+        p.requires_grad_(False)
+    return model
+
+
+def trainable_fraction(model) -> tuple[int, int]:
+    """(trainable parameters, all parameters)."""
+    total = sum(p.numel() for p in model.parameters())
+    train = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    return train, total
+
+
+def build_optimizer(model, learning_rate: float, weight_decay: float = 0.0):
+    """AdamW over trainable parameters; no decay on biases and norms (the usual transformer recipe)."""
+    decay, no_decay = [], []
+    for name, p in model.named_parameters():
+        if not p.requires_grad:
+            continue
+        (no_decay if p.ndim < 2 or "norm" in name.lower() else decay).append(p)
+    groups = [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+    groups = [g for g in groups if g["params"]]
+    return torch.optim.AdamW(groups, lr=learning_rate)
+
+
+def build_scheduler(optimizer, kind: str, total_steps: int, warmup_ratio: float = 0.0,
+                    warmup_steps: int | None = None):
+    """Linear warmup then constant / linear decay / cosine decay to zero over `total_steps`."""
+    warmup = warmup_steps if warmup_steps is not None else int(round(warmup_ratio * total_steps))
+    total = max(total_steps, 1)
+
+    def factor(step: int) -> float:
+        if warmup and step < warmup:
+            return (step + 1) / warmup
+        if kind == "constant":
+            return 1.0
+        progress = min(1.0, (step - warmup) / max(1, total - warmup))
+        if kind == "cosine":
+            return 0.5 * (1.0 + math.cos(math.pi * progress))
+        return max(0.0, 1.0 - progress)
+
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
+
+
+def save_pretrained(model, tokenizer, out_dir: str, accelerator=None) -> None:
+    """Save an HF-format model directory (safetensors) that `from_pretrained` loads.
+
+    Under ZeRO-3 every process must call this (the weights are gathered); only the main one writes.
+    LoRA models are merged into their base first so the output loads without peft."""
+    if accelerator is not None:
+        state_dict = accelerator.get_state_dict(model)
+        if not accelerator.is_main_process:
+            return
+        model = accelerator.unwrap_model(model)
+    else:
+        state_dict = None
+    if hasattr(model, "merge_and_unload"):
+        if state_dict is not None:
+            model.load_state_dict(state_dict)  # unsharded copy on the main process
+        model = model.merge_and_unload()
+        state_dict = None
+    model.save_pretrained(out_dir, state_dict=state_dict, safe_serialization=True)
+    if tokenizer is not None:
+        tokenizer.save_pretrained(out_dir)
