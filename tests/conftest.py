@@ -1,0 +1,64 @@
+"""Shared fixtures: tiny offline models built once per test session, quiet logs, deterministic seeds."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+# Set before anything imports transformers/wandb: no network, no telemetry, no login prompts.
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
+os.environ.setdefault("WANDB_MODE", "offline")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+
+
+@pytest.fixture(scope="session", autouse=True)
+def tiny_cache(tmp_path_factory):
+    """`tiny:<family>` model names resolve into this session's temporary directory."""
+    path = tmp_path_factory.mktemp("tiny-cache")
+    os.environ["RL_TINY_CACHE"] = str(path)
+    return path
+
+
+@pytest.fixture(scope="session")
+def tiny_llama(tiny_cache):
+    from rl.tiny import write_tiny_model
+
+    return str(write_tiny_model(tiny_cache / "llama", family="llama"))
+
+
+@pytest.fixture(scope="session")
+def tiny_tokenizer(tiny_llama):
+    from rl.models import load_tokenizer
+
+    return load_tokenizer(tiny_llama)
+
+
+def run_cmd(args: list[str], timeout: int = 600, env: dict | None = None, cwd: Path = ROOT):
+    """Run a command from the repository root; on failure the assertion shows its output tail."""
+    full_env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", **(env or {})}
+    proc = subprocess.run(args, cwd=cwd, env=full_env, capture_output=True, text=True, timeout=timeout)
+    if proc.returncode != 0:
+        tail = (proc.stdout + proc.stderr)[-4000:]
+        raise AssertionError(f"command failed ({proc.returncode}): {' '.join(map(str, args))}\n{tail}")
+    return proc
+
+
+def accelerate_cmd(script: str, *script_args: str, num_processes: int = 2, zero3: bool = False,
+                   ds_config: str = "ds_configs/zero3.json") -> list[str]:
+    """`accelerate launch` with 2 CPU processes: DDP (gloo) or DeepSpeed ZeRO-3."""
+    base = [sys.executable, "-m", "accelerate.commands.launch", "--num_processes", str(num_processes),
+            "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no"]
+    if zero3:
+        base += ["--use_deepspeed", "--deepspeed_config_file", ds_config]
+    else:
+        base += ["--multi_gpu", "--cpu"]
+    return base + [script, *script_args]
