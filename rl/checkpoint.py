@@ -1,0 +1,77 @@
+"""Finding checkpoints to resume from, and stopping cleanly on SIGUSR1/SIGTERM (Slurm preemption).
+
+Checkpoints are directories `<output_dir>/checkpoints/checkpoint-<step>` written atomically by
+`ForwardBackwardPipeline.save_state` (a `COMPLETE` marker is the last file written before the rename),
+so a directory without the marker is an interrupted write and is never resumed from.
+"""
+
+from __future__ import annotations
+
+import re
+import signal
+from pathlib import Path
+
+from rl.forward_backward import COMPLETE_MARKER
+
+_STEP = re.compile(r"^checkpoint-(\d+)$")
+
+
+def checkpoint_dir(output_dir: str | Path) -> Path:
+    return Path(output_dir) / "checkpoints"
+
+
+def checkpoint_name(step: int) -> str:
+    return f"checkpoint-{step}"
+
+
+def latest_checkpoint(output_dir: str | Path) -> Path | None:
+    """The complete checkpoint with the highest step under `<output_dir>/checkpoints`, or None."""
+    root = checkpoint_dir(output_dir)
+    if not root.is_dir():
+        return None
+    found = []
+    for d in root.iterdir():
+        m = _STEP.match(d.name)
+        if m and d.is_dir() and (d / COMPLETE_MARKER).exists():
+            found.append((int(m.group(1)), d))
+    return max(found)[1] if found else None
+
+
+def resolve_resume(resume: str | None, output_dir: str | Path) -> Path | None:
+    """`resume: auto` -> newest complete checkpoint (None if there is none yet); a path -> that path."""
+    if not resume:
+        return None
+    if resume == "auto":
+        return latest_checkpoint(output_dir)
+    path = Path(resume)
+    if not (path / COMPLETE_MARKER).exists():
+        raise FileNotFoundError(f"resume={resume}: not a complete checkpoint directory")
+    return path
+
+
+class StopSignal:
+    """Turns SIGUSR1/SIGTERM into a flag the training loop checks after each optimizer step.
+
+    Slurm sends SIGUSR1 (with `--signal=USR1@<secs>`) before the time limit and SIGTERM on
+    preemption; the trainer then finishes its step, writes a checkpoint and exits so the job
+    can be requeued and continue with `resume: auto`."""
+
+    def __init__(self, signals=(signal.SIGUSR1, signal.SIGTERM)):
+        self.received: int | None = None
+        self._previous = {}
+        for s in signals:
+            try:
+                self._previous[s] = signal.signal(s, self._handle)
+            except ValueError:  # not in the main thread: no handler, no flag
+                pass
+
+    def _handle(self, signum, frame):  # noqa: ARG002
+        self.received = signum
+
+    @property
+    def stop(self) -> bool:
+        return self.received is not None
+
+    def restore(self) -> None:
+        for s, h in self._previous.items():
+            signal.signal(s, h)

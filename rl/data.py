@@ -1,0 +1,172 @@
+"""Loading and validating training data: JSONL/JSON/CSV/Parquet files and saved `datasets` dirs.
+
+Every problem is reported before training starts, as a `DataError` whose message names the file, the
+line (for JSONL/JSON/CSV) and the column, and says how to fix it. Records keep their source line in
+`_line` so that later checks (an empty answer, chosen == rejected) can name it too.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Iterable
+
+logger = logging.getLogger(__name__)
+
+SUFFIXES = (".jsonl", ".json", ".csv", ".parquet")
+
+
+class DataError(ValueError):
+    """A problem with the user's data; the message is one line naming file, line and column."""
+
+
+def _read_jsonl(path: Path) -> list[dict]:
+    rows = []
+    with path.open(encoding="utf-8") as f:
+        for lineno, line in enumerate(f, start=1):
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise DataError(f"{path}:{lineno}: malformed JSON ({e.msg} at column {e.colno})") from None
+            if not isinstance(row, dict):
+                raise DataError(f"{path}:{lineno}: each line must be a JSON object, got {type(row).__name__}")
+            row["_line"] = lineno
+            rows.append(row)
+    return rows
+
+
+def _read_json(path: Path) -> list[dict]:
+    text = path.read_text(encoding="utf-8")
+    try:
+        data = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise DataError(f"{path}:{e.lineno}: malformed JSON ({e.msg} at column {e.colno})") from None
+    if isinstance(data, dict) and isinstance(data.get("data"), list):
+        data = data["data"]
+    if not isinstance(data, list) or not all(isinstance(r, dict) for r in data):
+        raise DataError(f"{path}: expected a JSON list of objects (or {{\"data\": [...]}})")
+    # A JSON array has no per-record line; use the 1-based record index and say so.
+    return [{**r, "_line": f"record {i}"} for i, r in enumerate(data, start=1)]
+
+
+def _read_with_datasets(path: Path) -> list[dict]:
+    import datasets
+
+    if path.is_dir():
+        try:
+            ds = datasets.load_from_disk(str(path))
+        except Exception as e:  # noqa: BLE001 - datasets raises several types here
+            raise DataError(f"{path}: not a saved datasets directory ({e})") from None
+        if isinstance(ds, datasets.DatasetDict):
+            if "train" not in ds:
+                raise DataError(f"{path}: a DatasetDict without a 'train' split (splits: {', '.join(ds)})")
+            ds = ds["train"]
+        return [{**r, "_line": f"row {i}"} for i, r in enumerate(ds, start=1)]
+    kind = path.suffix.lstrip(".")
+    try:
+        ds = datasets.load_dataset(kind, data_files=str(path), split="train")
+    except Exception as e:  # noqa: BLE001
+        raise DataError(f"{path}: could not read as {kind} ({e})") from None
+    first = 2 if kind == "csv" else 1  # CSV line 1 is the header
+    label = "" if kind == "csv" else "row "
+    return [{**r, "_line": f"{label}{i}" if label else i} for i, r in enumerate(ds, start=first)]
+
+
+def read_records(path: str | Path) -> list[dict]:
+    """All rows of a data file as dicts (with `_line`), without column checks."""
+    p = Path(path)
+    if not p.exists():
+        raise DataError(f"data file not found: {path} (set data.path to a .jsonl/.json/.csv/.parquet file)")
+    if p.is_dir():
+        return _read_with_datasets(p)
+    suffix = p.suffix.lower()
+    if suffix == ".jsonl":
+        return _read_jsonl(p)
+    if suffix == ".json":
+        return _read_json(p)
+    if suffix in (".csv", ".parquet"):
+        return _read_with_datasets(p)
+    raise DataError(f"{path}: unsupported file type '{suffix}' (use one of {', '.join(SUFFIXES)} "
+                    f"or a directory written by datasets' save_to_disk)")
+
+
+def load_records(path: str | Path, columns: Iterable[str], *, optional: Iterable[str] = (),
+                 chat_columns: Iterable[str] = (), max_examples: int | None = None) -> list[dict]:
+    """Rows of `path` restricted to `columns` (required) and `optional` ones, validated.
+
+    Required columns must exist in the data and hold non-empty strings; a column listed in
+    `chat_columns` may instead hold a list of {"role", "content"} messages."""
+    columns, optional, chat = list(columns), list(optional), set(chat_columns)
+    rows = read_records(path)
+    if not rows:
+        raise DataError(f"{path}: no examples (the file is empty)")
+    present = sorted({k for r in rows[:1000] for k in r if k != "_line"})
+    for col in columns:
+        if col not in present:
+            raise DataError(f"{path}: missing column '{col}' (columns present: {', '.join(present) or 'none'}); "
+                            f"rename it in the data or set the matching data.*_column key")
+    out = []
+    for row in rows[:max_examples] if max_examples else rows:
+        where = f"{path}:{row['_line']}" if isinstance(row["_line"], int) else f"{path} ({row['_line']})"
+        rec = {"_line": row["_line"]}
+        for col in columns + [c for c in optional if c in row]:
+            value = row.get(col)
+            if col in chat and isinstance(value, list):
+                _check_messages(value, where, col)
+            elif not isinstance(value, str):
+                got = "missing" if value is None else type(value).__name__
+                raise DataError(f"{where}: column '{col}' must be a string, got {got}")
+            elif col in columns and not value.strip():
+                raise DataError(f"{where}: column '{col}' is empty")
+            rec[col] = value
+        out.append(rec)
+    return out
+
+
+def _check_messages(messages: list, where: str, col: str) -> None:
+    for i, m in enumerate(messages):
+        if not isinstance(m, dict) or not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str):
+            raise DataError(f"{where}: column '{col}' message {i} must be {{\"role\": str, \"content\": str}}")
+
+
+def render_chat(tokenizer, messages: list[dict], add_generation_prompt: bool = False) -> str:
+    """Messages -> text with the tokenizer's own chat template (error if it has none)."""
+    if not getattr(tokenizer, "chat_template", None):
+        raise DataError("chat-format data needs a tokenizer with a chat template; this model's tokenizer "
+                        "has none (use plain text columns or a chat model)")
+    return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)
+
+
+@dataclass
+class LengthReport:
+    """Counts examples that did not fit `max_length` (truncated, or rejected when strict)."""
+
+    max_length: int
+    strict: bool = False
+    seen: int = 0
+    truncated: int = 0
+
+    def fit(self, ids: list[int], where: str = "") -> list[int]:
+        self.seen += 1
+        if len(ids) <= self.max_length:
+            return ids
+        if self.strict:
+            raise DataError(f"{where}: example has {len(ids)} tokens > max_length={self.max_length} "
+                            f"(raise max_length or set data.strict=false to truncate)")
+        self.truncated += 1
+        return ids[: self.max_length]
+
+    def log(self, what: str = "examples") -> None:
+        if self.truncated:
+            logger.warning("%d of %d %s were longer than max_length=%d and were truncated",
+                           self.truncated, self.seen, what, self.max_length)
+
+
+def where(path: Any, row: dict) -> str:
+    """'file:line' for messages about one record."""
+    line = row.get("_line")
+    return f"{path}:{line}" if isinstance(line, int) else f"{path} ({line})"

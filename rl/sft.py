@@ -1,0 +1,283 @@
+"""Supervised fine-tuning (SFT): next-token cross-entropy, optionally on the completion only.
+
+Objective: minimise -sum_t log p(x_t | x_<t) over the answer tokens (completion-only) or all tokens,
+normalised by the number of counted tokens in the whole optimizer step (all micro-batches, all
+processes). That normalisation is what makes N micro-batches, or N processes, give exactly the
+gradient of one big batch; a per-micro-batch mean would weight short examples more.
+
+Data: `text` rows, `prompt`/`completion` rows, or chat `messages` rows (rendered with the
+tokenizer's chat template; the last assistant message is the completion).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import math
+import time
+from functools import partial
+from pathlib import Path
+
+import torch
+
+from rl import losses
+from rl.checkpoint import StopSignal, checkpoint_dir, checkpoint_name, resolve_resume
+from rl.config import ConfigError, TrainConfig, opt, save_config, to_dict
+from rl.data import LengthReport, load_records, render_chat, where
+from rl.forward_backward import ForwardBackwardPipeline, build_accelerator, zero_stage
+from rl.models import (apply_lora, build_optimizer, build_scheduler, load_causal_lm, load_tokenizer,
+                       resolve_dtype, save_pretrained, trainable_fraction)
+from rl.tracking import Tracker
+
+logger = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass
+class SFTConfig(TrainConfig):
+    completion_only_loss: bool = opt(True, "count only completion tokens in the loss (needs prompt/"
+                                     "completion or messages data); false trains on the whole text")
+    add_eos: bool = opt(True, "append the EOS token to every example so the model learns to stop")
+
+    ALIASES = {"lr": "learning_rate", "epochs": "num_epochs", "model": "model_name",
+               "project_name": "output_dir"}
+
+
+# ------------------------------------------------------------------------------------------- data
+
+def tokenize_examples(records: list[dict], tokenizer, cfg: SFTConfig, source: str = "data") -> list[dict]:
+    """Records -> [{"input_ids": [...], "labels": [...]}]; labels are -100 on prompt tokens when
+    completion_only_loss is set. Examples longer than max_length are truncated (or rejected)."""
+    d = cfg.data
+    report = LengthReport(cfg.max_length, d.strict)
+    eos = [tokenizer.eos_token_id] if cfg.add_eos and tokenizer.eos_token_id is not None else []
+    bos = [tokenizer.bos_token_id] if getattr(tokenizer, "bos_token_id", None) is not None else []
+    out = []
+    for row in records:
+        if d.messages_column in row and isinstance(row[d.messages_column], list):
+            msgs = row[d.messages_column]
+            if not msgs or msgs[-1]["role"] != "assistant":
+                raise ConfigError(f"{where(source, row)}: the last message must be the assistant's answer")
+            prompt = render_chat(tokenizer, msgs[:-1], add_generation_prompt=True)
+            completion = msgs[-1]["content"]
+        elif d.prompt_column in row and d.completion_column in row:
+            prompt, completion = row[d.prompt_column], row[d.completion_column]
+        else:
+            prompt, completion = "", row[d.text_column]
+        p_ids = bos + tokenizer(prompt, add_special_tokens=False)["input_ids"] if prompt else list(bos)
+        c_ids = tokenizer(completion, add_special_tokens=False)["input_ids"] + eos
+        ids = report.fit(p_ids + c_ids, where(source, row))
+        n_prompt = min(len(p_ids), len(ids))
+        masked = cfg.completion_only_loss and bool(prompt)
+        labels = [-100] * n_prompt + ids[n_prompt:] if masked else list(ids)
+        if masked and all(x == -100 for x in labels):
+            raise ConfigError(f"{where(source, row)}: nothing of the completion fits max_length="
+                              f"{cfg.max_length}; raise max_length")
+        out.append({"input_ids": ids, "labels": labels})
+    report.log("SFT examples")
+    return out
+
+
+def load_sft_records(path, cfg: SFTConfig) -> list[dict]:
+    """Pick the data format from the columns present: messages, prompt/completion or text."""
+    from rl.data import read_records
+
+    d = cfg.data
+    first = read_records(path)[:1]
+    cols = set(first[0]) if first else set()
+    if d.messages_column in cols:
+        spec = dict(columns=[d.messages_column], chat_columns=[d.messages_column])
+    elif d.prompt_column in cols and d.completion_column in cols:
+        spec = dict(columns=[d.prompt_column, d.completion_column])
+    else:
+        spec = dict(columns=[d.text_column])
+    return load_records(path, max_examples=d.max_examples, **spec)
+
+
+def collate(examples: list[dict], pad_id: int) -> dict[str, torch.Tensor]:
+    """Right-pad a micro-batch to its own longest example (no padding to max_length)."""
+    width = max(len(e["input_ids"]) for e in examples)
+    ids = torch.full((len(examples), width), pad_id, dtype=torch.long)
+    labels = torch.full((len(examples), width), -100, dtype=torch.long)
+    mask = torch.zeros((len(examples), width), dtype=torch.long)
+    for i, e in enumerate(examples):
+        n = len(e["input_ids"])
+        ids[i, :n] = torch.tensor(e["input_ids"])
+        labels[i, :n] = torch.tensor(e["labels"])
+        mask[i, :n] = 1
+    return {"input_ids": ids, "attention_mask": mask, "labels": labels}
+
+
+def counted_tokens(examples: list[dict]) -> int:
+    """Tokens that carry loss (labels after the shift: position 0 never does)."""
+    return sum(sum(1 for x in e["labels"][1:] if x != -100) for e in examples)
+
+
+def sum_normalised_nll(logits, labels, attention_mask, scale: float):
+    """Summed NLL times `scale` (= world * accumulation / tokens in the optimizer step), so that the
+    engine's 1/accumulation and DDP's 1/world leave exactly sum / tokens."""
+    logp, mask = losses.token_logprobs(logits, labels)
+    nll_sum = -(logp * mask).sum()
+    n = mask.sum().clamp(min=1)
+    return nll_sum * scale, {"nll": nll_sum.detach() / n}
+
+
+# ------------------------------------------------------------------------------------------ trainer
+
+class SFTTrainer:
+    """Owns the accelerator, model, pipeline and tracker of one SFT run."""
+
+    def __init__(self, cfg: SFTConfig, model=None, tokenizer=None):
+        self.cfg = cfg
+        torch.manual_seed(cfg.seed)
+        train_dtype = resolve_dtype(cfg.dtype)
+        self.accelerator = build_accelerator(
+            cfg.gradient_accumulation_steps, micro_batch_size=cfg.batch_size, max_grad_norm=cfg.max_grad_norm,
+            mixed_precision="bf16" if train_dtype == torch.bfloat16 else "no", deepspeed_config=cfg.deepspeed)
+        self.tokenizer = tokenizer or load_tokenizer(cfg.model_name, cfg.trust_remote_code)
+        if model is None:
+            # Trainable weights stay fp32 (master copy); bf16 comes from autocast / DeepSpeed.
+            model = load_causal_lm(cfg.model_name, dtype=torch.float32, trust_remote_code=cfg.trust_remote_code,
+                                   attn_implementation=cfg.attn_implementation,
+                                   gradient_checkpointing=cfg.gradient_checkpointing)
+        if cfg.lora.enabled:
+            model = apply_lora(model, cfg.lora.rank, cfg.lora.alpha, cfg.lora.dropout, cfg.lora.target_modules)
+        self.trainable, self.total_params = trainable_fraction(model)
+        self._model = model
+
+    @property
+    def world(self) -> int:
+        return self.accelerator.num_processes
+
+    def plan(self, n_examples: int) -> dict:
+        """Derived sizes, computed once: global batch, steps per epoch, total optimizer steps."""
+        cfg = self.cfg
+        global_batch = cfg.batch_size * cfg.gradient_accumulation_steps * self.world
+        steps_per_epoch = n_examples // global_batch
+        if steps_per_epoch == 0:
+            raise ConfigError(f"{n_examples} training examples are fewer than one global batch "
+                              f"(batch_size {cfg.batch_size} x gradient_accumulation_steps "
+                              f"{cfg.gradient_accumulation_steps} x {self.world} processes = {global_batch})")
+        total = cfg.max_steps or steps_per_epoch * cfg.num_epochs
+        return {"global_batch": global_batch, "steps_per_epoch": steps_per_epoch, "total_steps": total,
+                "dropped_per_epoch": n_examples - steps_per_epoch * global_batch}
+
+    def train(self, train_examples: list[dict], eval_examples: list[dict] | None = None) -> list[dict]:
+        cfg, acc = self.cfg, self.accelerator
+        plan = self.plan(len(train_examples))
+        out = Path(cfg.output_dir)
+        optimizer = build_optimizer(self._model, cfg.learning_rate, cfg.weight_decay)
+        scheduler = build_scheduler(optimizer, cfg.lr_scheduler, plan["total_steps"], cfg.warmup_ratio)
+        pipe = ForwardBackwardPipeline(self._model, gradient_accumulation_steps=cfg.gradient_accumulation_steps,
+                                       optimizer=optimizer, scheduler=scheduler, accelerator=acc,
+                                       checkpoint_dir=checkpoint_dir(out), micro_batch_size=cfg.batch_size)
+        self.pipeline = pipe
+        if acc.is_main_process:
+            save_config(cfg, out)
+        tracker = Tracker(out, cfg.report_to, cfg.run_name, to_dict(cfg), plan["total_steps"],
+                          acc.is_main_process, desc="sft")
+        tracker.write(f"sft: {len(train_examples)} examples, {plan['total_steps']} steps, global batch "
+                      f"{plan['global_batch']} ({self.world} processes, ZeRO stage {zero_stage(acc)}), "
+                      f"trainable {self.trainable:,}/{self.total_params:,} parameters")
+        epoch, batch_index = 0, 0
+        resume_from = resolve_resume(cfg.resume, out)
+        if resume_from is not None:
+            extra = pipe.load_state(resume_from).result()
+            epoch, batch_index = extra["epoch"], extra["batch_index"]
+            tracker.write(f"resumed from {resume_from} at step {pipe.step}")
+        stopper = StopSignal()
+        pad = self.tokenizer.pad_token_id
+        history = []
+        try:
+            while pipe.step < plan["total_steps"]:
+                order = torch.randperm(len(train_examples), generator=torch.Generator().manual_seed(cfg.seed + epoch))
+                while batch_index < plan["steps_per_epoch"] and pipe.step < plan["total_steps"]:
+                    t0 = time.time()
+                    g = plan["global_batch"]
+                    batch = [train_examples[i] for i in order[batch_index * g:(batch_index + 1) * g].tolist()]
+                    scale = self.world * cfg.gradient_accumulation_steps / max(1, counted_tokens(batch))
+                    mine = batch[acc.process_index::self.world]
+                    nll_sum, n_tok = 0.0, 0
+                    for micro in _split(mine, cfg.gradient_accumulation_steps):
+                        b = collate(micro, pad)
+                        r = pipe.forward_backward(b["input_ids"], b["attention_mask"], b["labels"],
+                                                  loss_fn=partial(sum_normalised_nll, scale=scale)).result()
+                        nll_sum += r.metrics["nll"] * r.num_tokens
+                        n_tok += r.num_tokens
+                    o = pipe.optim_step(max_grad_norm=cfg.max_grad_norm).result()
+                    batch_index += 1
+                    totals = acc.reduce(torch.tensor([nll_sum, n_tok], device=acc.device, dtype=torch.float64), "sum")
+                    row = {"loss": float(totals[0] / totals[1].clamp(min=1)), "grad_norm": o.grad_norm,
+                           "lr": o.learning_rate, "epoch": epoch + batch_index / plan["steps_per_epoch"],
+                           "num_tokens": int(totals[1]), "step_time": time.time() - t0}
+                    if eval_examples and cfg.eval_every and pipe.step % cfg.eval_every == 0:
+                        row.update(self.evaluate(eval_examples))
+                    history.append({"step": pipe.step, **row})
+                    if pipe.step % cfg.log_every == 0 or pipe.step == plan["total_steps"]:
+                        tracker.log(pipe.step, row, advance=cfg.log_every if pipe.step % cfg.log_every == 0 else 1)
+                    stop = _any_process(acc, stopper.stop)
+                    if (cfg.save_every and pipe.step % cfg.save_every == 0) or stop:
+                        pipe.save_state(checkpoint_name(pipe.step),
+                                        {"epoch": epoch, "batch_index": batch_index}).result()
+                    if stop:
+                        tracker.write(f"stopping on signal {stopper.received} after step {pipe.step}; "
+                                      f"checkpoint written, resume with resume=auto")
+                        self.stopped_early = True
+                        return history
+                epoch, batch_index = epoch + 1, 0
+            if eval_examples:
+                final_eval = self.evaluate(eval_examples)
+                history[-1].update(final_eval)
+                tracker.log(pipe.step, final_eval, advance=0)
+            self.stopped_early = False
+            return history
+        finally:
+            stopper.restore()
+            tracker.close()
+
+    @torch.no_grad()
+    def evaluate(self, examples: list[dict]) -> dict:
+        """Token-mean loss on `examples`. Every process evaluates all of them (ZeRO-3 needs every
+        rank in every forward; eval sets are small)."""
+        pipe, pad = self.pipeline, self.tokenizer.pad_token_id
+        nll, n = 0.0, 0
+        for i in range(0, len(examples), self.cfg.batch_size):
+            b = collate(examples[i:i + self.cfg.batch_size], pad)
+            r = pipe.forward(b["input_ids"], b["attention_mask"], b["labels"]).result()
+            nll += r.loss * r.num_tokens
+            n += r.num_tokens
+        return {"eval/loss": nll / max(n, 1)}
+
+    def save(self, out_dir: str | None = None) -> str:
+        """Write the final model (HF format, LoRA merged) and tokenizer; all processes must call it."""
+        out = out_dir or self.cfg.output_dir
+        save_pretrained(self.pipeline.model, self.tokenizer, out, self.accelerator)
+        self.accelerator.wait_for_everyone()
+        return out
+
+
+def _split(items: list, n: int) -> list[list]:
+    """n nearly equal consecutive chunks (none empty as long as len(items) >= n)."""
+    k, r = divmod(len(items), n)
+    chunks, start = [], 0
+    for i in range(n):
+        end = start + k + (1 if i < r else 0)
+        chunks.append(items[start:end])
+        start = end
+    return chunks
+
+
+def _any_process(acc, flag: bool) -> bool:
+    """True on every process if any process got the stop signal (they must stop at the same step)."""
+    if acc.num_processes == 1:
+        return flag
+    t = torch.tensor([1.0 if flag else 0.0], device=acc.device)
+    return bool(acc.reduce(t, "max").item() > 0)
+
+
+def split_eval(records: list, fraction: float, seed: int) -> tuple[list, list]:
+    """Hold out `fraction` of the records (at least one when fraction > 0) with a seeded shuffle."""
+    if fraction <= 0:
+        return records, []
+    n_eval = max(1, int(math.floor(len(records) * fraction)))
+    order = torch.randperm(len(records), generator=torch.Generator().manual_seed(seed)).tolist()
+    return [records[i] for i in order[n_eval:]], [records[i] for i in order[:n_eval]]
