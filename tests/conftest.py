@@ -55,10 +55,11 @@ def run_cmd(args: list[str], timeout: int = 600, env: dict | None = None, cwd: P
 def accelerate_cmd(script: str, *script_args: str, num_processes: int = 2, zero3: bool = False,
                    ds_config: str = "ds_configs/zero3.json") -> list[str]:
     """`accelerate launch` with 2 CPU processes: DDP (gloo) or DeepSpeed ZeRO-3."""
-    base = [sys.executable, "-m", "accelerate.commands.launch", "--num_processes", str(num_processes),
-            "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no"]
+    launch = [sys.executable, "-m", "accelerate.commands.launch", "--num_processes", str(num_processes),
+              "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no"]
     if zero3:
-        base += ["--use_deepspeed", "--deepspeed_config_file", ds_config]
+        base = launch + ["--use_deepspeed", "--deepspeed_config_file", ds_config]
     else:
-        base += ["--multi_gpu", "--cpu"]
+        # Measured: this env var plus --multi_gpu gives MULTI_CPU with gloo (--cpu conflicts with it).
+        base = ["env", "ACCELERATE_USE_CPU=true"] + launch + ["--multi_gpu"]
     return base + [script, *script_args]
