@@ -93,8 +93,11 @@ def freeze(model):
 
 def trainable_fraction(model) -> tuple[int, int]:
     """(trainable parameters, all parameters)."""
-    total = sum(p.numel() for p in model.parameters())
-    train = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    def numel(p):  # ZeRO-3 partitions parameters at load time; ds_numel is the full size
+        return getattr(p, "ds_numel", None) or p.numel()
+
+    total = sum(numel(p) for p in model.parameters())
+    train = sum(numel(p) for p in model.parameters() if p.requires_grad)
     return train, total
 
 

@@ -213,7 +213,7 @@ class SFTTrainer:
                         row.update(self.evaluate(eval_examples))
                     history.append({"step": pipe.step, **row})
                     if pipe.step % cfg.log_every == 0 or pipe.step == plan["total_steps"]:
-                        tracker.log(pipe.step, row, advance=cfg.log_every if pipe.step % cfg.log_every == 0 else 1)
+                        tracker.log(pipe.step, row)
                     stop = _any_process(acc, stopper.stop)
                     if (cfg.save_every and pipe.step % cfg.save_every == 0) or stop:
                         pipe.save_state(checkpoint_name(pipe.step),
@@ -227,7 +227,7 @@ class SFTTrainer:
             if eval_examples:
                 final_eval = self.evaluate(eval_examples)
                 history[-1].update(final_eval)
-                tracker.log(pipe.step, final_eval, advance=0)
+                tracker.log(pipe.step, final_eval)
             self.stopped_early = False
             return history
         finally:

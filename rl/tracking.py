@@ -49,8 +49,8 @@ class Tracker:
         self._bar = tqdm(total=total_steps, desc=desc, dynamic_ncols=True,
                          disable=os.environ.get("RL_NO_PROGRESS") == "1")
 
-    def log(self, step: int, metrics: dict[str, Any], advance: int = 1) -> None:
-        """Record `metrics` at optimizer step `step`; advances the bar by `advance` steps."""
+    def log(self, step: int, metrics: dict[str, Any]) -> None:
+        """Record `metrics` at optimizer step `step`; the bar moves to `step`."""
         if not self.is_main:
             return
         row = {"step": step, "time": round(time.time() - self._start, 3)}
@@ -65,7 +65,7 @@ class Tracker:
             shown = {k.split("/")[-1] if k.count("/") else k: f"{row[k]:.4g}" for k in BAR_KEYS
                      if isinstance(row.get(k), (int, float))}
             self._bar.set_postfix(shown, refresh=False)
-            self._bar.update(advance)
+            self._bar.update(max(0, step - self._bar.n))
 
     def write(self, text: str) -> None:
         """Print a line without breaking the progress bar."""
