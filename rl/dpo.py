@@ -1,0 +1,686 @@
+"""The DPO family: DPO (sigmoid, conservative label smoothing), IPO, hinge (SLiC), reference-free DPO, ORPO.
+
+Objective (Rafailov et al. 2023, "Direct Preference Optimization", eq. 7): for a prompt x with a chosen
+answer y_w and a rejected answer y_l,
+
+    h = beta * [(log pi(y_w|x) - log ref(y_w|x)) - (log pi(y_l|x) - log ref(y_l|x))]
+    sigmoid:  -log sigmoid(h)                                   (DPO)
+              -(1-eps) log sigmoid(h) - eps log sigmoid(-h)      (conservative DPO, label_smoothing=eps;
+                                                                  Mitchell 2023, "A note on DPO with noisy
+                                                                  preferences")
+    hinge:    max(0, 1 - h)                                     (SLiC-HF, Zhao et al. 2023)
+    ipo:      (h_avg/beta - 1/(2 beta))^2                       (IPO, Azar et al. 2023, eq. 17)
+    orpo:     NLL(y_w) - beta * log sigmoid(log odds(y_w) - log odds(y_l))   (ORPO, Hong et al. 2024, eq. 6)
+
+log pi(y|x) is the SUM of the answer tokens' log-probs: prompt and padding tokens never count, so a pair
+scores the same whatever its batch neighbours, the padding side or max_length (the reference
+implementation summed over pad tokens and used one prompt length for the whole batch).
+
+Deviations, all as in TRL 1.16 (which the tests cross-check against):
+* IPO uses per-token averaged log-ratios (h_avg), which the IPO authors confirmed to TRL is what the paper's
+  experiments used; the paper writes sequence sums.
+* ORPO uses per-token averaged log-probs for the odds (as the paper) and the chosen answer's mean token
+  NLL per pair; its "rewards" are beta * mean log-prob (no reference exists).
+* An EOS token is appended to plain-text answers so the model learns to stop.
+
+Reference model, in order of preference for memory: none (reference_free, ORPO); precomputed log-probs
+(one no-grad pass before training, then no reference in memory at all); the policy with its LoRA adapters
+disabled (no second copy); a frozen copy, sharded as its own DeepSpeed engine under ZeRO-3.
+
+Chosen and rejected answers go through ONE forward of the concatenated batch [chosen..., rejected...].
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import gc
+import logging
+import math
+import time
+from functools import partial
+from pathlib import Path
+from typing import Literal, Sequence
+
+import torch
+import torch.nn.functional as F
+
+from rl import losses
+from rl.config import ConfigError, TrainConfig, opt
+
+logger = logging.getLogger(__name__)
+
+LOSS_TYPES = ("sigmoid", "ipo", "hinge", "orpo")
+
+
+# ============================================================================== pure loss functions
+
+def sigmoid_loss(delta: torch.Tensor, beta: float, label_smoothing: float = 0.0) -> torch.Tensor:
+    """DPO / conservative DPO per pair.
+
+    delta (B,): chosen log-ratio minus rejected log-ratio (sums over answer tokens).
+    label_smoothing eps: probability that a preference label is flipped (cDPO); 0 gives plain DPO.
+    Returns (B,) = -(1-eps) log sigmoid(beta delta) - eps log sigmoid(-beta delta).
+    """
+    h = beta * delta
+    return -(1.0 - label_smoothing) * F.logsigmoid(h) - label_smoothing * F.logsigmoid(-h)
+
+
+def hinge_loss(delta: torch.Tensor, beta: float) -> torch.Tensor:
+    """SLiC-HF hinge per pair: (B,) = relu(1 - beta delta)."""
+    return torch.relu(1.0 - beta * delta)
+
+
+def ipo_loss(chosen_logratios: torch.Tensor, rejected_logratios: torch.Tensor, chosen_lengths: torch.Tensor,
+             rejected_lengths: torch.Tensor, beta: float) -> torch.Tensor:
+    """IPO per pair (Azar et al. 2023, eq. 17) on per-token averaged log-ratios (as TRL).
+
+    All inputs (B,); lengths = answer tokens counted. beta is the paper's tau.
+    Returns (B,) = (chosen/len_c - rejected/len_r - 1/(2 beta))^2.
+    """
+    d = chosen_logratios / chosen_lengths.clamp(min=1) - rejected_logratios / rejected_lengths.clamp(min=1)
+    return (d - 1.0 / (2.0 * beta)) ** 2
+
+
+def log_odds(mean_logps: torch.Tensor) -> torch.Tensor:
+    """log(p / (1 - p)) for p = exp(mean_logps) < 1; (B,) -> (B,). log(1-p) via expm1 for accuracy."""
+    return mean_logps - torch.log(-torch.expm1(mean_logps.clamp(max=-1e-6)))
+
+
+def orpo_loss(chosen_logps: torch.Tensor, rejected_logps: torch.Tensor, chosen_lengths: torch.Tensor,
+              rejected_lengths: torch.Tensor, beta: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """ORPO per pair (Hong et al. 2024, eq. 6-7): mean-token NLL of the chosen answer plus
+    beta * -log sigmoid(log odds(chosen) - log odds(rejected)), odds of the per-token mean probability.
+
+    Inputs (B,) sums of answer log-probs and answer lengths.
+    Returns (loss (B,), nll (B,), log-odds ratio (B,)).
+    """
+    c_mean = chosen_logps / chosen_lengths.clamp(min=1)
+    r_mean = rejected_logps / rejected_lengths.clamp(min=1)
+    ratio = log_odds(c_mean) - log_odds(r_mean)
+    nll = -c_mean
+    return nll - beta * F.logsigmoid(ratio), nll, ratio
+
+
+def preference_loss(loss_type: str, chosen_logps: torch.Tensor, rejected_logps: torch.Tensor,
+                    ref_chosen_logps: torch.Tensor | None, ref_rejected_logps: torch.Tensor | None,
+                    chosen_lengths: torch.Tensor, rejected_lengths: torch.Tensor, beta: float,
+                    label_smoothing: float = 0.0) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """Per-pair losses and TRL-named per-pair statistics of one batch of pairs.
+
+    All tensors (B,). A missing reference (None) means reference-free: its log-probs count as 0.
+    Returns (losses (B,), stats) with stats rewards/chosen, rewards/rejected, rewards/accuracies,
+    rewards/margins, logps/chosen, logps/rejected (each (B,), detached) and, for ORPO, nll_loss and
+    log_odds_ratio.
+    """
+    stats: dict[str, torch.Tensor] = {}
+    if loss_type == "orpo":
+        per_pair, nll, ratio = orpo_loss(chosen_logps, rejected_logps, chosen_lengths, rejected_lengths, beta)
+        chosen_rewards = beta * chosen_logps.detach() / chosen_lengths.clamp(min=1)
+        rejected_rewards = beta * rejected_logps.detach() / rejected_lengths.clamp(min=1)
+        stats["nll_loss"] = nll.detach()
+        stats["log_odds_ratio"] = ratio.detach()
+    else:
+        c_ratio = chosen_logps - (ref_chosen_logps if ref_chosen_logps is not None else 0.0)
+        r_ratio = rejected_logps - (ref_rejected_logps if ref_rejected_logps is not None else 0.0)
+        if loss_type == "sigmoid":
+            per_pair = sigmoid_loss(c_ratio - r_ratio, beta, label_smoothing)
+        elif loss_type == "hinge":
+            per_pair = hinge_loss(c_ratio - r_ratio, beta)
+        elif loss_type == "ipo":
+            per_pair = ipo_loss(c_ratio, r_ratio, chosen_lengths, rejected_lengths, beta)
+        else:
+            raise ValueError(f"unknown loss_type {loss_type!r}; use one of {', '.join(LOSS_TYPES)}")
+        chosen_rewards, rejected_rewards = beta * c_ratio.detach(), beta * r_ratio.detach()
+    stats.update({
+        "rewards/chosen": chosen_rewards,
+        "rewards/rejected": rejected_rewards,
+        "rewards/accuracies": (chosen_rewards > rejected_rewards).float(),
+        "rewards/margins": chosen_rewards - rejected_rewards,
+        "logps/chosen": chosen_logps.detach(),
+        "logps/rejected": rejected_logps.detach(),
+    })
+    return per_pair, stats
+
+
+def sequence_logps(logits: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Sum of answer-token log-probs and number of answer tokens per sequence.
+
+    logits (N, T, V), labels (N, T) with -100 on prompt and padding (HF convention, shifted inside).
+    Returns (logps (N,), lengths (N,)) in fp32.
+    """
+    logp, mask = losses.token_logprobs(logits, labels)
+    return logp.sum(-1), mask.sum(-1)
+
+
+def dpo_batch_loss(logits, labels, attention_mask, *, loss_type: str, beta: float, label_smoothing: float = 0.0,
+                   ref_chosen_logps=None, ref_rejected_logps=None):
+    """The engine's loss callable: logits of the concatenated batch [chosen..., rejected...] (2B, T, V).
+
+    Returns (mean loss over the B pairs, batch-mean metrics)."""
+    logps, lengths = sequence_logps(logits, labels)
+    chosen, rejected = logps.chunk(2)
+    c_len, r_len = lengths.chunk(2)
+    per_pair, stats = preference_loss(loss_type, chosen, rejected, ref_chosen_logps, ref_rejected_logps,
+                                      c_len, r_len, beta, label_smoothing)
+    loss = per_pair.mean()
+    metrics = {k: v.mean() for k, v in stats.items()}
+    metrics["loss"] = loss.detach()
+    return loss, metrics
+
+
+# ================================================================================= configuration
+
+@dataclasses.dataclass
+class DPOConfig(TrainConfig):
+    learning_rate: float = opt(1e-6, "peak learning rate of AdamW (DPO wants it small: 1e-6 to 1e-5)")
+    beta: float = opt(0.1, "DPO temperature beta (IPO: tau; ORPO: lambda, the weight of the odds-ratio term)")
+    label_smoothing: float = opt(0.0, "conservative DPO: probability a preference label is flipped, in [0, 0.5)")
+    loss_type: Literal["sigmoid", "ipo", "hinge", "orpo"] = opt(
+        "sigmoid", "sigmoid (DPO), ipo, hinge (SLiC) or orpo (reference-free odds ratio + chosen NLL)")
+    reference_free: bool = opt(False, "no reference model: its log-probs count as 0")
+    precompute_ref_logps: bool = opt(False, "compute reference log-probs in one pass before training, then "
+                                     "train without any reference forward or reference model in memory")
+    ref_model_name: str | None = opt(None, "reference model id/path (default: the initial policy)")
+    max_prompt_length: int = opt(256, "prompts longer than this keep their last tokens (left truncation)")
+    add_eos: bool = opt(True, "append EOS to plain-text answers so the model learns to stop")
+    chat_template: bool = opt(False, "render plain-text prompt/answers as user/assistant turns with the "
+                              "tokenizer's chat template (message-list data always uses it)")
+    eval_batch_size: int | None = opt(None, "pairs per evaluation forward (default: batch_size)")
+    device: str | None = opt(None, "cpu or cuda (null: auto-detected)")
+
+    ALIASES = {"lr": "learning_rate", "epochs": "num_epochs", "model": "model_name", "dpo_beta": "beta"}
+
+    def __post_init__(self):
+        super().__post_init__()
+        if self.beta <= 0:
+            raise ConfigError(f"key 'beta' must be > 0, got {self.beta}")
+        if not 0.0 <= self.label_smoothing < 0.5:
+            raise ConfigError(f"key 'label_smoothing' must be in [0, 0.5), got {self.label_smoothing}")
+        if self.label_smoothing and self.loss_type != "sigmoid":
+            raise ConfigError(f"label_smoothing={self.label_smoothing} applies to loss_type=sigmoid only "
+                              f"(got loss_type={self.loss_type}); set label_smoothing=0")
+        if not 1 <= self.max_prompt_length < self.max_length:
+            raise ConfigError(f"max_prompt_length={self.max_prompt_length} must be at least 1 and below "
+                              f"max_length={self.max_length}, or no answer token fits")
+        if self.precompute_ref_logps and self.uses_no_reference:
+            raise ConfigError(f"precompute_ref_logps=true has nothing to precompute with "
+                              f"{'loss_type=orpo' if self.loss_type == 'orpo' else 'reference_free=true'}; "
+                              f"set precompute_ref_logps=false")
+        if self.eval_batch_size is not None and self.eval_batch_size < 1:
+            raise ConfigError(f"key 'eval_batch_size' must be at least 1, got {self.eval_batch_size}")
+        if self.device not in (None, "cpu", "cuda"):
+            raise ConfigError(f"key 'device' must be cpu, cuda or null, got {self.device!r}")
+
+    @property
+    def uses_no_reference(self) -> bool:
+        return self.reference_free or self.loss_type == "orpo"
+
+
+# ======================================================================================= data
+
+class PreferenceDataset(torch.utils.data.Dataset):
+    """Tokenised preference pairs: per-example prompt ids and chosen/rejected answer ids.
+
+    Prompts longer than `max_prompt_length` keep their LAST tokens (the part next to the answer); answers
+    are then cut (keeping their start) so that prompt + answer fits `max_length`. How many of each were
+    cut is logged and kept in `.truncation`. Prompts/answers given as message lists ({"role", "content"})
+    are rendered with the tokenizer's chat template, as are strings when `chat_template=True`.
+
+    Tokenisation follows TRL: the prompt alone and prompt+answer are tokenised, and the answer starts
+    where the two token lists diverge (tokens can merge across the boundary, and some chat templates
+    render a prompt differently when an answer follows).
+    """
+
+    def __init__(self, prompts: Sequence, chosen: Sequence, rejected: Sequence, tokenizer, max_length: int = 512,
+                 max_prompt_length: int = 256, chat_template: bool = False, add_eos: bool = True,
+                 sources: Sequence[str] | None = None):
+        if not (len(prompts) == len(chosen) == len(rejected)):
+            raise ValueError(f"prompts, chosen and rejected must have the same length, got "
+                             f"{len(prompts)}, {len(chosen)}, {len(rejected)}")
+        if max_prompt_length >= max_length:
+            raise ValueError(f"max_prompt_length={max_prompt_length} must be below max_length={max_length}")
+        self.max_length, self.max_prompt_length = max_length, max_prompt_length
+        self.pad_token_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+        self.examples: list[dict] = []
+        self.truncation = {"pairs": len(prompts), "prompts_truncated": 0, "answers_truncated": 0}
+        self.ref_logps: torch.Tensor | None = None  # (N, 2) chosen/rejected, set by precomputation
+        for i, (p, c, r) in enumerate(zip(prompts, chosen, rejected)):
+            where = sources[i] if sources else f"pair {i}"
+            p_ids, c_ids, r_ids = _tokenize_pair(tokenizer, p, c, r, chat_template, add_eos)
+            if not c_ids or not r_ids:
+                raise ValueError(f"{where}: the chosen or rejected answer is empty after tokenisation")
+            if len(p_ids) > max_prompt_length:
+                p_ids = p_ids[-max_prompt_length:]
+                self.truncation["prompts_truncated"] += 1
+            room = max_length - len(p_ids)
+            if len(c_ids) > room or len(r_ids) > room:
+                c_ids, r_ids = c_ids[:room], r_ids[:room]
+                self.truncation["answers_truncated"] += 1
+            self.examples.append({"prompt_ids": p_ids, "chosen_ids": c_ids, "rejected_ids": r_ids})
+        t = self.truncation
+        if t["prompts_truncated"] or t["answers_truncated"]:
+            logger.warning("preference data: %d of %d prompts cut to their last max_prompt_length=%d tokens; "
+                           "%d pairs had answers cut to fit max_length=%d", t["prompts_truncated"], t["pairs"],
+                           max_prompt_length, t["answers_truncated"], max_length)
+
+    @classmethod
+    def from_records(cls, records: list[dict], tokenizer, cfg: "DPOConfig", source: str = "data"):
+        """Rows with prompt/chosen/rejected columns (names from cfg.data) -> dataset."""
+        d = cfg.data
+        srcs = [f"{source}:{r['_line']}" if "_line" in r else f"{source} row {i}" for i, r in enumerate(records)]
+        return cls([r[d.prompt_column] for r in records], [r[d.chosen_column] for r in records],
+                   [r[d.rejected_column] for r in records], tokenizer, cfg.max_length, cfg.max_prompt_length,
+                   chat_template=cfg.chat_template, add_eos=cfg.add_eos, sources=srcs)
+
+    def __len__(self) -> int:
+        return len(self.examples)
+
+    def __getitem__(self, i: int) -> dict:
+        ex = dict(self.examples[i])
+        if self.ref_logps is not None:
+            ex["ref_chosen_logps"], ex["ref_rejected_logps"] = self.ref_logps[i].tolist()
+        return ex
+
+
+def _as_messages(x, role: str) -> list[dict]:
+    return x if isinstance(x, list) else [{"role": role, "content": x}]
+
+
+def _tokenize_pair(tokenizer, prompt, chosen, rejected, chat_template: bool, add_eos: bool):
+    """-> (prompt_ids, chosen_ids, rejected_ids) as lists of ints."""
+    chat = chat_template or any(isinstance(x, list) for x in (prompt, chosen, rejected))
+    if chat:
+        if not getattr(tokenizer, "chat_template", None):
+            raise ValueError("chat-format preference data needs a tokenizer with a chat template")
+        pm = _as_messages(prompt, "user")
+
+        def enc(msgs, gen):
+            out = tokenizer.apply_chat_template(msgs, tokenize=True, add_generation_prompt=gen, return_dict=True)
+            return list(out["input_ids"])
+
+        p_ids = enc(pm, True)
+        pc_ids = enc(pm + _as_messages(chosen, "assistant"), False)
+        pr_ids = enc(pm + _as_messages(rejected, "assistant"), False)
+    else:
+        eos = tokenizer.eos_token or ""
+        if add_eos:
+            chosen = chosen if chosen.endswith(eos) else chosen + eos
+            rejected = rejected if rejected.endswith(eos) else rejected + eos
+        p_ids = list(tokenizer(prompt)["input_ids"])
+        pc_ids = list(tokenizer(prompt + chosen)["input_ids"])
+        pr_ids = list(tokenizer(prompt + rejected)["input_ids"])
+    n = min(_common_prefix(p_ids, pc_ids), _common_prefix(p_ids, pr_ids))
+    return p_ids[:n], pc_ids[n:], pr_ids[n:]
+
+
+def _common_prefix(a: list[int], b: list[int]) -> int:
+    n = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        n += 1
+    return n
+
+
+def collate_pairs(examples: list[dict], pad_token_id: int, padding_side: str = "right") -> dict[str, torch.Tensor]:
+    """B pairs -> one concatenated batch of 2B sequences [chosen..., rejected...].
+
+    Padded to the longest sequence of THIS batch (no padding to max_length). Returns input_ids,
+    attention_mask, labels (-100 on prompt and padding), position_ids (count only real tokens, so left
+    padding gives the same positions as right padding), all (2B, T), and ref_*_logps (B,) when present.
+    """
+    if padding_side not in ("left", "right"):
+        raise ValueError(f"padding_side must be 'left' or 'right', got {padding_side!r}")
+    seqs = [(e["prompt_ids"], e["chosen_ids"]) for e in examples] + \
+           [(e["prompt_ids"], e["rejected_ids"]) for e in examples]
+    width = max(len(p) + len(a) for p, a in seqs)
+    n = len(seqs)
+    ids = torch.full((n, width), pad_token_id, dtype=torch.long)
+    labels = torch.full((n, width), losses.IGNORE_INDEX, dtype=torch.long)
+    mask = torch.zeros((n, width), dtype=torch.long)
+    for i, (p, a) in enumerate(seqs):
+        length = len(p) + len(a)
+        start = 0 if padding_side == "right" else width - length
+        ids[i, start:start + length] = torch.tensor(p + a, dtype=torch.long)
+        labels[i, start + len(p):start + length] = torch.tensor(a, dtype=torch.long)
+        mask[i, start:start + length] = 1
+    out = {"input_ids": ids, "attention_mask": mask, "labels": labels,
+           "position_ids": (mask.cumsum(-1) - 1).clamp(min=0)}
+    if "ref_chosen_logps" in examples[0]:
+        out["ref_chosen_logps"] = torch.tensor([e["ref_chosen_logps"] for e in examples], dtype=torch.float32)
+        out["ref_rejected_logps"] = torch.tensor([e["ref_rejected_logps"] for e in examples], dtype=torch.float32)
+    return out
+
+
+@torch.no_grad()
+def concatenated_logps(model, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor,
+                                                                         torch.Tensor, torch.Tensor]:
+    """No-grad forward of a collated batch -> (chosen_logps, rejected_logps, chosen_lengths,
+    rejected_lengths), each (B,). Passes position_ids, so it is exact for either padding side."""
+    device = next(iter(batch.values())).device
+    logits = model(input_ids=batch["input_ids"].to(device), attention_mask=batch["attention_mask"].to(device),
+                   position_ids=batch["position_ids"].to(device), use_cache=False).logits
+    logps, lengths = sequence_logps(logits, batch["labels"].to(device))
+    c, r = logps.chunk(2)
+    cl, rl = lengths.chunk(2)
+    return c, r, cl, rl
+
+
+# ===================================================================================== trainer
+
+class DPOTrainer:
+    """DPO-family training on one ForwardBackwardPipeline (single process, DDP or DeepSpeed ZeRO-2/3).
+
+    `DPOTrainer(config, tokenizer=None, model=None, ref_model=None)`: missing pieces are loaded from
+    `config.model_name`. `.train(dataset, eval_dataset=None)` returns the metric history, a list with
+    one dict per optimizer step (`step`, `loss`, `rewards/*`, `logps/*`, `grad_norm`, `lr`, and the
+    `eval_*` metrics on evaluation steps).
+    """
+
+    def __init__(self, config: DPOConfig, tokenizer=None, model=None, ref_model=None):
+        from rl.forward_backward import build_accelerator
+        from rl.models import apply_lora, load_causal_lm, load_tokenizer, resolve_dtype, trainable_fraction
+
+        cfg = self.config = config
+        torch.manual_seed(cfg.seed)
+        train_dtype = resolve_dtype(cfg.dtype)
+        self.accelerator = build_accelerator(
+            cfg.gradient_accumulation_steps, device=cfg.device, micro_batch_size=cfg.batch_size,
+            max_grad_norm=cfg.max_grad_norm, mixed_precision="bf16" if train_dtype == torch.bfloat16 else "no",
+            deepspeed_config=cfg.deepspeed)
+        self.tokenizer = tokenizer or load_tokenizer(cfg.model_name, cfg.trust_remote_code)
+        if model is None:
+            # Trainable weights stay fp32 (master copy); bf16 compute comes from autocast / DeepSpeed.
+            model = load_causal_lm(cfg.model_name, dtype=torch.float32, trust_remote_code=cfg.trust_remote_code,
+                                   attn_implementation=cfg.attn_implementation,
+                                   gradient_checkpointing=cfg.gradient_checkpointing)
+        is_peft = hasattr(model, "disable_adapter")
+        # The reference: decided once, here.
+        if cfg.uses_no_reference:
+            self.ref_mode = "none"
+        elif ref_model is None and (cfg.lora.enabled or is_peft) and cfg.ref_model_name is None:
+            self.ref_mode = "adapters"  # the policy with adapters disabled: no second copy in memory
+        else:
+            self.ref_mode = "copy"
+            if ref_model is None:
+                if cfg.ref_model_name is not None:
+                    ref_model = load_causal_lm(cfg.ref_model_name, dtype=train_dtype,
+                                               trust_remote_code=cfg.trust_remote_code,
+                                               attn_implementation=cfg.attn_implementation)
+                else:
+                    ref_model = copy.deepcopy(model)  # before LoRA: the initial policy
+            from rl.models import freeze
+
+            freeze(ref_model)
+        if cfg.lora.enabled and not is_peft:
+            model = apply_lora(model, cfg.lora.rank, cfg.lora.alpha, cfg.lora.dropout, cfg.lora.target_modules)
+        self.trainable, self.total_params = trainable_fraction(model)
+        self._model = model
+        self._ref_model = ref_model
+        self.ref = None  # the prepared reference (module or DeepSpeed engine) once training starts
+        self.pipeline = None
+        self.stopped_early = False
+
+    # ----------------------------------------------------------------------------------- sizes
+    @property
+    def world(self) -> int:
+        return self.accelerator.num_processes
+
+    def plan(self, n_pairs: int) -> dict:
+        """Derived sizes, computed once: global batch, steps per epoch, total optimizer steps."""
+        cfg = self.config
+        global_batch = cfg.batch_size * cfg.gradient_accumulation_steps * self.world
+        steps_per_epoch = n_pairs // global_batch
+        if steps_per_epoch == 0:
+            raise ConfigError(f"{n_pairs} training pairs are fewer than one global batch (batch_size "
+                              f"{cfg.batch_size} x gradient_accumulation_steps {cfg.gradient_accumulation_steps} "
+                              f"x {self.world} processes = {global_batch}); lower batch_size or add data")
+        total = cfg.max_steps or steps_per_epoch * cfg.num_epochs
+        return {"global_batch": global_batch, "steps_per_epoch": steps_per_epoch, "total_steps": total,
+                "dropped_per_epoch": n_pairs - steps_per_epoch * global_batch}
+
+    # ------------------------------------------------------------------------------- reference
+    def _setup(self, total_steps: int) -> None:
+        from rl.checkpoint import checkpoint_dir
+        from rl.forward_backward import ForwardBackwardPipeline
+        from rl.models import build_optimizer, build_scheduler
+
+        cfg = self.config
+        optimizer = build_optimizer(self._model, cfg.learning_rate, cfg.weight_decay)
+        scheduler = build_scheduler(optimizer, cfg.lr_scheduler, total_steps, cfg.warmup_ratio)
+        self.pipeline = ForwardBackwardPipeline(
+            self._model, gradient_accumulation_steps=cfg.gradient_accumulation_steps, optimizer=optimizer,
+            scheduler=scheduler, accelerator=self.accelerator, checkpoint_dir=checkpoint_dir(cfg.output_dir),
+            micro_batch_size=cfg.batch_size)
+        if self.ref_mode == "copy":
+            self.ref = prepare_reference(self._ref_model, self.accelerator)
+            self._ref_model = None
+
+    def _reference_logps(self, batch: dict) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """Reference log-probs of a collated batch: precomputed, a forward of the frozen copy or of the
+        policy with adapters disabled, or (None, None) when there is no reference."""
+        if "ref_chosen_logps" in batch:
+            return batch["ref_chosen_logps"], batch["ref_rejected_logps"]
+        if self.ref_mode == "none":
+            return None, None
+        batch = {k: v.to(self.accelerator.device) for k, v in batch.items()}
+        if self.ref_mode == "copy":
+            c, r, _, _ = concatenated_logps(self.ref, batch)
+            return c, r
+        model = self.pipeline.model
+        with self.pipeline.unwrapped_model.disable_adapter():
+            was_training = model.training
+            model.eval()
+            c, r, _, _ = concatenated_logps(model, batch)
+            model.train(was_training)
+        return c, r
+
+    def precompute_reference(self, dataset: PreferenceDataset) -> None:
+        """One no-grad pass that stores every pair's reference log-probs in `dataset.ref_logps` (N, 2).
+        Pairs are split across processes and the results gathered, so each pair is scored once."""
+        acc, cfg = self.accelerator, self.config
+        bs = cfg.eval_batch_size or cfg.batch_size
+        out = torch.zeros(len(dataset), 2)
+        for idx, weight in _shards(len(dataset), bs, acc.num_processes, acc.process_index):
+            batch = collate_pairs([dataset.examples[i] for i in idx], dataset.pad_token_id)
+            c, r = self._reference_logps(batch)
+            local = torch.stack([torch.tensor(idx, device=acc.device, dtype=torch.float32),
+                                 weight.to(acc.device), c.float(), r.float()], dim=1)
+            rows = acc.gather(local).cpu() if acc.num_processes > 1 else local.cpu()
+            for i, w, cv, rv in rows.tolist():
+                if w > 0:
+                    out[int(i)] = torch.tensor([cv, rv])
+        dataset.ref_logps = out
+
+    # ----------------------------------------------------------------------------------- train
+    def train(self, dataset: PreferenceDataset, eval_dataset: PreferenceDataset | None = None) -> list[dict]:
+        from rl.checkpoint import StopSignal, checkpoint_name, resolve_resume
+        from rl.config import save_config, to_dict
+        from rl.forward_backward import zero_stage
+        from rl.tracking import Tracker
+
+        cfg, acc = self.config, self.accelerator
+        plan = self.plan(len(dataset))
+        out = Path(cfg.output_dir)
+        if self.pipeline is None:
+            self._setup(plan["total_steps"])
+        pipe = self.pipeline
+        if acc.is_main_process:
+            save_config(cfg, out)
+        tracker = Tracker(out, cfg.report_to, cfg.run_name, to_dict(cfg), plan["total_steps"],
+                          acc.is_main_process, desc=f"dpo[{cfg.loss_type}]")
+        tracker.write(f"dpo: {len(dataset)} pairs, {plan['total_steps']} steps, global batch {plan['global_batch']} "
+                      f"pairs ({self.world} processes, ZeRO stage {zero_stage(acc)}), loss {cfg.loss_type}, "
+                      f"reference {'precomputed' if cfg.precompute_ref_logps else self.ref_mode}, trainable "
+                      f"{self.trainable:,}/{self.total_params:,} parameters")
+        if cfg.precompute_ref_logps:
+            t0 = time.time()
+            for ds in (dataset, eval_dataset):
+                if ds is not None and ds.ref_logps is None:
+                    self.precompute_reference(ds)
+            self.ref = None  # no reference forward from here on: free its memory
+            gc.collect()
+            tracker.write(f"reference log-probs precomputed in {time.time() - t0:.1f}s")
+        epoch, batch_index = 0, 0
+        resume_from = resolve_resume(cfg.resume, out)
+        if resume_from is not None:
+            extra = pipe.load_state(resume_from).result()
+            epoch, batch_index = extra["epoch"], extra["batch_index"]
+            tracker.write(f"resumed from {resume_from} at step {pipe.step}")
+        loss_fn = partial(dpo_batch_loss, loss_type=cfg.loss_type, beta=cfg.beta, label_smoothing=cfg.label_smoothing)
+        stopper = StopSignal()
+        history: list[dict] = []
+        try:
+            while pipe.step < plan["total_steps"]:
+                order = torch.randperm(len(dataset), generator=torch.Generator().manual_seed(cfg.seed + epoch))
+                while batch_index < plan["steps_per_epoch"] and pipe.step < plan["total_steps"]:
+                    t0 = time.time()
+                    g = plan["global_batch"]
+                    step_ids = order[batch_index * g:(batch_index + 1) * g].tolist()
+                    mine = step_ids[acc.process_index::self.world]
+                    sums: dict[str, float] = {}
+                    for m in range(cfg.gradient_accumulation_steps):
+                        micro = [dataset[i] for i in mine[m * cfg.batch_size:(m + 1) * cfg.batch_size]]
+                        b = collate_pairs(micro, dataset.pad_token_id)
+                        ref_c, ref_r = self._reference_logps(b)
+                        # Right padding, so the engine's default positions equal b["position_ids"].
+                        r = pipe.forward_backward(b["input_ids"], b["attention_mask"], b["labels"], loss_fn=loss_fn,
+                                                  ref_chosen_logps=ref_c, ref_rejected_logps=ref_r).result()
+                        for k, v in r.metrics.items():
+                            sums[k] = sums.get(k, 0.0) + v / cfg.gradient_accumulation_steps
+                    o = pipe.optim_step(max_grad_norm=cfg.max_grad_norm).result()
+                    batch_index += 1
+                    row = _mean_across(acc, sums)
+                    row.update({"grad_norm": o.grad_norm, "lr": o.learning_rate,
+                                "epoch": epoch + batch_index / plan["steps_per_epoch"], "step_time": time.time() - t0})
+                    if eval_dataset is not None and cfg.eval_every and pipe.step % cfg.eval_every == 0:
+                        row.update(self.evaluate(eval_dataset))
+                    history.append({"step": pipe.step, **row})
+                    if pipe.step % cfg.log_every == 0 or pipe.step == plan["total_steps"]:
+                        tracker.log(pipe.step, row)
+                    stop = _any_process(acc, stopper.stop)
+                    if (cfg.save_every and pipe.step % cfg.save_every == 0) or stop:
+                        pipe.save_state(checkpoint_name(pipe.step), {"epoch": epoch, "batch_index": batch_index}).result()
+                    if stop:
+                        tracker.write(f"stopping on signal {stopper.received} after step {pipe.step}; checkpoint "
+                                      f"written, resume with resume=auto")
+                        self.stopped_early = True
+                        return history
+                epoch, batch_index = epoch + 1, 0
+            if eval_dataset is not None and not (cfg.eval_every and history and "eval_loss" in history[-1]):
+                final_eval = self.evaluate(eval_dataset)
+                if history:
+                    history[-1].update(final_eval)
+                tracker.log(pipe.step, final_eval)
+            return history
+        finally:
+            stopper.restore()
+            tracker.close()
+
+    @torch.no_grad()
+    def evaluate(self, dataset: PreferenceDataset) -> dict[str, float]:
+        """Pair-weighted means of loss and rewards/logps metrics over `dataset`, as `eval_<name>`.
+        Pairs are split across processes (padded so every rank runs the same forwards, as ZeRO-3 needs)."""
+        cfg, acc = self.config, self.accelerator
+        if self.pipeline is None:
+            raise RuntimeError("evaluate() needs the trained model: call train() first")
+        model = self.pipeline.model
+        was_training = model.training
+        model.eval()
+        totals: dict[str, torch.Tensor] = {}
+        bs = cfg.eval_batch_size or cfg.batch_size
+        for idx, weight in _shards(len(dataset), bs, acc.num_processes, acc.process_index):
+            b = collate_pairs([dataset[i] for i in idx], dataset.pad_token_id)
+            ref_c, ref_r = self._reference_logps(b)
+            b = {k: v.to(acc.device) for k, v in b.items()}
+            c, r, cl, rl = concatenated_logps(model, b)
+            per_pair, stats = preference_loss(cfg.loss_type, c, r, _dev(ref_c, acc), _dev(ref_r, acc), cl, rl,
+                                              cfg.beta, cfg.label_smoothing)
+            w = weight.to(acc.device)
+            for k, v in {"loss": per_pair, **stats}.items():
+                totals[k] = totals.get(k, 0.0) + (v.float() * w).sum()
+            totals["_n"] = totals.get("_n", 0.0) + w.sum()
+        model.train(was_training)
+        keys = sorted(totals)
+        vec = torch.stack([totals[k] for k in keys])
+        if acc.num_processes > 1:
+            vec = acc.reduce(vec, "sum")
+        n = vec[keys.index("_n")].clamp(min=1)
+        return {f"eval_{k}": float(v / n) for k, v in zip(keys, vec) if k != "_n"}
+
+    def save(self, out_dir: str | None = None) -> str:
+        """Write the final model (HF format, LoRA merged) and tokenizer; every process must call it."""
+        from rl.models import save_pretrained
+
+        out = out_dir or self.config.output_dir
+        save_pretrained(self.pipeline.model, self.tokenizer, out, self.accelerator)
+        self.accelerator.wait_for_everyone()
+        return out
+
+
+# ===================================================================================== helpers
+
+def prepare_reference(ref_model, accelerator):
+    """Place a frozen reference: under ZeRO-3 its own DeepSpeed engine (parameters sharded like the
+    policy's, no optimizer), otherwise a plain module on the device (no DDP wrapper: no gradients)."""
+    from rl.forward_backward import zero_stage
+
+    if zero_stage(accelerator) == 3:
+        import deepspeed
+
+        ds = copy.deepcopy(accelerator.state.deepspeed_plugin.deepspeed_config)
+        ds.pop("optimizer", None)
+        ds.pop("scheduler", None)
+        hidden = getattr(getattr(ref_model, "config", None), "hidden_size", None)
+        zo = ds.setdefault("zero_optimization", {})
+        # accelerate fills these "auto" values for the model it prepares; fill them for this one.
+        for key, value in (("reduce_bucket_size", (hidden or 1024) ** 2),
+                           ("stage3_prefetch_bucket_size", int(0.9 * (hidden or 1024) ** 2)),
+                           ("stage3_param_persistence_threshold", 10 * (hidden or 1024))):
+            if zo.get(key) == "auto":
+                zo[key] = value
+        for key in ("bf16", "fp16"):
+            if isinstance(ds.get(key), dict) and ds[key].get("enabled") == "auto":
+                ds[key]["enabled"] = False
+        for key in ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps",
+                    "gradient_clipping"):
+            if ds.get(key) == "auto":
+                ds.pop(key)
+        engine, *_ = deepspeed.initialize(model=ref_model, config=ds)
+        engine.eval()
+        return engine
+    return ref_model.to(accelerator.device)
+
+
+def _shards(n: int, batch_size: int, world: int, rank: int):
+    """Yield (indices, weights) micro-batches of this rank's share of range(n); every rank gets the same
+    number of batches of the same size, padding with index 0 at weight 0."""
+    per_rank = math.ceil(n / world)
+    per_rank = math.ceil(per_rank / batch_size) * batch_size
+    idx = list(range(n)) + [0] * (per_rank * world - n)
+    w = [1.0] * n + [0.0] * (per_rank * world - n)
+    mine, wmine = idx[rank * per_rank:(rank + 1) * per_rank], w[rank * per_rank:(rank + 1) * per_rank]
+    for s in range(0, per_rank, batch_size):
+        yield mine[s:s + batch_size], torch.tensor(wmine[s:s + batch_size])
+
+
+def _dev(t, acc):
+    return None if t is None else t.to(acc.device)
+
+
+def _mean_across(acc, values: dict[str, float]) -> dict[str, float]:
+    """Average per-process metric means across processes (equal pairs per process)."""
+    if acc.num_processes == 1 or not values:
+        return dict(values)
+    keys = sorted(values)
+    vec = acc.reduce(torch.tensor([values[k] for k in keys], device=acc.device, dtype=torch.float64), "mean")
+    return {k: float(v) for k, v in zip(keys, vec)}
+
+
+def _any_process(acc, flag: bool) -> bool:
+    """True on every process if any process got the stop signal (they must stop at the same step)."""
+    if acc.num_processes == 1:
+        return flag
+    t = torch.tensor([1.0 if flag else 0.0], device=acc.device)
+    return bool(acc.reduce(t, "max").item() > 0)
