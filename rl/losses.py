@@ -279,14 +279,17 @@ def ppo_loss_fn(logits, labels, attention_mask=None, **kw):
         if values is None and preds is None:
             raise ValueError("ppo: returns= was given without values= (or a model that outputs values)")
         old_v = _align(values, labels) if values is not None else None
-        new_v = _align(preds, labels) if preds is not None else None
+        new_v = preds
         if new_v is None:
             # No value head in this model: the loss is a constant, reported for monitoring only.
             new_v = _per_token(old_v, logp, "values")
             old_v = None
-        elif new_v.dim() == 2 and new_v.shape[1] == logp.shape[1] + 1:
-            new_v = new_v[:, :-1]
-        new_v = new_v.squeeze(-1) if new_v.dim() == 3 else new_v
+        else:
+            new_v = new_v.squeeze(-1) if new_v.dim() == 3 else new_v
+            if new_v.shape[1] == logp.shape[1] + 1:
+                # a value head's (B, T) output: V at position t scores the state before token t+1,
+                # aligned with logits[:, :-1] like the log-probs
+                new_v = new_v[:, :-1]
         v_loss, v_metrics = ppo_value_loss(new_v, old_v, _align(returns, labels), mask, clip_v, norm)
         metrics = {**metrics, **v_metrics}
         loss = loss + vf_coef * v_loss
