@@ -1,0 +1,223 @@
+"""Verifiable rewards: answer extraction, numeric comparison, and the CLI's named reward functions.
+
+Every reward function here has the trainers' batched signature
+
+    reward_fn(prompts: list[str], responses: list[str], metadata: list[dict] | None = None) -> list[float]
+
+(the reference's PPOTrainer `reward_fn`), so a function, an environment (`env.__call__`) or a user's
+`module:function` are interchangeable.
+
+Answer extraction order (`extract_answer`): the last `\\boxed{...}` (nested braces allowed), else the text
+after the last `Answer:` / `answer is` / `####` marker on its line, else the last number in the text.
+A marked answer holding several different numbers ("Answer: 19 or 20") is ambiguous and matches
+nothing, so hedging earns no reward; an equation keeps what follows its last "=" ("Answer: 12+7=19").
+Comparison is exact on rationals (`fractions.Fraction`): "0.5", "1/2", "\\frac{1}{2}" and "+.50" are
+equal; "1,234" is one thousand two hundred thirty-four. Text with no number ("incorrect") never matches.
+"""
+
+from __future__ import annotations
+
+import importlib
+import re
+from fractions import Fraction
+from typing import Any, Callable, Sequence
+
+RewardFn = Callable[..., list]
+
+# A number not glued to a preceding word/number (so the "-" in "3-1" is an operator, not a sign):
+# optional sign, thousands groups or digits with optional decimals, optional "/denominator".
+_NUM = r"(?:\d{1,3}(?:,\d{3})+(?:\.\d+)?(?!\d)|\d+(?:\.\d+)?|\.\d+)"
+NUMBER_RE = re.compile(rf"(?:(?<![\w.)\]}}])[-+\u2212])?{_NUM}(?:\s*/\s*{_NUM})?")
+_SINGLE_NUMBER_RE = re.compile(rf"[-+]?{_NUM}(?:/{_NUM})?")
+_FRAC_RE = re.compile(r"\\[dt]?frac\s*\{([^{}]*)\}\s*\{([^{}]*)\}")
+_MARKER_RE = re.compile(r"(?:answer\s*(?:is)?\s*[:=]|answer\s+is|####)", re.IGNORECASE)
+
+
+def _last_boxed(text: str) -> str | None:
+    """Content of the last \\boxed{...} (or \\fbox{...}), with balanced nested braces."""
+    start = max(text.rfind("\\boxed{"), text.rfind("\\fbox{"))
+    if start < 0:
+        return None
+    i = text.index("{", start) + 1
+    depth, j = 1, i
+    while j < len(text) and depth:
+        depth += {"{": 1, "}": -1}.get(text[j], 0)
+        j += 1
+    return text[i:j - 1].strip() if depth == 0 else None
+
+
+def _clean(s: str) -> str:
+    """LaTeX fractions to a/b, drop $, \\!, thousands-free spacing, unicode minus to '-'."""
+    s = _FRAC_RE.sub(r"(\1)/(\2)", s)
+    s = s.replace("\u2212", "-").replace("\\!", "").replace("$", "").replace("\\%", "%")
+    return re.sub(r"\((\s*[-+]?[\d.,]+\s*)\)", r"\1", s)  # "(1)/(2)" -> "1/2"
+
+
+def find_numbers(text: str) -> list[str]:
+    """Every number in `text` in order, as written (after LaTeX cleanup): '12', '-3', '1/2', '0.25'."""
+    return [m.group(0) for m in NUMBER_RE.finditer(_clean(text))]
+
+
+def parse_number(text: Any) -> Fraction | None:
+    """A single number as an exact Fraction ("-1/2", "0.50", "1,234", "$5", "50%" -> 50), else None.
+
+    Floats go through their shortest repr, so 0.1 parses as 1/10 rather than its binary expansion."""
+    if isinstance(text, bool) or text is None:
+        return None
+    if isinstance(text, (int, Fraction)):
+        return Fraction(text)
+    if isinstance(text, float):
+        return Fraction(repr(text)) if text == text and abs(text) != float("inf") else None
+    s = _clean(str(text)).strip().rstrip(".").rstrip("%").strip()
+    s = re.sub(r"\s*/\s*", "/", re.sub(r"^([-+])\s+", r"\1", s))
+    if not _SINGLE_NUMBER_RE.fullmatch(s):  # "5 6", "3,4", "12+7" are not one number
+        return None
+    sign = -1 if s[0] == "-" else 1
+    num, _, den = s.lstrip("+-").replace(",", "").partition("/")
+    try:
+        value = Fraction(num) / (Fraction(den) if den else 1)
+    except (ValueError, ZeroDivisionError):
+        return None
+    return sign * value
+
+
+def extract_answer(text: str) -> str | None:
+    """The answer string of a completion: last \\boxed{}, else after the last answer marker, else the
+    last number; None when there is none."""
+    if not text:
+        return None
+    boxed = _last_boxed(text)
+    if boxed is not None:
+        return boxed
+    markers = list(_MARKER_RE.finditer(text))
+    if markers:
+        rest = text[markers[-1].end():].strip().split("\n", 1)[0].strip()
+        if rest:
+            return rest
+    numbers = find_numbers(text)
+    return numbers[-1] if numbers else None
+
+
+def answer_value(answer: str | None) -> Fraction | None:
+    """The single number an extracted answer states; None if it states none or several different ones."""
+    if answer is None:
+        return None
+    value = parse_number(answer)
+    if value is not None:
+        return value
+    if "=" in answer:  # "12+7=19": the result is what follows the last "="
+        answer = answer.rsplit("=", 1)[1]
+    values = {parse_number(n) for n in find_numbers(answer)}
+    values.discard(None)
+    return values.pop() if len(values) == 1 else None
+
+
+def extract_number(text: str) -> Fraction | None:
+    """`answer_value(extract_answer(text))`: the number a completion answers with, or None."""
+    return answer_value(extract_answer(text))
+
+
+def _normalise_text(s: str) -> str:
+    return re.sub(r"\s+", " ", str(s)).strip().strip(".").lower()
+
+
+def answers_match(predicted: Any, expected: Any, rel_tol: float = 0.0) -> bool:
+    """Whether a completion (or an extracted answer) states `expected`.
+
+    Numeric `expected` compares exactly as rationals (or within `rel_tol` relative); non-numeric
+    `expected` compares as normalised text (case, spacing, trailing period)."""
+    if predicted is None:
+        return False
+    want = parse_number(expected)
+    if want is None:
+        answer = extract_answer(str(predicted))
+        answer = str(predicted) if answer is None else answer  # a bare word answer has no marker
+        return bool(answer.strip()) and _normalise_text(answer) == _normalise_text(expected)
+    got = predicted if isinstance(predicted, Fraction) else extract_number(str(predicted))
+    if got is None:
+        return False
+    if rel_tol:
+        return abs(got - want) <= rel_tol * max(1, abs(want))
+    return got == want
+
+
+def has_answer_format(text: str, style: str = "answer") -> bool:
+    """Formatting check: 'answer' (an `Answer: <number>` line), 'boxed' (\\boxed{<number>}),
+    or 'plain' (the stripped completion is exactly one number)."""
+    if style == "boxed":
+        boxed = _last_boxed(text or "")
+        return boxed is not None and answer_value(boxed) is not None
+    if style == "answer":
+        return re.search(r"answer\s*:\s*[-+\u2212]?[\d.$\\]", text or "", re.IGNORECASE) is not None
+    if style == "plain":
+        return parse_number((text or "").strip()) is not None and bool((text or "").strip())
+    raise ValueError(f"unknown answer style {style!r}; choose 'plain', 'answer' or 'boxed'")
+
+
+# ---------------------------------------------------------------- named reward functions (CLI)
+
+def default_reward(prompts: Sequence[str], responses: Sequence[str], metadata=None) -> list[float]:
+    """Length-based, as the reference documents: words / 100 (no reward model needed)."""
+    return [len(r.split()) / 100.0 for r in responses]
+
+
+def length_penalty_reward(prompts: Sequence[str], responses: Sequence[str], metadata=None,
+                          target_words: int = 50) -> list[float]:
+    """-|words - target| / target: 0 at the target length, -1 for an empty response."""
+    return [-abs(len(r.split()) - target_words) / target_words for r in responses]
+
+
+def correctness_reward(prompts: Sequence[str], responses: Sequence[str], metadata=None) -> list[float]:
+    """1.0 when the response's answer equals `metadata[i]["answer"]` (numerically if numeric), else 0.0."""
+    if metadata is None or len(metadata) != len(responses):
+        raise ValueError("correctness reward needs metadata: one dict with an 'answer' per response "
+                         "(add an 'answer' column to the prompt data)")
+    out = []
+    for i, (resp, meta) in enumerate(zip(responses, metadata)):
+        if not isinstance(meta, dict) or "answer" not in meta:
+            raise ValueError(f"correctness reward: metadata[{i}] has no 'answer' key")
+        out.append(1.0 if answers_match(resp, meta["answer"]) else 0.0)
+    return out
+
+
+REWARD_FUNCTIONS: dict[str, RewardFn] = {
+    "default": default_reward,
+    "length_penalty": length_penalty_reward,
+    "correctness": correctness_reward,
+}
+
+
+def load_custom_reward(spec: str) -> RewardFn:
+    """Import `module:function` (e.g. `my_rewards:score`) with importlib; the module must be importable
+    (on PYTHONPATH or in the working directory). No code strings are evaluated."""
+    if not isinstance(spec, str) or spec.count(":") != 1 or not all(spec.split(":")):
+        raise ValueError(f"custom reward must look like 'module.path:function', got {spec!r}")
+    module_name, func_name = spec.split(":")
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as e:
+        raise ValueError(f"cannot import reward module {module_name!r} ({e}); "
+                         "put it on PYTHONPATH or in the working directory") from e
+    fn = getattr(module, func_name, None)
+    if not callable(fn):
+        raise ValueError(f"module {module_name!r} has no callable {func_name!r}")
+    return fn
+
+
+def get_reward_fn(name: str, custom: str | None = None, **kwargs) -> RewardFn:
+    """The reward function for a CLI name: default | length_penalty | correctness | custom (with
+    `custom='module:function'`), or a `module:function` string directly. Extra kwargs are bound."""
+    import functools
+
+    if name == "custom":
+        if not custom:
+            raise ValueError("reward 'custom' needs a 'module:function' spec (e.g. custom='my_rewards:score')")
+        fn = load_custom_reward(custom)
+    elif name in REWARD_FUNCTIONS:
+        fn = REWARD_FUNCTIONS[name]
+    elif isinstance(name, str) and ":" in name:
+        fn = load_custom_reward(name)
+    else:
+        raise ValueError(f"unknown reward function {name!r}; choose one of "
+                         f"{', '.join([*REWARD_FUNCTIONS, 'custom'])} or give 'module:function'")
+    return functools.partial(fn, **kwargs) if kwargs else fn
