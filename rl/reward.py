@@ -37,7 +37,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from rl.config import ConfigError
+from rl.config import ConfigError, TrainConfig, opt
 
 FORMAT = "rl-reward-model"
 CONFIG_FILE = "reward_config.json"
@@ -837,3 +837,138 @@ class RewardModelTrainer:
     def load_model(self, path: str | Path) -> None:
         """Load weights saved by `save_model` into this trainer's model (before or after training)."""
         self.model.load_weights(path)
+
+
+# ==================================================================================================
+# Preference data
+# ==================================================================================================
+
+@dataclass
+class PreferencePairs:
+    prompts: list[str] | None
+    chosen: list[str]
+    rejected: list[str]
+    margins: list[float] | None
+
+    def __len__(self):
+        return len(self.chosen)
+
+
+def load_preference_pairs(path: str | Path, prompt_column: str = "prompt", chosen_column: str = "chosen",
+                          rejected_column: str = "rejected", margin_column: str | None = None,
+                          max_examples: int | None = None, max_report: int = 5) -> PreferencePairs:
+    """`{"prompt", "chosen", "rejected"[, margin]}` rows of a JSONL/JSON/CSV/Parquet file, validated.
+
+    The prompt column is optional for the whole file (absent everywhere: no prompts). Every bad row
+    (missing or non-string field, empty text, chosen identical to rejected, non-numeric margin) is
+    collected and reported together with its line number in one DataError."""
+    from rl.data import DataError, read_records, where
+
+    rows = read_records(path)
+    if max_examples:
+        rows = rows[:max_examples]
+    if not rows:
+        raise DataError(f"{path}: no examples (the file is empty)")
+    has_prompt = any(prompt_column in r for r in rows)
+    text_cols = ([prompt_column] if has_prompt else []) + [chosen_column, rejected_column]
+    problems: list[str] = []
+    prompts, chosen, rejected, margins = [], [], [], []
+    for row in rows:
+        here = where(path, row)
+        bad = []
+        for col in text_cols:
+            v = row.get(col)
+            if v is None:
+                bad.append(f"missing field '{col}'")
+            elif not isinstance(v, str):
+                bad.append(f"field '{col}' must be a string, got {type(v).__name__}")
+            elif col != prompt_column and not v.strip():
+                bad.append(f"field '{col}' is empty")
+        if not bad and row[chosen_column] == row[rejected_column]:
+            bad.append(f"'{chosen_column}' and '{rejected_column}' are identical (no preference to learn)")
+        m = 0.0
+        if margin_column is not None:
+            try:
+                m = float(row[margin_column])
+                if not math.isfinite(m):
+                    raise ValueError
+            except (KeyError, TypeError, ValueError):
+                bad.append(f"field '{margin_column}' must be a finite number, got {row.get(margin_column)!r}")
+        if bad:
+            problems.append(f"{here}: {'; '.join(bad)}")
+            continue
+        if has_prompt:
+            prompts.append(row[prompt_column])
+        chosen.append(row[chosen_column])
+        rejected.append(row[rejected_column])
+        margins.append(m)
+    if problems:
+        more = f" (and {len(problems) - max_report} more bad rows)" if len(problems) > max_report else ""
+        raise DataError(f"{len(problems)} bad preference rows; fix or remove them: "
+                        + " | ".join(problems[:max_report]) + more)
+    return PreferencePairs(prompts if has_prompt else None, chosen, rejected,
+                           margins if margin_column is not None else None)
+
+
+# ==================================================================================================
+# Recipe schema (launch/reward.py)
+# ==================================================================================================
+
+@dataclass
+class RewardTrainConfig(TrainConfig):
+    """Recipe schema of launch/reward.py: the shared TrainConfig plus the reward-model fields.
+
+    LoRA is the shared `lora:` section (lora.enabled, lora.rank, ...). The reference CLI's column
+    flags are accepted: --prompt-text-column, --text-column (the chosen answer) and
+    --rejected-text-column set data.prompt_column, data.chosen_column and data.rejected_column."""
+
+    pooling_strategy: Literal["last", "mean", "cls"] = opt("last", "hidden state read by the head: last real token, masked mean, first token")
+    dropout_prob: float = opt(0.0, "dropout on the pooled state during training")
+    temperature: float = opt(1.0, "rewards are divided by this")
+    load_in_4bit: bool = opt(False, "NF4 backbone via bitsandbytes (QLoRA); needs lora.enabled=true")
+    load_in_8bit: bool = opt(False, "int8 backbone via bitsandbytes; needs lora.enabled=true")
+    warmup_steps: int | None = opt(None, "linear warmup steps; null: use warmup_ratio")
+    center_rewards_coefficient: float | None = opt(None, "weight of mean((r_chosen + r_rejected)^2), keeps rewards centred (TRL name)")
+    margin_column: str | None = opt(None, "optional numeric column: required reward gap per pair")
+    append_eos: bool = opt(True, "end every text with EOS (TRL's format)")
+    prompt_text_column: str | None = opt(None, "reference CLI name for data.prompt_column")
+    text_column: str | None = opt(None, "reference CLI name for data.chosen_column (the preferred text)")
+    rejected_text_column: str | None = opt(None, "reference CLI name for data.rejected_column")
+
+    def __post_init__(self):
+        super().__post_init__()
+        defaults = {"prompt_column": "prompt", "chosen_column": "chosen", "rejected_column": "rejected"}
+        for alias, target in (("prompt_text_column", "prompt_column"), ("text_column", "chosen_column"),
+                              ("rejected_text_column", "rejected_column")):
+            value = getattr(self, alias)
+            if value is None:
+                continue
+            current = getattr(self.data, target)
+            if current != defaults[target] and current != value:
+                raise ConfigError(f"{alias}={value!r} and data.{target}={current!r} disagree; set only one")
+            setattr(self.data, target, value)
+        if (self.load_in_4bit or self.load_in_8bit) and not self.lora.enabled:
+            raise ConfigError("load_in_4bit/load_in_8bit train LoRA adapters on a quantized backbone: "
+                              "set lora.enabled=true")
+        if self.load_in_4bit and self.load_in_8bit:
+            raise ConfigError("load_in_4bit and load_in_8bit are both true; choose one")
+        if not self.temperature > 0:
+            raise ConfigError(f"key 'temperature' must be > 0, got {self.temperature}")
+        if self.resume is not None or self.save_every:
+            raise ConfigError("the reward trainer writes only the final model: leave resume unset and save_every=0")
+
+    def model_config(self) -> RewardModelConfig:
+        """The library-level RewardModelConfig this recipe describes."""
+        return RewardModelConfig(
+            model_name=self.model_name, num_labels=1, pooling_strategy=self.pooling_strategy,
+            dropout_prob=self.dropout_prob, temperature=self.temperature, use_lora=self.lora.enabled,
+            lora_rank=self.lora.rank, lora_alpha=self.lora.alpha, lora_dropout=self.lora.dropout,
+            lora_target_modules=self.lora.target_modules, load_in_4bit=self.load_in_4bit,
+            load_in_8bit=self.load_in_8bit, learning_rate=self.learning_rate, weight_decay=self.weight_decay,
+            warmup_steps=self.warmup_steps if self.warmup_steps is not None else 0,
+            warmup_ratio=None if self.warmup_steps is not None else self.warmup_ratio,
+            lr_scheduler=self.lr_scheduler, gradient_accumulation_steps=self.gradient_accumulation_steps,
+            max_grad_norm=self.max_grad_norm, max_length=self.max_length, max_steps=self.max_steps,
+            center_rewards_coefficient=self.center_rewards_coefficient, append_eos=self.append_eos,
+            dtype=self.dtype, gradient_checkpointing=self.gradient_checkpointing,
+            trust_remote_code=self.trust_remote_code, seed=self.seed, eval_every=self.eval_every)
