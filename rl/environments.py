@@ -95,32 +95,39 @@ def _is_batched(fn: Callable) -> bool:
     return bool(params) and params[0] in ("prompts", "batch_prompts")
 
 
-def _accepts(fn: Callable, name: str) -> bool:
+def batch_reward(fn: Callable) -> Callable[[list[str], list[str], list[dict]], list[float]]:
+    """Adapt a reward function to the batched form `(prompts, gens, metas) -> list[float]`.
+
+    Accepted: per-sample `fn(prompt, generated, full_text[, metadata])`; batched
+    `fn(prompts, responses[, metadata])`; TRL-style `fn(prompts, completions, **columns)`, which gets each
+    metadata key as a list-valued keyword. A None value (TRL's "not applicable") counts as 0.0."""
+    batched = _is_batched(fn)
     try:
         params = inspect.signature(fn).parameters.values()
     except (TypeError, ValueError):
-        return False
-    return any(p.name == name or p.kind is inspect.Parameter.VAR_KEYWORD for p in params)
-
-
-def batch_reward(fn: Callable) -> Callable[[list[str], list[str], list[dict]], list[float]]:
-    """Adapt a per-sample `fn(prompt, generated, full_text[, metadata])` or a batched
-    `fn(prompts, responses, metadata)` to the batched form, checking it returns one float each."""
-    batched, wants_meta = _is_batched(fn), _accepts(fn, "metadata")
+        params = []
+    has_meta = any(p.name == "metadata" for p in params)
+    has_varkw = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params)
 
     def call(prompts, gens, metas):
         if batched:
-            out = fn(list(prompts), list(gens), list(metas)) if wants_meta else fn(list(prompts), list(gens))
+            if has_meta:
+                out = fn(list(prompts), list(gens), metadata=list(metas))
+            elif has_varkw:
+                keys = sorted({k for m in metas for k in m})
+                out = fn(list(prompts), list(gens), **{k: [m.get(k) for m in metas] for k in keys})
+            else:
+                out = fn(list(prompts), list(gens))
             if isinstance(out, torch.Tensor):
                 out = out.detach().float().flatten().tolist()
             out = list(out)
         else:
-            out = [fn(p, g, p + g, metadata=m) if wants_meta else fn(p, g, p + g)
+            out = [fn(p, g, p + g, metadata=m) if (has_meta or has_varkw) else fn(p, g, p + g)
                    for p, g, m in zip(prompts, gens, metas)]
         if len(out) != len(gens):
             raise ValueError(f"reward function {getattr(fn, '__name__', fn)!r} returned {len(out)} values "
                              f"for {len(gens)} completions")
-        return [float(v) for v in out]
+        return [0.0 if v is None else float(v) for v in out]
 
     return call
 
@@ -202,6 +209,33 @@ class TextGenerationEnv:
 
     def __call__(self, prompts, responses, metadata=None) -> list[float]:
         return self.score(prompts, responses, metadata)[0]
+
+    def reward_functions(self) -> tuple[list[Callable], list[float]]:
+        """TRL-style reward functions `f(prompts, completions, **columns) -> list[float]` (one per reward
+        component, named after it) and their weights, for trainers that weight several rewards
+        themselves (GRPO). Metadata keys arrive as list-valued keyword columns, e.g. `answer=[...]`;
+        conversational completions (lists of messages) are reduced to the last message's content."""
+        names = list(getattr(self, "reward_weights", {}) or {}) or ["reward"]
+        weights = [float(getattr(self, "reward_weights", {}).get(n, 1.0)) for n in names]
+
+        def make(name):
+            def reward_fn(prompts, completions, **columns):
+                n = len(completions)
+                metas = [{k: v[i] for k, v in columns.items() if isinstance(v, (list, tuple)) and len(v) == n}
+                         for i in range(n)]
+                texts = [c[-1]["content"] if isinstance(c, list) else c for c in completions]
+                ptexts = [p[-1]["content"] if isinstance(p, list) else p for p in prompts]
+                if not any(metas):
+                    metas = [dict(self._meta_by_prompt.get(p, {})) for p in ptexts]
+                components = getattr(self, "_components", None)
+                if components:  # only this component: the others may be expensive (sandboxed tests)
+                    return components[name](ptexts, [self.truncate(t) for t in texts], metas)
+                return self.score(ptexts, texts, metas)[0]
+
+            reward_fn.__name__ = name
+            return reward_fn
+
+        return [make(n) for n in names], weights
 
     # ---------------------------------------------------------------- per-token API (reference)
 

@@ -372,3 +372,26 @@ def test_make_env_all_types(tok, tmp_path):
         E.make_env("math", tok, "{oops")
     with pytest.raises(ValueError, match="'prompts'"):
         E.make_env("text_generation", tok, {})
+
+
+# ------------------------------------------------------------------------------- trainer adapters
+
+def test_reward_functions_for_grpo(tok):
+    env = E.create_math_problem_env(tok, difficulty="tiny", num_problems=5)
+    funcs, weights = env.reward_functions()
+    assert [f.__name__ for f in funcs] == ["correctness", "formatting"] and weights == [1.0, 0.1]
+    prompts = ["1+2=", "1+2=", "3+3="]
+    completions = ["3", "Answer: 4", [{"role": "assistant", "content": "6"}]]
+    answer = ["3", "3", "6"]
+    assert funcs[0](prompts, completions, answer=answer) == [1.0, 0.0, 1.0]
+    assert funcs[1](prompts, completions, answer=answer) == [1.0, 0.0, 1.0]
+    text_funcs, text_weights = E.TextGenerationEnv(tok, ["p"]).reward_functions()
+    assert text_funcs[0](["p"], ["a b"]) == [0.02] and text_weights == [1.0]
+
+
+def test_trl_style_reward_fn_in_env(tok):
+    def trl_fn(prompts, completions, answer, **kwargs):
+        return [1.0 if c == a else None for c, a in zip(completions, answer)]
+
+    env = E.TextGenerationEnv(tok, ["p"], reward_fn=trl_fn)
+    assert env.score(["p", "p"], ["x", "y"], [{"answer": "x"}, {"answer": "x"}])[0] == [1.0, 0.0]
