@@ -220,9 +220,9 @@ class ForwardBackwardPipeline:
         return self.submit(self._forward_backward, input_ids, attention_mask, labels, loss_fn, loss_kwargs)
 
     def _forward_backward(self, input_ids, attention_mask, labels, loss_fn, loss_kwargs):
-        fn = self.loss_fns[loss_fn] if isinstance(loss_fn, str) else loss_fn
         if isinstance(loss_fn, str) and loss_fn not in self.loss_fns:
             raise KeyError(f"unknown loss_fn {loss_fn!r}; built-in: {', '.join(self.loss_fns)}")
+        fn = self.loss_fns[loss_fn] if isinstance(loss_fn, str) else loss_fn
         self._check_accumulation_room()
         input_ids = self._to_device(input_ids)
         attention_mask = self._to_device(attention_mask) if attention_mask is not None else torch.ones_like(input_ids)
@@ -332,6 +332,55 @@ class ForwardBackwardPipeline:
         logp, mask = losses.token_logprobs(logits, labels)
         nll = -(logp * mask).sum() / mask.sum().clamp(min=1)
         return ForwardBackwardResult(loss=float(nll), num_tokens=int(mask.sum()), outputs=logp * mask)
+
+    # ------------------------------------------------------------------ sampling
+    def sample(self, prompt, max_tokens: int = 100, temperature: float = 1.0, top_k: int = 0,
+               top_p: float = 1.0, stop=None, num_samples: int = 1, seed: int | None = None,
+               tokenizer=None) -> "SampleFuture":
+        """Sample from the current policy after one prompt (token list or 1-D tensor), in order.
+
+        `stop` mixes token ids and strings (strings need `tokenizer`); the model's EOS always stops.
+        Returns a future that also reads like the reference's dict: `samples["tokens"]`,
+        `samples["logprobs"]` (per-token, of the distribution sampled from, after temperature /
+        top-k / top-p) and `samples["prompt"]`; lists of lists when num_samples > 1. Under ZeRO-3
+        call it on every rank (the parameters are gathered once for the rollout)."""
+        inner = self.submit(self._sample, prompt, max_tokens, temperature, top_k, top_p, stop, num_samples,
+                            seed, tokenizer)
+        return SampleFuture.wrap(inner)
+
+    def _sample(self, prompt, max_tokens, temperature, top_k, top_p, stop, num_samples, seed, tokenizer):
+        stop = list(stop or [])
+        ids = [int(s) for s in stop if not isinstance(s, str)]
+        strings = [s for s in stop if isinstance(s, str)]
+        if torch.is_tensor(prompt):
+            prompt = prompt.reshape(-1).tolist()
+        out = self._rollout([list(map(int, prompt))], max_new_tokens=max_tokens, temperature=temperature,
+                            top_k=top_k, top_p=top_p, stop_token_ids=ids, stop_strings=strings or None,
+                            seed=seed, num_samples=num_samples, tokenizer=tokenizer)
+        toks, n = out.completions(), out.mask.sum(-1).tolist()
+        lps = [out.logprobs[i, :n[i]].tolist() for i in range(len(toks))]
+        if num_samples == 1:
+            return {"tokens": toks[0], "logprobs": lps[0], "prompt": out.prompts[0],
+                    "finish_reason": out.finish_reasons[0]}
+        return {"tokens": toks, "logprobs": lps, "prompt": out.prompts[0], "finish_reason": out.finish_reasons}
+
+    def sample_batch(self, prompts, tokenizer=None, **generate_kwargs) -> Future:
+        """Batched rollout of many prompts; Future[rl.generation.Rollout] (see `rl.generation.generate`)."""
+        return self.submit(self._rollout, prompts, tokenizer=tokenizer, **generate_kwargs)
+
+    def _rollout(self, prompts, tokenizer=None, **kw):
+        from rl.generation import generate
+
+        tokenizer = tokenizer if tokenizer is not None else getattr(self, "tokenizer", None)
+        if tokenizer is not None:
+            tok_or_pad = tokenizer
+        else:
+            cfg = getattr(self.unwrapped_model, "config", None)
+            pad = getattr(cfg, "pad_token_id", None)
+            eos = getattr(cfg, "eos_token_id", None)
+            tok_or_pad = pad if pad is not None else (eos if isinstance(eos, int) else 0)
+            kw.setdefault("eos_token_id", eos)
+        return generate(self.model, tok_or_pad, prompts, **kw)
 
     # ------------------------------------------------------------------ checkpoints
     def save_state(self, name: str, extra_state: dict | None = None) -> Future:
@@ -483,3 +532,213 @@ def _np_rng_state():
 
 def _set_np_rng_state(state) -> None:
     np.random.set_state((state[0], np.array(state[1], dtype=np.uint32), state[2], state[3], state[4]))
+
+
+# ------------------------------------------------------------------------------------------ client
+
+class SampleFuture(Future):
+    """A future that also reads like the dict it resolves to (`samples["tokens"]` blocks until
+    done), so both the reference's `pipeline.sample(...)["tokens"]` and `.result()` work."""
+
+    @classmethod
+    def wrap(cls, inner: Future) -> "SampleFuture":
+        out = cls()
+
+        def _copy(f: Future) -> None:
+            exc = f.exception()
+            if exc is not None:
+                out.set_exception(exc)
+            else:
+                out.set_result(f.result())
+
+        inner.add_done_callback(_copy)
+        return out
+
+    def __getitem__(self, key):
+        return self.result()[key]
+
+    def keys(self):
+        return self.result().keys()
+
+    def get(self, key, default=None):
+        return self.result().get(key, default)
+
+
+BATCH_MODEL_KEYS = ("input_ids", "attention_mask", "labels")
+
+
+class AsyncTrainingClient:
+    """Tinker-style training client: every call returns a future; calls run in submission order.
+
+    Built on one `ForwardBackwardPipeline` (one worker thread), so an `optim_step` submitted after
+    a `forward_backward` always sees its gradients, and an exception in a request is raised by that
+    request's `.result()` while later requests still run.
+
+    Args:
+        model: the policy (an HF causal LM, not yet prepared).
+        reference_model: optional frozen model for `forward(batch, use_reference=True)`. Under
+            ZeRO-3 it becomes its own DeepSpeed inference engine (the policy's config without
+            optimizer/scheduler), so each rank holds a shard of it; otherwise it is moved to the
+            device, frozen and kept in eval mode.
+        device, gradient_accumulation_steps, **pipeline_kwargs: as `ForwardBackwardPipeline`
+            (optimizer=, scheduler=, accelerator=, checkpoint_dir=, micro_batch_size=, ...).
+        tokenizer: optional; gives pad/EOS ids and enables stop strings in `sample`.
+        logprob_chunk_size: if set, `forward` computes log-probs `chunk_size` positions at a time
+            (no (B, T, V) logits; see `rl.generation.sequence_logprobs`).
+
+    A batch is a dict with `input_ids` and optionally `attention_mask`, `labels`; any other keys
+    (advantages, old_logprobs, returns, weights, ...) are passed to the loss function.
+    """
+
+    def __init__(self, model, reference_model=None, device: str | None = None,
+                 gradient_accumulation_steps: int = 1, *, tokenizer=None, logprob_chunk_size: int | None = None,
+                 **pipeline_kwargs):
+        self.pipeline = ForwardBackwardPipeline(model, device=device,
+                                                gradient_accumulation_steps=gradient_accumulation_steps,
+                                                **pipeline_kwargs)
+        self.pipeline.tokenizer = tokenizer
+        self.tokenizer = tokenizer
+        self.logprob_chunk_size = logprob_chunk_size
+        self.reference_model = None if reference_model is None else self._prepare_reference(reference_model)
+
+    # ------------------------------------------------------------------ setup
+    @property
+    def accelerator(self):
+        return self.pipeline.accelerator
+
+    @property
+    def model(self):
+        return self.pipeline.model
+
+    @property
+    def unwrapped_model(self):
+        return self.pipeline.unwrapped_model
+
+    @property
+    def step(self) -> int:
+        return self.pipeline.step
+
+    def _prepare_reference(self, ref):
+        ref.eval()
+        for p in ref.parameters():
+            p.requires_grad_(False)
+        acc = self.accelerator
+        if zero_stage(acc) == 3:
+            import deepspeed
+
+            engine, *_ = deepspeed.initialize(model=ref, config=reference_ds_config(acc))
+            engine.eval()
+            return engine
+        return ref.to(acc.device)
+
+    # ------------------------------------------------------------------ requests
+    def forward_backward(self, batch: dict, loss_fn: str | Callable = "cross_entropy", **loss_kwargs) -> Future:
+        """Future[ForwardBackwardResult]: forward + loss + backward of one micro-batch."""
+        model_in, extra = _split_batch(batch)
+        clash = set(extra) & set(loss_kwargs)
+        if clash:
+            raise ValueError(f"{', '.join(sorted(clash))} given both in the batch and as keyword arguments")
+        return self.pipeline.forward_backward(model_in["input_ids"], model_in.get("attention_mask"),
+                                              model_in.get("labels"), loss_fn=loss_fn, **extra, **loss_kwargs)
+
+    def forward_backward_custom(self, batch: dict, custom_loss_fn: Callable, **kwargs) -> Future:
+        """Future[ForwardBackwardResult] of `custom_loss_fn(model, inputs, outputs, **kwargs)`."""
+        model_in, extra = _split_batch(batch)
+        return self.pipeline.forward_backward_custom(custom_loss_fn, model_in["input_ids"],
+                                                     model_in.get("attention_mask"), **extra, **kwargs)
+
+    def optim_step(self, optimizer=None, scheduler=None, max_grad_norm: float | None = None) -> Future:
+        """Future[OptimStepResult]; after exactly `gradient_accumulation_steps` forward_backward calls."""
+        return self.pipeline.optim_step(optimizer, scheduler, max_grad_norm)
+
+    def forward(self, batch: dict, use_reference: bool = False) -> Future:
+        """Future[ForwardBackwardResult] whose `outputs` are per-token log-probs (B, T-1) of the
+        batch's labels (or its attended tokens), 0 where masked; no gradients. Position ids are
+        counted from each row's first attended token, as in sampling."""
+        model_in, _ = _split_batch(batch)
+        return self.pipeline.submit(self._forward, model_in, use_reference)
+
+    @torch.no_grad()
+    def _forward(self, model_in: dict, use_reference: bool):
+        from rl.generation import sequence_logprobs
+
+        if use_reference and self.reference_model is None:
+            raise ValueError("forward(use_reference=True) needs AsyncTrainingClient(reference_model=...)")
+        model = self.reference_model if use_reference else self.pipeline.model
+        dev = self.pipeline.device
+        input_ids = self.pipeline._to_device(model_in["input_ids"])
+        mask = model_in.get("attention_mask")
+        mask = torch.ones_like(input_ids) if mask is None else self.pipeline._to_device(mask)
+        labels = model_in.get("labels")
+        labels = None if labels is None else self.pipeline._to_device(labels)
+        was_training = model.training
+        model.eval()
+        try:
+            logp, m = sequence_logprobs(model, input_ids.to(dev), mask, labels, chunk_size=self.logprob_chunk_size)
+        finally:
+            model.train(was_training)
+        nll = -(logp * m).sum() / m.sum().clamp(min=1)
+        return ForwardBackwardResult(loss=float(nll), num_tokens=int(m.sum()), outputs=logp)
+
+    def sample(self, prompt, max_tokens: int = 100, temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0,
+               stop=None, num_samples: int = 1, seed: int | None = None) -> SampleFuture:
+        """Future of {"tokens", "logprobs", "prompt"} for one prompt; see `ForwardBackwardPipeline.sample`."""
+        return self.pipeline.sample(prompt, max_tokens, temperature, top_k, top_p, stop, num_samples, seed,
+                                    tokenizer=self.tokenizer)
+
+    def sample_batch(self, prompts, **generate_kwargs) -> Future:
+        """Future[rl.generation.Rollout] for many prompts (keyword arguments of `rl.generation.generate`)."""
+        return self.pipeline.sample_batch(prompts, tokenizer=self.tokenizer, **generate_kwargs)
+
+    def save_state(self, name: str, extra_state: dict | None = None) -> Future:
+        """Checkpoint the policy, optimizer, scheduler and RNG (the frozen reference is not saved)."""
+        return self.pipeline.save_state(name, extra_state)
+
+    def load_state(self, path) -> Future:
+        return self.pipeline.load_state(path)
+
+    def shutdown(self, wait: bool = True) -> None:
+        self.pipeline.shutdown(wait=wait)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.shutdown()
+
+
+def _split_batch(batch: dict) -> tuple[dict, dict]:
+    if not isinstance(batch, dict) or "input_ids" not in batch:
+        raise ValueError("batch must be a dict with 'input_ids' (and optionally 'attention_mask', 'labels', "
+                         "plus loss inputs such as 'advantages', 'old_logprobs')")
+    model_in = {k: batch[k] for k in BATCH_MODEL_KEYS if batch.get(k) is not None}
+    extra = {k: v for k, v in batch.items() if k not in BATCH_MODEL_KEYS}
+    return model_in, extra
+
+
+def reference_ds_config(accelerator) -> dict:
+    """The policy's DeepSpeed config for a frozen model: no optimizer/scheduler, no "auto" left.
+
+    Accelerate fills most "auto" values when the policy is prepared; batch sizes still "auto" (no
+    dataloader) become 1 per rank, and unresolved ZeRO bucket sizes fall back to DeepSpeed's defaults."""
+    import copy
+
+    ds = copy.deepcopy(accelerator.state.deepspeed_plugin.deepspeed_config)
+    ds.pop("optimizer", None)
+    ds.pop("scheduler", None)
+    gas = ds.get("gradient_accumulation_steps")
+    gas = 1 if gas in (None, "auto") else int(gas)
+    ds["gradient_accumulation_steps"] = gas
+    mbs = ds.get("train_micro_batch_size_per_gpu")
+    mbs = 1 if mbs in (None, "auto") else int(mbs)
+    ds["train_micro_batch_size_per_gpu"] = mbs
+    ds["train_batch_size"] = mbs * gas * accelerator.num_processes
+    if ds.get("gradient_clipping") == "auto":
+        ds["gradient_clipping"] = 0.0
+    zero = ds.get("zero_optimization", {})
+    for k in [k for k, v in zero.items() if v == "auto"]:
+        del zero[k]
+    for prec in ("bf16", "fp16"):
+        if isinstance(ds.get(prec), dict) and ds[prec].get("enabled") == "auto":
+            ds[prec]["enabled"] = accelerator.mixed_precision == prec
+    return ds

@@ -1,0 +1,196 @@
+"""Batched rollouts: log-probs, left padding, seeding, stop conditions, caches, chunked scoring."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from rl.generation import (Rollout, generate, hashed_uniform, left_pad, position_ids_from_mask, process_logits,
+                           sequence_logprobs)
+from rl.losses import token_logprobs
+
+EOS = 258
+
+
+@pytest.fixture(scope="module")
+def lm(tiny_llama):
+    from rl.models import load_causal_lm
+
+    model = load_causal_lm(tiny_llama, dtype="float32")
+    model.eval()
+    return model
+
+
+@pytest.fixture(scope="module")
+def prompts(tiny_tokenizer):
+    return [tiny_tokenizer.encode(t) for t in ("hello world", "hi", "the quick fox")]
+
+
+def test_left_pad_and_positions():
+    ids, mask = left_pad([[5, 6, 7], [8]], pad_id=0)
+    assert ids.tolist() == [[5, 6, 7], [0, 0, 8]]
+    assert mask.tolist() == [[1, 1, 1], [0, 0, 1]]
+    assert position_ids_from_mask(mask).tolist() == [[0, 1, 2], [0, 0, 0]]
+    with pytest.raises(ValueError, match="at least one token"):
+        left_pad([[1], []], 0)
+
+
+def test_process_logits_top_k_top_p_temperature():
+    logits = torch.log(torch.tensor([[0.5, 0.3, 0.15, 0.05]]))
+    k2 = process_logits(logits, top_k=2)
+    assert torch.isinf(k2[0, 2:]).all() and torch.isfinite(k2[0, :2]).all()
+    # nucleus 0.7: 0.5 alone is below, 0.5+0.3 reaches it -> keep two
+    p = process_logits(logits, top_p=0.7)
+    assert torch.isfinite(p[0, :2]).all() and torch.isinf(p[0, 2:]).all()
+    p = process_logits(logits, top_p=0.01)  # the top token always survives
+    assert torch.isfinite(p[0, 0]) and torch.isinf(p[0, 1:]).all()
+    t = process_logits(logits, temperature=0.5)
+    assert torch.allclose(t, logits * 2)
+
+
+def test_hashed_uniform_is_uniform_and_row_independent():
+    u = hashed_uniform(torch.tensor([3, 4]), 7, 50000)
+    assert (u > 0).all() and (u < 1).all()
+    assert abs(u.mean().item() - 0.5) < 0.01 and abs(u.var().item() - 1 / 12) < 0.005
+    alone = hashed_uniform(torch.tensor([4]), 7, 50000)
+    assert torch.equal(u[1:], alone)
+    assert not torch.equal(u, hashed_uniform(torch.tensor([3, 4]), 8, 50000))
+
+
+def test_sampled_logprobs_equal_a_later_forward(lm, prompts):
+    out = generate(lm, 256, prompts, max_new_tokens=16, temperature=1.0, seed=11, eos_token_id=EOS)
+    batch = out.to_batch()
+    logits = lm(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
+                position_ids=position_ids_from_mask(batch["attention_mask"])).logits
+    logp, mask = token_logprobs(logits, batch["labels"])
+    assert torch.equal(mask.bool(), batch["labels"][:, 1:] != -100)
+    assert torch.allclose(logp, batch["old_logprobs"] * mask, atol=1e-4)
+    assert out.mask.sum() > 0 and (out.logprobs[out.mask.bool()] < 0).all()
+
+
+def test_logprobs_are_of_the_filtered_distribution(lm, prompts):
+    out = generate(lm, 256, prompts[:1], max_new_tokens=6, temperature=0.7, top_k=5, top_p=0.9, seed=2)
+    ids = torch.cat([out.prompt_ids, out.tokens], 1)
+    logits = lm(input_ids=ids).logits[0, out.prompt_ids.shape[1] - 1:-1]
+    filtered = torch.log_softmax(process_logits(logits, 0.7, 5, 0.9), -1)
+    want = filtered.gather(-1, out.tokens[0, :, None]).squeeze(-1)
+    n = int(out.mask.sum())
+    assert torch.allclose(out.logprobs[0, :n], want[:n], atol=1e-4)
+    assert torch.isfinite(want[:n]).all()  # every sampled token survived top-k / top-p
+
+
+def test_batched_left_padded_equals_one_by_one(lm, prompts):
+    batched = generate(lm, 256, prompts, max_new_tokens=12, seed=5, eos_token_id=EOS)
+    assert batched.prompt_mask[1].tolist()[:2] == [0, 0]  # really left-padded
+    for r, p in enumerate(prompts):
+        single = generate(lm, 256, [p], max_new_tokens=12, seed=5 + r, eos_token_id=EOS)
+        n = int(single.mask.sum())
+        assert batched.completions()[r] == single.completions()[0]
+        assert torch.allclose(batched.logprobs[r, :n], single.logprobs[0, :n], atol=1e-4)
+
+
+def test_seeded_runs_repeat_and_seeds_differ(lm, prompts):
+    a = generate(lm, 256, prompts, max_new_tokens=10, seed=1)
+    b = generate(lm, 256, prompts, max_new_tokens=10, seed=1)
+    c = generate(lm, 256, prompts, max_new_tokens=10, seed=2)
+    assert torch.equal(a.tokens, b.tokens) and torch.equal(a.logprobs, b.logprobs)
+    assert not torch.equal(a.tokens, c.tokens)
+    torch.manual_seed(0)
+    d = generate(lm, 256, prompts, max_new_tokens=10)
+    torch.manual_seed(0)
+    e = generate(lm, 256, prompts, max_new_tokens=10)
+    assert torch.equal(d.tokens, e.tokens)
+
+
+def test_greedy_matches_hf_generate_with_left_padding(lm, prompts):
+    out = generate(lm, 256, prompts, max_new_tokens=8, temperature=0, eos_token_id=None)
+    ids, mask = left_pad(prompts, 256)
+    ref = lm.generate(input_ids=ids, attention_mask=mask, max_new_tokens=8, do_sample=False,
+                      pad_token_id=256, eos_token_id=None)
+    assert out.tokens.tolist() == ref[:, ids.shape[1]:].tolist()
+
+
+def test_static_cache_equals_dynamic(lm, prompts):
+    a = generate(lm, 256, prompts, max_new_tokens=10, seed=3, cache="dynamic")
+    b = generate(lm, 256, prompts, max_new_tokens=10, seed=3, cache="static")
+    assert torch.equal(a.tokens, b.tokens)
+    assert torch.allclose(a.logprobs, b.logprobs, atol=1e-5)
+
+
+class _EOSAtPosition(torch.nn.Module):
+    """Wraps an LM so that EOS wins once the query position reaches `at` (per row)."""
+
+    def __init__(self, lm, at):
+        super().__init__()
+        self.lm, self.at, self.config = lm, at, lm.config
+
+    def forward(self, input_ids=None, position_ids=None, cache=None, **kw):
+        out = self.lm(input_ids=input_ids, position_ids=position_ids, cache=cache, **kw)
+        pos = position_ids[:, -out.logits.shape[1]:]
+        out.logits[..., EOS] += 1e4 * (pos >= self.at).float()
+        return out
+
+
+def test_stops_on_eos_per_row(lm, prompts, tiny_tokenizer):
+    wrapped = _EOSAtPosition(lm, at=5)
+    out = generate(wrapped, tiny_tokenizer, prompts, max_new_tokens=20, seed=0)  # EOS from the tokenizer
+    for r, p in enumerate(prompts):
+        # token j is predicted at position len(p) - 1 + j; EOS from position 5 on
+        n = max(0, 6 - len(p)) + 1
+        assert int(out.mask[r].sum()) == n, (r, out.mask[r])
+        assert int(out.tokens[r, n - 1]) == EOS and out.finish_reasons[r] == "stop"
+        assert (out.tokens[r, n:] == tiny_tokenizer.pad_token_id).all() and (out.logprobs[r, n:] == 0).all()
+    # extra stop ids work the same way, and a row that never stops reports "length"
+    out = generate(lm, tiny_tokenizer, prompts[:1], max_new_tokens=6, temperature=0)
+    first = int(out.tokens[0, 2])
+    stopped = generate(lm, tiny_tokenizer, prompts[:1], max_new_tokens=6, temperature=0, stop_token_ids=[first])
+    k = out.tokens[0].tolist().index(first) + 1
+    assert stopped.completions()[0] == out.tokens[0, :k].tolist()
+    assert out.finish_reasons == ["length"]
+
+
+def test_stop_strings(lm, tiny_tokenizer):
+    prompt = tiny_tokenizer.encode("abc")
+    greedy = generate(lm, tiny_tokenizer, [prompt], max_new_tokens=12, temperature=0, eos_token_id=-1)
+    toks = greedy.tokens[0].tolist()
+    stop = tiny_tokenizer.decode(toks[3:5])
+    k = next(i for i in range(1, 13) if stop in tiny_tokenizer.decode(toks[:i]))
+    out = generate(lm, tiny_tokenizer, [prompt], max_new_tokens=12, temperature=0, eos_token_id=-1,
+                   stop_strings=[stop])
+    assert out.completions()[0] == toks[:k] and out.finish_reasons == ["stop"]
+    with pytest.raises(ValueError, match="tokenizer"):
+        generate(lm, 256, [prompt], max_new_tokens=2, stop_strings=["x"])
+
+
+def test_num_samples_rows_are_prompt_major(lm, prompts):
+    out = generate(lm, 256, prompts[:2], max_new_tokens=8, num_samples=3, seed=0)
+    assert isinstance(out, Rollout) and out.tokens.shape[0] == 6
+    assert out.prompts == [prompts[0]] * 3 + [prompts[1]] * 3
+    assert len({tuple(c) for c in out.completions()[:3]}) == 3  # distinct samples of one prompt
+
+
+def test_chunked_sequence_logprobs_equal_full(lm, prompts):
+    out = generate(lm, 256, prompts, max_new_tokens=8, seed=0)
+    b = out.to_batch()
+    full, m1 = sequence_logprobs(lm, b["input_ids"], b["attention_mask"], b["labels"])
+    chunked, m2 = sequence_logprobs(lm, b["input_ids"], b["attention_mask"], b["labels"], chunk_size=3)
+    assert torch.equal(m1, m2) and torch.allclose(full, chunked, atol=1e-5)
+    assert torch.allclose(full, b["old_logprobs"] * m1, atol=1e-4)
+
+
+def test_left_padding_with_absolute_positions_gpt2(tiny_cache, prompts):
+    """GPT-2 has absolute position embeddings: wrong position ids under left padding would change
+    every token, so this checks them (RoPE models are shift-invariant)."""
+    from rl.models import load_causal_lm
+    from rl.tiny import write_tiny_model
+
+    gpt2 = load_causal_lm(str(write_tiny_model(tiny_cache / "gpt2", family="gpt2")), dtype="float32").eval()
+    batched = generate(gpt2, 256, prompts, max_new_tokens=8, seed=9, eos_token_id=EOS)
+    for r, p in enumerate(prompts):
+        single = generate(gpt2, 256, [p], max_new_tokens=8, seed=9 + r, eos_token_id=EOS)
+        n = int(single.mask.sum())
+        assert batched.completions()[r] == single.completions()[0]
+        assert torch.allclose(batched.logprobs[r, :n], single.logprobs[0, :n], atol=1e-4)
+    b = batched.to_batch()
+    lp, m = sequence_logprobs(gpt2, b["input_ids"], b["attention_mask"], b["labels"], chunk_size=4)
+    assert torch.allclose(lp, b["old_logprobs"] * m, atol=1e-4)
