@@ -149,7 +149,8 @@ class TextGenerationEnv:
         if not prompts:
             raise ValueError("the environment needs at least one prompt")
         if metadata is not None and len(metadata) != len(prompts):
-            raise ValueError(f"metadata has {len(metadata)} entries for {len(prompts)} prompts; give one dict per prompt")
+            raise ValueError(f"metadata has {len(metadata)} entries for {len(prompts)} prompts; "
+                             "give one dict per prompt")
         if max_length < 2:
             raise ValueError(f"max_length must be at least 2, got {max_length}")
         if temperature <= 0:
@@ -431,7 +432,8 @@ class PreferenceComparisonEnv(TextGenerationEnv):
             for i in range(0, len(texts), self.batch_size):
                 enc = tok(texts[i:i + self.batch_size], return_tensors="pt", padding=True, truncation=True,
                           max_length=self.max_length)
-                logits = m(input_ids=enc["input_ids"].to(device), attention_mask=enc["attention_mask"].to(device)).logits
+                logits = m(input_ids=enc["input_ids"].to(device),
+                           attention_mask=enc["attention_mask"].to(device)).logits
                 out.extend(logits[:, 0].float().cpu().tolist())
             m.train(was_training)
             return out
@@ -478,7 +480,10 @@ class PreferenceComparisonEnv(TextGenerationEnv):
             raise RuntimeError("call env.reset() before env.step()")
         if self.done:
             raise RuntimeError("the comparison is over; call env.reset() to start a new one")
-        text = action if isinstance(action, str) else self.tokenizer.decode(self._as_ids(action), skip_special_tokens=True)
+        if isinstance(action, str):
+            text = action
+        else:
+            text = self.tokenizer.decode(self._as_ids(action), skip_special_tokens=True)
         self.responses.append(self.truncate(text))
         self.steps += 1
         info = {"responses": list(self.responses)}
@@ -576,7 +581,8 @@ class MathProblemEnv(MultiObjectiveRewardEnv):
 
     def reference_completion(self, answer: str) -> str:
         """The ideal completion for an answer in this environment's format (e.g. for SFT warm-up)."""
-        return {"plain": f"{answer}", "answer": f"Answer: {answer}", "boxed": f"\\boxed{{{answer}}}"}[self.answer_format]
+        formats = {"plain": f"{answer}", "answer": f"Answer: {answer}", "boxed": f"\\boxed{{{answer}}}"}
+        return formats[self.answer_format]
 
     def sample_prompts(self, n: int, seed: int | None = None) -> list[dict]:
         """Fresh generated problems of this split when the problems are generated, else from the set."""
@@ -593,7 +599,8 @@ class MathProblemEnv(MultiObjectiveRewardEnv):
         """{"prompt", "completion"} pairs with reference completions (all fixed problems when n is None)."""
         batch = ([{"prompt": p, "metadata": m} for p, m in zip(self.prompts, self.metadata)] if n is None
                  else self.sample_prompts(n, seed))
-        return [{"prompt": b["prompt"], "completion": self.reference_completion(b["metadata"]["answer"])} for b in batch]
+        return [{"prompt": b["prompt"], "completion": self.reference_completion(b["metadata"]["answer"])}
+                for b in batch]
 
     def _score_batch(self, prompts, gens, metas):
         missing = [i for i, m in enumerate(metas) if "answer" not in m]

@@ -42,7 +42,8 @@ from dataclasses import dataclass
 # process and its children), disable sockets as a second layer, then run the program as __main__.
 _RUNNER = r"""
 import resource, sys
-cpu, mem, fsize, nofile, block_net, path = int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4]), sys.argv[5] == "1", sys.argv[6]
+cpu, mem, fsize, nofile = (int(v) for v in sys.argv[1:5])
+block_net, path = sys.argv[5] == "1", sys.argv[6]
 def lim(kind, value):
     try:
         resource.setrlimit(kind, (value, value))
