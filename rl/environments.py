@@ -196,14 +196,16 @@ class TextGenerationEnv:
               metadata: Sequence[dict] | None = None) -> tuple[list[float], dict[str, list[float]]]:
         """Rewards (one float per completion) and per-completion metrics ({name: list[float]}).
 
-        Missing metadata is looked up by prompt text in the environment's own prompts."""
+        Missing or empty metadata is looked up by prompt text in the environment's own prompts. The
+        batched API never tokenizes, so an environment built with tokenizer=None can score."""
         if len(prompts) != len(completions):
             raise ValueError(f"{len(prompts)} prompts but {len(completions)} completions; pass one prompt per "
                              "completion (repeat a prompt for each of its generations)")
         if metadata is None:
-            metadata = [self._meta_by_prompt.get(p, {}) for p in prompts]
+            metadata = [None] * len(prompts)
         elif len(metadata) != len(prompts):
             raise ValueError(f"metadata has {len(metadata)} entries for {len(prompts)} completions")
+        metadata = [m if m else self._meta_by_prompt.get(p, {}) for p, m in zip(prompts, metadata)]
         gens = [self.truncate(c) for c in completions]
         rewards, metrics = self._score_batch(list(prompts), gens, [dict(m or {}) for m in metadata])
         return [float(r) for r in rewards], metrics

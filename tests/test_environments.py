@@ -395,3 +395,10 @@ def test_trl_style_reward_fn_in_env(tok):
 
     env = E.TextGenerationEnv(tok, ["p"], reward_fn=trl_fn)
     assert env.score(["p", "p"], ["x", "y"], [{"answer": "x"}, {"answer": "x"}])[0] == [1.0, 0.0]
+
+
+def test_batched_api_needs_no_tokenizer_and_fills_empty_metadata():
+    env = E.create_math_problem_env(None, difficulty="tiny", num_problems=3, seed=4)
+    p = env.prompts[0]
+    answer = env.metadata[0]["answer"]
+    assert env.score([p, p], [answer, "x"], [{}, None])[0] == pytest.approx([1.1, 0.0])
