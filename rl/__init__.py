@@ -48,6 +48,7 @@ _EXPORTS = {
     "PreferenceComparisonEnv": "rl.environments",
     "create_math_problem_env": "rl.environments",
     "create_code_generation_env": "rl.environments",
+    "make_env": "rl.environments",
 }
 
 __all__ = sorted(_EXPORTS)
