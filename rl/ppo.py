@@ -1,0 +1,1007 @@
+"""PPO for RLHF (Ouyang et al. 2022; Ziegler et al. 2019): a policy, a frozen reference, a value function.
+
+One iteration:
+  1. rollout   sample `batch_size` completions per process from the policy (`rl.generation.generate`:
+               left-padded prompts, KV cache, per-row seeds; ZeRO-3 gathers the weights once);
+  2. scoring   a scalar score per completion (reward function, reward model or environment), then one
+               no-grad forward of the policy (old log-probs and values) and of the reference;
+  3. rewards   per token r_t = -kl_coef * KL_t, plus the score at the LAST response token only;
+               GAE (Schulman et al. 2016) as a vectorised reverse scan over the response mask;
+               optional whitening of the advantages;
+  4. update    `ppo_epochs` passes over shuffled minibatches of `mini_batch_size` rollouts, each split
+               into `gradient_accumulation_steps` micro-batches through the engine:
+               loss = clipped policy loss (Schulman et al. 2017, eq. 7)
+                      + value_coef * clipped value loss - entropy_coef * entropy (response tokens only);
+  5. KL control Ziegler et al.'s adaptive coefficient: coef *= 1 + clip(KL/target - 1, -0.2, 0.2) * n / horizon,
+               with n = rollouts in the iteration (all processes) and KL the mean per-sequence KL sum.
+
+Alignment, the part the reference got wrong: for a batch laid out as [left-padded prompt (P) | response (N)],
+response token j sits at input position P + j and is predicted by the logits (and valued by the hidden
+state) at position P - 1 + j. Every per-token tensor here is (B, N) in that "response space": log-probs,
+values, KL, rewards, advantages, returns, mask. Position ids are counted from each row's first real token,
+exactly as during sampling, so the recomputed log-probs equal the sampler's (checked in tests/test_ppo.py).
+
+Log-probs for the loss, the KL and the old policy all use logits / temperature without top-k/top-p
+filtering (TRL's choice): the filters only shape exploration, and a filtered distribution has zero
+mass where the unfiltered one does not, which would make the ratio and the KL undefined.
+
+Deviations from the reference implementation: one value per TOKEN (not per sequence); minibatches and
+gradient accumulation; the `n_steps` factor in the KL controller; no `trust_remote_code` unless asked.
+Checked against hand-computed GAE/KL-controller values and a naive loop (tests/test_ppo.py); TRL 1.16
+has no PPO trainer any more, so there is no numerical peer for the whole loop.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import inspect
+import json
+import logging
+import math
+import time
+from functools import partial
+from pathlib import Path
+from typing import Any, Callable, Literal, Sequence
+
+import torch
+import torch.nn as nn
+
+from rl.config import ConfigError, TrainConfig, opt
+
+logger = logging.getLogger(__name__)
+
+
+# ==================================================================================================
+# Pure math (all (B, N) tensors in response space; mask 1 on generated tokens)
+# ==================================================================================================
+
+def per_token_kl(logp: torch.Tensor, ref_logp: torch.Tensor, estimator: str = "k1") -> torch.Tensor:
+    """KL(policy || reference) estimate per sampled token (Schulman 2020, "Approximating KL divergence").
+
+    k1 = log p - log p_ref (unbiased, can be negative per token); k3 = (r - 1) - log r with
+    r = p_ref / p (unbiased and always >= 0). logp, ref_logp: (B, N) -> (B, N)."""
+    log_ratio = logp - ref_logp
+    if estimator == "k1":
+        return log_ratio
+    if estimator == "k3":
+        return torch.expm1(-log_ratio) + log_ratio
+    raise ValueError(f"kl_estimator must be 'k1' or 'k3', got {estimator!r}")
+
+
+def kl_penalized_rewards(scores: torch.Tensor, kl: torch.Tensor, mask: torch.Tensor, kl_coef: float
+                         ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-token rewards (Ziegler et al. 2019, eq. 2): -kl_coef * KL_t on every response token, plus the
+    sequence score at the last response token only.
+
+    scores (B,), kl (B, N), mask (B, N) -> (rewards (B, N), non_score_rewards (B, N)). A row with no
+    response token gets no score (nothing to credit it to)."""
+    mask = mask.to(kl.dtype)
+    non_score = -kl_coef * kl * mask
+    lengths = mask.sum(-1).long()
+    last = (lengths - 1).clamp(min=0)
+    bonus = torch.zeros_like(non_score)
+    bonus.scatter_(1, last[:, None], (scores.to(kl.dtype) * (lengths > 0).to(kl.dtype))[:, None])
+    return non_score + bonus, non_score
+
+
+def gae(rewards: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, gamma: float = 1.0,
+        lam: float = 0.95) -> tuple[torch.Tensor, torch.Tensor]:
+    """Generalised advantage estimation (Schulman et al. 2016, eq. 16) without a Python loop.
+
+    rewards, values, mask: (B, N). Masked positions are skipped: the successor of a valid token is the
+    next VALID token (V = 0 after the last one: the episode ends there), and discounting counts valid
+    tokens only. With trailing padding this is the textbook recursion
+        delta_t = r_t + gamma * V_{t+1} - V_t,   A_t = delta_t + gamma * lam * A_{t+1}.
+    Vectorised as A_t = sum_{k >= t, valid} (gamma * lam)^(rank_k - rank_t) delta_k with
+    rank = the index among valid tokens: one (B, N, N) weighted sum instead of N sequential steps.
+    Returns (advantages, returns = advantages + values), both 0 where mask == 0."""
+    B, N = rewards.shape
+    m = mask.to(torch.float64)
+    r = rewards.to(torch.float64) * m
+    v = values.to(torch.float64) * m
+    pos = torch.arange(N, device=rewards.device)
+    # index of the next valid position after t (N if none), by a reverse cumulative minimum
+    idx = torch.where(m > 0, pos.expand(B, N), torch.full_like(pos.expand(B, N), N))
+    nxt = torch.cat([idx[:, 1:], torch.full((B, 1), N, device=idx.device, dtype=idx.dtype)], dim=1)
+    nxt = torch.flip(torch.cummin(torch.flip(nxt, [1]), dim=1).values, [1])
+    v_pad = torch.cat([v, torch.zeros(B, 1, dtype=v.dtype, device=v.device)], dim=1)
+    next_v = v_pad.gather(1, nxt)
+    delta = (r + gamma * next_v - v) * m
+    rank = m.cumsum(-1) - 1
+    diff = rank[:, None, :] - rank[:, :, None]  # (B, t, k): rank_k - rank_t
+    upper = (pos[None, :] >= pos[:, None]).to(m.dtype)  # k >= t
+    weights = torch.pow(torch.as_tensor(gamma * lam, dtype=m.dtype), diff.clamp(min=0)) * upper * m[:, None, :]
+    adv = torch.einsum("btk,bk->bt", weights, delta) * m
+    returns = (adv + v) * m
+    return adv.to(rewards.dtype), returns.to(rewards.dtype)
+
+
+def whiten(x: torch.Tensor, mask: torch.Tensor, shift_mean: bool = True, eps: float = 1e-8) -> torch.Tensor:
+    """(x - mean) / std over the masked entries (unbiased variance, as TRL's `masked_whiten`); masked
+    positions return 0. With shift_mean=False the mean is added back (scale only)."""
+    m = mask.to(x.dtype)
+    n = m.sum().clamp(min=1)
+    mean = (x * m).sum() / n
+    var = (((x - mean) * m) ** 2).sum() / (n - 1).clamp(min=1)
+    out = (x - mean) * torch.rsqrt(var + eps)
+    if not shift_mean:
+        out = out + mean
+    return out * m
+
+
+def explained_variance(values: torch.Tensor, returns: torch.Tensor, mask: torch.Tensor) -> float:
+    """1 - Var[returns - values] / Var[returns] over masked entries: 1 is a perfect critic, 0 one that
+    predicts the mean, negative worse than that."""
+    m = mask.to(torch.float64)
+    n = m.sum().clamp(min=1)
+
+    def var(x):
+        x = x.to(torch.float64)
+        mu = (x * m).sum() / n
+        return (((x - mu) * m) ** 2).sum() / n
+
+    vr = var(returns)
+    if vr <= 0:
+        return float("nan")
+    return float(1.0 - var(returns - values) / vr)
+
+
+def response_logits(logits: torch.Tensor, prompt_width: int) -> torch.Tensor:
+    """(B, P+N, V) logits -> (B, N, V) logits that predict the N response tokens (positions P-1 .. P+N-2)."""
+    return logits[:, prompt_width - 1:-1]
+
+
+def response_logprobs(logits: torch.Tensor, tokens: torch.Tensor, prompt_width: int, temperature: float = 1.0,
+                      with_entropy: bool = False):
+    """Log-probs (B, N) of the response tokens `tokens` (B, N) under softmax(logits / temperature),
+    and optionally the per-token entropy (B, N) of that distribution."""
+    lg = response_logits(logits, prompt_width).float()
+    if temperature != 1.0:
+        lg = lg / temperature
+    logz = torch.logsumexp(lg, dim=-1)
+    logp = lg.gather(-1, tokens[..., None]).squeeze(-1) - logz
+    if not with_entropy:
+        return logp
+    p = torch.softmax(lg, dim=-1)
+    entropy = logz - (p * lg).sum(-1)
+    return logp, entropy
+
+
+# ==================================================================================================
+# KL controllers
+# ==================================================================================================
+
+class AdaptiveKLController:
+    """Ziegler et al. (2019), sec. 2.2: coef *= 1 + clip(KL / target - 1, -0.2, 0.2) * n_steps / horizon.
+
+    `n_steps` is the number of samples the KL was measured on (the rollout batch); without it (the
+    reference's bug) the coefficient moves by at most 0.2 / horizon per iteration, i.e. never."""
+
+    def __init__(self, init_kl_coef: float, target: float, horizon: float):
+        if target <= 0 or horizon <= 0:
+            raise ValueError(f"kl target and horizon must be > 0, got {target} and {horizon}")
+        self.value = float(init_kl_coef)
+        self.target = float(target)
+        self.horizon = float(horizon)
+
+    def update(self, current_kl: float, n_steps: int) -> float:
+        error = min(max(float(current_kl) / self.target - 1.0, -0.2), 0.2)
+        self.value *= 1.0 + error * n_steps / self.horizon
+        return self.value
+
+
+class FixedKLController:
+    """A constant KL coefficient (`adaptive_kl: false`)."""
+
+    def __init__(self, kl_coef: float):
+        self.value = float(kl_coef)
+
+    def update(self, current_kl: float, n_steps: int) -> float:  # noqa: ARG002
+        return self.value
+
+
+# ==================================================================================================
+# Models: policy with a value head, separate critic
+# ==================================================================================================
+
+@dataclasses.dataclass
+class PPOModelOutput:
+    logits: torch.Tensor | None = None  # (B, T, V)
+    value: torch.Tensor | None = None  # (B, T): V of the state after reading tokens 0..t
+    past_key_values: Any = None
+
+    def __getitem__(self, key):
+        return getattr(self, key)
+
+
+class ValueHead(nn.Module):
+    """hidden -> Linear -> ReLU -> Linear -> one value per token, (B, T, H) -> (B, T), fp32 output.
+
+    The output layer starts at zero, so the first values are 0 and the first advantages are the
+    rewards themselves rather than noise from a random head."""
+
+    def __init__(self, hidden_size: int, dropout: float = 0.0):
+        super().__init__()
+        self.dropout = nn.Dropout(dropout)
+        self.dense = nn.Linear(hidden_size, hidden_size)
+        self.act = nn.ReLU()
+        self.out = nn.Linear(hidden_size, 1)
+        nn.init.zeros_(self.out.weight)
+        nn.init.zeros_(self.out.bias)
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        h = hidden.to(self.dense.weight.dtype)
+        return self.out(self.act(self.dense(self.dropout(h)))).squeeze(-1).float()
+
+
+def _position_ids(mask: torch.Tensor) -> torch.Tensor:
+    return (mask.long().cumsum(-1) - 1).clamp(min=0)
+
+
+class PPOModel(nn.Module):
+    """A causal LM plus a `ValueHead` on its last hidden state: logits and one value per token.
+
+    `forward` takes what the HF model takes. Without a KV cache it also returns `value` (B, T); with
+    one (sampling) the head is skipped. Position ids default to counting from each row's first
+    attended token, so left padding changes nothing (as in `rl.generation`). `value_head=False` makes
+    a policy without a head (when a separate critic is used)."""
+
+    def __init__(self, base_model: nn.Module, value_head: bool | ValueHead = True):
+        super().__init__()
+        self.base_model = base_model
+        # the KV-cache keyword of this transformers version ("cache" replaced "past_key_values")
+        params = inspect.signature(getattr(base_model, "get_base_model", lambda: base_model)().forward).parameters
+        self._cache_kw = "cache" if "cache" in params else "past_key_values"
+        hidden = base_model.config.get_text_config().hidden_size
+        if value_head is True:
+            value_head = ValueHead(hidden)
+        self.value_head = value_head or None
+
+    @property
+    def config(self):
+        return self.base_model.config
+
+    def forward(self, input_ids=None, attention_mask=None, position_ids=None, cache=None, past_key_values=None,
+                use_cache=None, **kwargs) -> PPOModelOutput:
+        cache = cache if cache is not None else past_key_values
+        if position_ids is None and attention_mask is not None and cache is None:
+            position_ids = _position_ids(attention_mask)
+        want_value = self.value_head is not None and cache is None
+        if cache is not None:
+            kwargs[self._cache_kw] = cache
+        out = self.base_model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                              use_cache=use_cache, output_hidden_states=want_value, **kwargs)
+        value = self.value_head(out.hidden_states[-1]) if want_value else None
+        return PPOModelOutput(logits=out.logits, value=value,
+                              past_key_values=getattr(out, "past_key_values", None) or getattr(out, "cache", None))
+
+
+class Critic(nn.Module):
+    """A separate value model: a reward model's backbone and head applied at every position (the
+    value model TRL's PPO initialises from the reward model). (B, T) values, fp32."""
+
+    def __init__(self, reward_model: nn.Module):
+        super().__init__()
+        self.backbone = reward_model.backbone
+        self.head = reward_model.head
+        self.scale = 1.0 / float(getattr(reward_model.config, "temperature", 1.0))
+
+    def forward(self, input_ids=None, attention_mask=None, position_ids=None, **kwargs) -> PPOModelOutput:
+        if attention_mask is None:
+            attention_mask = torch.ones_like(input_ids)
+        if position_ids is None:
+            position_ids = _position_ids(attention_mask)
+        out = self.backbone(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                            use_cache=False)
+        hidden = out.last_hidden_state if hasattr(out, "last_hidden_state") else out[0]
+        value = self.head(hidden.to(self.head.weight.dtype)).squeeze(-1).float() * self.scale
+        return PPOModelOutput(value=value)
+
+
+# ==================================================================================================
+# Config
+# ==================================================================================================
+
+@dataclasses.dataclass
+class PPOConfig(TrainConfig):
+    """Every field of the reference's PPOConfig, plus the rest of what a PPO run needs.
+
+    Sizes are per process: each process samples `batch_size` prompts per iteration, and each optimizer
+    step uses `mini_batch_size` of them, in `gradient_accumulation_steps` micro-batches of
+    mini_batch_size / gradient_accumulation_steps. Where the reference's Python example and its CLI
+    table differ, the defaults are the CLI's (the documented defaults of the rl_* names)."""
+
+    batch_size: int = opt(16, "prompts sampled per process per iteration (rollout batch)")
+    mini_batch_size: int = opt(8, "rollouts per optimizer step, per process; divides batch_size")
+    ppo_epochs: int = opt(4, "passes over each rollout batch")
+    num_iterations: int | None = opt(None, "rollout+update rounds; null: num_epochs passes over the prompts")
+    gamma: float = opt(0.99, "discount factor (0.9-1.0)")
+    lam: float = opt(0.95, "GAE lambda (0.9-0.99)")
+    clip_ratio: float = opt(0.2, "PPO policy clip range epsilon")
+    value_clip: float | None = opt(0.2, "value clip range around the rollout's values (null: no clipping)")
+    kl_penalty_coef: float = opt(0.1, "initial KL penalty coefficient beta (per-token reward -beta*KL)")
+    adaptive_kl: bool = opt(True, "adapt the KL coefficient towards kl_target (Ziegler et al. 2019)")
+    kl_target: float = opt(6.0, "target KL per sequence in nats (summed over response tokens), adaptive_kl only")
+    kl_horizon: int = opt(10000, "adaptive KL horizon in samples")
+    kl_estimator: Literal["k1", "k3"] = opt("k1", "per-token KL estimator: k1 = log p/p_ref, k3 = r-1-log r")
+    entropy_coef: float = opt(0.01, "entropy bonus coefficient (response tokens only)")
+    value_coef: float = opt(1.0, "value loss coefficient")
+    whiten_advantages: bool = opt(True, "normalise advantages to mean 0 / std 1 per rollout batch")
+    max_new_tokens: int = opt(128, "maximum tokens generated per prompt")
+    temperature: float = opt(1.0, "sampling temperature (> 0); log-probs use logits / temperature")
+    top_k: int = opt(50, "top-k sampling (0: off)")
+    top_p: float = opt(1.0, "nucleus sampling (1.0: off)")
+    missing_eos_penalty: float | None = opt(None, "subtracted from the score of a completion that never emitted EOS")
+    reward_clip: float | None = opt(None, "clip scores to [-reward_clip, reward_clip] (null: no clipping)")
+    reward_model_path: str | None = opt(None, "reward model directory written by launch/reward.py")
+    reward_fn: str | None = opt(None, "named reward: default | length_penalty | correctness | custom | module:function")
+    custom_reward: str | None = opt(None, "'module:function' for reward_fn=custom")
+    multi_objective: bool = opt(False, "score with a multi_objective environment weighted by reward_weights")
+    reward_weights: dict | None = opt(None, "JSON/mapping {component: weight} for multi_objective")
+    env_type: str | None = opt(None, "score with an environment: text_generation, multi_objective, "
+                               "preference_comparison, math, code")
+    env_config: dict | None = opt(None, "JSON/mapping passed to the environment (see rl.environments.make_env)")
+    ref_model: str | None = opt(None, "reference model (default: a frozen copy of model_name; with LoRA the "
+                                "policy with adapters disabled)")
+    value_model: Literal["shared", "critic"] = opt("shared", "shared: value head on the policy; critic: a "
+                                                   "separate model initialised from the reward model")
+    critic_model_path: str | None = opt(None, "critic initialisation (default: reward_model_path, else model_name)")
+    critic_learning_rate: float | None = opt(None, "critic learning rate (default: learning_rate)")
+    device: str | None = opt(None, "'cpu' forces the CPU; null picks the accelerator's device")
+    save_every: int = opt(0, "checkpoint every N iterations (0: only the final model)")
+    eval_every: int = opt(0, "score held-out prompts every N iterations (0: only at the end, if any)")
+
+    ALIASES = {
+        # the reference CLI's names
+        "rl_gamma": "gamma", "rl_gae_lambda": "lam", "rl_kl_coef": "kl_penalty_coef",
+        "rl_value_loss_coef": "value_coef", "rl_clip_range": "clip_ratio", "rl_value_clip_range": "value_clip",
+        "rl_num_ppo_epochs": "ppo_epochs", "rl_mini_batch_size": "mini_batch_size",
+        "rl_max_new_tokens": "max_new_tokens", "rl_top_k": "top_k", "rl_top_p": "top_p",
+        "rl_temperature": "temperature", "rl_reward_model_path": "reward_model_path", "model_ref": "ref_model",
+        "rl_reward_fn": "reward_fn", "rl_multi_objective": "multi_objective", "rl_reward_weights": "reward_weights",
+        "rl_env_type": "env_type", "rl_env_config": "env_config",
+        # the reference's generic training names and TRL's PPO names
+        "lr": "learning_rate", "epochs": "num_epochs", "model": "model_name", "project_name": "output_dir",
+        "kl_coef": "kl_penalty_coef", "vf_coef": "value_coef", "cliprange": "clip_ratio",
+        "cliprange_value": "value_clip", "num_ppo_epochs": "ppo_epochs", "gae_lambda": "lam",
+    }
+
+    def __post_init__(self):
+        super().__post_init__()
+        for name in ("mini_batch_size", "ppo_epochs", "max_new_tokens", "kl_horizon"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"key '{name}' must be at least 1, got {getattr(self, name)}")
+        if self.batch_size % self.mini_batch_size:
+            raise ConfigError(f"batch_size {self.batch_size} is not a multiple of mini_batch_size "
+                              f"{self.mini_batch_size}; make the rollout batch a whole number of minibatches")
+        if self.mini_batch_size % self.gradient_accumulation_steps:
+            raise ConfigError(f"mini_batch_size {self.mini_batch_size} is not a multiple of "
+                              f"gradient_accumulation_steps {self.gradient_accumulation_steps}")
+        if self.num_iterations is not None and self.num_iterations < 1:
+            raise ConfigError(f"key 'num_iterations' must be at least 1 or null, got {self.num_iterations}")
+        if self.max_steps is not None:
+            raise ConfigError("PPO counts iterations, not optimizer steps: set num_iterations instead of max_steps")
+        for name in ("gamma", "lam"):
+            if not 0.0 <= getattr(self, name) <= 1.0:
+                raise ConfigError(f"key '{name}' must be in [0, 1], got {getattr(self, name)}")
+        if not self.clip_ratio > 0:
+            raise ConfigError(f"key 'clip_ratio' must be > 0, got {self.clip_ratio}")
+        if self.value_clip is not None and not self.value_clip > 0:
+            raise ConfigError(f"key 'value_clip' must be > 0 or null, got {self.value_clip}")
+        if not self.temperature > 0:
+            raise ConfigError(f"key 'temperature' must be > 0 (PPO needs sampling), got {self.temperature}")
+        if not 0.0 < self.top_p <= 1.0:
+            raise ConfigError(f"key 'top_p' must be in (0, 1], got {self.top_p}")
+        if self.top_k < 0:
+            raise ConfigError(f"key 'top_k' must be >= 0, got {self.top_k}")
+        if self.kl_penalty_coef < 0 or not self.kl_target > 0:
+            raise ConfigError("kl_penalty_coef must be >= 0 and kl_target > 0")
+        if self.max_new_tokens >= self.max_length:
+            raise ConfigError(f"max_new_tokens {self.max_new_tokens} leaves no room for the prompt in "
+                              f"max_length {self.max_length}; raise max_length")
+        if self.reward_clip is not None and not self.reward_clip > 0:
+            raise ConfigError(f"key 'reward_clip' must be > 0 or null, got {self.reward_clip}")
+        if self.multi_objective and self.env_type not in (None, "multi_objective"):
+            raise ConfigError(f"multi_objective=true scores with env_type multi_objective, but env_type is "
+                              f"{self.env_type!r}; drop one of them")
+        given = [n for n, v in (("reward_model_path", self.reward_model_path), ("reward_fn", self.reward_fn),
+                                ("env_type", self.env_type or ("multi_objective" if self.multi_objective else None)))
+                 if v]
+        if len(given) > 1:
+            raise ConfigError(f"{' and '.join(given)} are both set; give exactly one reward source")
+        if self.reward_fn == "custom" and not self.custom_reward:
+            raise ConfigError("reward_fn=custom needs custom_reward='module:function'")
+
+    @property
+    def micro_batch_size(self) -> int:
+        return self.mini_batch_size // self.gradient_accumulation_steps
+
+
+NO_REWARD_ERROR = ("no reward source: set reward_model_path (rl_reward_model_path, a directory written by "
+                   "launch/reward.py), reward_fn (default | length_penalty | correctness | custom), or env_type; "
+                   "in Python pass PPOTrainer(reward_fn=...) or reward_model=...")
+
+
+def check_reward_source(cfg: PPOConfig, reward_fn=None, reward_model=None) -> None:
+    """Raise one ConfigError at once when no reward can be computed (before any model is built)."""
+    if reward_fn is not None or reward_model is not None:
+        return
+    if cfg.reward_model_path or cfg.reward_fn or cfg.env_type or cfg.multi_objective:
+        if cfg.reward_model_path and not Path(cfg.reward_model_path).exists():
+            raise ConfigError(f"reward_model_path {cfg.reward_model_path} does not exist; train one with "
+                              f"launch/reward.py first (its output_dir)")
+        return
+    raise ConfigError(NO_REWARD_ERROR)
+
+
+# ==================================================================================================
+# Rewards
+# ==================================================================================================
+
+def _accepts_metadata(fn: Callable) -> bool:
+    try:
+        params = inspect.signature(fn).parameters.values()
+    except (TypeError, ValueError):
+        return True
+    if any(p.kind in (p.VAR_KEYWORD, p.VAR_POSITIONAL) for p in params):
+        return True
+    return "metadata" in [p.name for p in params] or len(list(params)) >= 3
+
+
+class RewardSource:
+    """Scores completions: `(prompts, responses, metadata) -> (scores (B,) float32, metrics)`."""
+
+    def __init__(self, fn: Callable | None = None, model=None, env=None, name: str = ""):
+        self.fn, self.model, self.env, self.name = fn, model, env, name
+
+    def __call__(self, prompts: list[str], responses: list[str], metadata: list[dict] | None):
+        metrics: dict[str, float] = {}
+        if self.model is not None:
+            scores = self.model.score([p + r for p, r in zip(prompts, responses)])
+        elif self.env is not None:
+            rewards, env_metrics = self.env.score(prompts, responses, metadata)
+            scores = torch.tensor(rewards, dtype=torch.float32)
+            for k, v in env_metrics.items():
+                if v and k != "reward":
+                    metrics[f"env/{k}"] = float(sum(v) / len(v))
+        else:
+            out = (self.fn(prompts, responses, metadata) if _accepts_metadata(self.fn)
+                   else self.fn(prompts, responses))
+            scores = torch.as_tensor([float(x) for x in (out.tolist() if torch.is_tensor(out) else out)],
+                                     dtype=torch.float32)
+        scores = torch.as_tensor(scores, dtype=torch.float32).reshape(-1).cpu()
+        if scores.numel() != len(responses):
+            raise ValueError(f"the reward source returned {scores.numel()} scores for {len(responses)} responses")
+        if not torch.isfinite(scores).all():
+            raise ValueError(f"the reward source returned non-finite scores: {scores.tolist()[:8]}")
+        return scores, metrics
+
+
+def build_reward_source(cfg: PPOConfig, tokenizer, reward_fn=None, reward_model=None) -> RewardSource:
+    check_reward_source(cfg, reward_fn, reward_model)
+    if reward_fn is not None and reward_model is not None:
+        raise ConfigError("give PPOTrainer either reward_fn or reward_model, not both")
+    if reward_fn is not None:
+        if not callable(reward_fn):
+            raise ConfigError("reward_fn must be callable: fn(prompts, responses, metadata=None) -> list[float]")
+        return RewardSource(fn=reward_fn, name=getattr(reward_fn, "__name__", "reward_fn"))
+    if reward_model is not None:
+        return RewardSource(model=reward_model, name="reward_model")
+    if cfg.reward_model_path:
+        from rl.reward import load_reward_model
+
+        return RewardSource(model=load_reward_model(cfg.reward_model_path), name=cfg.reward_model_path)
+    if cfg.reward_fn:
+        from rl.rewards import get_reward_fn
+
+        try:
+            fn = get_reward_fn(cfg.reward_fn, custom=cfg.custom_reward)
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
+        return RewardSource(fn=fn, name=cfg.reward_fn)
+    from rl.environments import make_env
+
+    env_type = cfg.env_type or "multi_objective"
+    env_cfg = dict(cfg.env_config or {})
+    if cfg.reward_weights and env_type == "multi_objective":
+        env_cfg.setdefault("reward_weights", dict(cfg.reward_weights))
+    if env_type not in ("math", "code") and "prompts" not in env_cfg and "prompts_path" not in env_cfg:
+        if cfg.data.path is None:
+            raise ConfigError(f"environment {env_type!r} needs prompts: set data.path or env_config.prompts_path")
+        env_cfg["prompts_path"] = cfg.data.path
+    try:
+        env = make_env(env_type, tokenizer, env_cfg)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+    return RewardSource(env=env, name=f"env:{env_type}")
+
+
+# ==================================================================================================
+# Trainer
+# ==================================================================================================
+
+class PPOTrainer:
+    """PPO with a shared value head or a separate critic, a frozen (or adapter-disabled) reference, and
+    any reward source; runs single-process, DDP and DeepSpeed ZeRO-2/3 (policy and reference sharded).
+
+        trainer = PPOTrainer(PPOConfig(model_name=..., ...), reward_fn=my_reward_fn)
+        history = trainer.train(prompts, num_iterations=100)   # one metrics dict per iteration
+        trainer.save()
+    """
+
+    def __init__(self, config: PPOConfig, tokenizer=None, reward_fn: Callable | None = None, reward_model=None,
+                 model: nn.Module | None = None):
+        from rl.forward_backward import build_accelerator
+        from rl.models import apply_lora, load_causal_lm, load_tokenizer, resolve_dtype
+
+        cfg = self.cfg = self.config = config
+        torch.manual_seed(cfg.seed)
+        self.tokenizer = tokenizer or load_tokenizer(cfg.model_name, cfg.trust_remote_code, padding_side="left")
+        # Rewards first: a missing source fails in a second, and a reward model loaded before the
+        # accelerator is not partitioned by ZeRO-3's load-time sharding (nothing would gather it).
+        self.reward = build_reward_source(cfg, self.tokenizer, reward_fn, reward_model)
+        critic_rm = None
+        if cfg.value_model == "critic":
+            from rl.reward import load_reward_model
+
+            critic_rm = load_reward_model(cfg.critic_model_path or cfg.reward_model_path or cfg.model_name,
+                                          dtype="float32", trainable=True)
+            for p in critic_rm.head.parameters():
+                p.requires_grad_(True)
+        self.train_dtype = resolve_dtype(cfg.dtype)
+        self.accelerator = build_accelerator(
+            cfg.gradient_accumulation_steps, device=cfg.device, micro_batch_size=cfg.micro_batch_size,
+            max_grad_norm=cfg.max_grad_norm, mixed_precision="bf16" if self.train_dtype == torch.bfloat16 else "no",
+            deepspeed_config=cfg.deepspeed)
+        from rl.forward_backward import is_deepspeed
+
+        if critic_rm is not None and is_deepspeed(self.accelerator):
+            raise ConfigError("value_model=critic is not supported under DeepSpeed yet; use value_model=shared "
+                              "(the value head is sharded with the policy)")
+        if self.reward.model is not None and not getattr(self.reward.model.config, "quantization", None):
+            self.reward.model.to(self.accelerator.device)
+        if model is None:
+            # trainable weights stay fp32 (master copy); bf16 comes from autocast / DeepSpeed
+            model = load_causal_lm(cfg.model_name, dtype=torch.float32, trust_remote_code=cfg.trust_remote_code,
+                                   attn_implementation=cfg.attn_implementation,
+                                   gradient_checkpointing=cfg.gradient_checkpointing)
+        if cfg.lora.enabled:
+            model = apply_lora(model, cfg.lora.rank, cfg.lora.alpha, cfg.lora.dropout, cfg.lora.target_modules)
+        self.policy = PPOModel(model, value_head=cfg.value_model == "shared")
+        self.critic = Critic(critic_rm) if critic_rm is not None else None
+        # LoRA without an explicit reference: the policy with its adapters disabled is the reference
+        self.ref_from_adapters = cfg.lora.enabled and cfg.ref_model is None
+        self.ref_model = None
+        if not self.ref_from_adapters:
+            from rl.models import freeze
+
+            self.ref_model = freeze(load_causal_lm(cfg.ref_model or cfg.model_name, dtype=self.train_dtype,
+                                                   trust_remote_code=cfg.trust_remote_code,
+                                                   attn_implementation=cfg.attn_implementation))
+        self.kl_ctl = (AdaptiveKLController(cfg.kl_penalty_coef, cfg.kl_target, cfg.kl_horizon) if cfg.adaptive_kl
+                       else FixedKLController(cfg.kl_penalty_coef))
+        self.pipeline = None
+        self.history: list[dict] = []
+        self.stopped_early = False
+
+    # ------------------------------------------------------------------ sizes and setup
+    @property
+    def world(self) -> int:
+        return self.accelerator.num_processes
+
+    def plan(self, n_prompts: int, num_iterations: int | None = None) -> dict:
+        """Derived sizes, computed once."""
+        cfg = self.cfg
+        global_batch = cfg.batch_size * self.world
+        per_epoch = max(1, math.ceil(n_prompts / global_batch))
+        iterations = num_iterations or cfg.num_iterations or per_epoch * cfg.num_epochs
+        mini_batches = cfg.batch_size // cfg.mini_batch_size
+        steps_per_iteration = cfg.ppo_epochs * mini_batches
+        return {"global_batch": global_batch, "iterations": iterations, "mini_batches": mini_batches,
+                "micro_batch_size": cfg.micro_batch_size, "steps_per_iteration": steps_per_iteration,
+                "total_steps": iterations * steps_per_iteration,
+                "samples_per_iteration": global_batch}
+
+    def _setup(self, plan: dict) -> None:
+        if self.pipeline is not None:
+            return
+        from rl.checkpoint import checkpoint_dir
+        from rl.forward_backward import ForwardBackwardPipeline, zero_stage
+        from rl.models import build_optimizer, build_scheduler
+
+        cfg, acc = self.cfg, self.accelerator
+        out = Path(cfg.output_dir)
+        optimizer = build_optimizer(self.policy, cfg.learning_rate, cfg.weight_decay)
+        scheduler = build_scheduler(optimizer, cfg.lr_scheduler, plan["total_steps"], cfg.warmup_ratio)
+        self.pipeline = ForwardBackwardPipeline(
+            self.policy, gradient_accumulation_steps=cfg.gradient_accumulation_steps, optimizer=optimizer,
+            scheduler=scheduler, accelerator=acc, checkpoint_dir=checkpoint_dir(out),
+            micro_batch_size=cfg.micro_batch_size)
+        self.critic_pipeline = None
+        if self.critic is not None:
+            c_opt = build_optimizer(self.critic, cfg.critic_learning_rate or cfg.learning_rate, cfg.weight_decay)
+            c_sched = build_scheduler(c_opt, cfg.lr_scheduler, plan["total_steps"], cfg.warmup_ratio)
+            self.critic_pipeline = ForwardBackwardPipeline(
+                self.critic, gradient_accumulation_steps=cfg.gradient_accumulation_steps, optimizer=c_opt,
+                scheduler=c_sched, accelerator=acc, checkpoint_dir=checkpoint_dir(out) / "critic",
+                micro_batch_size=cfg.micro_batch_size)
+        if self.ref_model is not None:
+            if zero_stage(acc) == 3:
+                import deepspeed
+
+                from rl.forward_backward import reference_ds_config
+
+                # its own inference engine: each rank holds a shard of the frozen reference
+                engine, *_ = deepspeed.initialize(model=self.ref_model, config=reference_ds_config(acc))
+                engine.eval()
+                self.ref_model = engine
+            else:
+                self.ref_model = self.ref_model.to(acc.device)
+
+    # ------------------------------------------------------------------ forward passes (no grad)
+    @torch.no_grad()
+    def _score_forward(self, batch: dict, P: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Old log-probs, old values and reference log-probs, (B, N) each, in micro-batches."""
+        cfg = self.cfg
+        pipe = self.pipeline
+        dev = pipe.device
+        ids, mask, toks = batch["input_ids"].to(dev), batch["attention_mask"].to(dev), batch["tokens"].to(dev)
+        pos = _position_ids(mask)
+        old_lp, old_v, ref_lp = [], [], []
+        step = cfg.micro_batch_size
+        model = pipe.model
+        model.eval()
+        try:
+            for s in range(0, ids.shape[0], step):
+                sl = slice(s, s + step)
+                out = model(input_ids=ids[sl], attention_mask=mask[sl], position_ids=pos[sl], use_cache=False)
+                old_lp.append(response_logprobs(out.logits, toks[sl], P, cfg.temperature))
+                if out.value is not None:
+                    old_v.append(out.value[:, P - 1:-1].float())
+                del out
+                if self.ref_from_adapters:
+                    with self.pipeline.unwrapped_model.base_model.disable_adapter():
+                        ref_logits = model(input_ids=ids[sl], attention_mask=mask[sl], position_ids=pos[sl],
+                                           use_cache=False).logits
+                else:
+                    ref_logits = self.ref_model(input_ids=ids[sl], attention_mask=mask[sl], position_ids=pos[sl],
+                                                use_cache=False).logits
+                ref_lp.append(response_logprobs(ref_logits, toks[sl], P, cfg.temperature))
+                del ref_logits
+                if self.critic_pipeline is not None:
+                    cm = self.critic_pipeline.model
+                    cm.eval()
+                    old_v.append(cm(input_ids=ids[sl], attention_mask=mask[sl], position_ids=pos[sl]).value[:, P - 1:-1])
+                    cm.train()
+        finally:
+            model.train()
+        return torch.cat(old_lp), torch.cat(old_v), torch.cat(ref_lp)
+
+    # ------------------------------------------------------------------ losses (through the engine)
+    @staticmethod
+    def _policy_loss(model, inputs, outputs, *, P, tokens, mask, old_logprobs, advantages, old_values=None,
+                     returns=None, clip_ratio=0.2, value_clip=0.2, value_coef=1.0, entropy_coef=0.0,
+                     temperature=1.0):
+        from rl.losses import masked_mean, ppo_policy_loss, ppo_value_loss
+
+        logp, entropy = response_logprobs(outputs.logits, tokens, P, temperature, with_entropy=True)
+        loss, metrics = ppo_policy_loss(logp, old_logprobs, advantages, mask, clip_ratio, clip_ratio)
+        ent = masked_mean(entropy, mask)
+        loss = loss - entropy_coef * ent
+        metrics["policy/entropy"] = ent.detach()
+        if returns is not None and outputs.value is not None:
+            v = outputs.value[:, P - 1:-1]
+            v_loss, v_metrics = ppo_value_loss(v, old_values, returns, mask, value_clip)
+            loss = loss + value_coef * v_loss
+            metrics.update(v_metrics)
+        metrics["loss/total"] = loss.detach()
+        return loss, metrics
+
+    @staticmethod
+    def _critic_loss(model, inputs, outputs, *, P, mask, old_values, returns, value_clip=0.2, value_coef=1.0):
+        from rl.losses import ppo_value_loss
+
+        v_loss, metrics = ppo_value_loss(outputs.value[:, P - 1:-1], old_values, returns, mask, value_clip)
+        return value_coef * v_loss, metrics
+
+    # ------------------------------------------------------------------ one iteration
+    def _rollout(self, prompt_ids: list[list[int]], seed: int):
+        from rl.generation import generate
+
+        cfg = self.cfg
+        return generate(self.pipeline.model, self.tokenizer, prompt_ids, max_new_tokens=cfg.max_new_tokens,
+                        temperature=cfg.temperature, top_k=cfg.top_k, top_p=cfg.top_p, seed=seed)
+
+    def _decode(self, rollout) -> list[str]:
+        return [self.tokenizer.decode(c, skip_special_tokens=True) for c in rollout.completions()]
+
+    def step(self, prompt_texts: list[str], prompt_ids: list[list[int]], metadata: list[dict] | None,
+             iteration: int) -> dict:
+        """One PPO iteration on this process's prompts; returns metrics averaged over processes."""
+        cfg, acc, pipe = self.cfg, self.accelerator, self.pipeline
+        B = len(prompt_ids)
+        # 1. rollout
+        t0 = time.time()
+        seed = ((cfg.seed * 100_003 + iteration) * self.world + acc.process_index) * B
+        rollout = self._rollout(prompt_ids, seed)
+        t_gen = time.time() - t0
+        # 2. scoring: reward source, then old policy / values / reference on the same tokens
+        t1 = time.time()
+        responses = self._decode(rollout)
+        scores, extra = self.reward(prompt_texts, responses, metadata)
+        raw_scores = scores.clone()
+        N = max(1, int(rollout.mask.sum(-1).max()))  # drop columns no row generated into
+        P = rollout.prompt_ids.shape[1]
+        tokens, mask = rollout.tokens[:, :N], rollout.mask[:, :N]
+        batch = {"input_ids": torch.cat([rollout.prompt_ids, tokens], 1),
+                 "attention_mask": torch.cat([rollout.prompt_mask, mask], 1), "tokens": tokens}
+        old_logp, old_values, ref_logp = self._score_forward(batch, P)
+        t_score = time.time() - t1
+        # 3. rewards and advantages (fp32, on the device)
+        t2 = time.time()
+        dev = pipe.device
+        maskf = mask.to(dev).float()
+        scores = scores.to(dev)
+        eos_missing = torch.tensor([r != "stop" for r in rollout.finish_reasons], device=dev)
+        if cfg.missing_eos_penalty:
+            scores = scores - cfg.missing_eos_penalty * eos_missing.float()
+        if cfg.reward_clip:
+            scores = scores.clamp(-cfg.reward_clip, cfg.reward_clip)
+        old_logp, ref_logp = old_logp * maskf, ref_logp * maskf
+        kl = per_token_kl(old_logp, ref_logp, cfg.kl_estimator) * maskf
+        kl_coef = self.kl_ctl.value
+        rewards, non_score = kl_penalized_rewards(scores, kl, maskf, kl_coef)
+        old_values = old_values.to(dev).float() * maskf
+        adv, returns = gae(rewards, old_values, maskf, cfg.gamma, cfg.lam)
+        if cfg.whiten_advantages:
+            adv = whiten(adv, maskf)
+        # 4. PPO epochs over shuffled minibatches
+        common = dict(P=P, clip_ratio=cfg.clip_ratio, value_clip=cfg.value_clip, value_coef=cfg.value_coef,
+                      entropy_coef=cfg.entropy_coef, temperature=cfg.temperature)
+        data = {"tokens": tokens.to(dev), "mask": maskf, "old_logprobs": old_logp, "advantages": adv,
+                "old_values": old_values, "returns": returns}
+        ids, attn = batch["input_ids"].to(dev), batch["attention_mask"].to(dev)
+        gen = torch.Generator().manual_seed(cfg.seed * 7919 + iteration)
+        sums: dict[str, float] = {}
+        counts: dict[str, int] = {}
+        grad_norms = []
+        lr = None
+        for _ in range(cfg.ppo_epochs):
+            order = torch.randperm(B, generator=gen)
+            for mb in range(B // cfg.mini_batch_size):
+                mb_idx = order[mb * cfg.mini_batch_size:(mb + 1) * cfg.mini_batch_size]
+                for micro in mb_idx.split(cfg.micro_batch_size):
+                    micro = micro.to(dev)
+                    kw = {k: v[micro] for k, v in data.items()}
+                    if self.critic_pipeline is None:
+                        fn = partial(self._policy_loss, **common)
+                        r = pipe.forward_backward_custom(fn, ids[micro], attn[micro], **kw).result()
+                    else:
+                        fn = partial(self._policy_loss, **{k: v for k, v in common.items()
+                                                           if k not in ("value_clip", "value_coef")})
+                        pk = {k: v for k, v in kw.items() if k not in ("old_values", "returns")}
+                        r = pipe.forward_backward_custom(fn, ids[micro], attn[micro], **pk).result()
+                        cfn = partial(self._critic_loss, P=P, value_clip=cfg.value_clip, value_coef=cfg.value_coef)
+                        rc = self.critic_pipeline.forward_backward_custom(
+                            cfn, ids[micro], attn[micro], mask=kw["mask"], old_values=kw["old_values"],
+                            returns=kw["returns"]).result()
+                        r.metrics.update(rc.metrics)
+                    for k, v in r.metrics.items():
+                        sums[k] = sums.get(k, 0.0) + v
+                        counts[k] = counts.get(k, 0) + 1
+                o = pipe.optim_step(max_grad_norm=cfg.max_grad_norm).result()
+                if self.critic_pipeline is not None:
+                    self.critic_pipeline.optim_step(max_grad_norm=cfg.max_grad_norm).result()
+                if o.grad_norm is not None:
+                    grad_norms.append(o.grad_norm)
+                lr = o.learning_rate
+        t_train = time.time() - t2
+        # 5. metrics (averaged over processes), KL controller
+        seq_kl = kl.sum(-1)
+        local = {
+            "objective/scores": scores.mean(), "objective/scores_raw": raw_scores.mean().to(dev),
+            "objective/kl": seq_kl.mean(), "objective/entropy": (-old_logp).sum(-1).mean(),
+            "objective/non_score_reward": non_score.sum(-1).mean(),
+            "objective/rlhf_reward": (scores + non_score.sum(-1)).mean(),
+            "val/explained_variance": torch.tensor(explained_variance(old_values, returns, maskf), device=dev),
+            "response_length": maskf.sum(-1).mean(), "eos_fraction": 1.0 - eos_missing.float().mean(),
+            "val/returns_mean": (returns * maskf).sum() / maskf.sum().clamp(min=1),
+        }
+        for k in sums:
+            local[k] = torch.tensor(sums[k] / counts[k], device=dev)
+        for k, v in extra.items():
+            local[k] = torch.tensor(v, device=dev)
+        keys = sorted(local)
+        vec = torch.stack([torch.as_tensor(local[k], device=dev, dtype=torch.float32).reshape(()) for k in keys])
+        if self.world > 1:
+            vec = acc.reduce(vec, "mean")
+        metrics = {k: float(x) for k, x in zip(keys, vec.tolist())}
+        self.kl_ctl.update(metrics["objective/kl"], cfg.batch_size * self.world)
+        metrics.update({"kl_coef": kl_coef, "lr": lr, "grad_norm": sum(grad_norms) / max(1, len(grad_norms)),
+                        "time/generation": t_gen, "time/scoring": t_score, "time/training": t_train,
+                        "time/iteration": time.time() - t0})
+        self.last_rollout = {"prompts": prompt_texts, "responses": responses, "scores": raw_scores.tolist()}
+        return metrics
+
+    # ------------------------------------------------------------------ data
+    def encode_prompts(self, prompts: Sequence[str]) -> list[list[int]]:
+        """Token ids of each prompt (BOS first when the tokenizer has one), keeping the LAST
+        max_length - max_new_tokens tokens of a prompt that is too long."""
+        tok = self.tokenizer
+        room = self.cfg.max_length - self.cfg.max_new_tokens
+        bos = [tok.bos_token_id] if getattr(tok, "bos_token_id", None) is not None else []
+        out, cut = [], 0
+        for p in prompts:
+            if not isinstance(p, str):
+                raise ConfigError(f"prompts must be strings, got {type(p).__name__}")
+            ids = tok(p, add_special_tokens=False)["input_ids"]
+            if bos and ids[:1] == bos:
+                ids = ids[1:]
+            ids = bos + ids
+            if len(ids) > room:
+                ids, cut = bos + ids[len(ids) - room + len(bos):], cut + 1
+            out.append(ids)
+        if cut:
+            logger.warning("%d prompts were longer than max_length - max_new_tokens = %d tokens and lost their "
+                           "beginning", cut, room)
+        return out
+
+    # ------------------------------------------------------------------ the loop
+    def train(self, prompts: Sequence[str], num_iterations: int | None = None,
+              metadata: Sequence[dict] | None = None, eval_prompts: Sequence[str] | None = None) -> list[dict]:
+        """Run PPO on `prompts` (strings); returns one metrics dict per iteration (also `self.history`).
+
+        Every process passes the same prompts; iteration i uses a seeded shuffle of them, and process r
+        takes every world-th of the iteration's `batch_size * world` prompts. `metadata` (one dict per
+        prompt, e.g. {"answer": ...}) is handed to the reward source."""
+        from rl.checkpoint import StopSignal, checkpoint_name, resolve_resume
+        from rl.config import save_config, to_dict
+        from rl.forward_backward import zero_stage
+        from rl.models import trainable_fraction
+        from rl.tracking import Tracker
+
+        cfg, acc = self.cfg, self.accelerator
+        prompts = [prompts] if isinstance(prompts, str) else list(prompts)
+        if not prompts:
+            raise ConfigError("train() got no prompts")
+        if metadata is not None and len(metadata) != len(prompts):
+            raise ConfigError(f"metadata has {len(metadata)} entries for {len(prompts)} prompts")
+        plan = self.plan(len(prompts), num_iterations)
+        self._plan = plan
+        self._setup(plan)
+        encoded = self.encode_prompts(prompts)
+        out = Path(cfg.output_dir)
+        if acc.is_main_process:
+            save_config(cfg, out)
+        tracker = Tracker(out, cfg.report_to, cfg.run_name, to_dict(cfg), plan["iterations"], acc.is_main_process,
+                          desc="ppo", plot_keys=["objective/scores", "objective/kl", "kl_coef", "loss/policy",
+                                                 "loss/value", "val/explained_variance", "policy/clipfrac",
+                                                 "response_length", "objective/entropy"])
+        n_train, n_all = trainable_fraction(self.policy)
+        tracker.write(f"ppo: {len(prompts)} prompts, {plan['iterations']} iterations x {plan['global_batch']} "
+                      f"rollouts, {plan['steps_per_iteration']} optimizer steps each; {self.world} process(es), "
+                      f"ZeRO stage {zero_stage(acc)}; trainable {n_train:,}/{n_all:,} parameters; "
+                      f"reward: {self.reward.name}; value: {cfg.value_model}; reference: "
+                      f"{'policy without adapters' if self.ref_from_adapters else (cfg.ref_model or cfg.model_name)}")
+        start = 0
+        resume_from = resolve_resume(cfg.resume, out)
+        if resume_from is not None:
+            extra = self.pipeline.load_state(resume_from).result()
+            if self.critic_pipeline is not None:
+                self.critic_pipeline.load_state(Path(resume_from).parent / "critic" / Path(resume_from).name).result()
+            start = int(extra["iteration"])
+            self.kl_ctl.value = float(extra["kl_coef"])
+            tracker.write(f"resumed from {resume_from} at iteration {start}")
+        stopper = StopSignal()
+        G = plan["global_batch"]
+        try:
+            for it in range(start, plan["iterations"]):
+                idx = self._global_indices(it, len(prompts))[acc.process_index::self.world]
+                metrics = self.step([prompts[i] for i in idx], [encoded[i] for i in idx],
+                                    [dict(metadata[i]) for i in idx] if metadata is not None else None, it)
+                metrics["iteration"] = it + 1
+                metrics["epoch"] = (it + 1) * G / len(prompts)
+                if eval_prompts and cfg.eval_every and (it + 1) % cfg.eval_every == 0:
+                    metrics.update(self.evaluate(eval_prompts))
+                self.history.append(metrics)
+                if (it + 1) % cfg.log_every == 0 or it + 1 == plan["iterations"]:
+                    tracker.log(it + 1, metrics)
+                stop = self._any_process(stopper.stop)
+                if (cfg.save_every and (it + 1) % cfg.save_every == 0) or stop:
+                    self._save_checkpoint(checkpoint_name(it + 1), it + 1)
+                if stop:
+                    tracker.write(f"stopping on signal {stopper.received} after iteration {it + 1}; checkpoint "
+                                  f"written, resume with resume=auto")
+                    self.stopped_early = True
+                    return self.history
+            if eval_prompts:
+                ev = self.evaluate(eval_prompts)
+                if self.history:
+                    self.history[-1].update(ev)
+                tracker.log(plan["iterations"], ev)
+            return self.history
+        finally:
+            stopper.restore()
+            tracker.close()
+
+    def _global_indices(self, iteration: int, n: int) -> list[int]:
+        """The iteration's batch_size * world prompt indices: consecutive slices of per-epoch seeded
+        shuffles (so every prompt is used once per epoch), identical on every process."""
+        G = self._plan["global_batch"]
+        out, pos = [], iteration * G
+        while len(out) < G:
+            epoch, offset = divmod(pos, n)
+            order = torch.randperm(n, generator=torch.Generator().manual_seed(self.cfg.seed + epoch)).tolist()
+            take = order[offset:offset + G - len(out)]
+            out += take
+            pos += len(take)
+        return out
+
+    def _any_process(self, flag: bool) -> bool:
+        if self.world == 1:
+            return flag
+        t = torch.tensor([1.0 if flag else 0.0], device=self.accelerator.device)
+        return bool(self.accelerator.reduce(t, "max").item() > 0)
+
+    def _save_checkpoint(self, name: str, iteration: int) -> None:
+        extra = {"iteration": iteration, "kl_coef": self.kl_ctl.value}
+        self.pipeline.save_state(name, extra).result()
+        if self.critic_pipeline is not None:
+            self.critic_pipeline.save_state(name, extra).result()
+
+    @torch.no_grad()
+    def evaluate(self, prompts: Sequence[str], metadata: Sequence[dict] | None = None) -> dict:
+        """Sample once per prompt (this process's share) and score: eval/scores, eval/response_length."""
+        acc = self.accelerator
+        idx = list(range(len(prompts)))[acc.process_index::self.world]
+        if not idx:  # every process must generate (ZeRO-3 gathers collectively)
+            idx = [0]
+        texts = [prompts[i] for i in idx]
+        rollout = self._rollout(self.encode_prompts(texts), seed=self.cfg.seed + 1_000_000_007)
+        scores, _ = self.reward(texts, self._decode(rollout), [metadata[i] for i in idx] if metadata else None)
+        vec = torch.stack([scores.mean(), rollout.mask.sum(-1).float().mean().cpu()]).to(acc.device)
+        if self.world > 1:
+            vec = acc.reduce(vec, "mean")
+        return {"eval/scores": float(vec[0]), "eval/response_length": float(vec[1])}
+
+    # ------------------------------------------------------------------ saving
+    def save(self, out_dir: str | None = None) -> str:
+        """Write the policy as an HF model directory (LoRA merged, no value head) plus
+        `value_head.safetensors`; every process must call it (ZeRO-3 gathers the weights)."""
+        from safetensors.torch import save_file
+
+        acc = self.accelerator
+        out = Path(out_dir or self.cfg.output_dir)
+        state = acc.get_state_dict(self.pipeline.model)
+        if acc.is_main_process:
+            out.mkdir(parents=True, exist_ok=True)
+            base = self.pipeline.unwrapped_model.base_model
+            prefix = "base_model."
+            base_sd = {k[len(prefix):]: v for k, v in state.items() if k.startswith(prefix)}
+            head_sd = {k[len("value_head."):]: v.contiguous() for k, v in state.items() if k.startswith("value_head.")}
+            if hasattr(base, "merge_and_unload"):
+                import copy
+
+                merged = copy.deepcopy(base)
+                merged.load_state_dict(base_sd)
+                merged.merge_and_unload().save_pretrained(out, safe_serialization=True)
+            else:
+                base.save_pretrained(out, state_dict=base_sd, safe_serialization=True)
+            if head_sd:
+                save_file(head_sd, str(out / "value_head.safetensors"))
+            self.tokenizer.save_pretrained(out)
+            (out / "ppo_summary.json").write_text(json.dumps(self.history[-1] if self.history else {}, indent=2))
+        acc.wait_for_everyone()
+        return str(out)
+
+
+# ==================================================================================================
+# A toy reward with a known optimum (tiny recipe and tests)
+# ==================================================================================================
+
+def char_fraction_reward(prompts: Sequence[str], responses: Sequence[str], metadata=None,
+                         char: str = "a") -> list[float]:
+    """Fraction of the response's characters equal to `char` (0 for an empty response); the optimum
+    1.0 is a response of only that character. Used by recipes/tiny/ppo.yaml as
+    `reward_fn: custom, custom_reward: rl.ppo:char_fraction_reward`."""
+    return [r.count(char) / len(r) if r else 0.0 for r in responses]
