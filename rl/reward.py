@@ -95,8 +95,10 @@ def masked_mse(pred: torch.Tensor, target: torch.Tensor, mask: torch.Tensor | No
         raise ValueError(f"objective_mask shape {tuple(mask.shape)} must be (K,) or (B, K) = {tuple(pred.shape)}")
     if target.shape != pred.shape:
         raise ValueError(f"target_rewards shape {tuple(target.shape)} must be (B, K) = {tuple(pred.shape)}")
-    # where() instead of multiplying, so a NaN target under the mask cannot poison the sum.
-    sq = torch.where(mask, (pred - target.to(pred.dtype)) ** 2, torch.zeros_like(pred))
+    # Masked targets are replaced before the subtraction: a NaN there would otherwise reach the
+    # gradient (0 * NaN) even through where().
+    target = torch.where(mask, target.to(pred.dtype), pred.detach())
+    sq = torch.where(mask, (pred - target) ** 2, torch.zeros_like(pred))
     count = mask.sum()
     loss = sq.sum() / count.clamp(min=1)  # all masked: 0 * pred, connected to the graph
     per_objective = sq.sum(0) / mask.sum(0).clamp(min=1)
@@ -685,6 +687,7 @@ class RewardModelTrainer:
         warmup = (int(round(cfg.warmup_ratio * total_steps)) if cfg.warmup_ratio is not None
                   else min(cfg.warmup_steps, max(0, total_steps - 1)))
         if self.pipeline is None:
+            self._fill_deepspeed_sizes()
             optimizer = build_optimizer(self.model, cfg.learning_rate, cfg.weight_decay)
             scheduler = build_scheduler(optimizer, cfg.lr_scheduler, total_steps, warmup_steps=warmup)
             self.pipeline = ForwardBackwardPipeline(
@@ -696,6 +699,19 @@ class RewardModelTrainer:
             for g in inner.param_groups:
                 g["lr"] = g.get("initial_lr", cfg.learning_rate)
             self.pipeline.scheduler = build_scheduler(inner, cfg.lr_scheduler, total_steps, warmup_steps=warmup)
+
+    def _fill_deepspeed_sizes(self) -> None:
+        """Fill ZeRO's hidden-size based "auto" buckets as accelerate would: it reads
+        `model.config.hidden_size`, which our wrapper's config (a RewardModelConfig) lacks."""
+        plugin = getattr(self.accelerator.state, "deepspeed_plugin", None)
+        if plugin is None:
+            return
+        h = self.model.hf_config.get_text_config().hidden_size
+        zero = plugin.deepspeed_config.setdefault("zero_optimization", {})
+        for key, value in (("reduce_bucket_size", h * h), ("stage3_prefetch_bucket_size", int(0.9 * h * h)),
+                           ("stage3_param_persistence_threshold", 10 * h)):
+            if zero.get(key) == "auto":
+                zero[key] = value
 
     # ------------------------------------------------------------------ training
     def train_on_preferences(self, chosen_texts: Sequence[str], rejected_texts: Sequence[str],
