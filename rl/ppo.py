@@ -883,6 +883,8 @@ class PPOTrainer:
                       f"ZeRO stage {zero_stage(acc)}; trainable {n_train:,}/{n_all:,} parameters; "
                       f"reward: {self.reward.name}; value: {cfg.value_model}; reference: "
                       f"{'policy without adapters' if self.ref_from_adapters else (cfg.ref_model or cfg.model_name)}")
+        if zero_stage(acc) == 3:
+            tracker.write("zero3 shards on rank 0: " + ", ".join(f"{k} {a:,}/{b:,}" for k, (a, b) in self.shard_report().items()))
         start = 0
         resume_from = resolve_resume(cfg.resume, out)
         if resume_from is not None:
@@ -923,6 +925,23 @@ class PPOTrainer:
         finally:
             stopper.restore()
             tracker.close()
+
+    def shard_report(self) -> dict[str, tuple[int, int]]:
+        """{model: (parameters held by this process, all parameters)}; under ZeRO-3 the first is a shard."""
+        def count(params):
+            params = list(params)
+            local = sum(p.ds_tensor.numel() if hasattr(p, "ds_tensor") else p.numel() for p in params)
+            return local, sum(getattr(p, "ds_numel", None) or p.numel() for p in params)
+
+        policy = self.pipeline.unwrapped_model
+        out = {"policy": count(policy.base_model.parameters())}
+        if policy.value_head is not None:
+            out["value head"] = count(policy.value_head.parameters())
+        if self.ref_model is not None:
+            out["reference"] = count(self.ref_model.parameters())
+        if self.critic_pipeline is not None:
+            out["critic"] = count(self.critic_pipeline.unwrapped_model.parameters())
+        return out
 
     def _global_indices(self, iteration: int, n: int) -> list[int]:
         """The iteration's batch_size * world prompt indices: consecutive slices of per-epoch seeded
