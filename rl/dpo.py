@@ -379,7 +379,7 @@ class DPOTrainer:
     """
 
     def __init__(self, config: DPOConfig, tokenizer=None, model=None, ref_model=None):
-        from rl.forward_backward import build_accelerator
+        from rl.forward_backward import build_accelerator, zero_stage
         from rl.models import apply_lora, load_causal_lm, load_tokenizer, resolve_dtype, trainable_fraction
 
         cfg = self.config = config
@@ -404,8 +404,10 @@ class DPOTrainer:
         else:
             self.ref_mode = "copy"
             if ref_model is None:
-                if cfg.ref_model_name is not None:
-                    ref_model = load_causal_lm(cfg.ref_model_name, dtype=train_dtype,
+                # Under ZeRO-3 the policy's parameters may already be partitioned (zero.Init at load):
+                # a deep copy would copy empty shards, so the reference is loaded again by name.
+                if cfg.ref_model_name is not None or zero_stage(self.accelerator) == 3:
+                    ref_model = load_causal_lm(cfg.ref_model_name or cfg.model_name, dtype=torch.float32,
                                                trust_remote_code=cfg.trust_remote_code,
                                                attn_implementation=cfg.attn_implementation)
                 else:
