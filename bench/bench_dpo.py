@@ -1,0 +1,164 @@
+"""DPO step time and memory: rl.dpo.DPOTrainer vs TRL 1.16's DPOTrainer, side by side.
+
+Same model weights (a locally written ~3M-parameter Llama: hidden 256, 3 layers), same pairs (8 per step,
+64-token prompts, 192-token answers including EOS, so no truncation and no padding), same AdamW
+(lr 1e-6, constant, clip 1.0), fp32 on CPU (TRL gets bf16=False: CPU bf16 autocast is ~20x slower here)
+and no gradient checkpointing on either side. Sides:
+
+    trl              TRL, reference forward every step (its default)
+    trl_precompute   TRL with precompute_ref_log_probs=True
+    ours             rl.dpo, frozen-copy reference forward every step
+    ours_precompute  rl.dpo with precompute_ref_logps=True (one reference pass before training)
+
+Step time is the wall time of an optimizer step (data, forwards, backward, optimizer, metrics); the
+one-time precompute pass is reported separately as x_precompute_s. Run:
+
+    python bench/bench_dpo.py                       # CPU: 2 rounds x 4 timed steps per side
+    python bench/bench_dpo.py --device cuda --hidden 896 --layers 24 --heads 14 --family qwen2
+"""
+
+from __future__ import annotations
+
+import random
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from bench import harness  # noqa: E402
+
+
+def make_pairs(n: int, prompt_len: int, answer_len: int, seed: int):
+    """Random letters (one token each with the byte-level tokenizer); answers leave room for EOS."""
+    rng = random.Random(seed)
+    letters = "abcdefghijklmnopqrstuvwxyz"
+
+    def text(k):
+        return "".join(rng.choice(letters) for _ in range(k))
+
+    return ([text(prompt_len) for _ in range(n)], [text(answer_len - 1) for _ in range(n)],
+            [text(answer_len - 1) for _ in range(n)])
+
+
+def _n_steps(spec):
+    return spec["warmup"] + spec["steps"]
+
+
+def side_ours(spec: dict, precompute: bool) -> dict:
+    import torch
+
+    from rl.config import build
+    from rl.dpo import DPOConfig, DPOTrainer, PreferenceDataset
+
+    n = _n_steps(spec)
+    P, C, R = make_pairs(spec["pairs"] * n, spec["prompt_len"], spec["answer_len"], spec["seed"])
+    cfg = build(DPOConfig, dict(
+        model_name=spec["model"], output_dir=tempfile.mkdtemp(prefix="bench-dpo-"), report_to=["none"],
+        batch_size=spec["pairs"], max_steps=n, learning_rate=1e-6, lr_scheduler="constant", max_grad_norm=1.0,
+        max_length=spec["prompt_len"] + spec["answer_len"] + 8, max_prompt_length=spec["prompt_len"] + 4,
+        dtype="float32" if spec["device"] == "cpu" else "auto", device=spec["device"],
+        precompute_ref_logps=precompute, seed=spec["seed"]))
+    trainer = DPOTrainer(cfg)
+    ds = PreferenceDataset(P, C, R, trainer.tokenizer, cfg.max_length, cfg.max_prompt_length)
+    assert ds.truncation["prompts_truncated"] == ds.truncation["answers_truncated"] == 0
+    assert {len(e["prompt_ids"]) for e in ds.examples} == {spec["prompt_len"]}
+    assert {len(e["chosen_ids"]) for e in ds.examples} == {spec["answer_len"]}
+    t0 = time.perf_counter()
+    history = trainer.train(ds)
+    total = time.perf_counter() - t0
+    steps = [h["step_time"] for h in history]
+    if spec["device"].startswith("cuda"):
+        torch.cuda.synchronize()
+    return {"step_times": steps, "x_train_wall_s": total,
+            "x_precompute_s": total - sum(steps) if precompute else 0.0, "x_first_loss": history[0]["loss"]}
+
+
+def side_trl(spec: dict, precompute: bool) -> dict:
+    import torch
+    from datasets import Dataset
+    from transformers import TrainerCallback
+    from trl import DPOConfig as TRLDPOConfig
+    from trl import DPOTrainer as TRLDPOTrainer
+
+    from rl.models import load_causal_lm, load_tokenizer
+
+    n = _n_steps(spec)
+    P, C, R = make_pairs(spec["pairs"] * n, spec["prompt_len"], spec["answer_len"], spec["seed"])
+    ends: list[float] = []
+
+    class Clock(TrainerCallback):
+        def on_train_begin(self, args, state, control, **kw):
+            ends.append(time.perf_counter())
+
+        def on_step_end(self, args, state, control, **kw):
+            if spec["device"].startswith("cuda"):
+                torch.cuda.synchronize()
+            ends.append(time.perf_counter())
+
+    cuda = spec["device"].startswith("cuda")
+    args = TRLDPOConfig(
+        output_dir=tempfile.mkdtemp(prefix="bench-trl-"), per_device_train_batch_size=spec["pairs"], max_steps=n,
+        learning_rate=1e-6, lr_scheduler_type="constant", max_grad_norm=1.0, beta=0.1, bf16=cuda,
+        gradient_checkpointing=False, logging_steps=1, report_to="none", save_strategy="no", use_cpu=not cuda,
+        max_length=spec["prompt_len"] + spec["answer_len"] + 8, seed=spec["seed"], disable_tqdm=True,
+        precompute_ref_log_probs=precompute)
+    model = load_causal_lm(spec["model"], dtype="float32")
+    trainer = TRLDPOTrainer(model=model, args=args, processing_class=load_tokenizer(spec["model"]),
+                            train_dataset=Dataset.from_dict({"prompt": P, "chosen": C, "rejected": R}),
+                            callbacks=[Clock()])
+    t0 = time.perf_counter()
+    trainer.train()
+    total = time.perf_counter() - t0
+    steps = [b - a for a, b in zip(ends, ends[1:])]
+    if precompute:  # TRL precomputes inside train(), before the first step: not part of step 1
+        first_loss = None
+    logs = [r for r in trainer.state.log_history if "loss" in r]
+    first_loss = logs[0]["loss"] if logs else None
+    return {"step_times": steps, "x_train_wall_s": total, "x_first_loss": first_loss}
+
+
+SIDES = {
+    "trl": lambda s: side_trl(s, False),
+    "trl_precompute": lambda s: side_trl(s, True),
+    "ours": lambda s: side_ours(s, False),
+    "ours_precompute": lambda s: side_ours(s, True),
+}
+
+
+def main(argv=None) -> None:
+    argv = sys.argv[1:] if argv is None else argv
+    if harness.side_main(SIDES, argv):
+        return
+    p = harness.common_args(__doc__)
+    p.add_argument("--pairs", type=int, default=8, help="preference pairs per optimizer step")
+    p.add_argument("--prompt-len", type=int, default=64)
+    p.add_argument("--answer-len", type=int, default=192, help="answer tokens including EOS")
+    p.add_argument("--family", default="llama")
+    p.add_argument("--hidden", type=int, default=256)
+    p.add_argument("--layers", type=int, default=3)
+    p.add_argument("--heads", type=int, default=4)
+    p.add_argument("--model", default=None, help="an existing model dir instead of writing a tiny one")
+    p.add_argument("--sides", default="trl,ours_precompute,ours,trl_precompute",
+                   help="comma-separated sides; the first is the baseline")
+    a = p.parse_args(argv)
+    model = a.model
+    if model is None:
+        from rl.tiny import write_tiny_model
+
+        model = str(write_tiny_model(harness.RESULTS / f"tiny-{a.family}-h{a.hidden}-l{a.layers}", family=a.family,
+                                     hidden=a.hidden, layers=a.layers, heads=a.heads))
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    n_params = sum(p.numel() for p in AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(model)).parameters())
+    print(f"model {model}: {n_params / 1e6:.2f}M parameters; {a.pairs} pairs/step of {a.prompt_len}+{a.answer_len} "
+          f"tokens; device {a.device}")
+    spec = {"model": model, "n_params": n_params, "device": a.device, "pairs": a.pairs, "prompt_len": a.prompt_len,
+            "answer_len": a.answer_len, "steps": a.steps, "warmup": a.warmup, "seed": a.seed}
+    sides = a.sides.split(",")
+    harness.main_side_by_side("dpo", __file__, spec, sides, baseline=sides[0], rounds=a.rounds)
+
+
+if __name__ == "__main__":
+    main()
