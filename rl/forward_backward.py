@@ -447,7 +447,9 @@ class ForwardBackwardPipeline:
         else:
             from safetensors.torch import load_file
 
-            sd = load_file(str(path / "model.safetensors"), device=str(self.device))
+            # safetensors rejects "cpu:0" (the device of rank 0 in a multi-process CPU run); load_state_dict
+            # copies into the parameters on their own device anyway.
+            sd = load_file(str(path / "model.safetensors"), device="cpu")
             _load_state_dict(self.unwrapped_model, sd)
             opt_path = path / "optimizer.pt"
             if self.optimizer is not None and opt_path.exists():
