@@ -267,6 +267,8 @@ def generate(model, tokenizer_or_pad_id, prompts, max_new_tokens: int = 64, temp
         raise ValueError(f"cache must be 'dynamic' or 'static', got {cache!r}")
     if compile and not torch.cuda.is_available():
         raise ValueError("compile=True needs CUDA (CUDA graphs); use compile=False on CPU")
+    if compile and cache != "static":
+        raise ValueError("compile=True needs cache='static' (fixed shapes); pass both")
     tok, pad_id, eos = _resolve_ids(tokenizer_or_pad_id, eos_token_id)
     if stop_strings and tok is None:
         raise ValueError("stop_strings need a tokenizer: pass the tokenizer instead of a pad id")
@@ -316,7 +318,9 @@ def _decode(lm, ids, pmask, prompts, max_new_tokens, temperature, top_k, top_p, 
 
     decode_fn = step_fn
     if compile:
-        decode_fn = torch.compile(step_fn, mode="reduce-overhead", fullgraph=False)
+        # only tensors cross the compiled boundary (a changing Python int would recompile)
+        compiled = torch.compile(lambda s_ids, pos, step_t: step_fn(s_ids, pos, total, step_t),
+                                 mode="reduce-overhead", fullgraph=False)
 
     out_tok = torch.full((B, max_new_tokens), 0, dtype=torch.long, device=device)
     out_lp = torch.zeros(B, max_new_tokens, dtype=torch.float32, device=device)
@@ -347,7 +351,9 @@ def _decode(lm, ids, pmask, prompts, max_new_tokens, temperature, top_k, top_p, 
         pos = (next_pos + t)[:, None]
         if compile:
             torch.compiler.cudagraph_mark_step_begin()
-            cur = tuple(x.clone() for x in decode_fn(step_ids, pos, P + t + 1, t + 1))
+            # a CUDA-graph output is overwritten by the next replay: clone before keeping it
+            step_t = torch.tensor(t + 1, device=device)
+            cur = tuple(x.clone() for x in compiled(step_ids, pos, step_t))
         else:
             cur = decode_fn(step_ids, pos, P + t + 1, t + 1)
     for i in range(B):
