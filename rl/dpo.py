@@ -468,7 +468,9 @@ class DPOTrainer:
             return None, None
         batch = {k: v.to(self.accelerator.device) for k, v in batch.items()}
         if self.ref_mode == "copy":
-            c, r, _, _ = concatenated_logps(self.ref, batch)
+            # The frozen copy is not prepared by accelerate: autocast it like the policy (bf16 on GPUs).
+            with self.accelerator.autocast():
+                c, r, _, _ = concatenated_logps(self.ref, batch)
             return c, r
         model = self.pipeline.model
         with self.pipeline.unwrapped_model.disable_adapter():

@@ -243,3 +243,14 @@ def test_it_learns_heldout_reward_accuracy(tiny_tokenizer, tmp_path):
     assert after["eval_rewards/accuracies"] >= 0.9, after
     assert history[0]["loss"] == pytest.approx(math.log(2), abs=1e-5)  # policy == reference at step 1
     assert after["eval_loss"] < 0.5
+
+
+@pytest.mark.parametrize("recipe", ["recipes/tiny/dpo.yaml", "recipes/gemma/270m_dpo.yaml"])
+def test_recipes_validate(recipe):
+    from conftest import ROOT
+    from rl.config import parse_config
+
+    cfg = parse_config(DPOConfig, ["--config", str(ROOT / recipe)])
+    assert cfg.max_prompt_length < cfg.max_length
+    head = (ROOT / recipe).read_text().splitlines()[:6]
+    assert all(line.startswith("#") for line in head)  # the header: purpose, hardware, command, ds_config
