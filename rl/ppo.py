@@ -417,6 +417,19 @@ class PPOConfig(TrainConfig):
         return self.mini_batch_size // self.gradient_accumulation_steps
 
 
+def ppo_plan(cfg: PPOConfig, n_prompts: int | None, world: int, num_iterations: int | None = None) -> dict:
+    """Derived sizes: rollouts per iteration (all processes), iterations, optimizer steps."""
+    global_batch = cfg.batch_size * world
+    per_epoch = max(1, math.ceil(n_prompts / global_batch)) if n_prompts else None
+    iterations = num_iterations or cfg.num_iterations or (per_epoch * cfg.num_epochs if per_epoch else None)
+    mini_batches = cfg.batch_size // cfg.mini_batch_size
+    steps_per_iteration = cfg.ppo_epochs * mini_batches
+    return {"world_size": world, "global_batch": global_batch, "iterations": iterations,
+            "mini_batches_per_epoch": mini_batches, "micro_batch_size": cfg.micro_batch_size,
+            "steps_per_iteration": steps_per_iteration,
+            "total_steps": iterations * steps_per_iteration if iterations else None, "prompts": n_prompts}
+
+
 NO_REWARD_ERROR = ("no reward source: set reward_model_path (rl_reward_model_path, a directory written by "
                    "launch/reward.py), reward_fn (default | length_penalty | correctness | custom), or env_type; "
                    "in Python pass PPOTrainer(reward_fn=...) or reward_model=...")
@@ -591,16 +604,7 @@ class PPOTrainer:
 
     def plan(self, n_prompts: int, num_iterations: int | None = None) -> dict:
         """Derived sizes, computed once."""
-        cfg = self.cfg
-        global_batch = cfg.batch_size * self.world
-        per_epoch = max(1, math.ceil(n_prompts / global_batch))
-        iterations = num_iterations or cfg.num_iterations or per_epoch * cfg.num_epochs
-        mini_batches = cfg.batch_size // cfg.mini_batch_size
-        steps_per_iteration = cfg.ppo_epochs * mini_batches
-        return {"global_batch": global_batch, "iterations": iterations, "mini_batches": mini_batches,
-                "micro_batch_size": cfg.micro_batch_size, "steps_per_iteration": steps_per_iteration,
-                "total_steps": iterations * steps_per_iteration,
-                "samples_per_iteration": global_batch}
+        return ppo_plan(self.cfg, n_prompts, self.world, num_iterations)
 
     def _setup(self, plan: dict) -> None:
         if self.pipeline is not None:
