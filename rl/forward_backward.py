@@ -228,8 +228,12 @@ class ForwardBackwardPipeline:
         attention_mask = self._to_device(attention_mask) if attention_mask is not None else torch.ones_like(input_ids)
         labels = self._to_device(labels) if labels is not None else input_ids.masked_fill(attention_mask == 0, -100)
         kwargs = {k: self._to_device(v) if torch.is_tensor(v) else v for k, v in loss_kwargs.items()}
+        # `position_ids` is a model input, not a loss input (left-padded rollouts need it on models
+        # with absolute positions, so training scores tokens as they were sampled)
+        model_kw = {"position_ids": kwargs.pop("position_ids")} if kwargs.get("position_ids") is not None else {}
+        kwargs.pop("position_ids", None)
         self.model.train()
-        outputs = self.model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False)
+        outputs = self.model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False, **model_kw)
         loss, metrics = fn(outputs.logits, labels, attention_mask, **kwargs)
         self._backward(loss)
         n = int((labels[:, 1:] != -100).sum())
@@ -640,6 +644,10 @@ class AsyncTrainingClient:
         clash = set(extra) & set(loss_kwargs)
         if clash:
             raise ValueError(f"{', '.join(sorted(clash))} given both in the batch and as keyword arguments")
+        if "position_ids" not in extra and "position_ids" not in loss_kwargs:
+            pos = _left_pad_positions(model_in.get("attention_mask"), self.unwrapped_model)
+            if pos is not None:
+                extra["position_ids"] = pos
         return self.pipeline.forward_backward(model_in["input_ids"], model_in.get("attention_mask"),
                                               model_in.get("labels"), loss_fn=loss_fn, **extra, **loss_kwargs)
 
@@ -707,6 +715,25 @@ class AsyncTrainingClient:
 
     def __exit__(self, *exc):
         self.shutdown()
+
+
+def _left_pad_positions(mask, model):
+    """Position ids counted from each row's first attended token, when the batch is left-padded and
+    the model takes `position_ids` (as in sampling); None otherwise (the model's default is right)."""
+    if mask is None:
+        return None
+    mask = torch.as_tensor(mask)
+    if not bool((mask[:, 0] == 0).any()):
+        return None
+    import inspect
+
+    try:
+        params = inspect.signature(model.forward).parameters
+    except (TypeError, ValueError):
+        return None
+    if "position_ids" not in params:
+        return None
+    return (mask.long().cumsum(-1) - 1).clamp(min=0)
 
 
 def _split_batch(batch: dict) -> tuple[dict, dict]:

@@ -223,3 +223,25 @@ def test_zero3_two_process_client(tiny_llama, tmp_path):
         assert r["max_diff_sample_vs_forward"] < 1e-4
         assert r["ratio_mean"] == pytest.approx(1.0, abs=1e-4)
         assert r["ref_vs_policy_diff"] > 1e-4  # the policy trained, the reference did not
+
+
+def test_left_padded_rollout_scores_as_sampled_on_absolute_positions(tiny_cache, tiny_tokenizer):
+    """GPT-2 has absolute positions: the first PPO ratio on a left-padded rollout is 1 only if
+    forward_backward uses the same position ids as sampling."""
+    from rl.tiny import write_tiny_model
+
+    from rl.forward_backward import AsyncTrainingClient
+
+    model = _model(str(write_tiny_model(tiny_cache / "gpt2", family="gpt2")))
+    for m in model.modules():  # RL training turns dropout off (else the first ratio is not 1)
+        if isinstance(m, torch.nn.Dropout):
+            m.p = 0.0
+    client = AsyncTrainingClient(model, device="cpu", optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
+                                 tokenizer=tiny_tokenizer)
+    prompts = [tiny_tokenizer.encode(t) for t in ("a", "a much longer prompt")]
+    batch = client.sample_batch(prompts, max_new_tokens=6, seed=1).result(timeout=60).to_batch()
+    assert batch["attention_mask"][0, 0] == 0  # left-padded
+    fb = client.forward_backward({**batch, "advantages": torch.ones(2)}, loss_fn="ppo").result(timeout=60)
+    assert fb.metrics["policy/ratio_mean"] == pytest.approx(1.0, abs=1e-4)
+    assert fb.metrics["policy/approx_kl"] < 1e-8
+    client.shutdown()
