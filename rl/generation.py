@@ -15,7 +15,8 @@
 
 `model` is a causal LM (plain, DDP, or a DeepSpeed engine; under ZeRO-3 call `generate` on every rank:
 the parameters are gathered once per call and ZeRO's per-module hooks are removed while decoding, as
-TRL does). `tokenizer_or_pad_id` is a tokenizer (gives pad/eos and is required for stop strings) or
+TRL does; pass the engine itself, e.g. `pipeline.model`, not the unwrapped module, or the hooks stay
+and every rank must then run the same number of steps). `tokenizer_or_pad_id` is a tokenizer (gives pad/eos and is required for stop strings) or
 just the pad id.
 
 How it works, and why:
