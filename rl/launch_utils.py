@@ -203,7 +203,13 @@ def _role(label: str, spec) -> dict:
                 "task": spec.get("task", "causal-lm"), "shared": bool(spec.get("shared"))}
     text = str(spec)
     low = label.lower()
-    shared = text.startswith("precomputed") or "lora disabled" in text.lower() or "same as" in text.lower()
+    lowered = text.lower()
+    # Not a model of its own: the policy with LoRA off, precomputed log-probs, or a reward function /
+    # environment (PPO's "reward" entry may be `correctness`, `module:function` or `env:math`).
+    shared = (text.startswith("precomputed") or any(w in lowered for w in ("lora disabled", "without adapters",
+                                                                          "same as"))
+              or text.startswith("env:") or text in ("default", "length_penalty", "correctness", "custom")
+              or (":" in text and not text.startswith("tiny:") and not Path(text).exists()))
     return {"name": text, "trainable": "trainable" in low and "frozen" not in low,
             "task": "classifier" if ("reward" in low or "value" in low) else "causal-lm", "shared": shared}
 
@@ -264,12 +270,14 @@ def format_memory_table(rows: list[dict]) -> str:
 
 # ------------------------------------------------------------------------------------- the report
 
-def dry_run_report(cfg, n_examples: int | None = None, models: dict | None = None) -> dict:
+def dry_run_report(cfg, n_examples: int | None = None, models: dict | None = None,
+                   extra: dict | None = None) -> dict:
     """Print the resolved config, the derived sizes and the memory estimate; builds no real model.
 
     `models` maps a label to a model name (or a dict with name/trainable/task/shared): "policy
     (trainable)", "reference (frozen)", "value (trainable)", "reward model (frozen)". The world size is
-    WORLD_SIZE (set by `accelerate launch`; set it by hand to plan for N GPUs without them)."""
+    WORLD_SIZE (set by `accelerate launch`; set it by hand to plan for N GPUs without them). `extra`
+    holds a trainer's own derived sizes (PPO's rollout and minibatch sizes, ...), printed in the plan."""
     world = int(os.environ.get("WORLD_SIZE", "1"))
     per_device = cfg.batch_size
     global_batch = per_device * cfg.gradient_accumulation_steps * world
@@ -286,6 +294,7 @@ def dry_run_report(cfg, n_examples: int | None = None, models: dict | None = Non
     if n_examples is not None:
         info["examples"] = n_examples
         info["steps_per_epoch"] = n_examples // global_batch
+    info.update(extra or {})
     if models:
         info["models"] = {k: (v if isinstance(v, str) else v.get("name")) for k, v in models.items()}
         info["memory_per_gpu"] = estimate_memory(cfg, models, world, zero)
