@@ -713,7 +713,8 @@ class PPOTrainer:
         from rl.generation import generate
 
         cfg = self.cfg
-        return generate(self.pipeline.model, self.tokenizer, prompt_ids, max_new_tokens=cfg.max_new_tokens,
+        model = self.pipeline.model if self.pipeline is not None else self.policy
+        return generate(model, self.tokenizer, prompt_ids, max_new_tokens=cfg.max_new_tokens,
                         temperature=cfg.temperature, top_k=cfg.top_k, top_p=cfg.top_p, seed=seed)
 
     def _decode(self, rollout) -> list[str]:
