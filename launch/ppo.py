@@ -24,7 +24,7 @@ os.environ.setdefault("WANDB_MODE", "offline")
 
 from rl.config import ConfigError, cli_config  # noqa: E402
 from rl.data import DataError  # noqa: E402
-from rl.launch_utils import fail  # noqa: E402
+from rl.launch_utils import dry_run_report, fail  # noqa: E402
 
 
 def load_prompts(path: str, cfg) -> tuple[list[str], list[dict]]:
@@ -51,18 +51,17 @@ def main(argv=None) -> None:
         prompts, metadata = load_prompts(cfg.data.path, cfg) if cfg.data.path else (None, None)
         eval_prompts = load_prompts(cfg.data.eval_path, cfg)[0] if cfg.data.eval_path else None
         if cfg.dry_run:
+            from rl.ppo import ppo_plan
+
             models = {"policy (trainable)": cfg.model_name,
                       "reference (frozen)": cfg.ref_model or ("policy without adapters" if cfg.lora.enabled
                                                               else cfg.model_name),
-                      "reward": cfg.reward_model_path or cfg.reward_fn or f"env:{cfg.env_type}"}
-            import yaml
-
-            from rl.config import to_dict
-            from rl.ppo import ppo_plan
-
+                      "reward model (frozen)": cfg.reward_model_path or cfg.reward_fn or f"env:{cfg.env_type or 'multi_objective'}"}
+            if cfg.value_model == "critic":
+                models["value (trainable)"] = {"name": cfg.critic_model_path or cfg.reward_model_path or cfg.model_name,
+                                               "trainable": True, "task": "classifier"}
             plan = ppo_plan(cfg, len(prompts) if prompts else None, int(os.environ.get("WORLD_SIZE", "1")))
-            plan.update(models=models, deepspeed=cfg.deepspeed or os.environ.get("ACCELERATE_DEEPSPEED_CONFIG_FILE"))
-            print(yaml.safe_dump({"config": to_dict(cfg), "plan": plan}, sort_keys=False))
+            dry_run_report(cfg, n_examples=len(prompts) if prompts else None, models=models, extra=plan)
             return
         # 2. setup
         from rl.ppo import PPOTrainer
