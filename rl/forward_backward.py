@@ -457,7 +457,8 @@ class ForwardBackwardPipeline:
             _load_state_dict(self.unwrapped_model, sd)
             opt_path = path / "optimizer.pt"
             if self.optimizer is not None and opt_path.exists():
-                self.optimizer.load_state_dict(torch.load(opt_path, map_location=self.device, weights_only=True))
+                # map to CPU for the same reason; load_state_dict moves the state to each parameter's device
+                self.optimizer.load_state_dict(torch.load(opt_path, map_location="cpu", weights_only=True))
         if self.scheduler is not None and (path / "scheduler.pt").exists():
             self.scheduler.load_state_dict(torch.load(path / "scheduler.pt", weights_only=True))
         rng_path = path / f"rng_{acc.process_index}.pt"
