@@ -1,0 +1,726 @@
+"""GRPO and its critic-free relatives: sample a group of completions per prompt, score them with
+reward functions or an environment, use the group as the baseline, and take clipped policy steps.
+
+Objective (Shao et al. 2024, DeepSeekMath, eq. 3; the per-token form TRL implements):
+
+    L = agg_t [ -min(r_t A, clip(r_t, 1 - eps_low, 1 + eps_high) A) + beta * k3_t ]
+    r_t = pi(o_t | q, o_<t) / pi_old(o_t | q, o_<t)
+    k3_t = exp(ref_t - logp_t) - (ref_t - logp_t) - 1        (Schulman's k3, always >= 0)
+
+Advantages (one scalar per completion, broadcast over its tokens), rewards grouped per prompt:
+    grpo          (r - mean_group) / (std_group + 1e-4)       GRPO (Shao et al. 2024); TRL scale_rewards="group"
+    dr_grpo       r - mean_group                               Dr. GRPO (Liu et al. 2025); TRL scale_rewards="none"
+    rloo          r - mean of the other G-1 rewards            RLOO (Ahmadian et al. 2024); TRL RLOOTrainer
+    reinforce_pp  (r - mean_group), then normalised by the     REINFORCE++-baseline (Hu et al. 2025)
+                  mean/std of the whole batch
+std is Bessel-corrected (torch.std, TRL's nanstd). A reward function may return None for a completion
+(TRL semantics): None counts as NaN, weighted rewards are summed over the functions that answered,
+a completion nobody scored gets advantage 0 and is left out of its group's statistics.
+
+Aggregation over tokens (`loss_aggregation`):
+    token_mean     sum over all completion tokens of the optimizer step / their number (DAPO; TRL
+                   loss_type="dapo"). Computed exactly across micro-batches and processes.
+    sequence_mean  mean over sequences of each sequence's token mean (the GRPO paper; TRL "grpo").
+    constant       sum / (sequences * max_completion_length) (Dr. GRPO; TRL "dr_grpo"): no length bias.
+
+Deviations and choices: with num_iterations = 1 the old policy is the current one (ratio 1, as TRL
+does); with more iterations the old log-probs are recomputed by a no-grad forward before the first
+update. Log-probs use logits / temperature, like the sampler (TRL does the same). Groups never span
+processes: each process generates whole groups, rewards are gathered so that advantages and reward
+metrics are computed on the global batch (reinforce_pp needs it). Checked against TRL 1.16's
+GRPOTrainer/RLOOTrainer formulas in tests/test_grpo_trl.py.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import inspect
+import json
+import logging
+import math
+import time
+from functools import partial
+from pathlib import Path
+from typing import Any, Callable, Literal, Sequence
+
+import torch
+
+from rl import losses
+from rl.checkpoint import StopSignal, checkpoint_dir, checkpoint_name, resolve_resume
+from rl.config import ConfigError, TrainConfig, opt, save_config, to_dict
+
+logger = logging.getLogger(__name__)
+
+ADVANTAGE_ESTIMATORS = ("grpo", "dr_grpo", "rloo", "reinforce_pp")
+LOSS_AGGREGATIONS = ("token_mean", "sequence_mean", "constant")
+STD_EPS = 1e-4  # TRL's epsilon in (r - mean) / (std + eps)
+
+
+@dataclasses.dataclass
+class GRPOConfig(TrainConfig):
+    num_generations: int = opt(8, "completions sampled per prompt (the group size G)")
+    max_completion_length: int = opt(64, "new tokens per completion at most")
+    temperature: float = opt(1.0, "sampling temperature (log-probs in the loss use the same temperature)")
+    top_k: int = opt(0, "sample from the k most likely tokens (0: all)")
+    top_p: float = opt(1.0, "nucleus sampling mass (1.0: off)")
+    advantage_estimator: Literal["grpo", "dr_grpo", "rloo", "reinforce_pp"] = opt(
+        "grpo", "grpo (group mean/std), dr_grpo (group mean only), rloo (leave-one-out), reinforce_pp (batch-normalised)")
+    loss_aggregation: Literal["token_mean", "sequence_mean", "constant"] = opt(
+        "token_mean", "token_mean (DAPO), sequence_mean (GRPO paper) or constant (Dr. GRPO: / max_completion_length)")
+    epsilon_low: float = opt(0.2, "clip the ratio below at 1 - epsilon_low")
+    epsilon_high: float = opt(0.2, "clip the ratio above at 1 + epsilon_high (DAPO recommends 0.28)")
+    beta: float = opt(0.0, "k3 KL penalty to the reference model; 0 loads no reference model")
+    num_iterations: int = opt(1, "policy updates per generated batch (mu in the GRPO paper)")
+    reward_funcs: list[str] = opt([], "reward functions: rl.rewards names (correctness, default, length_penalty) "
+                                  "or 'module:function' with TRL's signature (prompts, completions, **columns)")
+    reward_weights: list[float] | None = opt(None, "one weight per reward source (the environment first, then "
+                                             "reward_funcs); default all 1.0")
+    env_type: str | None = opt(None, "environment as prompt and reward source: math, code, text_generation, "
+                               "multi_objective, preference_comparison")
+    env_config: dict = opt({}, "keyword arguments of the environment (see rl.environments.make_env)")
+    eval_env_config: dict | None = opt(None, "environment config for evaluation (e.g. {split: test}); greedy "
+                                       "decoding, reports eval/accuracy and eval/reward")
+    eval_num_prompts: int = opt(200, "evaluation prompts at most (duplicates removed)")
+
+    ALIASES = {"lr": "learning_rate", "model": "model_name", "group_size": "num_generations",
+               "rl_env_type": "env_type", "rl_env_config": "env_config", "kl_coef": "beta",
+               "max_new_tokens": "max_completion_length"}
+
+    def __post_init__(self):
+        super().__post_init__()
+        if self.num_generations < 2:
+            raise ConfigError(f"key 'num_generations' must be at least 2 (the group is the baseline), "
+                              f"got {self.num_generations}")
+        per_process = self.batch_size * self.gradient_accumulation_steps
+        if per_process % self.num_generations:
+            raise ConfigError(f"batch_size x gradient_accumulation_steps = {self.batch_size} x "
+                              f"{self.gradient_accumulation_steps} = {per_process} completions per process must be "
+                              f"a multiple of num_generations={self.num_generations} (whole groups per process)")
+        if self.max_completion_length < 1:
+            raise ConfigError(f"key 'max_completion_length' must be at least 1, got {self.max_completion_length}")
+        if self.max_length <= self.max_completion_length:
+            raise ConfigError(f"max_length={self.max_length} leaves no room for the prompt next to "
+                              f"max_completion_length={self.max_completion_length}; raise max_length")
+        for name in ("epsilon_low", "epsilon_high", "beta"):
+            if getattr(self, name) < 0:
+                raise ConfigError(f"key '{name}' must be >= 0, got {getattr(self, name)}")
+        if self.temperature < 0:
+            raise ConfigError(f"key 'temperature' must be >= 0, got {self.temperature}")
+        if self.num_iterations < 1:
+            raise ConfigError(f"key 'num_iterations' must be at least 1, got {self.num_iterations}")
+        n_sources = len(self.reward_funcs) + (1 if self.env_type else 0)  # callables are checked by the trainer
+        if self.reward_weights is not None and n_sources and len(self.reward_weights) != n_sources:
+            raise ConfigError(f"reward_weights has {len(self.reward_weights)} entries but there are {n_sources} "
+                              f"reward sources ({'environment + ' if self.env_type else ''}"
+                              f"{len(self.reward_funcs)} reward_funcs); give one weight each")
+
+    @property
+    def prompt_budget(self) -> int:
+        """Prompt tokens kept (from the right) so that prompt + completion fits max_length."""
+        return self.max_length - self.max_completion_length
+
+
+# ============================================================================ pure math
+
+def _nanstd(x: torch.Tensor, dim: int | None = None) -> torch.Tensor:
+    """Bessel-corrected std ignoring NaNs (TRL's `nanstd`); `dim` None reduces everything."""
+    if dim is None:
+        x, dim = x.reshape(-1), 0
+    mean = torch.nanmean(x, dim=dim, keepdim=True)
+    var = torch.nanmean((x - mean) ** 2, dim=dim, keepdim=True)
+    count = (~torch.isnan(x)).sum(dim=dim, keepdim=True)
+    return torch.sqrt(var * count / (count - 1)).squeeze(dim)
+
+
+def _grouped(rewards: torch.Tensor, num_generations: int) -> torch.Tensor:
+    if rewards.dim() != 1 or rewards.numel() % num_generations:
+        raise ValueError(f"rewards must be 1-D with a multiple of num_generations={num_generations} entries "
+                         f"(groups contiguous), got shape {tuple(rewards.shape)}")
+    return rewards.view(-1, num_generations)
+
+
+def group_stats(rewards: torch.Tensor, num_generations: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(N*G,) rewards -> per-completion group mean and Bessel-corrected group std, NaNs ignored."""
+    g = _grouped(rewards, num_generations)
+    mean = torch.nanmean(g, dim=1)
+    std = _nanstd(g, dim=1)
+    return mean.repeat_interleave(num_generations), std.repeat_interleave(num_generations)
+
+
+def grpo_advantages(rewards: torch.Tensor, num_generations: int, eps: float = STD_EPS) -> torch.Tensor:
+    """GRPO (Shao et al. 2024, outcome supervision): (r - mean_group) / (std_group + eps).
+
+    rewards (N*G,) with each prompt's G completions contiguous -> advantages (N*G,); NaN -> 0."""
+    mean, std = group_stats(rewards, num_generations)
+    return torch.nan_to_num((rewards - mean) / (std + eps), nan=0.0)
+
+
+def dr_grpo_advantages(rewards: torch.Tensor, num_generations: int) -> torch.Tensor:
+    """Dr. GRPO (Liu et al. 2025, "Understanding R1-Zero-Like Training"): r - mean_group, no std
+    (dividing by the std up-weights prompts that are too easy or too hard). (N*G,) -> (N*G,)."""
+    mean, _ = group_stats(rewards, num_generations)
+    return torch.nan_to_num(rewards - mean, nan=0.0)
+
+
+def rloo_advantages(rewards: torch.Tensor, num_generations: int) -> torch.Tensor:
+    """RLOO (Ahmadian et al. 2024; Kool et al. 2019): r_i - mean_{j != i} r_j within the group.
+
+    Equals G/(G-1) * (r - mean_group). NaN rewards are left out of the siblings' baseline (TRL)."""
+    if num_generations < 2:
+        raise ValueError("rloo needs num_generations >= 2 (the baseline is the other completions)")
+    g = _grouped(rewards, num_generations)
+    counts = (~torch.isnan(g)).sum(dim=1, keepdim=True)
+    baseline = (torch.nansum(g, dim=1, keepdim=True) - g) / (counts - 1)
+    return torch.nan_to_num((g - baseline).view(-1), nan=0.0)
+
+
+def reinforce_pp_advantages(rewards: torch.Tensor, num_generations: int, eps: float = STD_EPS) -> torch.Tensor:
+    """REINFORCE++-baseline (Hu et al. 2025): subtract the group mean, then normalise the result with
+    the mean and (Bessel-corrected) std of the whole batch. (N*G,) -> (N*G,).
+
+    Unlike TRL's scale_rewards="batch" (which divides by the std of the raw rewards), the std is that
+    of the group-centred advantages, as in the paper."""
+    centred = rewards - group_stats(rewards, num_generations)[0]
+    adv = (centred - torch.nanmean(centred)) / (_nanstd(centred) + eps)
+    return torch.nan_to_num(adv, nan=0.0)
+
+
+ADVANTAGE_FNS: dict[str, Callable] = {
+    "grpo": grpo_advantages,
+    "dr_grpo": dr_grpo_advantages,
+    "rloo": rloo_advantages,
+    "reinforce_pp": reinforce_pp_advantages,
+}
+
+
+def compute_advantages(rewards: torch.Tensor, num_generations: int, estimator: str = "grpo") -> torch.Tensor:
+    if estimator not in ADVANTAGE_FNS:
+        raise ValueError(f"unknown advantage_estimator {estimator!r}; choose one of {', '.join(ADVANTAGE_FNS)}")
+    return ADVANTAGE_FNS[estimator](rewards.float(), num_generations)
+
+
+def combine_rewards(rewards_per_func: torch.Tensor, weights: torch.Tensor | Sequence[float]) -> torch.Tensor:
+    """(B, F) rewards (NaN where a function returned None) -> (B,) weighted sum over the functions that
+    answered; NaN when none did (TRL's sum_then_normalize)."""
+    w = torch.as_tensor(weights, dtype=rewards_per_func.dtype, device=rewards_per_func.device)
+    total = (rewards_per_func * w[None]).nansum(dim=1)
+    return total.masked_fill(torch.isnan(rewards_per_func).all(dim=1), float("nan"))
+
+
+def k3_kl(logp: torch.Tensor, ref_logp: torch.Tensor) -> torch.Tensor:
+    """Schulman's k3 estimator of KL(pi || ref) per token: exp(ref - logp) - (ref - logp) - 1 >= 0."""
+    d = ref_logp - logp
+    return torch.exp(d) - d - 1
+
+
+def grpo_loss(logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor,
+              ref_logp: torch.Tensor | None = None, beta: float = 0.0, epsilon_low: float = 0.2,
+              epsilon_high: float = 0.2, loss_aggregation: str = "token_mean",
+              max_completion_length: int | None = None, num_items: float | None = None,
+              ) -> tuple[torch.Tensor, dict]:
+    """Clipped GRPO surrogate with an optional k3 KL term; see the module docstring.
+
+    Args:
+        logp, old_logp, mask: (B, N) per-token log-probs of the current / sampling policy, mask 1 on
+            completion tokens. ref_logp: (B, N) or None (beta must then be 0).
+        advantages: (B,) per sequence or (B, N) per token.
+        loss_aggregation: token_mean | sequence_mean | constant.
+        max_completion_length: the constant's divisor (required for "constant").
+        num_items: token_mean's divisor (default: this micro-batch's token count); the trainer passes
+            the step's token count / (processes * micro-batches) so the accumulated gradient is the
+            exact token mean of the whole step.
+    Returns: (loss, metrics) with TRL's names: kl, clip_ratio/{low,high,region}_mean.
+    """
+    mask = mask.to(logp.dtype)
+    adv = advantages[:, None] if advantages.dim() == 1 else advantages
+    ratio = torch.exp(logp - old_logp)
+    clipped = torch.clamp(ratio, 1 - epsilon_low, 1 + epsilon_high)
+    per_token = -torch.min(ratio * adv, clipped * adv)
+    metrics: dict[str, torch.Tensor] = {}
+    if beta != 0.0:
+        if ref_logp is None:
+            raise ValueError("beta > 0 needs ref_logp (the reference model's per-token log-probs)")
+        kl = k3_kl(logp, ref_logp)
+        per_token = per_token + beta * kl
+        metrics["kl"] = losses.masked_mean(kl.detach(), mask)
+    if loss_aggregation == "token_mean":
+        denom = mask.sum().clamp(min=1) if num_items is None else num_items
+        loss = (per_token * mask).sum() / denom
+    elif loss_aggregation == "sequence_mean":
+        loss = ((per_token * mask).sum(-1) / mask.sum(-1).clamp(min=1)).mean()
+    elif loss_aggregation == "constant":
+        if not max_completion_length:
+            raise ValueError("loss_aggregation='constant' needs max_completion_length")
+        loss = (per_token * mask).sum() / (per_token.shape[0] * max_completion_length)
+    else:
+        raise ValueError(f"loss_aggregation must be one of {', '.join(LOSS_AGGREGATIONS)}, got {loss_aggregation!r}")
+    with torch.no_grad():
+        low = ((ratio < 1 - epsilon_low) & (adv < 0)).to(logp.dtype)
+        high = ((ratio > 1 + epsilon_high) & (adv > 0)).to(logp.dtype)
+        metrics["clip_ratio/low_mean"] = losses.masked_mean(low, mask)
+        metrics["clip_ratio/high_mean"] = losses.masked_mean(high, mask)
+        metrics["clip_ratio/region_mean"] = losses.masked_mean(torch.maximum(low, high), mask)
+    return loss, metrics
+
+
+def grpo_loss_fn(logits, labels, attention_mask=None, *, advantages, old_logprobs=None, ref_logprobs=None,
+                 temperature: float = 1.0, **kw):
+    """Engine signature `(logits, labels, attention_mask, **kw) -> (loss, metrics)`.
+
+    old_logprobs/ref_logprobs are (B, T-1) aligned with labels[:, 1:]; old_logprobs None means the
+    current policy (detached), i.e. ratio 1 (num_iterations = 1)."""
+    if temperature and temperature != 1.0:
+        logits = logits / temperature
+    logp, mask = losses.token_logprobs(logits, labels)
+    old = logp.detach() if old_logprobs is None else old_logprobs
+    return grpo_loss(logp, old, advantages, mask, ref_logp=ref_logprobs, **kw)
+
+
+# ============================================================================ reward sources
+
+RewardFunc = Callable[..., list]
+
+
+def as_trl_reward(fn: Callable) -> RewardFunc:
+    """Wrap a reward function so it is called as TRL calls it: fn(prompts=, completions=, **columns).
+
+    rl.rewards' functions `(prompts, responses, metadata)` get the columns as one dict per row."""
+    try:
+        params = inspect.signature(fn).parameters
+    except (TypeError, ValueError):
+        return fn
+    if "completions" in params or any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
+        return fn
+    names = list(params)
+
+    def call(prompts, completions, **columns):
+        n = len(completions)
+        metadata = [{k: v[i] for k, v in columns.items() if isinstance(v, list) and len(v) == n} for i in range(n)]
+        if "metadata" in names:
+            return fn(prompts, completions, metadata=metadata)
+        return fn(prompts, completions)
+
+    call.__name__ = getattr(fn, "__name__", "reward")
+    return call
+
+
+def resolve_reward_func(spec: str | Callable) -> tuple[str, RewardFunc]:
+    """A name from rl.rewards, 'module:function', or a callable -> (name, TRL-signature function)."""
+    if callable(spec):
+        return getattr(spec, "__name__", "reward"), as_trl_reward(spec)
+    from rl import rewards as R
+
+    try:
+        fn = R.get_reward_fn(spec)
+    except ValueError as e:
+        raise ConfigError(f"reward_funcs: {e}") from None
+    name = spec.split(":")[-1]
+    return name, as_trl_reward(fn)
+
+
+def env_reward(env) -> RewardFunc:
+    """An environment as a TRL-style reward function; its component metrics are kept on `.last_metrics`."""
+
+    def call(prompts, completions, **columns):
+        n = len(completions)
+        metadata = [{k: v[i] for k, v in columns.items() if isinstance(v, list) and len(v) == n} for i in range(n)]
+        rewards, metrics = env.score(prompts, completions, metadata)
+        call.last_metrics = metrics
+        return rewards
+
+    call.last_metrics = {}
+    call.__name__ = "env"
+    return call
+
+
+def score_completions(reward_funcs: Sequence[tuple[str, RewardFunc]], prompts: list[str], completions: list[str],
+                      columns: dict[str, list]) -> torch.Tensor:
+    """(B, F) float tensor, NaN where a function returned None; checks one value per completion."""
+    out = torch.full((len(completions), len(reward_funcs)), float("nan"))
+    for j, (name, fn) in enumerate(reward_funcs):
+        values = fn(prompts=prompts, completions=completions, **columns)
+        if torch.is_tensor(values):
+            values = values.detach().float().flatten().tolist()
+        values = list(values)
+        if len(values) != len(completions):
+            raise ValueError(f"reward function {name!r} returned {len(values)} rewards for {len(completions)} "
+                             "completions; return one float (or None) per completion")
+        out[:, j] = torch.tensor([float("nan") if v is None else float(v) for v in values])
+    return out
+
+
+# ============================================================================ evaluation
+
+@torch.no_grad()
+def greedy_eval(model, tokenizer, env, prompts: list[str], metadata: list[dict], max_new_tokens: int,
+                prompt_budget: int = 512, batch_size: int = 64) -> dict:
+    """Greedy completions scored by `env`: eval/accuracy (mean correctness component when the env has
+    one, else the fraction of rewards > 0), eval/reward, eval/mean_length. Every rank must call it
+    under ZeRO-3 (generation gathers the parameters)."""
+    from rl.generation import generate
+
+    rewards, correct, lengths = [], [], []
+    for i in range(0, len(prompts), batch_size):
+        ps, ms = prompts[i:i + batch_size], metadata[i:i + batch_size]
+        ids = [encode_prompt(tokenizer, p, prompt_budget) for p in ps]
+        out = generate(model, tokenizer, ids, max_new_tokens=max_new_tokens, temperature=0.0)
+        texts = tokenizer.batch_decode(out.completions(), skip_special_tokens=True)
+        r, m = env.score(ps, texts, ms)
+        rewards += r
+        correct += m.get("reward_correctness", [1.0 if x > 0 else 0.0 for x in r])
+        lengths += out.lengths.tolist()
+    n = max(len(rewards), 1)
+    return {"eval/accuracy": sum(correct) / n, "eval/reward": sum(rewards) / n,
+            "eval/mean_length": sum(lengths) / n, "eval/num_prompts": len(rewards)}
+
+
+def unique_eval_set(env, limit: int) -> tuple[list[str], list[dict]]:
+    """The environment's fixed prompts without duplicates (generated test splits repeat problems)."""
+    seen, prompts, metas = set(), [], []
+    for p, m in zip(env.prompts, env.metadata):
+        if p not in seen:
+            seen.add(p)
+            prompts.append(p)
+            metas.append(m)
+        if len(prompts) >= limit:
+            break
+    return prompts, metas
+
+
+def encode_prompt(tokenizer, prompt: str, budget: int) -> list[int]:
+    """BOS + prompt tokens (as the SFT trainer tokenises prompts), keeping the last `budget` tokens."""
+    bos = [tokenizer.bos_token_id] if getattr(tokenizer, "bos_token_id", None) is not None else []
+    ids = bos + list(tokenizer(prompt, add_special_tokens=False)["input_ids"])
+    return ids[-budget:]
+
+
+# ============================================================================ trainer
+
+class GRPOTrainer:
+    """GRPO-family trainer on the shared engine.
+
+    `GRPOTrainer(cfg, model=None, tokenizer=None, reward_funcs=None, train_prompts=None)`:
+    reward_funcs are extra callables in TRL's signature (added after the config's); train_prompts is a
+    list of {"prompt": str, <column>: value, ...} rows when no environment is configured (the launch
+    script reads them from data.path)."""
+
+    def __init__(self, cfg: GRPOConfig, model=None, tokenizer=None, reward_funcs: Sequence[Callable] | None = None,
+                 train_prompts: list[dict] | None = None):
+        from rl.environments import make_env
+        from rl.forward_backward import build_accelerator
+        from rl.models import apply_lora, freeze, load_causal_lm, load_tokenizer, resolve_dtype, trainable_fraction
+
+        self.cfg = cfg
+        torch.manual_seed(cfg.seed)
+        train_dtype = resolve_dtype(cfg.dtype)
+        self.accelerator = build_accelerator(
+            cfg.gradient_accumulation_steps, micro_batch_size=cfg.batch_size, max_grad_norm=cfg.max_grad_norm,
+            mixed_precision="bf16" if train_dtype == torch.bfloat16 else "no", deepspeed_config=cfg.deepspeed)
+        self.tokenizer = tokenizer or load_tokenizer(cfg.model_name, cfg.trust_remote_code)
+        # reward sources: the environment first, then the configured names, then the callables
+        self.env = None
+        self.reward_funcs: list[tuple[str, RewardFunc]] = []
+        try:
+            if cfg.env_type:
+                self.env = make_env(cfg.env_type, self.tokenizer, dict(cfg.env_config))
+                self.reward_funcs.append(("env", env_reward(self.env)))
+            self.eval_env = (make_env(cfg.env_type, self.tokenizer, {**cfg.env_config, **cfg.eval_env_config})
+                             if cfg.env_type and cfg.eval_env_config is not None else None)
+        except (ValueError, TypeError) as e:
+            raise ConfigError(f"env_type={cfg.env_type}: {e}") from None
+        self.reward_funcs += [resolve_reward_func(s) for s in cfg.reward_funcs]
+        self.reward_funcs += [resolve_reward_func(f) for f in (reward_funcs or [])]
+        if not self.reward_funcs:
+            raise ConfigError("no reward source: set env_type (e.g. env_type=math) or reward_funcs "
+                              "(e.g. reward_funcs=[correctness]), or pass reward_funcs= to GRPOTrainer")
+        weights = cfg.reward_weights if cfg.reward_weights is not None else [1.0] * len(self.reward_funcs)
+        if len(weights) != len(self.reward_funcs):
+            raise ConfigError(f"reward_weights has {len(weights)} entries for {len(self.reward_funcs)} reward sources")
+        self.reward_weights = torch.tensor(weights, dtype=torch.float32)
+        if self.env is None and not train_prompts:
+            raise ConfigError("no prompts: set env_type or data.path (rows with a 'prompt' column)")
+        self.train_prompts = train_prompts
+        if model is None:
+            model = load_causal_lm(cfg.model_name, dtype=torch.float32, trust_remote_code=cfg.trust_remote_code,
+                                   attn_implementation=cfg.attn_implementation,
+                                   gradient_checkpointing=cfg.gradient_checkpointing)
+        # beta = 0: no reference model at all (no memory, no forward)
+        self._ref_model = None
+        if cfg.beta > 0 and not cfg.lora.enabled:
+            self._ref_model = freeze(copy.deepcopy(model))
+        if cfg.lora.enabled:
+            model = apply_lora(model, cfg.lora.rank, cfg.lora.alpha, cfg.lora.dropout, cfg.lora.target_modules)
+        self.trainable, self.total_params = trainable_fraction(model)
+        self._model = model
+        self.ref = None
+        self.pipeline = None
+
+    @property
+    def world(self) -> int:
+        return self.accelerator.num_processes
+
+    def plan(self) -> dict:
+        """Derived sizes, computed once: completions and prompts per step (global and per process)."""
+        cfg = self.cfg
+        per_process = cfg.batch_size * cfg.gradient_accumulation_steps
+        prompts_per_process = per_process // cfg.num_generations
+        prompts_per_step = prompts_per_process * self.world
+        if cfg.max_steps:
+            total = cfg.max_steps
+        elif self.train_prompts is not None and self.env is None:
+            steps_per_epoch = len(self.train_prompts) // prompts_per_step
+            if steps_per_epoch == 0:
+                raise ConfigError(f"{len(self.train_prompts)} prompts are fewer than one step's {prompts_per_step} "
+                                  f"prompts (batch_size x gradient_accumulation_steps x processes / num_generations)")
+            total = steps_per_epoch * cfg.num_epochs * cfg.num_iterations
+        else:
+            raise ConfigError("an environment draws prompts without end: set max_steps")
+        return {"completions_per_step": per_process * self.world, "completions_per_process": per_process,
+                "prompts_per_step": prompts_per_step, "prompts_per_process": prompts_per_process,
+                "total_steps": total}
+
+    # ------------------------------------------------------------------ rollout pieces
+    def _prompts_for(self, generation: int, n: int) -> list[dict]:
+        """The step's n prompt rows, identical on every process (seeded by the generation index)."""
+        cfg = self.cfg
+        if self.env is not None:
+            rows = self.env.sample_prompts(n, seed=cfg.seed * 1_000_003 + generation)
+            return [{"prompt": r["prompt"], **r["metadata"]} for r in rows]
+        per_epoch = len(self.train_prompts) // n
+        epoch, index = divmod(generation, per_epoch)
+        order = torch.randperm(len(self.train_prompts), generator=torch.Generator().manual_seed(cfg.seed + epoch))
+        return [self.train_prompts[i] for i in order[index * n:(index + 1) * n].tolist()]
+
+    @torch.no_grad()
+    def _logprobs(self, model, batch: dict) -> torch.Tensor:
+        """(B, T-1) log-probs of the batch's labels under `model` at the sampling temperature."""
+        logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], use_cache=False).logits
+        if self.cfg.temperature and self.cfg.temperature != 1.0:
+            logits = logits / self.cfg.temperature
+        return losses.token_logprobs(logits, batch["labels"])[0]
+
+    def _ref_logprobs(self, batch: dict) -> torch.Tensor:
+        if self.ref is not None:
+            return self._logprobs(self.ref, batch)
+        # LoRA: the reference is the base model, i.e. the adapters switched off
+        model = self.pipeline.unwrapped_model
+        with model.disable_adapter():
+            return self._logprobs(self.pipeline.model, batch)
+
+    # ------------------------------------------------------------------ training
+    def train(self) -> list[dict]:
+        from rl.forward_backward import ForwardBackwardPipeline, zero_stage
+        from rl.generation import generate
+        from rl.models import build_optimizer, build_scheduler
+        from rl.tracking import Tracker
+
+        cfg, acc = self.cfg, self.accelerator
+        plan = self.plan()
+        self.plan_info = plan
+        out = Path(cfg.output_dir)
+        optimizer = build_optimizer(self._model, cfg.learning_rate, cfg.weight_decay)
+        scheduler = build_scheduler(optimizer, cfg.lr_scheduler, plan["total_steps"], cfg.warmup_ratio)
+        pipe = ForwardBackwardPipeline(self._model, gradient_accumulation_steps=cfg.gradient_accumulation_steps,
+                                       optimizer=optimizer, scheduler=scheduler, accelerator=acc,
+                                       checkpoint_dir=checkpoint_dir(out), micro_batch_size=cfg.batch_size)
+        self.pipeline = pipe
+        if self._ref_model is not None:
+            from rl.dpo import prepare_reference
+
+            self.ref = prepare_reference(self._ref_model, acc)
+            self._ref_model = None
+        if acc.is_main_process:
+            save_config(cfg, out)
+        tracker = Tracker(out, cfg.report_to, cfg.run_name, to_dict(cfg), plan["total_steps"], acc.is_main_process,
+                          desc="grpo", plot_keys=["reward", "eval/accuracy", "reward_std", "frac_reward_zero_std",
+                                                  "kl", "completions/mean_length", "loss", "grad_norm",
+                                                  "clip_ratio/region_mean"])
+        tracker.write(f"grpo ({cfg.advantage_estimator}, {cfg.loss_aggregation}): {plan['total_steps']} steps of "
+                      f"{plan['prompts_per_step']} prompts x {cfg.num_generations} generations "
+                      f"({self.world} processes, ZeRO stage {zero_stage(acc)}), beta {cfg.beta}, "
+                      f"trainable {self.trainable:,}/{self.total_params:,} parameters")
+        resume_from = resolve_resume(cfg.resume, out)
+        if resume_from is not None:
+            pipe.load_state(resume_from).result()
+            tracker.write(f"resumed from {resume_from} at step {pipe.step}")
+        eval_set = unique_eval_set(self.eval_env, cfg.eval_num_prompts) if self.eval_env is not None else None
+        stopper = StopSignal()
+        history: list[dict] = []
+        self.stopped_early = False
+        try:
+            if eval_set is not None and pipe.step == 0:
+                row = self.evaluate(eval_set)
+                history.append({"step": 0, **row})
+                tracker.log(0, row)
+            while pipe.step < plan["total_steps"]:
+                rows = self.train_step(pipe, plan, generate)
+                for row in rows:
+                    if eval_set is not None and (pipe.step == plan["total_steps"] or
+                                                 (cfg.eval_every and row["step"] % cfg.eval_every == 0)):
+                        row.update(self.evaluate(eval_set))
+                    history.append(row)
+                    if row["step"] % cfg.log_every == 0 or row["step"] == plan["total_steps"] or "eval/accuracy" in row:
+                        tracker.log(row["step"], {k: v for k, v in row.items() if k != "step"})
+                stop = _any_process(acc, stopper.stop)
+                if (cfg.save_every and pipe.step % cfg.save_every == 0) or stop:
+                    pipe.save_state(checkpoint_name(pipe.step), {"step": pipe.step}).result()
+                if stop:
+                    tracker.write(f"stopping on signal {stopper.received} after step {pipe.step}; "
+                                  "checkpoint written, resume with resume=auto")
+                    self.stopped_early = True
+                    break
+            return history
+        finally:
+            stopper.restore()
+            tracker.close()
+
+    def train_step(self, pipe, plan: dict, generate) -> list[dict]:
+        """One generation batch: sample, score, advantages, num_iterations optimizer steps."""
+        cfg, acc = self.cfg, self.accelerator
+        t0 = time.time()
+        generation = pipe.step // cfg.num_iterations
+        rows = self._prompts_for(generation, plan["prompts_per_step"])
+        k = plan["prompts_per_process"]
+        mine = rows[acc.process_index * k:(acc.process_index + 1) * k]
+        prompt_ids = [encode_prompt(self.tokenizer, r["prompt"], cfg.prompt_budget) for r in mine]
+        # distinct, reproducible sampling seeds per step and process (row r of a call uses seed + r)
+        seed = cfg.seed * 7_919 + (generation * self.world + acc.process_index) * plan["completions_per_process"]
+        t_gen = time.time()
+        rollout = generate(pipe.model, self.tokenizer, prompt_ids, max_new_tokens=cfg.max_completion_length,
+                           temperature=cfg.temperature, top_k=cfg.top_k, top_p=cfg.top_p, seed=seed,
+                           num_samples=cfg.num_generations)
+        t_gen = time.time() - t_gen
+        completions = self.tokenizer.batch_decode(rollout.completions(), skip_special_tokens=True)
+        G = cfg.num_generations
+        rep = [r for r in mine for _ in range(G)]
+        prompts = [r["prompt"] for r in rep]
+        columns = {c: [r.get(c) for r in rep] for c in rep[0] if c not in ("prompt", "_line")}
+        local = score_completions(self.reward_funcs, prompts, completions, columns).to(acc.device)
+        per_func = acc.gather(local).cpu() if self.world > 1 else local.cpu()
+        rewards = combine_rewards(per_func, self.reward_weights)
+        advantages_all = compute_advantages(rewards, G, cfg.advantage_estimator)
+        n_local = local.shape[0]
+        advantages = advantages_all[acc.process_index * n_local:(acc.process_index + 1) * n_local]
+        # metrics on the global batch (TRL's names)
+        _, std = group_stats(rewards, G)
+        zero_std = torch.isclose(std, torch.zeros_like(std))
+        lengths_local = rollout.lengths.to(acc.device).float()
+        truncated_local = torch.tensor([1.0 if r == "length" else 0.0 for r in rollout.finish_reasons], device=acc.device)
+        lengths = acc.gather(lengths_local).cpu() if self.world > 1 else lengths_local.cpu()
+        truncated = acc.gather(truncated_local).cpu() if self.world > 1 else truncated_local.cpu()
+        metrics = {
+            "reward": _nanmean(rewards), "reward_std": float(_nanstd(rewards)) if rewards.numel() > 1 else 0.0,
+            "frac_reward_zero_std": float(zero_std.float().mean()),
+            "num_zero_std_groups": int(zero_std.view(-1, G)[:, 0].sum()),
+            "completions/mean_length": float(lengths.mean()), "completions/min_length": float(lengths.min()),
+            "completions/max_length": float(lengths.max()), "completions/clipped_ratio": float(truncated.mean()),
+            "advantages/mean_abs": float(advantages_all.abs().mean()),
+        }
+        for j, (name, _) in enumerate(self.reward_funcs):
+            metrics[f"rewards/{name}/mean"] = _nanmean(per_func[:, j])
+            metrics[f"rewards/{name}/std"] = float(_nanstd(per_func[:, j]))
+        env_fn = self.reward_funcs[0][1] if self.env is not None else None
+        for comp, values in (getattr(env_fn, "last_metrics", {}) or {}).items():
+            if comp.startswith("reward_") and comp != "reward_total":
+                v = torch.tensor(values, dtype=torch.float32, device=acc.device)
+                v = acc.gather(v).cpu() if self.world > 1 else v.cpu()
+                metrics[f"rewards/{comp[len('reward_'):]}/mean"] = float(v.mean())
+        batch = {k: v.to(acc.device) for k, v in rollout.to_batch().items()}
+        adv = advantages.to(acc.device)
+        ref_lp = old_lp = None
+        micro = _micro_slices(batch["input_ids"].shape[0], cfg.gradient_accumulation_steps)
+        if cfg.beta > 0:
+            ref_lp = torch.cat([pipe.submit(self._ref_logprobs, _take(batch, s)).result() for s in micro])
+        if cfg.num_iterations > 1:
+            old_lp = torch.cat([pipe.submit(self._logprobs, pipe.model, _take(batch, s)).result() for s in micro])
+        # token_mean over the whole step: the engine divides by accumulation, DDP/ZeRO average processes
+        n_tokens = acc.reduce(batch["labels"][:, 1:].ne(-100).sum().float(), "sum") if self.world > 1 else \
+            batch["labels"][:, 1:].ne(-100).sum().float()
+        num_items = float(n_tokens.clamp(min=1)) / (self.world * cfg.gradient_accumulation_steps)
+        out_rows = []
+        for _ in range(cfg.num_iterations):
+            t_train = time.time()
+            sums: dict[str, float] = {}
+            for s in micro:
+                kw = dict(advantages=adv[s], old_logprobs=None if old_lp is None else old_lp[s],
+                          ref_logprobs=None if ref_lp is None else ref_lp[s], temperature=cfg.temperature,
+                          beta=cfg.beta, epsilon_low=cfg.epsilon_low, epsilon_high=cfg.epsilon_high,
+                          loss_aggregation=cfg.loss_aggregation, max_completion_length=cfg.max_completion_length,
+                          num_items=num_items)
+                r = pipe.forward_backward(batch["input_ids"][s], batch["attention_mask"][s], batch["labels"][s],
+                                          loss_fn=partial(grpo_loss_fn, **kw)).result()
+                for key, v in {"loss": r.loss, **r.metrics}.items():
+                    sums[key] = sums.get(key, 0.0) + v / len(micro)
+            o = pipe.optim_step(max_grad_norm=cfg.max_grad_norm).result()
+            keys = sorted(sums)
+            vals = torch.tensor([sums[key] for key in keys], device=acc.device, dtype=torch.float64)
+            if self.world > 1:
+                vals = acc.reduce(vals, "mean")
+            row = {"step": pipe.step, **metrics, **{key: float(v) for key, v in zip(keys, vals)},
+                   "grad_norm": o.grad_norm, "lr": o.learning_rate}
+            completion_tokens = float(lengths.sum())
+            row["step_time"] = time.time() - t0
+            row["time/generation"] = t_gen
+            row["time/train"] = time.time() - t_train
+            row["completion_tokens_per_s"] = completion_tokens / max(row["step_time"], 1e-9)
+            out_rows.append(row)
+            t0 = time.time()
+        return out_rows
+
+    def evaluate(self, eval_set) -> dict:
+        prompts, metas = eval_set
+        model = self.pipeline.model if self.pipeline is not None else self._model
+        return greedy_eval(model, self.tokenizer, self.eval_env, prompts, metas, self.cfg.max_completion_length,
+                           self.cfg.prompt_budget)
+
+    def save(self, out_dir: str | None = None) -> str:
+        """Write the final model (HF format, LoRA merged) and tokenizer; all processes must call it."""
+        from rl.models import save_pretrained
+
+        out = out_dir or self.cfg.output_dir
+        save_pretrained(self.pipeline.model, self.tokenizer, out, self.accelerator)
+        self.accelerator.wait_for_everyone()
+        return out
+
+
+def _micro_slices(n: int, parts: int) -> list[slice]:
+    size = n // parts
+    return [slice(i * size, (i + 1) * size) for i in range(parts)]
+
+
+def _take(batch: dict, s: slice) -> dict:
+    return {k: v[s] for k, v in batch.items()}
+
+
+def _nanmean(x: torch.Tensor) -> float:
+    v = torch.nanmean(x.float())
+    return float(v) if not torch.isnan(v) else 0.0
+
+
+def _any_process(acc, flag: bool) -> bool:
+    if acc.num_processes == 1:
+        return flag
+    t = torch.tensor([1.0 if flag else 0.0], device=acc.device)
+    return bool(acc.reduce(t, "max").item() > 0)
+
+
+def load_prompt_rows(path: str, cfg: GRPOConfig) -> list[dict]:
+    """Rows of a data file with a prompt column (data.prompt_column, else data.text_column); the other
+    columns are passed to the reward functions as keyword arguments (TRL's convention)."""
+    from rl.data import DataError, read_records
+
+    rows = read_records(path)
+    if cfg.data.max_examples:
+        rows = rows[:cfg.data.max_examples]
+    if not rows:
+        raise DataError(f"{path}: no rows")
+    col = cfg.data.prompt_column if cfg.data.prompt_column in rows[0] else cfg.data.text_column
+    out = []
+    for row in rows:
+        p = row.get(col)
+        if not isinstance(p, str) or not p:
+            raise DataError(f"{path}:{row.get('_line')}: column '{col}' must be a non-empty string "
+                            f"(set data.prompt_column to the prompt column)")
+        out.append({"prompt": p, **{k: v for k, v in row.items() if k not in (col, "_line")}})
+    return out
