@@ -15,7 +15,8 @@ them against it), generalised to LoRA (T < N) by counting frozen weights at p by
   trainable, ZeRO-3 + offload all:   4L
   trainable, ZeRO-2 (and 1):         pN + 18T / W ; with optimizer offload pN
   trainable, no DeepSpeed (DDP):     16T + p(N-T)                     (fp32 master weights + grads + Adam)
-  frozen (reference, reward):        pN / W + pL under ZeRO-3, else pN
+  frozen (reference):                pN / W + pL under ZeRO-3, else pN
+  frozen reward model:               pN (replicated: it is not a DeepSpeed engine)
 Activations, the KV cache of generation and the CUDA context come on top of these figures.
 """
 
@@ -200,7 +201,8 @@ def _role(label: str, spec) -> dict:
     or no memory of its own (a reference that is the policy with LoRA off, or precomputed log-probs)."""
     if isinstance(spec, dict):
         return {"name": spec.get("name"), "trainable": bool(spec.get("trainable")),
-                "task": spec.get("task", "causal-lm"), "shared": bool(spec.get("shared"))}
+                "task": spec.get("task", "causal-lm"), "shared": bool(spec.get("shared")),
+                "replicated": bool(spec.get("replicated"))}
     text = str(spec)
     low = label.lower()
     lowered = text.lower()
@@ -210,8 +212,10 @@ def _role(label: str, spec) -> dict:
                                                                           "same as"))
               or text.startswith("env:") or text in ("default", "length_penalty", "correctness", "custom")
               or (":" in text and not text.startswith("tiny:") and not Path(text).exists()))
-    return {"name": text, "trainable": "trainable" in low and "frozen" not in low,
-            "task": "classifier" if ("reward" in low or "value" in low) else "causal-lm", "shared": shared}
+    trainable = "trainable" in low and "frozen" not in low
+    # A frozen reward model is scored on every rank without ZeRO sharding (it is not a DeepSpeed engine).
+    return {"name": text, "trainable": trainable, "task": "classifier" if ("reward" in low or "value" in low)
+            else "causal-lm", "shared": shared, "replicated": "reward" in low and not trainable}
 
 
 def estimate_memory(cfg, models: dict, world: int, zero: ZeroSettings) -> list[dict]:
@@ -250,7 +254,9 @@ def estimate_memory(cfg, models: dict, world: int, zero: ZeroSettings) -> list[d
                                        mixed_precision=cfg.dtype != "float32")
         else:
             t = 0
-            b = frozen_states_bytes(n, pc.largest_layer, world, zero, p)
+            z = ZeroSettings(0, False, False, zero.source) if r["replicated"] else zero
+            b = frozen_states_bytes(n, pc.largest_layer, world, z, p)
+            note = "replicated on every GPU" if r["replicated"] and zero.stage == 3 else note
         rows.append({**row, "params": n, "trainable": t, "gib_per_gpu": round(b / 2**30, 3), "note": note})
     return rows
 
