@@ -3,9 +3,10 @@ reward functions or an environment, use the group as the baseline, and take clip
 
 Objective (Shao et al. 2024, DeepSeekMath, eq. 3; the per-token form TRL implements):
 
-    L = agg_t [ -min(r_t A, clip(r_t, 1 - eps_low, 1 + eps_high) A) + beta * k3_t ]
+    L = agg_t [ -min(r_t A, clip(r_t, 1 - eps_low, 1 + eps_high) A) + beta * r_t * k3_t ]
     r_t = pi(o_t | q, o_<t) / pi_old(o_t | q, o_<t)
     k3_t = exp(ref_t - logp_t) - (ref_t - logp_t) - 1        (Schulman's k3, always >= 0)
+    (the r_t factor on the KL term is TRL 1.16's default use_bias_correction_kl; set it false for plain k3)
 
 Advantages (one scalar per completion, broadcast over its tokens), rewards grouped per prompt:
     grpo          (r - mean_group) / (std_group + 1e-4)       GRPO (Shao et al. 2024); TRL scale_rewards="group"
@@ -71,6 +72,8 @@ class GRPOConfig(TrainConfig):
     epsilon_low: float = opt(0.2, "clip the ratio below at 1 - epsilon_low")
     epsilon_high: float = opt(0.2, "clip the ratio above at 1 + epsilon_high (DAPO recommends 0.28)")
     beta: float = opt(0.0, "k3 KL penalty to the reference model; 0 loads no reference model")
+    use_bias_correction_kl: bool = opt(True, "multiply the k3 term by the importance ratio (unbiased reverse-KL "
+                                       "gradient, DeepSeek-V3.2; TRL 1.16's default)")
     num_iterations: int = opt(1, "policy updates per generated batch (mu in the GRPO paper)")
     reward_funcs: list[str] = opt([], "reward functions: rl.rewards names (correctness, default, length_penalty) "
                                   "or 'module:function' with TRL's signature (prompts, completions, **columns)")
@@ -109,11 +112,6 @@ class GRPOConfig(TrainConfig):
             raise ConfigError(f"key 'temperature' must be >= 0, got {self.temperature}")
         if self.num_iterations < 1:
             raise ConfigError(f"key 'num_iterations' must be at least 1, got {self.num_iterations}")
-        n_sources = len(self.reward_funcs) + (1 if self.env_type else 0)  # callables are checked by the trainer
-        if self.reward_weights is not None and n_sources and len(self.reward_weights) != n_sources:
-            raise ConfigError(f"reward_weights has {len(self.reward_weights)} entries but there are {n_sources} "
-                              f"reward sources ({'environment + ' if self.env_type else ''}"
-                              f"{len(self.reward_funcs)} reward_funcs); give one weight each")
 
     @property
     def prompt_budget(self) -> int:
@@ -218,7 +216,7 @@ def grpo_loss(logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Tens
               ref_logp: torch.Tensor | None = None, beta: float = 0.0, epsilon_low: float = 0.2,
               epsilon_high: float = 0.2, loss_aggregation: str = "token_mean",
               max_completion_length: int | None = None, num_items: float | None = None,
-              ) -> tuple[torch.Tensor, dict]:
+              use_bias_correction_kl: bool = True) -> tuple[torch.Tensor, dict]:
     """Clipped GRPO surrogate with an optional k3 KL term; see the module docstring.
 
     Args:
@@ -227,6 +225,8 @@ def grpo_loss(logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Tens
         advantages: (B,) per sequence or (B, N) per token.
         loss_aggregation: token_mean | sequence_mean | constant.
         max_completion_length: the constant's divisor (required for "constant").
+        use_bias_correction_kl: multiply k3 by the (differentiable) ratio r_t, as TRL 1.16 does by default:
+            the KL gradient is then the unbiased reverse-KL gradient even off-policy (DeepSeek-V3.2).
         num_items: token_mean's divisor (default: this micro-batch's token count); the trainer passes
             the step's token count / (processes * micro-batches) so the accumulated gradient is the
             exact token mean of the whole step.
@@ -242,6 +242,8 @@ def grpo_loss(logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Tens
         if ref_logp is None:
             raise ValueError("beta > 0 needs ref_logp (the reference model's per-token log-probs)")
         kl = k3_kl(logp, ref_logp)
+        if use_bias_correction_kl:
+            kl = kl * ratio
         per_token = per_token + beta * kl
         metrics["kl"] = losses.masked_mean(kl.detach(), mask)
     if loss_aggregation == "token_mean":
@@ -436,7 +438,8 @@ class GRPOTrainer:
                               "(e.g. reward_funcs=[correctness]), or pass reward_funcs= to GRPOTrainer")
         weights = cfg.reward_weights if cfg.reward_weights is not None else [1.0] * len(self.reward_funcs)
         if len(weights) != len(self.reward_funcs):
-            raise ConfigError(f"reward_weights has {len(weights)} entries for {len(self.reward_funcs)} reward sources")
+            raise ConfigError(f"reward_weights has {len(weights)} entries but there are {len(self.reward_funcs)} reward "
+                              f"sources ({', '.join(n for n, _ in self.reward_funcs)}); give one weight each")
         self.reward_weights = torch.tensor(weights, dtype=torch.float32)
         if self.env is None and not train_prompts:
             raise ConfigError("no prompts: set env_type or data.path (rows with a 'prompt' column)")
@@ -647,7 +650,7 @@ class GRPOTrainer:
                           ref_logprobs=None if ref_lp is None else ref_lp[s], temperature=cfg.temperature,
                           beta=cfg.beta, epsilon_low=cfg.epsilon_low, epsilon_high=cfg.epsilon_high,
                           loss_aggregation=cfg.loss_aggregation, max_completion_length=cfg.max_completion_length,
-                          num_items=num_items)
+                          num_items=num_items, use_bias_correction_kl=cfg.use_bias_correction_kl)
                 r = pipe.forward_backward(batch["input_ids"][s], batch["attention_mask"][s], batch["labels"][s],
                                           loss_fn=partial(grpo_loss_fn, **kw)).result()
                 for key, v in {"loss": r.loss, **r.metrics}.items():

@@ -1,0 +1,294 @@
+"""GRPO family: advantages and loss against hand-computed numbers and against TRL 1.16's own code
+(GRPOTrainer._compute_loss run on identical log-probs; the advantage formulas of its
+_generate_and_score_completions / RLOOTrainer, replicated from the source), reward plumbing, config errors,
+and a short single-process run that learns a rewarded pattern."""
+
+from __future__ import annotations
+
+import math
+import types
+from collections import defaultdict
+
+import pytest
+import torch
+
+from rl.config import ConfigError, build
+from rl.grpo import (GRPOConfig, GRPOTrainer, as_trl_reward, combine_rewards, compute_advantages, dr_grpo_advantages,
+                     grpo_advantages, grpo_loss, k3_kl, reinforce_pp_advantages, rloo_advantages, score_completions)
+
+NAN = float("nan")
+
+
+# ------------------------------------------------------------------------------- hand-computed
+
+def test_advantages_hand_computed():
+    r = torch.tensor([1.0, 0.0, 0.0, 1.0, 2.0, 2.0, 2.0, 2.0])
+    s = math.sqrt(1 / 3)  # Bessel-corrected std of [1, 0, 0, 1]
+    want = torch.tensor([0.5, -0.5, -0.5, 0.5, 0, 0, 0, 0])
+    torch.testing.assert_close(dr_grpo_advantages(r, 4), want)
+    torch.testing.assert_close(grpo_advantages(r, 4), want / torch.tensor([s] * 4 + [1.0] * 4).add(1e-4)
+                               * torch.tensor([1.0] * 4 + [0.0] * 4))
+    # leave-one-out: 1 - (0 + 0 + 1) / 3 = 2/3; 0 - 2/3
+    torch.testing.assert_close(rloo_advantages(r, 4), torch.tensor([2 / 3, -2 / 3, -2 / 3, 2 / 3, 0, 0, 0, 0]))
+    # REINFORCE++-baseline: centred [.5,-.5,-.5,.5,0,0,0,0], batch std sqrt(1/7)
+    torch.testing.assert_close(reinforce_pp_advantages(r, 4), want / (math.sqrt(1 / 7) + 1e-4))
+
+
+def test_advantages_none_rewards_are_left_out():
+    r = torch.tensor([1.0, NAN, 0.0, 2.0])  # group of 4 with one unscored completion
+    a = dr_grpo_advantages(r, 4)
+    torch.testing.assert_close(a, torch.tensor([0.0, 0.0, -1.0, 1.0]))
+    torch.testing.assert_close(rloo_advantages(r, 4), torch.tensor([1 - 1.0, 0.0, 0 - 1.5, 2 - 0.5]))
+    with pytest.raises(ValueError, match="multiple of num_generations"):
+        compute_advantages(torch.ones(5), 4)
+    with pytest.raises(ValueError, match="unknown advantage_estimator"):
+        compute_advantages(torch.ones(4), 4, "ppo")
+
+
+def test_combine_rewards_weights_and_none():
+    per = torch.tensor([[1.0, 0.5], [NAN, 1.0], [NAN, NAN]])
+    torch.testing.assert_close(combine_rewards(per, [2.0, 1.0])[:2], torch.tensor([2.5, 1.0]))
+    assert math.isnan(float(combine_rewards(per, [2.0, 1.0])[2]))
+
+
+def test_loss_hand_computed_clip_and_aggregations():
+    logp = torch.tensor([[math.log(0.5), math.log(0.9), 0.0], [math.log(0.2), 0.0, 0.0]])
+    old = torch.tensor([[math.log(0.25), math.log(0.9), 0.0], [math.log(0.4), 0.0, 0.0]])
+    mask = torch.tensor([[1.0, 1.0, 0.0], [1.0, 0.0, 0.0]])
+    adv = torch.tensor([1.0, -2.0])
+    # ratios: row0 [2, 1], row1 [0.5]; eps_low 0.2, eps_high 0.28
+    # row0 t0: min(2*1, 1.28*1) = 1.28 -> -1.28 (high-clipped); t1: -1
+    # row1 t0: min(0.5*-2, 0.8*-2) = -1.6 -> +1.6 (low-clipped)
+    per = [-1.28, -1.0, 1.6]
+    kw = dict(epsilon_low=0.2, epsilon_high=0.28)
+    loss, m = grpo_loss(logp, old, adv, mask, loss_aggregation="token_mean", **kw)
+    assert loss.item() == pytest.approx(sum(per) / 3, abs=1e-6)
+    assert m["clip_ratio/high_mean"].item() == pytest.approx(1 / 3)
+    assert m["clip_ratio/low_mean"].item() == pytest.approx(1 / 3)
+    assert m["clip_ratio/region_mean"].item() == pytest.approx(2 / 3)
+    loss, _ = grpo_loss(logp, old, adv, mask, loss_aggregation="sequence_mean", **kw)
+    assert loss.item() == pytest.approx(((-1.28 - 1.0) / 2 + 1.6) / 2, abs=1e-6)
+    loss, _ = grpo_loss(logp, old, adv, mask, loss_aggregation="constant", max_completion_length=4, **kw)
+    assert loss.item() == pytest.approx(sum(per) / (2 * 4), abs=1e-6)
+    loss, _ = grpo_loss(logp, old, adv, mask, loss_aggregation="token_mean", num_items=6.0, **kw)
+    assert loss.item() == pytest.approx(sum(per) / 6, abs=1e-6)
+
+
+def test_k3_kl_term_and_gradient():
+    logp = torch.tensor([[-1.0, -2.0]], requires_grad=True)
+    ref = torch.tensor([[-1.5, -2.0]])
+    mask = torch.ones(1, 2)
+    d = -0.5
+    k3 = math.exp(d) - d - 1
+    assert k3_kl(logp, ref)[0, 1].item() == 0.0
+    loss, m = grpo_loss(logp, logp.detach(), torch.zeros(1), mask, ref_logp=ref, beta=0.1,
+                        use_bias_correction_kl=False)
+    assert m["kl"].item() == pytest.approx(k3 / 2, abs=1e-6)
+    assert loss.item() == pytest.approx(0.1 * k3 / 2, abs=1e-6)
+    loss.backward()
+    # d/dlogp [exp(ref - logp) - (ref - logp) - 1] = 1 - exp(ref - logp)
+    assert logp.grad[0, 0].item() == pytest.approx(0.1 * (1 - math.exp(d)) / 2, abs=1e-6)
+    # with the ratio factor (on-policy: value 1) the gradient gains k3 * d(ratio)/dlogp = k3
+    lp2 = logp.detach().clone().requires_grad_(True)
+    grpo_loss(lp2, lp2.detach(), torch.zeros(1), mask, ref_logp=ref, beta=0.1)[0].backward()
+    assert lp2.grad[0, 0].item() == pytest.approx(0.1 * (1 - math.exp(d) + k3) / 2, abs=1e-6)
+    with pytest.raises(ValueError, match="ref_logp"):
+        grpo_loss(logp, logp, torch.zeros(1), mask, beta=0.1)
+
+
+# ------------------------------------------------------------------------------- TRL 1.16
+
+def _trl_advantages(rewards_per_func, weights, G, scale_rewards):
+    """TRL 1.16 GRPOTrainer._generate_and_score_completions, sum_then_normalize branch (verbatim logic)."""
+    from trl.trainer.utils import nanstd
+
+    unscorable = torch.isnan(rewards_per_func).all(dim=1)
+    rewards = (rewards_per_func * weights.unsqueeze(0)).nansum(dim=1)
+    rewards[unscorable] = torch.nan
+    mean_grouped = torch.nanmean(rewards.view(-1, G), dim=1).repeat_interleave(G, dim=0)
+    if scale_rewards in ("group", "none"):
+        std = nanstd(rewards.view(-1, G), dim=1).repeat_interleave(G, dim=0)
+    else:
+        std = nanstd(rewards).expand_as(rewards)
+    adv = rewards - mean_grouped
+    if scale_rewards != "none":
+        adv = adv / (std + 1e-4)
+    is_std_zero = torch.isclose(std, torch.zeros_like(std))
+    return torch.nan_to_num(adv, nan=0.0), is_std_zero
+
+
+def _trl_rloo_advantages(rewards, G):
+    """TRL 1.16 RLOOTrainer leave-one-out baseline (normalize_advantages=False)."""
+    grouped = rewards.view(-1, G)
+    counts = (~torch.isnan(grouped)).sum(dim=1, keepdim=True)
+    baselines = ((torch.nansum(grouped, dim=1, keepdim=True) - grouped) / (counts - 1)).view(-1)
+    return torch.nan_to_num(rewards - baselines, nan=0.0)
+
+
+def test_advantages_match_trl():
+    pytest.importorskip("trl")
+    g = torch.Generator().manual_seed(0)
+    G = 4
+    per_func = torch.randint(0, 3, (24, 2), generator=g).float()
+    per_func[3, 0] = NAN  # a function returned None
+    per_func[7] = NAN  # nobody scored this completion
+    per_func[8:12] = 1.0  # a zero-variance group
+    w = torch.tensor([1.0, 0.5])
+    rewards = combine_rewards(per_func, w)
+    want, zero = _trl_advantages(per_func, w, G, "group")
+    torch.testing.assert_close(compute_advantages(rewards, G, "grpo"), want)
+    assert zero[8:12].all() and zero.sum() == 4
+    want, _ = _trl_advantages(per_func, w, G, "none")
+    torch.testing.assert_close(compute_advantages(rewards, G, "dr_grpo"), want)
+    torch.testing.assert_close(compute_advantages(rewards, G, "rloo"), _trl_rloo_advantages(rewards, G))
+
+
+class _FakeAccelerator:
+    num_processes = 1
+    sync_gradients = True
+
+    def reduce(self, t, reduction="sum"):
+        return t
+
+    def gather(self, t):
+        return t
+
+    def gather_for_metrics(self, t):
+        return t
+
+
+def _trl_loss(loss_type, logp, old, ref, adv, mask, beta, eps_low, eps_high, max_len, bias_kl):
+    """Run TRL 1.16's GRPOTrainer._compute_loss on given per-token log-probs (no model)."""
+    from trl import GRPOConfig as TRLConfig
+    from trl import GRPOTrainer as TRLTrainer
+
+    args = TRLConfig(output_dir="/tmp/trl-unused", bf16=False, beta=beta, epsilon=eps_low, epsilon_high=eps_high,
+                     loss_type=loss_type, max_completion_length=max_len, report_to=[],
+                     use_bias_correction_kl=bias_kl)
+    fake = types.SimpleNamespace(
+        args=args, loss_type=loss_type, beta=beta, epsilon_low=eps_low, epsilon_high=eps_high,
+        max_completion_length=max_len, importance_sampling_level="token", off_policy_mask_threshold=None,
+        top_entropy_quantile=1.0, use_vllm=False, aux_loss_enabled=False, _entropy_bonus_enabled=False,
+        current_gradient_accumulation_steps=1, accelerator=_FakeAccelerator(),
+        model=types.SimpleNamespace(training=True), _metrics={"train": defaultdict(list)})
+    fake._get_per_token_logps_and_entropies = lambda *a, **k: (logp, torch.zeros_like(logp), None)
+    B, N = logp.shape
+    inputs = {"prompt_ids": torch.ones(B, 1, dtype=torch.long), "prompt_mask": torch.ones(B, 1, dtype=torch.long),
+              "completion_ids": torch.ones(B, N, dtype=torch.long), "completion_mask": mask.long(),
+              "advantages": adv, "old_per_token_logps": old, "ref_per_token_logps": ref,
+              "num_items_in_batch": mask.sum()}
+    loss = TRLTrainer._compute_loss(fake, None, inputs)
+    return loss, fake._metrics["train"]
+
+
+@pytest.mark.parametrize("ours,theirs", [("sequence_mean", "grpo"), ("constant", "dr_grpo"), ("token_mean", "dapo")])
+@pytest.mark.parametrize("beta,bias_kl", [(0.0, True), (0.04, True), (0.04, False)])
+def test_loss_and_gradient_match_trl(ours, theirs, beta, bias_kl):
+    pytest.importorskip("trl")
+    g = torch.Generator().manual_seed(1)
+    B, N, L = 6, 5, 7
+    base = -torch.rand(B, N, generator=g) * 2
+    old = base + 0.3 * torch.randn(B, N, generator=g)  # ratios well outside [0.8, 1.28]
+    ref = base + 0.2 * torch.randn(B, N, generator=g)
+    mask = torch.ones(B, N)
+    mask[0, 3:] = 0
+    mask[4, 1:] = 0
+    adv = torch.randn(B, generator=g)
+    lp_ours = base.clone().requires_grad_(True)
+    loss, m = grpo_loss(lp_ours, old, adv, mask, ref_logp=ref, beta=beta, epsilon_low=0.2, epsilon_high=0.28,
+                        loss_aggregation=ours, max_completion_length=L, use_bias_correction_kl=bias_kl)
+    loss.backward()
+    lp_trl = base.clone().requires_grad_(True)
+    trl_loss, trl_m = _trl_loss(theirs, lp_trl, old, ref, adv, mask, beta, 0.2, 0.28, L, bias_kl)
+    trl_loss.backward()
+    assert loss.item() == pytest.approx(trl_loss.item(), rel=1e-5, abs=1e-7)
+    torch.testing.assert_close(lp_ours.grad, lp_trl.grad, rtol=1e-5, atol=1e-7)
+    for k in ("clip_ratio/low_mean", "clip_ratio/high_mean", "clip_ratio/region_mean"):
+        assert m[k].item() == pytest.approx(trl_m[k][0], abs=1e-6)
+    assert m["clip_ratio/region_mean"].item() > 0  # the clip really was exercised
+    if beta:
+        assert m["kl"].item() == pytest.approx(trl_m["kl"][0], rel=1e-5)
+
+
+# ------------------------------------------------------------------------------- rewards, config
+
+def test_reward_signatures_and_errors():
+    def trl_style(prompts, completions, answer, **kw):
+        return [1.0 if c == a else None for c, a in zip(completions, answer)]
+
+    def ours(prompts, responses, metadata=None):
+        return [float(len(r)) for r in responses]
+
+    per = score_completions([("a", as_trl_reward(trl_style)), ("b", as_trl_reward(ours))], ["p", "p"],
+                            ["7", "8"], {"answer": ["7", "7"]})
+    assert per[0, 0] == 1.0 and math.isnan(per[1, 0]) and per[:, 1].tolist() == [1.0, 1.0]
+    with pytest.raises(ValueError, match="returned 1 rewards for 2"):
+        score_completions([("bad", lambda prompts, completions, **kw: [1.0])], ["p", "p"], ["a", "b"], {})
+
+
+def test_config_errors(tiny_llama):
+    base = {"model_name": tiny_llama}
+    with pytest.raises(ConfigError, match="multiple of num_generations=3"):
+        build(GRPOConfig, {**base, "batch_size": 4, "num_generations": 3})
+    with pytest.raises(ConfigError, match="at least 2"):
+        build(GRPOConfig, {**base, "num_generations": 1})
+    with pytest.raises(ConfigError, match="loss_aggregation"):
+        build(GRPOConfig, {**base, "loss_aggregation": "sum"})
+    with pytest.raises(ConfigError, match="reward_weights has 1 entries but there are 2 reward sources"):
+        GRPOTrainer(build(GRPOConfig, {**base, "env_type": "math", "reward_funcs": ["correctness"],
+                                       "reward_weights": [1.0], "report_to": ["none"]}))
+    with pytest.raises(ConfigError, match="unknown reward function 'nope'"):
+        GRPOTrainer(build(GRPOConfig, {**base, "env_type": "math", "reward_funcs": ["nope"], "report_to": ["none"]}))
+    cfg = build(GRPOConfig, {**base, "rl_env_type": "math", "kl_coef": 0.1})  # the reference's key names
+    assert cfg.env_type == "math" and cfg.beta == 0.1
+    with pytest.raises(ConfigError, match="no reward source"):
+        GRPOTrainer(build(GRPOConfig, {**base, "report_to": ["none"]}), train_prompts=[{"prompt": "1+1="}])
+
+
+# ------------------------------------------------------------------------------- training
+
+def test_beta_zero_loads_no_reference_and_learns(tiny_llama, tmp_path):
+    """A rewarded first character becomes the common one within a few steps; beta = 0 -> no reference."""
+
+    def starts_with_seven(prompts, completions, **kw):
+        return [1.0 if c.startswith("7") else 0.0 for c in completions]
+
+    cfg = build(GRPOConfig, dict(model_name=tiny_llama, output_dir=str(tmp_path), learning_rate=1e-2,
+                                 lr_scheduler="constant", batch_size=32, gradient_accumulation_steps=2,
+                                 num_generations=8, max_completion_length=3, max_length=12, max_steps=16,
+                                 report_to=["jsonl"], seed=0))
+    rows = [{"prompt": f"{a}+{b}="} for a in range(10) for b in range(10)]
+    t = GRPOTrainer(cfg, reward_funcs=[starts_with_seven], train_prompts=rows)
+    assert t._ref_model is None
+    h = t.train()
+    assert t.ref is None
+    assert len(h) == 16 and {"reward", "reward_std", "frac_reward_zero_std", "num_zero_std_groups",
+                             "completions/mean_length", "clip_ratio/region_mean", "loss"} <= set(h[0])
+    first, last = sum(r["reward"] for r in h[:3]) / 3, sum(r["reward"] for r in h[-3:]) / 3
+    assert last > first + 0.2, (first, last)
+    assert (tmp_path / "metrics.png").exists()
+
+
+def test_environment_reward_source_with_reference(tiny_llama, tmp_path):
+    """env_type=math supplies prompts and rewards (components logged); beta > 0 builds a reference and
+    reports kl; the evaluation runs greedy decoding on the held-out split."""
+    cfg = build(GRPOConfig, dict(model_name=tiny_llama, output_dir=str(tmp_path), learning_rate=1e-3,
+                                 batch_size=8, num_generations=4, max_completion_length=3, max_length=16,
+                                 max_steps=2, beta=0.05, num_iterations=2, env_type="math",
+                                 env_config={"difficulty": "tiny", "split": "train"},
+                                 eval_env_config={"split": "test"}, eval_num_prompts=8,
+                                 advantage_estimator="rloo", loss_aggregation="constant", report_to=["none"],
+                                 reward_weights=[1.0, 0.1]))
+
+    def length(prompts, completions, answer, **kw):  # TRL signature; 'answer' is an environment column
+        assert len(answer) == len(completions)
+        return [float(len(c)) for c in completions]
+
+    t = GRPOTrainer(cfg, reward_funcs=[length])
+    h = t.train()
+    assert t.ref is not None
+    rows = [r for r in h if "reward" in r]
+    assert len(rows) == 2 and rows[0]["kl"] == pytest.approx(0.0, abs=1e-6) and rows[1]["kl"] > 0
+    assert "rewards/correctness/mean" in rows[0] and "rewards/formatting/mean" in rows[0]
+    assert "rewards/length/mean" in rows[0] and "rewards/env/mean" in rows[0]
+    assert h[0]["eval/num_prompts"] == 8 and 0.0 <= h[-1]["eval/accuracy"] <= 1.0
