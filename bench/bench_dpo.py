@@ -10,8 +10,10 @@ and no gradient checkpointing on either side. Sides:
     ours             rl.dpo, frozen-copy reference forward every step
     ours_precompute  rl.dpo with precompute_ref_logps=True (one reference pass before training)
 
-Step time is the wall time of an optimizer step (data, forwards, backward, optimizer, metrics); the
-one-time precompute pass is reported separately as x_precompute_s. Run:
+Step time is the interval between consecutive optimizer-step ends (data, forwards, backward, optimizer,
+metrics), measured the same way on both sides, as wall time and as process CPU time (all threads; on a
+shared machine the CPU time is the steadier figure). The one-time precompute pass falls in the first,
+untimed step on both sides. Run:
 
     python bench/bench_dpo.py                       # CPU: 2 rounds x 4 timed steps per side
     python bench/bench_dpo.py --device cuda --hidden 896 --layers 24 --heads 14 --family qwen2
@@ -60,19 +62,34 @@ def side_ours(spec: dict, precompute: bool) -> dict:
         max_length=spec["prompt_len"] + spec["answer_len"] + 8, max_prompt_length=spec["prompt_len"] + 4,
         dtype="float32" if spec["device"] == "cpu" else "auto", device=spec["device"],
         precompute_ref_logps=precompute, seed=spec["seed"]))
+    from rl.forward_backward import ForwardBackwardPipeline
+
+    # Step ends, measured the same way as on the TRL side (intervals between consecutive optimizer steps).
+    wall, cpu = [time.perf_counter()], [time.process_time()]
+    original = ForwardBackwardPipeline._optim_step
+
+    def timed_optim_step(self, *a, **kw):
+        out = original(self, *a, **kw)
+        if spec["device"].startswith("cuda"):
+            torch.cuda.synchronize()
+        wall.append(time.perf_counter())
+        cpu.append(time.process_time())
+        return out
+
+    ForwardBackwardPipeline._optim_step = timed_optim_step
     trainer = DPOTrainer(cfg)
     ds = PreferenceDataset(P, C, R, trainer.tokenizer, cfg.max_length, cfg.max_prompt_length)
     assert ds.truncation["prompts_truncated"] == ds.truncation["answers_truncated"] == 0
     assert {len(e["prompt_ids"]) for e in ds.examples} == {spec["prompt_len"]}
     assert {len(e["chosen_ids"]) for e in ds.examples} == {spec["answer_len"]}
     t0 = time.perf_counter()
+    wall[0], cpu[0] = t0, time.process_time()
     history = trainer.train(ds)
     total = time.perf_counter() - t0
-    steps = [h["step_time"] for h in history]
-    if spec["device"].startswith("cuda"):
-        torch.cuda.synchronize()
-    return {"step_times": steps, "x_train_wall_s": total,
-            "x_precompute_s": total - sum(steps) if precompute else 0.0, "x_first_loss": history[0]["loss"]}
+    inner = [h["step_time"] for h in history]  # the trainer's own per-step clock, for comparison
+    return {"step_times": [b - a for a, b in zip(wall, wall[1:])],
+            "step_cpu_times": [b - a for a, b in zip(cpu, cpu[1:])], "x_trainer_step_time_s": inner,
+            "x_train_wall_s": total, "x_first_loss": history[0]["loss"]}
 
 
 def side_trl(spec: dict, precompute: bool) -> dict:
@@ -87,15 +104,18 @@ def side_trl(spec: dict, precompute: bool) -> dict:
     n = _n_steps(spec)
     P, C, R = make_pairs(spec["pairs"] * n, spec["prompt_len"], spec["answer_len"], spec["seed"])
     ends: list[float] = []
+    cpu: list[float] = []
 
     class Clock(TrainerCallback):
         def on_train_begin(self, args, state, control, **kw):
             ends.append(time.perf_counter())
+            cpu.append(time.process_time())
 
         def on_step_end(self, args, state, control, **kw):
             if spec["device"].startswith("cuda"):
                 torch.cuda.synchronize()
             ends.append(time.perf_counter())
+            cpu.append(time.process_time())
 
     cuda = spec["device"].startswith("cuda")
     args = TRLDPOConfig(
@@ -111,12 +131,12 @@ def side_trl(spec: dict, precompute: bool) -> dict:
     t0 = time.perf_counter()
     trainer.train()
     total = time.perf_counter() - t0
-    steps = [b - a for a, b in zip(ends, ends[1:])]
-    if precompute:  # TRL precomputes inside train(), before the first step: not part of step 1
-        first_loss = None
+    # With precompute_ref_log_probs TRL scores the data inside train(), before its first step: that lands
+    # in step 1's interval, which is a warm-up step (excluded), as on our side.
     logs = [r for r in trainer.state.log_history if "loss" in r]
-    first_loss = logs[0]["loss"] if logs else None
-    return {"step_times": steps, "x_train_wall_s": total, "x_first_loss": first_loss}
+    return {"step_times": [b - a for a, b in zip(ends, ends[1:])],
+            "step_cpu_times": [b - a for a, b in zip(cpu, cpu[1:])], "x_train_wall_s": total,
+            "x_first_loss": logs[0]["loss"] if logs else None}
 
 
 SIDES = {

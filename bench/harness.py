@@ -58,6 +58,9 @@ def run_side(fn: Callable[[dict], dict], spec: dict) -> dict:
     reset_peak(spec["device"])
     out = fn(spec)
     times = out["step_times"][spec["warmup"]:]
+    cpu = out.get("step_cpu_times", [])[spec["warmup"]:]
+    if cpu:  # process CPU time (all threads): what the step cost, much less disturbed by other processes
+        out["median_step_cpu_s"] = statistics.median(cpu)
     out.update({
         "timed_steps": len(times),
         "median_step_s": statistics.median(times),
@@ -103,6 +106,9 @@ def compare(results: dict[str, list[dict]], baseline: str) -> dict:
             "peak_memory_mb": max(r["peak_memory_mb"] for r in rounds),
             "per_round_median_step_s": [round(r["median_step_s"], 4) for r in rounds],
         }
+        if all("median_step_cpu_s" in r for r in rounds):
+            summary[name]["median_step_cpu_s"] = statistics.median(r["median_step_cpu_s"] for r in rounds)
+            summary[name]["per_round_median_step_cpu_s"] = [round(r["median_step_cpu_s"], 4) for r in rounds]
         extras = {k: v for k, v in rounds[-1].items() if k.startswith("x_")}
         summary[name].update(extras)
     base = summary[baseline]
@@ -110,18 +116,24 @@ def compare(results: dict[str, list[dict]], baseline: str) -> dict:
         s["step_time_ratio_vs_" + baseline] = s["median_step_s"] / base["median_step_s"]
         s["pairs_per_s_ratio_vs_" + baseline] = s["pairs_per_s"] / base["pairs_per_s"]
         s["peak_memory_ratio_vs_" + baseline] = s["peak_memory_mb"] / base["peak_memory_mb"]
+        if "median_step_cpu_s" in s and "median_step_cpu_s" in base:
+            s["step_cpu_ratio_vs_" + baseline] = s["median_step_cpu_s"] / base["median_step_cpu_s"]
     return summary
 
 
 def print_table(summary: dict, baseline: str) -> None:
-    head = f"{'side':<22}{'step s':>9}{'pairs/s':>10}{'peak MiB':>11}{'time x':>9}{'pairs/s x':>11}{'mem x':>8}"
+    head = (f"{'side':<22}{'step s':>9}{'pairs/s':>10}{'peak MiB':>11}{'time x':>9}{'pairs/s x':>11}{'mem x':>8}"
+            f"{'cpu s':>9}{'cpu x':>8}")
     print(head)
     print("-" * len(head))
     for name, s in summary.items():
+        cpu = (f"{s['median_step_cpu_s']:>9.3f}{s['step_cpu_ratio_vs_' + baseline]:>8.3f}"
+               if "step_cpu_ratio_vs_" + baseline in s else "")
         print(f"{name:<22}{s['median_step_s']:>9.3f}{s['pairs_per_s']:>10.2f}{s['peak_memory_mb']:>11.0f}"
               f"{s['step_time_ratio_vs_' + baseline]:>9.3f}{s['pairs_per_s_ratio_vs_' + baseline]:>11.3f}"
-              f"{s['peak_memory_ratio_vs_' + baseline]:>8.3f}")
-    print(f"(ratios against {baseline}; time x < 1 and pairs/s x > 1 mean faster than it)")
+              f"{s['peak_memory_ratio_vs_' + baseline]:>8.3f}{cpu}")
+    print(f"(ratios against {baseline}; time x < 1 and pairs/s x > 1 mean faster than it; cpu = process CPU "
+          f"seconds per step, all threads, the figure least disturbed by other load)")
 
 
 def write_results(name: str, payload: dict) -> Path:
