@@ -451,7 +451,16 @@ class GRPOTrainer:
         # beta = 0: no reference model at all (no memory, no forward)
         self._ref_model = None
         if cfg.beta > 0 and not cfg.lora.enabled:
-            self._ref_model = freeze(copy.deepcopy(model))
+            from rl.forward_backward import zero_stage
+
+            if zero_stage(self.accelerator) == 3:
+                # under ZeRO-3 the policy was loaded partitioned (zero.Init): a deepcopy would copy empty
+                # shards, so the reference is loaded again from the same weights
+                ref = load_causal_lm(cfg.model_name, dtype=torch.float32, trust_remote_code=cfg.trust_remote_code,
+                                     attn_implementation=cfg.attn_implementation)
+            else:
+                ref = copy.deepcopy(model)
+            self._ref_model = freeze(ref)
         if cfg.lora.enabled:
             model = apply_lora(model, cfg.lora.rank, cfg.lora.alpha, cfg.lora.dropout, cfg.lora.target_modules)
         self.trainable, self.total_params = trainable_fraction(model)
@@ -634,9 +643,10 @@ class GRPOTrainer:
         ref_lp = old_lp = None
         micro = _micro_slices(batch["input_ids"].shape[0], cfg.gradient_accumulation_steps)
         if cfg.beta > 0:
-            ref_lp = torch.cat([pipe.submit(self._ref_logprobs, _take(batch, s)).result() for s in micro])
+            # in this thread, not the engine's worker: ZeRO-3's parameter fetching is per thread
+            ref_lp = torch.cat([self._ref_logprobs(_take(batch, s)) for s in micro])
         if cfg.num_iterations > 1:
-            old_lp = torch.cat([pipe.submit(self._logprobs, pipe.model, _take(batch, s)).result() for s in micro])
+            old_lp = torch.cat([self._logprobs(pipe.model, _take(batch, s)) for s in micro])
         # token_mean over the whole step: the engine divides by accumulation, DDP/ZeRO average processes
         n_tokens = acc.reduce(batch["labels"][:, 1:].ne(-100).sum().float(), "sum") if self.world > 1 else \
             batch["labels"][:, 1:].ne(-100).sum().float()
