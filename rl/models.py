@@ -132,11 +132,37 @@ def build_scheduler(optimizer, kind: str, total_steps: int, warmup_ratio: float 
     return torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
 
 
+def merge_lora_state_dict(state_dict: dict, scaling: float, fan_in_fan_out: bool = False,
+                          adapter: str = "default") -> dict:
+    """A PEFT LoRA model's full state dict -> the plain base model's, with W' = W + scaling * B @ A.
+
+    Works on a gathered (ZeRO-3) state dict, where `merge_and_unload` cannot be used because the
+    live modules only hold shards. Keys lose PEFT's `base_model.model.` prefix and `.base_layer`;
+    `modules_to_save` copies replace their originals. Conv1D layers (GPT-2) store W transposed."""
+    prefix = "base_model.model."
+    out: dict = {}
+    for key, value in state_dict.items():
+        if ".lora_" in key or ".original_module." in key:
+            continue
+        name = key[len(prefix):] if key.startswith(prefix) else key
+        name = name.replace(".base_layer.", ".").replace(f".modules_to_save.{adapter}.", ".")
+        if key.endswith(".base_layer.weight"):
+            module = key[: -len(".base_layer.weight")]
+            a = state_dict.get(f"{module}.lora_A.{adapter}.weight")
+            b = state_dict.get(f"{module}.lora_B.{adapter}.weight")
+            if a is not None and b is not None:
+                delta = (b.float() @ a.float()) * scaling
+                value = (value.float() + (delta.T if fan_in_fan_out else delta)).to(value.dtype)
+        out[name] = value
+    return out
+
+
 def save_pretrained(model, tokenizer, out_dir: str, accelerator=None) -> None:
     """Save an HF-format model directory (safetensors) that `from_pretrained` loads.
 
     Under ZeRO-3 every process must call this (the weights are gathered); only the main one writes.
-    LoRA models are merged into their base first so the output loads without peft."""
+    LoRA models are merged into their base (from the state dict, so this works when the live
+    parameters are ZeRO-3 shards) and the output loads without peft."""
     if accelerator is not None:
         state_dict = accelerator.get_state_dict(model)
         if not accelerator.is_main_process:
@@ -144,9 +170,22 @@ def save_pretrained(model, tokenizer, out_dir: str, accelerator=None) -> None:
         model = accelerator.unwrap_model(model)
     else:
         state_dict = None
-    if hasattr(model, "merge_and_unload"):
-        if state_dict is not None:
-            model.load_state_dict(state_dict)  # unsharded copy on the main process
+    if hasattr(model, "peft_config"):
+        from huggingface_hub import save_torch_state_dict
+
+        cfg = model.peft_config["default"]
+        if getattr(cfg, "peft_type", None) is not None and str(cfg.peft_type).endswith("LORA"):
+            scaling = cfg.lora_alpha / (cfg.r ** 0.5 if getattr(cfg, "use_rslora", False) else cfg.r)
+            merged = merge_lora_state_dict(state_dict if state_dict is not None else model.state_dict(),
+                                           scaling, bool(getattr(cfg, "fan_in_fan_out", False)))
+            base = model.get_base_model()
+            base.config.save_pretrained(out_dir)
+            if getattr(base, "generation_config", None) is not None:
+                base.generation_config.save_pretrained(out_dir)
+            save_torch_state_dict({k: v.detach().cpu().contiguous() for k, v in merged.items()}, out_dir)
+            if tokenizer is not None:
+                tokenizer.save_pretrained(out_dir)
+            return
         model = model.merge_and_unload()
         state_dict = None
     model.save_pretrained(out_dir, state_dict=state_dict, safe_serialization=True)
