@@ -31,9 +31,10 @@ def main(argv=None) -> None:
         # 2. setup: prompts and reward functions are validated before any model is built
         rows = load_prompt_rows(cfg.data.path, cfg) if cfg.env_type is None else None
         if cfg.dry_run:
-            dry_run_report(cfg, n_examples=len(rows) if rows else None, models={
-                "policy (trainable)": cfg.model_name,
-                "reference": "none (beta = 0)" if cfg.beta == 0 else f"{cfg.model_name} (frozen copy)"})
+            models = {"policy (trainable)": cfg.model_name}
+            if cfg.beta > 0:  # beta = 0 loads no reference model
+                models["reference (frozen)"] = cfg.model_name
+            dry_run_report(cfg, n_examples=len(rows) if rows else None, models=models)
             return
         trainer = GRPOTrainer(cfg, train_prompts=rows)
         plan = trainer.plan()
