@@ -11,8 +11,10 @@ Nothing here downloads anything. The model is built from a config with random we
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
+import shutil
 from pathlib import Path
 
 FAMILIES = ("llama", "qwen2", "gemma", "gpt2")
@@ -84,7 +86,11 @@ def write_tiny_model(out: str | os.PathLike, family: str = "llama", task: str = 
     marker = out / "tiny_spec.json"
     if marker.exists() and json.loads(marker.read_text()) == spec:
         return out
-    out.mkdir(parents=True, exist_ok=True)
+    # Several processes (an `accelerate launch` of 2) may build the same model at once: each writes
+    # to its own temporary directory and renames it into place; the first rename wins.
+    tmp = out.parent / f".{out.name}.tmp-{os.getpid()}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
     tok = build_tokenizer()
     # Headroom above the 259 tokens: some families' tokenizer classes (Qwen2's) add a special token of
     # their own on load, and a multiple of 64 keeps the embedding matmuls aligned.
@@ -93,11 +99,45 @@ def write_tiny_model(out: str | os.PathLike, family: str = "llama", task: str = 
                        pad_id=tok.pad_token_id, bos_id=tok.bos_token_id, eos_id=tok.eos_token_id)
     torch.manual_seed(seed)
     cls = AutoModelForSequenceClassification if task == "classifier" else AutoModelForCausalLM
-    model = cls.from_config(cfg)
-    model.save_pretrained(out, safe_serialization=True)
-    tok.save_pretrained(out)
-    marker.write_text(json.dumps(spec))
+    with _without_zero3_init():
+        model = cls.from_config(cfg)
+    model.save_pretrained(tmp, safe_serialization=True)
+    tok.save_pretrained(tmp)
+    (tmp / "tiny_spec.json").write_text(json.dumps(spec))
+    if marker.exists() and json.loads(marker.read_text()) == spec:
+        shutil.rmtree(tmp, ignore_errors=True)  # another process finished the same model first
+        return out
+    if out.exists() and not marker.exists():
+        shutil.rmtree(out, ignore_errors=True)  # an incomplete or different model from an old run
+    elif out.exists():
+        old = out.parent / f".{out.name}.old-{os.getpid()}"
+        os.replace(out, old)  # a model with another spec: replace it
+        shutil.rmtree(old, ignore_errors=True)
+    try:
+        os.rename(tmp, out)
+    except OSError:  # another process renamed its copy first; theirs is identical
+        shutil.rmtree(tmp, ignore_errors=True)
     return out
+
+
+@contextlib.contextmanager
+def _without_zero3_init():
+    """Build the full tiny model locally even inside a ZeRO-3 run.
+
+    Under `accelerate launch --use_deepspeed` transformers would build it with `zero.Init`, a
+    collective; but only the process that finds no cached model builds one, so the other would
+    never join and the run would hang."""
+    try:
+        from transformers.integrations import deepspeed as hf_ds
+    except ImportError:  # pragma: no cover
+        yield
+        return
+    saved = hf_ds._hf_deepspeed_config_weak_ref
+    hf_ds._hf_deepspeed_config_weak_ref = None
+    try:
+        yield
+    finally:
+        hf_ds._hf_deepspeed_config_weak_ref = saved
 
 
 TINY_PREFIX = "tiny:"
