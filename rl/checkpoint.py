@@ -72,6 +72,16 @@ class StopSignal:
     def stop(self) -> bool:
         return self.received is not None
 
+    def agreed(self, accelerator) -> bool:
+        """True on every process if any process got the signal: all ranks must stop at the same
+        step, or the next collective would hang. Call it at the same point on every process."""
+        if accelerator.num_processes == 1:
+            return self.stop
+        import torch
+
+        flag = torch.tensor([1.0 if self.stop else 0.0], device=accelerator.device)
+        return bool(accelerator.reduce(flag, "max").item() > 0)
+
     def restore(self) -> None:
         for s, h in self._previous.items():
             signal.signal(s, h)

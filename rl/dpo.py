@@ -563,7 +563,7 @@ class DPOTrainer:
                     history.append({"step": pipe.step, **row})
                     if pipe.step % cfg.log_every == 0 or pipe.step == plan["total_steps"]:
                         tracker.log(pipe.step, row)
-                    stop = _any_process(acc, stopper.stop)
+                    stop = stopper.agreed(acc)
                     if (cfg.save_every and pipe.step % cfg.save_every == 0) or stop:
                         pipe.save_state(checkpoint_name(pipe.step), {"epoch": epoch, "batch_index": batch_index}).result()
                     if stop:
@@ -681,10 +681,3 @@ def _mean_across(acc, values: dict[str, float]) -> dict[str, float]:
     vec = acc.reduce(torch.tensor([values[k] for k in keys], device=acc.device, dtype=torch.float64), "mean")
     return {k: float(v) for k, v in zip(keys, vec)}
 
-
-def _any_process(acc, flag: bool) -> bool:
-    """True on every process if any process got the stop signal (they must stop at the same step)."""
-    if acc.num_processes == 1:
-        return flag
-    t = torch.tensor([1.0 if flag else 0.0], device=acc.device)
-    return bool(acc.reduce(t, "max").item() > 0)

@@ -574,7 +574,7 @@ class GRPOTrainer:
                     history.append(row)
                     if row["step"] % cfg.log_every == 0 or row["step"] == plan["total_steps"] or "eval/accuracy" in row:
                         tracker.log(row["step"], {k: v for k, v in row.items() if k != "step"})
-                stop = _any_process(acc, stopper.stop)
+                stop = stopper.agreed(acc)
                 if (cfg.save_every and pipe.step % cfg.save_every == 0) or stop:
                     pipe.save_state(checkpoint_name(pipe.step), {"step": pipe.step}).result()
                 if stop:
@@ -710,12 +710,6 @@ def _nanmean(x: torch.Tensor) -> float:
     v = torch.nanmean(x.float())
     return float(v) if not torch.isnan(v) else 0.0
 
-
-def _any_process(acc, flag: bool) -> bool:
-    if acc.num_processes == 1:
-        return flag
-    t = torch.tensor([1.0 if flag else 0.0], device=acc.device)
-    return bool(acc.reduce(t, "max").item() > 0)
 
 
 def load_prompt_rows(path: str, cfg: GRPOConfig) -> list[dict]:

@@ -913,7 +913,7 @@ class PPOTrainer:
                 self.history.append(metrics)
                 if (it + 1) % cfg.log_every == 0 or it + 1 == plan["iterations"]:
                     tracker.log(it + 1, metrics)
-                stop = self._any_process(stopper.stop)
+                stop = stopper.agreed(self.accelerator)
                 if (cfg.save_every and (it + 1) % cfg.save_every == 0) or stop:
                     self._save_checkpoint(checkpoint_name(it + 1), it + 1)
                 if stop:
@@ -961,11 +961,6 @@ class PPOTrainer:
             pos += len(take)
         return out
 
-    def _any_process(self, flag: bool) -> bool:
-        if self.world == 1:
-            return flag
-        t = torch.tensor([1.0 if flag else 0.0], device=self.accelerator.device)
-        return bool(self.accelerator.reduce(t, "max").item() > 0)
 
     def _save_checkpoint(self, name: str, iteration: int) -> None:
         extra = {"iteration": iteration, "kl_coef": self.kl_ctl.value}

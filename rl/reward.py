@@ -38,6 +38,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from rl.config import ConfigError, TrainConfig, opt
+from rl.generation import position_ids_from_mask
 
 FORMAT = "rl-reward-model"
 CONFIG_FILE = "reward_config.json"
@@ -125,9 +126,6 @@ def pool_hidden(hidden: torch.Tensor, attention_mask: torch.Tensor, strategy: st
     return hidden[torch.arange(B, device=hidden.device), idx]
 
 
-def position_ids_from_mask(attention_mask: torch.Tensor) -> torch.Tensor:
-    """(B, T) positions counted over real tokens only, so a left-padded row sees 0, 1, 2, ..."""
-    return (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
 
 
 # ==================================================================================================

@@ -214,7 +214,7 @@ class SFTTrainer:
                     history.append({"step": pipe.step, **row})
                     if pipe.step % cfg.log_every == 0 or pipe.step == plan["total_steps"]:
                         tracker.log(pipe.step, row)
-                    stop = _any_process(acc, stopper.stop)
+                    stop = stopper.agreed(acc)
                     if (cfg.save_every and pipe.step % cfg.save_every == 0) or stop:
                         pipe.save_state(checkpoint_name(pipe.step),
                                         {"epoch": epoch, "batch_index": batch_index}).result()
@@ -265,13 +265,6 @@ def _split(items: list, n: int) -> list[list]:
         start = end
     return chunks
 
-
-def _any_process(acc, flag: bool) -> bool:
-    """True on every process if any process got the stop signal (they must stop at the same step)."""
-    if acc.num_processes == 1:
-        return flag
-    t = torch.tensor([1.0 if flag else 0.0], device=acc.device)
-    return bool(acc.reduce(t, "max").item() > 0)
 
 
 def split_eval(records: list, fraction: float, seed: int) -> tuple[list, list]:
