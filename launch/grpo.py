@@ -33,7 +33,8 @@ def main(argv=None) -> None:
         if cfg.dry_run:
             models = {"policy (trainable)": cfg.model_name}
             if cfg.beta > 0:  # beta = 0 loads no reference model
-                models["reference (frozen)"] = cfg.model_name
+                # LoRA: the reference is the policy with the adapters off (GRPOTrainer loads no copy)
+                models["reference (frozen)"] = "policy without adapters" if cfg.lora.enabled else cfg.model_name
             dry_run_report(cfg, n_examples=len(rows) if rows else None, models=models)
             return
         trainer = GRPOTrainer(cfg, train_prompts=rows)
