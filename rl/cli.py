@@ -6,7 +6,7 @@
     accelerate launch --num_processes 8 -m rl.cli --trainer sft --config recipes/qwen/0.5b_sft.yaml
 
 The reference's flags are translated to our recipe keys (the table is `FLAG_KEYS` below and in
-docs/operations.md); every other argument (`--config recipe.yaml`, `--max_steps 10`, `lora.rank=8`,
+the README, "For users of the reference CLI"); every other argument (`--config recipe.yaml`, `--max_steps 10`, `lora.rank=8`,
 `--dry-run`) passes through unchanged. The matching `launch/<trainer>.py` then replaces this process
 (`exec` with the same Python), so under `accelerate launch` each rank keeps its RANK/WORLD_SIZE
 environment, its PID and therefore its Slurm signals.
