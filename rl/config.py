@@ -381,6 +381,21 @@ def save_config(cfg, directory: str | Path, name: str = "config.yaml") -> Path:
     return path
 
 
+def epoch_plan(cfg, n_examples: int, world: int, what: str = "examples") -> dict:
+    """Derived sizes of an epoch-based trainer, computed once: global batch, steps per epoch and
+    total optimizer steps (`max_steps` wins over `num_epochs`). An incomplete last global batch is
+    dropped (every process must run the same number of micro-batches)."""
+    global_batch = cfg.batch_size * cfg.gradient_accumulation_steps * world
+    steps_per_epoch = n_examples // global_batch
+    if steps_per_epoch == 0:
+        raise ConfigError(f"{n_examples} training {what} are fewer than one global batch (batch_size "
+                          f"{cfg.batch_size} x gradient_accumulation_steps {cfg.gradient_accumulation_steps} "
+                          f"x {world} processes = {global_batch}); lower batch_size or add data")
+    total = cfg.max_steps or steps_per_epoch * cfg.num_epochs
+    return {"global_batch": global_batch, "steps_per_epoch": steps_per_epoch, "total_steps": total,
+            "dropped_per_epoch": n_examples - steps_per_epoch * global_batch}
+
+
 # --------------------------------------------------------------------------------------------------
 # Sections shared by the trainers
 # --------------------------------------------------------------------------------------------------

@@ -46,7 +46,7 @@ import torch
 import torch.nn.functional as F
 
 from rl import losses
-from rl.config import ConfigError, TrainConfig, opt
+from rl.config import ConfigError, TrainConfig, epoch_plan, opt
 
 logger = logging.getLogger(__name__)
 
@@ -430,17 +430,8 @@ class DPOTrainer:
         return self.accelerator.num_processes
 
     def plan(self, n_pairs: int) -> dict:
-        """Derived sizes, computed once: global batch, steps per epoch, total optimizer steps."""
-        cfg = self.config
-        global_batch = cfg.batch_size * cfg.gradient_accumulation_steps * self.world
-        steps_per_epoch = n_pairs // global_batch
-        if steps_per_epoch == 0:
-            raise ConfigError(f"{n_pairs} training pairs are fewer than one global batch (batch_size "
-                              f"{cfg.batch_size} x gradient_accumulation_steps {cfg.gradient_accumulation_steps} "
-                              f"x {self.world} processes = {global_batch}); lower batch_size or add data")
-        total = cfg.max_steps or steps_per_epoch * cfg.num_epochs
-        return {"global_batch": global_batch, "steps_per_epoch": steps_per_epoch, "total_steps": total,
-                "dropped_per_epoch": n_pairs - steps_per_epoch * global_batch}
+        """Derived sizes, computed once (see `rl.config.epoch_plan`)."""
+        return epoch_plan(self.config, n_pairs, self.world, "pairs")
 
     # ------------------------------------------------------------------------------- reference
     def _setup(self, total_steps: int) -> None:

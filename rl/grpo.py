@@ -37,13 +37,11 @@ from __future__ import annotations
 import copy
 import dataclasses
 import inspect
-import json
 import logging
-import math
 import time
 from functools import partial
 from pathlib import Path
-from typing import Any, Callable, Literal, Sequence
+from typing import Callable, Literal, Sequence
 
 import torch
 

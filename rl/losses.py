@@ -10,7 +10,6 @@ from __future__ import annotations
 from typing import Callable
 
 import torch
-import torch.nn.functional as F
 
 IGNORE_INDEX = -100
 

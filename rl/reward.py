@@ -28,10 +28,9 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
-import random
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Literal, Sequence
+from typing import Callable, Literal, Sequence
 
 import torch
 import torch.nn as nn

@@ -22,7 +22,7 @@ import torch
 
 from rl import losses
 from rl.checkpoint import StopSignal, checkpoint_dir, checkpoint_name, resolve_resume
-from rl.config import ConfigError, TrainConfig, opt, save_config, to_dict
+from rl.config import ConfigError, TrainConfig, epoch_plan, opt, save_config, to_dict
 from rl.data import LengthReport, load_records, render_chat, where
 from rl.forward_backward import ForwardBackwardPipeline, build_accelerator, zero_stage
 from rl.models import (apply_lora, build_optimizer, build_scheduler, load_causal_lm, load_tokenizer,
@@ -149,17 +149,8 @@ class SFTTrainer:
         return self.accelerator.num_processes
 
     def plan(self, n_examples: int) -> dict:
-        """Derived sizes, computed once: global batch, steps per epoch, total optimizer steps."""
-        cfg = self.cfg
-        global_batch = cfg.batch_size * cfg.gradient_accumulation_steps * self.world
-        steps_per_epoch = n_examples // global_batch
-        if steps_per_epoch == 0:
-            raise ConfigError(f"{n_examples} training examples are fewer than one global batch "
-                              f"(batch_size {cfg.batch_size} x gradient_accumulation_steps "
-                              f"{cfg.gradient_accumulation_steps} x {self.world} processes = {global_batch})")
-        total = cfg.max_steps or steps_per_epoch * cfg.num_epochs
-        return {"global_batch": global_batch, "steps_per_epoch": steps_per_epoch, "total_steps": total,
-                "dropped_per_epoch": n_examples - steps_per_epoch * global_batch}
+        """Derived sizes, computed once (see `rl.config.epoch_plan`)."""
+        return epoch_plan(self.cfg, n_examples, self.world)
 
     def train(self, train_examples: list[dict], eval_examples: list[dict] | None = None) -> list[dict]:
         cfg, acc = self.cfg, self.accelerator

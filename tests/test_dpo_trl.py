@@ -11,7 +11,6 @@ import copy
 import random
 
 import pytest
-import torch
 
 pytest.importorskip("trl")
 

@@ -96,7 +96,7 @@ def test_sigusr1_then_resume_matches_uninterrupted(tmp_path, uninterrupted):
     ckpt = latest_checkpoint(out)
     stopped_at = int(ckpt.name.split("-")[1])
     assert 3 <= stopped_at < 40 and not (out / "model.safetensors").exists()
-    log2 = run_cmd(SFT + ["max_steps=40", f"output_dir={out}", "resume=auto"], timeout=300).stdout
+    run_cmd(SFT + ["max_steps=40", f"output_dir={out}", "resume=auto"], timeout=300)
     diff = _max_diff(_params(out / "model.safetensors"), uninterrupted)
     print(f"\npreemption: SIGUSR1 after step {stopped_at} of 40, resumed; max |param difference| vs an "
           f"uninterrupted run = {diff:.3e}")
