@@ -380,7 +380,8 @@ class DPOTrainer:
 
     def __init__(self, config: DPOConfig, tokenizer=None, model=None, ref_model=None):
         from rl.forward_backward import build_accelerator, zero_stage
-        from rl.models import apply_lora, load_causal_lm, load_tokenizer, resolve_dtype, trainable_fraction
+        from rl.models import (apply_lora, load_causal_lm, load_tokenizer, load_trainable_policy, resolve_dtype,
+                               trainable_fraction)
 
         cfg = self.config = config
         torch.manual_seed(cfg.seed)
@@ -391,10 +392,7 @@ class DPOTrainer:
             deepspeed_config=cfg.deepspeed)
         self.tokenizer = tokenizer or load_tokenizer(cfg.model_name, cfg.trust_remote_code)
         if model is None:
-            # Trainable weights stay fp32 (master copy); bf16 compute comes from autocast / DeepSpeed.
-            model = load_causal_lm(cfg.model_name, dtype=torch.float32, trust_remote_code=cfg.trust_remote_code,
-                                   attn_implementation=cfg.attn_implementation,
-                                   gradient_checkpointing=cfg.gradient_checkpointing)
+            model = load_trainable_policy(cfg)
         is_peft = hasattr(model, "disable_adapter")
         # The reference: decided once, here.
         if cfg.uses_no_reference:

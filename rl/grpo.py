@@ -409,7 +409,8 @@ class GRPOTrainer:
                  train_prompts: list[dict] | None = None):
         from rl.environments import make_env
         from rl.forward_backward import build_accelerator
-        from rl.models import apply_lora, freeze, load_causal_lm, load_tokenizer, resolve_dtype, trainable_fraction
+        from rl.models import (apply_lora, freeze, load_causal_lm, load_tokenizer, load_trainable_policy,
+                               resolve_dtype, trainable_fraction)
 
         self.cfg = cfg
         torch.manual_seed(cfg.seed)
@@ -443,9 +444,7 @@ class GRPOTrainer:
             raise ConfigError("no prompts: set env_type or data.path (rows with a 'prompt' column)")
         self.train_prompts = train_prompts
         if model is None:
-            model = load_causal_lm(cfg.model_name, dtype=torch.float32, trust_remote_code=cfg.trust_remote_code,
-                                   attn_implementation=cfg.attn_implementation,
-                                   gradient_checkpointing=cfg.gradient_checkpointing)
+            model = load_trainable_policy(cfg)
         # beta = 0: no reference model at all (no memory, no forward)
         self._ref_model = None
         if cfg.beta > 0 and not cfg.lora.enabled:

@@ -67,6 +67,14 @@ def load_causal_lm(name: str, dtype: str | torch.dtype | None = "auto", trust_re
     return model
 
 
+def load_trainable_policy(cfg):
+    """The policy a trainer optimises, from a TrainConfig: fp32 master weights (bf16 compute comes
+    from autocast / DeepSpeed), the recipe's attention kernel and gradient checkpointing."""
+    return load_causal_lm(cfg.model_name, dtype=torch.float32, trust_remote_code=cfg.trust_remote_code,
+                          attn_implementation=cfg.attn_implementation,
+                          gradient_checkpointing=cfg.gradient_checkpointing)
+
+
 def apply_lora(model, rank: int = 16, alpha: int = 32, dropout: float = 0.05,
                target_modules: str | list[str] = "all-linear", task_type: str = "CAUSAL_LM",
                modules_to_save: list[str] | None = None):
@@ -161,8 +169,7 @@ def save_pretrained(model, tokenizer, out_dir: str, accelerator=None) -> None:
     """Save an HF-format model directory (safetensors) that `from_pretrained` loads.
 
     Under ZeRO-3 every process must call this (the weights are gathered); only the main one writes.
-    LoRA models are merged into their base (from the state dict, so this works when the live
-    parameters are ZeRO-3 shards) and the output loads without peft."""
+    LoRA models are merged into their base and the output loads without peft."""
     if accelerator is not None:
         state_dict = accelerator.get_state_dict(model)
         if not accelerator.is_main_process:
@@ -170,11 +177,18 @@ def save_pretrained(model, tokenizer, out_dir: str, accelerator=None) -> None:
         model = accelerator.unwrap_model(model)
     else:
         state_dict = None
-    if hasattr(model, "peft_config"):
-        from huggingface_hub import save_torch_state_dict
+    write_pretrained(model, state_dict, tokenizer, out_dir)
 
+
+def write_pretrained(model, state_dict: dict | None, tokenizer, out_dir) -> None:
+    """Write `model` (with `state_dict` if given, e.g. gathered from ZeRO-3 shards) as an HF model
+    directory. A LoRA model is merged from the state dict, not with `merge_and_unload`, so this works
+    when the live parameters are only shards. Call it on one process."""
+    if hasattr(model, "peft_config"):
         cfg = model.peft_config["default"]
         if getattr(cfg, "peft_type", None) is not None and str(cfg.peft_type).endswith("LORA"):
+            from huggingface_hub import save_torch_state_dict
+
             scaling = cfg.lora_alpha / (cfg.r ** 0.5 if getattr(cfg, "use_rslora", False) else cfg.r)
             merged = merge_lora_state_dict(state_dict if state_dict is not None else model.state_dict(),
                                            scaling, bool(getattr(cfg, "fan_in_fan_out", False)))

@@ -545,7 +545,7 @@ class PPOTrainer:
     def __init__(self, config: PPOConfig, tokenizer=None, reward_fn: Callable | None = None, reward_model=None,
                  model: nn.Module | None = None):
         from rl.forward_backward import build_accelerator
-        from rl.models import apply_lora, load_causal_lm, load_tokenizer, resolve_dtype
+        from rl.models import apply_lora, load_causal_lm, load_tokenizer, load_trainable_policy, resolve_dtype
 
         cfg = self.cfg = self.config = config
         torch.manual_seed(cfg.seed)
@@ -574,10 +574,7 @@ class PPOTrainer:
         if self.reward.model is not None and not getattr(self.reward.model.config, "quantization", None):
             self.reward.model.to(self.accelerator.device)
         if model is None:
-            # trainable weights stay fp32 (master copy); bf16 comes from autocast / DeepSpeed
-            model = load_causal_lm(cfg.model_name, dtype=torch.float32, trust_remote_code=cfg.trust_remote_code,
-                                   attn_implementation=cfg.attn_implementation,
-                                   gradient_checkpointing=cfg.gradient_checkpointing)
+            model = load_trainable_policy(cfg)
         if cfg.lora.enabled:
             model = apply_lora(model, cfg.lora.rank, cfg.lora.alpha, cfg.lora.dropout, cfg.lora.target_modules)
         self.policy = PPOModel(model, value_head=cfg.value_model == "shared")
@@ -989,6 +986,8 @@ class PPOTrainer:
         `value_head.safetensors`; every process must call it (ZeRO-3 gathers the weights)."""
         from safetensors.torch import save_file
 
+        from rl.models import write_pretrained
+
         acc = self.accelerator
         out = Path(out_dir or self.cfg.output_dir)
         state = acc.get_state_dict(self.pipeline.model)
@@ -998,17 +997,10 @@ class PPOTrainer:
             prefix = "base_model."
             base_sd = {k[len(prefix):]: v for k, v in state.items() if k.startswith(prefix)}
             head_sd = {k[len("value_head."):]: v.contiguous() for k, v in state.items() if k.startswith("value_head.")}
-            if hasattr(base, "merge_and_unload"):
-                import copy
-
-                merged = copy.deepcopy(base)
-                merged.load_state_dict(base_sd)
-                merged.merge_and_unload().save_pretrained(out, safe_serialization=True)
-            else:
-                base.save_pretrained(out, state_dict=base_sd, safe_serialization=True)
+            # LoRA is merged from the gathered state dict (a copy of ZeRO-3 shards would be empty)
+            write_pretrained(base, base_sd, self.tokenizer, out)
             if head_sd:
                 save_file(head_sd, str(out / "value_head.safetensors"))
-            self.tokenizer.save_pretrained(out)
             (out / "ppo_summary.json").write_text(json.dumps(self.history[-1] if self.history else {}, indent=2))
         acc.wait_for_everyone()
         return str(out)

@@ -25,7 +25,7 @@ from rl.checkpoint import StopSignal, checkpoint_dir, checkpoint_name, resolve_r
 from rl.config import ConfigError, TrainConfig, epoch_plan, opt, save_config, to_dict
 from rl.data import LengthReport, load_records, render_chat, where
 from rl.forward_backward import ForwardBackwardPipeline, build_accelerator, zero_stage
-from rl.models import (apply_lora, build_optimizer, build_scheduler, load_causal_lm, load_tokenizer,
+from rl.models import (apply_lora, build_optimizer, build_scheduler, load_tokenizer, load_trainable_policy,
                        resolve_dtype, save_pretrained, trainable_fraction)
 from rl.tracking import Tracker
 
@@ -135,10 +135,7 @@ class SFTTrainer:
             mixed_precision="bf16" if train_dtype == torch.bfloat16 else "no", deepspeed_config=cfg.deepspeed)
         self.tokenizer = tokenizer or load_tokenizer(cfg.model_name, cfg.trust_remote_code)
         if model is None:
-            # Trainable weights stay fp32 (master copy); bf16 comes from autocast / DeepSpeed.
-            model = load_causal_lm(cfg.model_name, dtype=torch.float32, trust_remote_code=cfg.trust_remote_code,
-                                   attn_implementation=cfg.attn_implementation,
-                                   gradient_checkpointing=cfg.gradient_checkpointing)
+            model = load_trainable_policy(cfg)
         if cfg.lora.enabled:
             model = apply_lora(model, cfg.lora.rank, cfg.lora.alpha, cfg.lora.dropout, cfg.lora.target_modules)
         self.trainable, self.total_params = trainable_fraction(model)
