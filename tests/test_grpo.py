@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from rl.config import ConfigError, build
+from tests.conftest import LEARN_SEED, learned
 from rl.grpo import (GRPOConfig, GRPOTrainer, as_trl_reward, combine_rewards, compute_advantages, dr_grpo_advantages,
                      grpo_advantages, grpo_loss, k3_kl, reinforce_pp_advantages, rloo_advantages, score_completions)
 
@@ -248,7 +249,9 @@ def test_config_errors(tiny_llama):
 # ------------------------------------------------------------------------------- training
 
 def test_beta_zero_loads_no_reference_and_learns(tiny_llama, tmp_path):
-    """A rewarded first character becomes the common one within a few steps; beta = 0 -> no reference."""
+    """A rewarded first character becomes the common one within a few steps; beta = 0 -> no reference.
+    It learns: the mean reward of the last 3 steps exceeds that of the first 3 by 0.2; spread measured
+    by bench/learning_spread.py (see SPREAD below)."""
 
     def starts_with_seven(prompts, completions, **kw):
         return [1.0 if c.startswith("7") else 0.0 for c in completions]
@@ -256,7 +259,7 @@ def test_beta_zero_loads_no_reference_and_learns(tiny_llama, tmp_path):
     cfg = build(GRPOConfig, dict(model_name=tiny_llama, output_dir=str(tmp_path), learning_rate=1e-2,
                                  lr_scheduler="constant", batch_size=32, gradient_accumulation_steps=2,
                                  num_generations=8, max_completion_length=3, max_length=12, max_steps=16,
-                                 report_to=["jsonl"], seed=0))
+                                 report_to=["jsonl"], seed=LEARN_SEED))
     rows = [{"prompt": f"{a}+{b}="} for a in range(10) for b in range(10)]
     t = GRPOTrainer(cfg, reward_funcs=[starts_with_seven], train_prompts=rows)
     assert t._ref_model is None
@@ -265,7 +268,7 @@ def test_beta_zero_loads_no_reference_and_learns(tiny_llama, tmp_path):
     assert len(h) == 16 and {"reward", "reward_std", "frac_reward_zero_std", "num_zero_std_groups",
                              "completions/mean_length", "clip_ratio/region_mean", "loss"} <= set(h[0])
     first, last = sum(r["reward"] for r in h[:3]) / 3, sum(r["reward"] for r in h[-3:]) / 3
-    assert last > first + 0.2, (first, last)
+    assert learned("grpo_reward_gain", last - first) > 0.2, (first, last)
     assert (tmp_path / "metrics.png").exists()
 
 
@@ -280,15 +283,18 @@ def test_environment_reward_source_with_reference(tiny_llama, tmp_path):
                                  advantage_estimator="rloo", loss_aggregation="constant", report_to=["none"],
                                  reward_weights=[1.0, 0.1]))
 
-    def length(prompts, completions, answer, **kw):  # TRL signature; 'answer' is an environment column
+    def content(prompts, completions, answer, **kw):  # TRL signature; 'answer' is an environment column
+        # A value that differs between distinct completions, so every group has reward spread and the
+        # first update moves the policy (a length reward is constant when all 3-token samples run to the
+        # limit, and then kl stays exactly 0 at step 2: seen as a risk across CPUs).
         assert len(answer) == len(completions)
-        return [float(len(c)) for c in completions]
+        return [float(sum(c.encode("utf-8", "replace")) % 101) for c in completions]
 
-    t = GRPOTrainer(cfg, reward_funcs=[length])
+    t = GRPOTrainer(cfg, reward_funcs=[content])
     h = t.train()
     assert t.ref is not None
     rows = [r for r in h if "reward" in r]
     assert len(rows) == 2 and rows[0]["kl"] == pytest.approx(0.0, abs=1e-6) and rows[1]["kl"] > 0
     assert "rewards/correctness/mean" in rows[0] and "rewards/formatting/mean" in rows[0]
-    assert "rewards/length/mean" in rows[0] and "rewards/env/mean" in rows[0]
+    assert "rewards/content/mean" in rows[0] and "rewards/env/mean" in rows[0]
     assert h[0]["eval/num_prompts"] == 8 and 0.0 <= h[-1]["eval/accuracy"] <= 1.0

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from rl.ppo import PPOConfig, PPOTrainer, char_fraction_reward
-from tests.conftest import accelerate_cmd, run_cmd
+from tests.conftest import LEARN_SEED, accelerate_cmd, learned, run_cmd
 
 PROMPTS = [f"{w} {v}: " for w in ("tell", "write", "why", "how") for v in ("sea", "cat", "sky", "poem")]
 
@@ -23,11 +23,19 @@ def tiny_cfg(tmp_path, **kw) -> PPOConfig:
     return PPOConfig(**base)
 
 
+def content_reward(prompts, responses, metadata=None):
+    """A score that differs between distinct responses, so the first update always moves the policy
+    (with the char-fraction reward a batch without any 'a' has all-zero scores: a coin flip per CPU)."""
+    return [(sum(r.encode("utf-8", "replace")) % 13) / 13 for r in responses]
+
+
 @pytest.mark.slow
 def test_ppo_learns_char_fraction_with_bounded_kl(tmp_path, tiny_llama):
     """Reward = fraction of 'a' in the answer (optimum 1.0, random model ~1/259): the mean reward of the
-    last iterations is at least twice that of the first ones, and the KL to the reference stays bounded."""
-    trainer = PPOTrainer(tiny_cfg(tmp_path, num_iterations=12, learning_rate=1e-2, ppo_epochs=4, kl_penalty_coef=0.01),
+    last iterations is at least twice that of the first ones, and the KL to the reference stays bounded.
+    Spread of end/start and end measured by bench/learning_spread.py (see SPREAD below)."""
+    trainer = PPOTrainer(tiny_cfg(tmp_path, num_iterations=12, learning_rate=1e-2, ppo_epochs=4, kl_penalty_coef=0.01,
+                                  seed=LEARN_SEED),
                          reward_fn=char_fraction_reward)
     held_out = [f"{p}{i} " for p in PROMPTS for i in range(8)]  # 128 answers, same sampling seed before/after
     start = trainer.evaluate(held_out)["eval/scores"]
@@ -37,7 +45,7 @@ def test_ppo_learns_char_fraction_with_bounded_kl(tmp_path, tiny_llama):
     times = {k: hist[-1][k] for k in ("time/generation", "time/scoring", "time/training")}
     print(f"\nppo tiny: reward {start:.4f} -> {end:.4f}, kl {kls[-1]:.3f} (max {max(kls):.3f}), per phase {times}")
     assert hist[0]["objective/kl"] == pytest.approx(0.0, abs=1e-5)  # the policy starts as the reference
-    assert end >= 2 * start and end > 0.03
+    assert learned("ppo_reward_ratio", end / max(start, 1e-6)) >= 2 and learned("ppo_reward_end", end) > 0.03
     assert max(kls) < 25.0  # nats per 16-token answer (the penalty keeps it from running away)
     for key in ("objective/entropy", "policy/approx_kl", "policy/clipfrac", "loss/policy", "loss/value",
                 "val/explained_variance", "kl_coef", "response_length"):
@@ -56,7 +64,7 @@ def test_lora_reference_adaptive_kl_and_critic(tmp_path, tiny_llama):
     cfg = tiny_cfg(tmp_path, num_iterations=2, batch_size=16, mini_batch_size=8, ppo_epochs=1, learning_rate=1e-2,
                    adaptive_kl=True, kl_target=1e-4, kl_horizon=100, value_model="critic", save_every=1)
     cfg.lora.enabled, cfg.lora.rank, cfg.lora.dropout = True, 4, 0.0
-    trainer = PPOTrainer(cfg, reward_fn=char_fraction_reward)
+    trainer = PPOTrainer(cfg, reward_fn=content_reward)
     assert trainer.ref_model is None and trainer.ref_from_adapters
     hist = trainer.train(PROMPTS)
     assert hist[0]["objective/kl"] == pytest.approx(0.0, abs=1e-6)
@@ -73,7 +81,7 @@ def test_lora_reference_adaptive_kl_and_critic(tmp_path, tiny_llama):
     cfg3 = tiny_cfg(tmp_path, num_iterations=3, batch_size=16, mini_batch_size=8, ppo_epochs=1, learning_rate=1e-2,
                     adaptive_kl=True, kl_target=1e-4, kl_horizon=100, value_model="critic", resume="auto")
     cfg3.lora.enabled, cfg3.lora.rank, cfg3.lora.dropout = True, 4, 0.0
-    t3 = PPOTrainer(cfg3, reward_fn=char_fraction_reward)
+    t3 = PPOTrainer(cfg3, reward_fn=content_reward)
     h3 = t3.train(PROMPTS)
     assert len(h3) == 1 and h3[0]["iteration"] == 3
     assert h3[0]["kl_coef"] == pytest.approx(trainer.kl_ctl.value)

@@ -5,7 +5,7 @@ import sys
 
 import pytest
 
-from tests.conftest import accelerate_cmd, run_cmd
+from tests.conftest import LEARN_SEED, accelerate_cmd, learned, run_cmd
 
 RECIPE = "recipes/tiny/sft.yaml"
 
@@ -17,11 +17,13 @@ def losses(out):
 
 @pytest.mark.slow
 def test_tiny_sft_learns_and_saves_a_loadable_model(tmp_path):
+    """It learns: the last logged loss is under half the first. Measured final/first loss ratio over
+    seeds 0-3 x {default threads, 1 thread, AVX2 kernels} (bench/learning_spread.py): see SPREAD below."""
     out = tmp_path / "sft"
     proc = run_cmd([sys.executable, "launch/sft.py", "--config", RECIPE, f"output_dir={out}", "log_every=1",
-                    "data.eval_fraction=0.125"])
+                    "data.eval_fraction=0.125", f"seed={LEARN_SEED}"])
     curve = losses(out)
-    assert curve[-1] < 0.5 * curve[0], curve[::10]
+    assert learned("sft_loss_ratio", curve[-1] / curve[0]) < 0.5, curve[::10]
     assert "sft done" in proc.stdout
     assert (out / "metrics.png").stat().st_size > 1000 and (out / "config.yaml").exists()
     from transformers import AutoModelForCausalLM, AutoTokenizer
