@@ -21,7 +21,8 @@ os.environ.setdefault("WANDB_MODE", "offline")
 
 from rl.config import ConfigError, cli_config  # noqa: E402
 from rl.data import DataError  # noqa: E402
-from rl.launch_utils import dry_run_report, fail  # noqa: E402
+from rl.launch_utils import dry_run_report, fail, run_training  # noqa: E402
+from rl.trainers.base import RunError, check_output_dir  # noqa: E402
 
 
 def load_pairs(path, cfg) -> list[dict]:
@@ -58,23 +59,23 @@ def main(argv=None) -> None:
                     (cfg.ref_model_name or ("policy with LoRA disabled" if cfg.lora.enabled else cfg.model_name))
             dry_run_report(cfg, n_examples=len(records), models=models)
             return
+        check_output_dir(cfg)
         trainer = DPOTrainer(cfg)
         train = PreferenceDataset.from_records(records, trainer.tokenizer, cfg, cfg.data.path)
         evals = (PreferenceDataset.from_records(eval_records, trainer.tokenizer, cfg,
                                                 cfg.data.eval_path or cfg.data.path) if eval_records else None)
         trainer.plan(len(train))  # a dataset smaller than one global batch fails here, in one line
-    except (ConfigError, DataError, ValueError) as e:
+    except (ConfigError, DataError, RunError, ValueError) as e:
         fail(str(e))
-    # 3. train
-    history = trainer.train(train, evals)
+    # 3. train (a stop on a signal exits here, after its checkpoint)
+    history = run_training(trainer, trainer.train, train, evals)
     # 4. save (every process takes part: ZeRO-3 gathers the weights)
-    if not trainer.stopped_early:
-        out = trainer.save()
-        if trainer.accelerator.is_main_process and history:
-            first, last = history[0], history[-1]
-            acc = last.get("eval_rewards/accuracies", last["rewards/accuracies"])
-            print(f"dpo done: loss {first['loss']:.4f} -> {last['loss']:.4f}, reward accuracy {acc:.3f} over "
-                  f"{len(history)} steps; model saved to {out}")
+    out = trainer.save()
+    if trainer.accelerator.is_main_process and history:
+        first, last = history[0], history[-1]
+        acc = last.get("eval_rewards/accuracies", last["rewards/accuracies"])
+        print(f"dpo done: loss {first['loss']:.4f} -> {last['loss']:.4f}, reward accuracy {acc:.3f} over "
+              f"{len(history)} steps; model saved to {out}")
 
 
 if __name__ == "__main__":

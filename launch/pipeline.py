@@ -26,6 +26,7 @@ os.environ.setdefault("WANDB_MODE", "offline")
 from rl.config import ConfigError, build, cli_config, opt, save_config  # noqa: E402
 from rl.data import DataError  # noqa: E402
 from rl.launch_utils import fail  # noqa: E402
+from rl.trainers.base import RunError, check_output_dir  # noqa: E402
 
 
 @dataclasses.dataclass
@@ -58,9 +59,10 @@ def stage_configs(cfg: PipelineConfig, init_model: str, sft_dir: Path, grpo_dir:
     from rl.sft import SFTConfig
 
     env = {"seed": cfg.seed, **cfg.env_config}
-    sft = build(SFTConfig, {"seed": cfg.seed, "report_to": cfg.report_to, **cfg.sft,
+    # overwrite: rerunning the demo replaces its stages' previous outputs (metrics, checkpoints, model)
+    sft = build(SFTConfig, {"seed": cfg.seed, "report_to": cfg.report_to, "overwrite": True, **cfg.sft,
                             "model_name": init_model, "output_dir": str(sft_dir)}, where="sft")
-    grpo = build(GRPOConfig, {"seed": cfg.seed, "report_to": cfg.report_to, **cfg.grpo,
+    grpo = build(GRPOConfig, {"seed": cfg.seed, "report_to": cfg.report_to, "overwrite": True, **cfg.grpo,
                               "model_name": str(sft_dir), "output_dir": str(grpo_dir), "env_type": "math",
                               "env_config": env, "eval_env_config": cfg.eval_env_config,
                               "eval_num_prompts": cfg.eval_num_prompts},
@@ -121,6 +123,11 @@ def main(argv=None) -> None:
         records = sloppy_teacher(env.sft_records(cfg.num_sft_examples, seed=cfg.seed + 1),
                                  cfg.teacher_error_rate, cfg.seed)
     except (ConfigError, DataError, ValueError, TypeError) as e:
+        fail(str(e))
+    try:
+        for stage in (sft_cfg, grpo_cfg):
+            check_output_dir(stage)
+    except RunError as e:
         fail(str(e))
     out.mkdir(parents=True, exist_ok=True)
     save_config(cfg, out, "pipeline.yaml")

@@ -17,7 +17,8 @@ os.environ.setdefault("WANDB_MODE", "offline")
 
 from rl.config import ConfigError, cli_config  # noqa: E402
 from rl.data import DataError  # noqa: E402
-from rl.launch_utils import dry_run_report, fail  # noqa: E402
+from rl.launch_utils import dry_run_report, fail, run_training  # noqa: E402
+from rl.trainers.base import RunError, check_output_dir  # noqa: E402
 
 
 def main(argv=None) -> None:
@@ -36,19 +37,19 @@ def main(argv=None) -> None:
         if cfg.dry_run:
             dry_run_report(cfg, n_examples=len(records), models={"policy (trainable)": cfg.model_name})
             return
+        check_output_dir(cfg)
         trainer = SFTTrainer(cfg)
         train = tokenize_examples(records, trainer.tokenizer, cfg, cfg.data.path)
         evals = tokenize_examples(eval_records, trainer.tokenizer, cfg, cfg.data.eval_path or cfg.data.path)
-    except (ConfigError, DataError) as e:
+    except (ConfigError, DataError, RunError) as e:
         fail(str(e))
-    # 3. train
-    history = trainer.train(train, evals or None)
+    # 3. train (a stop on a signal exits here, after its checkpoint)
+    history = run_training(trainer, trainer.train, train, evals or None)
     # 4. save (every process takes part: ZeRO-3 gathers the weights)
-    if not getattr(trainer, "stopped_early", False):
-        out = trainer.save()
-        if trainer.accelerator.is_main_process and history:
-            first, last = history[0]["loss"], history[-1]["loss"]
-            print(f"sft done: loss {first:.4f} -> {last:.4f} over {len(history)} steps; model saved to {out}")
+    out = trainer.save()
+    if trainer.accelerator.is_main_process and history:
+        first, last = history[0]["loss"], history[-1]["loss"]
+        print(f"sft done: loss {first:.4f} -> {last:.4f} over {len(history)} steps; model saved to {out}")
 
 
 if __name__ == "__main__":

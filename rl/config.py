@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import math
 import sys
 import types
 import typing
@@ -450,7 +451,10 @@ class TrainConfig:
     log_every: int = opt(1, "log metrics every N optimizer steps")
     eval_every: int = opt(0, "evaluate every N optimizer steps (0: only at the end)")
     save_every: int = opt(0, "checkpoint every N optimizer steps (0: only the final model)")
+    save_total_limit: int | None = opt(None, "keep only the newest N checkpoints (null: keep all)")
     resume: str | None = opt(None, "'auto' resumes from the newest complete checkpoint, or a checkpoint path")
+    overwrite: bool = opt(False, "start a new run in an output_dir that holds a previous run (its metrics and "
+                          "checkpoints are deleted); without it such a run is refused")
     report_to: list[str] = opt(["jsonl"], "metric sinks: jsonl, wandb (offline unless configured)")
     run_name: str | None = opt(None, "name of the run in wandb and the plots (default: output_dir name)")
     dry_run: bool = opt(False, "print the resolved config and sizes, then exit without training")
@@ -463,6 +467,10 @@ class TrainConfig:
                 raise ConfigError(f"key '{name}' must be at least 1, got {getattr(self, name)}")
         if not 0.0 <= self.warmup_ratio < 1.0:
             raise ConfigError(f"key 'warmup_ratio' must be in [0, 1), got {self.warmup_ratio}")
+        if not (math.isfinite(self.learning_rate) and self.learning_rate > 0):
+            raise ConfigError(f"key 'learning_rate' must be a positive number, got {self.learning_rate}")
+        if self.save_total_limit is not None and self.save_total_limit < 1:
+            raise ConfigError(f"key 'save_total_limit' must be at least 1 or null, got {self.save_total_limit}")
         if self.max_steps is not None and self.max_steps < 1:
             raise ConfigError(f"key 'max_steps' must be at least 1 or null, got {self.max_steps}")
         bad = [r for r in self.report_to if r not in ("jsonl", "wandb", "none")]

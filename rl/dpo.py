@@ -46,7 +46,10 @@ import torch
 import torch.nn.functional as F
 
 from rl import losses
-from rl.config import ConfigError, TrainConfig, epoch_plan, opt
+from rl.config import ConfigError, TrainConfig, epoch_plan, opt, save_config, to_dict
+from rl.forward_backward import zero_stage
+from rl.tracking import Tracker
+from rl.trainers.base import Trainer
 
 logger = logging.getLogger(__name__)
 
@@ -369,7 +372,7 @@ def concatenated_logps(model, batch: dict[str, torch.Tensor]) -> tuple[torch.Ten
 
 # ===================================================================================== trainer
 
-class DPOTrainer:
+class DPOTrainer(Trainer):
     """DPO-family training on one ForwardBackwardPipeline (single process, DDP or DeepSpeed ZeRO-2/3).
 
     `DPOTrainer(config, tokenizer=None, model=None, ref_model=None)`: missing pieces are loaded from
@@ -383,7 +386,7 @@ class DPOTrainer:
         from rl.models import (apply_lora, load_causal_lm, load_tokenizer, load_trainable_policy, resolve_dtype,
                                trainable_fraction)
 
-        cfg = self.config = config
+        cfg = self.cfg = self.config = config
         torch.manual_seed(cfg.seed)
         train_dtype = resolve_dtype(cfg.dtype)
         self.accelerator = build_accelerator(
@@ -420,13 +423,8 @@ class DPOTrainer:
         self._ref_model = ref_model
         self.ref = None  # the prepared reference (module or DeepSpeed engine) once training starts
         self.pipeline = None
-        self.stopped_early = False
 
     # ----------------------------------------------------------------------------------- sizes
-    @property
-    def world(self) -> int:
-        return self.accelerator.num_processes
-
     def plan(self, n_pairs: int) -> dict:
         """Derived sizes, computed once (see `rl.config.epoch_plan`)."""
         return epoch_plan(self.config, n_pairs, self.world, "pairs")
@@ -488,17 +486,11 @@ class DPOTrainer:
 
     # ----------------------------------------------------------------------------------- train
     def train(self, dataset: PreferenceDataset, eval_dataset: PreferenceDataset | None = None) -> list[dict]:
-        from rl.checkpoint import StopSignal, checkpoint_name, resolve_resume
-        from rl.config import save_config, to_dict
-        from rl.forward_backward import zero_stage
-        from rl.tracking import Tracker
-
         cfg, acc = self.config, self.accelerator
-        plan = self.plan(len(dataset))
+        plan = self._plan = self.plan(len(dataset))
         out = Path(cfg.output_dir)
         if self.pipeline is None:
             self._setup(plan["total_steps"])
-        pipe = self.pipeline
         if acc.is_main_process:
             save_config(cfg, out)
         tracker = Tracker(out, cfg.report_to, cfg.run_name, to_dict(cfg), plan["total_steps"],
@@ -515,61 +507,47 @@ class DPOTrainer:
             self.ref = None  # no reference forward from here on: free its memory
             gc.collect()
             tracker.write(f"reference log-probs precomputed in {time.time() - t0:.1f}s")
-        epoch, batch_index = 0, 0
-        resume_from = resolve_resume(cfg.resume, out)
-        if resume_from is not None:
-            extra = pipe.load_state(resume_from).result()
-            epoch, batch_index = extra["epoch"], extra["batch_index"]
-            tracker.write(f"resumed from {resume_from} at step {pipe.step}")
-        loss_fn = partial(dpo_batch_loss, loss_type=cfg.loss_type, beta=cfg.beta, label_smoothing=cfg.label_smoothing)
-        stopper = StopSignal()
-        history: list[dict] = []
-        try:
-            while pipe.step < plan["total_steps"]:
-                order = torch.randperm(len(dataset), generator=torch.Generator().manual_seed(cfg.seed + epoch))
-                while batch_index < plan["steps_per_epoch"] and pipe.step < plan["total_steps"]:
-                    t0 = time.time()
-                    g = plan["global_batch"]
-                    step_ids = order[batch_index * g:(batch_index + 1) * g].tolist()
-                    mine = step_ids[acc.process_index::self.world]
-                    sums: dict[str, float] = {}
-                    for m in range(cfg.gradient_accumulation_steps):
-                        micro = [dataset[i] for i in mine[m * cfg.batch_size:(m + 1) * cfg.batch_size]]
-                        b = collate_pairs(micro, dataset.pad_token_id)
-                        ref_c, ref_r = self._reference_logps(b)
-                        # Right padding, so the engine's default positions equal b["position_ids"].
-                        r = pipe.forward_backward(b["input_ids"], b["attention_mask"], b["labels"], loss_fn=loss_fn,
-                                                  ref_chosen_logps=ref_c, ref_rejected_logps=ref_r).result()
-                        for k, v in r.metrics.items():
-                            sums[k] = sums.get(k, 0.0) + v / cfg.gradient_accumulation_steps
-                    o = pipe.optim_step(max_grad_norm=cfg.max_grad_norm).result()
-                    batch_index += 1
-                    row = _mean_across(acc, sums)
-                    row.update({"grad_norm": o.grad_norm, "lr": o.learning_rate,
-                                "epoch": epoch + batch_index / plan["steps_per_epoch"], "step_time": time.time() - t0})
-                    if eval_dataset is not None and cfg.eval_every and pipe.step % cfg.eval_every == 0:
-                        row.update(self.evaluate(eval_dataset))
-                    history.append({"step": pipe.step, **row})
-                    if pipe.step % cfg.log_every == 0 or pipe.step == plan["total_steps"]:
-                        tracker.log(pipe.step, row)
-                    stop = stopper.agreed(acc)
-                    if (cfg.save_every and pipe.step % cfg.save_every == 0) or stop:
-                        pipe.save_state(checkpoint_name(pipe.step), {"epoch": epoch, "batch_index": batch_index}).result()
-                    if stop:
-                        tracker.write(f"stopping on signal {stopper.received} after step {pipe.step}; checkpoint "
-                                      f"written, resume with resume=auto")
-                        self.stopped_early = True
-                        return history
-                epoch, batch_index = epoch + 1, 0
-            if eval_dataset is not None and not (cfg.eval_every and history and "eval_loss" in history[-1]):
-                final_eval = self.evaluate(eval_dataset)
-                if history:
-                    history[-1].update(final_eval)
-                tracker.log(pipe.step, final_eval)
-            return history
-        finally:
-            stopper.restore()
-            tracker.close()
+        self._train, self._eval = dataset, eval_dataset
+        self._epoch, self._batch_index, self._order = 0, 0, None
+        self._loss_fn = partial(dpo_batch_loss, loss_type=cfg.loss_type, beta=cfg.beta,
+                                label_smoothing=cfg.label_smoothing)
+        return self.fit(plan["total_steps"], tracker)
+
+    # ------------------------------------------------------------------ the lifecycle's hooks
+    def checkpoint_extra(self) -> dict:
+        return {"epoch": self._epoch, "batch_index": self._batch_index}
+
+    def restore(self, extra: dict) -> None:
+        self._epoch, self._batch_index, self._order = extra["epoch"], extra["batch_index"], None
+
+    def evaluate_now(self) -> dict | None:
+        return self.evaluate(self._eval) if self._eval is not None else None
+
+    def train_step(self) -> list[dict]:
+        cfg, acc, pipe, plan, dataset = self.config, self.accelerator, self.pipeline, self._plan, self._train
+        if self._batch_index == plan["steps_per_epoch"]:
+            self._epoch, self._batch_index, self._order = self._epoch + 1, 0, None
+        if self._order is None:
+            self._order = torch.randperm(len(dataset), generator=torch.Generator().manual_seed(cfg.seed + self._epoch))
+        t0 = time.time()
+        g = plan["global_batch"]
+        mine = self._order[self._batch_index * g:(self._batch_index + 1) * g].tolist()[acc.process_index::self.world]
+        sums: dict[str, float] = {}
+        for m in range(cfg.gradient_accumulation_steps):
+            b = collate_pairs([dataset[i] for i in mine[m * cfg.batch_size:(m + 1) * cfg.batch_size]],
+                              dataset.pad_token_id)
+            ref_c, ref_r = self._reference_logps(b)
+            # Right padding, so the engine's default positions equal b["position_ids"].
+            r = pipe.forward_backward(b["input_ids"], b["attention_mask"], b["labels"], loss_fn=self._loss_fn,
+                                      ref_chosen_logps=ref_c, ref_rejected_logps=ref_r).result()
+            for k, v in r.metrics.items():
+                sums[k] = sums.get(k, 0.0) + v / cfg.gradient_accumulation_steps
+        o = pipe.optim_step(max_grad_norm=cfg.max_grad_norm).result()
+        self._batch_index += 1
+        row = _mean_across(acc, sums)
+        row.update({"grad_norm": o.grad_norm, "lr": o.learning_rate,
+                    "epoch": self._epoch + self._batch_index / plan["steps_per_epoch"], "step_time": time.time() - t0})
+        return [{"step": pipe.step, **row}]
 
     @torch.no_grad()
     def evaluate(self, dataset: PreferenceDataset) -> dict[str, float]:

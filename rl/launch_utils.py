@@ -40,6 +40,26 @@ def fail(message: str, code: int = 2):
     raise SystemExit(code)
 
 
+def run_training(trainer, train, *args, **kwargs):
+    """`train(*args, **kwargs)` for a launch script: a failure the user can act on (a diverged run, a full
+    disk, an unreadable checkpoint, a mistake found only now) is one `error:` line and exit 1 (2 for
+    input mistakes); a stop on a signal exits 128 + signal after its checkpoint, so that a scheduler
+    tells it from success. Returns the history otherwise."""
+    from rl.config import ConfigError
+    from rl.data import DataError
+    from rl.trainers.base import RunError
+
+    try:
+        history = train(*args, **kwargs)
+    except (ConfigError, DataError, FileNotFoundError) as e:
+        fail(str(e))
+    except RunError as e:
+        fail(str(e), code=1)
+    if getattr(trainer, "stopped_by", None):
+        raise SystemExit(128 + int(trainer.stopped_by))
+    return history
+
+
 # ------------------------------------------------------------------------------ model configs
 
 # config.json fields (the ones that decide the parameter count) of the real models our recipes name,

@@ -21,13 +21,14 @@ from pathlib import Path
 import torch
 
 from rl import losses
-from rl.checkpoint import StopSignal, checkpoint_dir, checkpoint_name, resolve_resume
+from rl.checkpoint import checkpoint_dir
 from rl.config import ConfigError, TrainConfig, epoch_plan, opt, save_config, to_dict
 from rl.data import LengthReport, load_records, render_chat, where
 from rl.forward_backward import ForwardBackwardPipeline, build_accelerator, zero_stage
 from rl.models import (apply_lora, build_optimizer, build_scheduler, load_tokenizer, load_trainable_policy,
                        resolve_dtype, save_pretrained, trainable_fraction)
 from rl.tracking import Tracker
+from rl.trainers.base import Trainer
 
 logger = logging.getLogger(__name__)
 
@@ -123,8 +124,8 @@ def sum_normalised_nll(logits, labels, attention_mask, scale: float):
 
 # ------------------------------------------------------------------------------------------ trainer
 
-class SFTTrainer:
-    """Owns the accelerator, model, pipeline and tracker of one SFT run."""
+class SFTTrainer(Trainer):
+    """SFT on the shared lifecycle (rl.trainers.base): one `train_step` is one optimizer step."""
 
     def __init__(self, cfg: SFTConfig, model=None, tokenizer=None):
         self.cfg = cfg
@@ -141,24 +142,19 @@ class SFTTrainer:
         self.trainable, self.total_params = trainable_fraction(model)
         self._model = model
 
-    @property
-    def world(self) -> int:
-        return self.accelerator.num_processes
-
     def plan(self, n_examples: int) -> dict:
         """Derived sizes, computed once (see `rl.config.epoch_plan`)."""
         return epoch_plan(self.cfg, n_examples, self.world)
 
     def train(self, train_examples: list[dict], eval_examples: list[dict] | None = None) -> list[dict]:
         cfg, acc = self.cfg, self.accelerator
-        plan = self.plan(len(train_examples))
+        plan = self._plan = self.plan(len(train_examples))
         out = Path(cfg.output_dir)
         optimizer = build_optimizer(self._model, cfg.learning_rate, cfg.weight_decay)
         scheduler = build_scheduler(optimizer, cfg.lr_scheduler, plan["total_steps"], cfg.warmup_ratio)
-        pipe = ForwardBackwardPipeline(self._model, gradient_accumulation_steps=cfg.gradient_accumulation_steps,
-                                       optimizer=optimizer, scheduler=scheduler, accelerator=acc,
-                                       checkpoint_dir=checkpoint_dir(out), micro_batch_size=cfg.batch_size)
-        self.pipeline = pipe
+        self.pipeline = ForwardBackwardPipeline(
+            self._model, gradient_accumulation_steps=cfg.gradient_accumulation_steps, optimizer=optimizer,
+            scheduler=scheduler, accelerator=acc, checkpoint_dir=checkpoint_dir(out), micro_batch_size=cfg.batch_size)
         if acc.is_main_process:
             save_config(cfg, out)
         tracker = Tracker(out, cfg.report_to, cfg.run_name, to_dict(cfg), plan["total_steps"],
@@ -166,61 +162,43 @@ class SFTTrainer:
         tracker.write(f"sft: {len(train_examples)} examples, {plan['total_steps']} steps, global batch "
                       f"{plan['global_batch']} ({self.world} processes, ZeRO stage {zero_stage(acc)}), "
                       f"trainable {self.trainable:,}/{self.total_params:,} parameters")
-        epoch, batch_index = 0, 0
-        resume_from = resolve_resume(cfg.resume, out)
-        if resume_from is not None:
-            extra = pipe.load_state(resume_from).result()
-            epoch, batch_index = extra["epoch"], extra["batch_index"]
-            tracker.write(f"resumed from {resume_from} at step {pipe.step}")
-        stopper = StopSignal()
-        pad = self.tokenizer.pad_token_id
-        history = []
-        try:
-            while pipe.step < plan["total_steps"]:
-                order = torch.randperm(len(train_examples), generator=torch.Generator().manual_seed(cfg.seed + epoch))
-                while batch_index < plan["steps_per_epoch"] and pipe.step < plan["total_steps"]:
-                    t0 = time.time()
-                    g = plan["global_batch"]
-                    batch = [train_examples[i] for i in order[batch_index * g:(batch_index + 1) * g].tolist()]
-                    scale = self.world * cfg.gradient_accumulation_steps / max(1, counted_tokens(batch))
-                    mine = batch[acc.process_index::self.world]
-                    nll_sum, n_tok = 0.0, 0
-                    for micro in _split(mine, cfg.gradient_accumulation_steps):
-                        b = collate(micro, pad)
-                        r = pipe.forward_backward(b["input_ids"], b["attention_mask"], b["labels"],
-                                                  loss_fn=partial(sum_normalised_nll, scale=scale)).result()
-                        nll_sum += r.metrics["nll"] * r.num_tokens
-                        n_tok += r.num_tokens
-                    o = pipe.optim_step(max_grad_norm=cfg.max_grad_norm).result()
-                    batch_index += 1
-                    totals = acc.reduce(torch.tensor([nll_sum, n_tok], device=acc.device, dtype=torch.float64), "sum")
-                    row = {"loss": float(totals[0] / totals[1].clamp(min=1)), "grad_norm": o.grad_norm,
-                           "lr": o.learning_rate, "epoch": epoch + batch_index / plan["steps_per_epoch"],
-                           "num_tokens": int(totals[1]), "step_time": time.time() - t0}
-                    if eval_examples and cfg.eval_every and pipe.step % cfg.eval_every == 0:
-                        row.update(self.evaluate(eval_examples))
-                    history.append({"step": pipe.step, **row})
-                    if pipe.step % cfg.log_every == 0 or pipe.step == plan["total_steps"]:
-                        tracker.log(pipe.step, row)
-                    stop = stopper.agreed(acc)
-                    if (cfg.save_every and pipe.step % cfg.save_every == 0) or stop:
-                        pipe.save_state(checkpoint_name(pipe.step),
-                                        {"epoch": epoch, "batch_index": batch_index}).result()
-                    if stop:
-                        tracker.write(f"stopping on signal {stopper.received} after step {pipe.step}; "
-                                      f"checkpoint written, resume with resume=auto")
-                        self.stopped_early = True
-                        return history
-                epoch, batch_index = epoch + 1, 0
-            if eval_examples:
-                final_eval = self.evaluate(eval_examples)
-                history[-1].update(final_eval)
-                tracker.log(pipe.step, final_eval)
-            self.stopped_early = False
-            return history
-        finally:
-            stopper.restore()
-            tracker.close()
+        self._train, self._eval = train_examples, eval_examples
+        self._epoch, self._batch_index, self._order = 0, 0, None
+        return self.fit(plan["total_steps"], tracker)
+
+    # ------------------------------------------------------------------ the lifecycle's hooks
+    def checkpoint_extra(self) -> dict:
+        return {"epoch": self._epoch, "batch_index": self._batch_index}
+
+    def restore(self, extra: dict) -> None:
+        self._epoch, self._batch_index, self._order = extra["epoch"], extra["batch_index"], None
+
+    def evaluate_now(self) -> dict | None:
+        return self.evaluate(self._eval) if self._eval else None
+
+    def train_step(self) -> list[dict]:
+        cfg, acc, pipe, plan = self.cfg, self.accelerator, self.pipeline, self._plan
+        if self._batch_index == plan["steps_per_epoch"]:
+            self._epoch, self._batch_index, self._order = self._epoch + 1, 0, None
+        if self._order is None:
+            self._order = torch.randperm(len(self._train), generator=torch.Generator().manual_seed(cfg.seed + self._epoch))
+        t0 = time.time()
+        g = plan["global_batch"]
+        batch = [self._train[i] for i in self._order[self._batch_index * g:(self._batch_index + 1) * g].tolist()]
+        scale = self.world * cfg.gradient_accumulation_steps / max(1, counted_tokens(batch))
+        nll_sum, n_tok = 0.0, 0
+        for micro in _split(batch[acc.process_index::self.world], cfg.gradient_accumulation_steps):
+            b = collate(micro, self.tokenizer.pad_token_id)
+            r = pipe.forward_backward(b["input_ids"], b["attention_mask"], b["labels"],
+                                      loss_fn=partial(sum_normalised_nll, scale=scale)).result()
+            nll_sum += r.metrics["nll"] * r.num_tokens
+            n_tok += r.num_tokens
+        o = pipe.optim_step(max_grad_norm=cfg.max_grad_norm).result()
+        self._batch_index += 1
+        totals = acc.reduce(torch.tensor([nll_sum, n_tok], device=acc.device, dtype=torch.float64), "sum")
+        return [{"step": pipe.step, "loss": float(totals[0] / totals[1].clamp(min=1)), "grad_norm": o.grad_norm,
+                 "lr": o.learning_rate, "epoch": self._epoch + self._batch_index / plan["steps_per_epoch"],
+                 "num_tokens": int(totals[1]), "step_time": time.time() - t0}]
 
     @torch.no_grad()
     def evaluate(self, examples: list[dict]) -> dict:

@@ -1,0 +1,1 @@
+"""The run core: `base.Trainer` holds the lifecycle every trainer shares (see its docstring)."""

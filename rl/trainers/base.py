@@ -1,0 +1,234 @@
+"""The run lifecycle, written once for every trainer: resume, the step loop, evaluation and logging
+cadence, a non-finite guard, stop signals, checkpoints with retention, and the run's exit status.
+
+An algorithm subclasses `Trainer` and supplies only what is its own:
+
+    train_step() -> list[dict]      one unit of work (an optimizer step, a generation batch, a PPO
+                                    iteration); one metrics row per optimizer step, each with "step"
+    evaluate_now() -> dict | None   held-out metrics, or None when nothing is configured to evaluate
+    checkpoint_extra() -> dict      what a checkpoint must hold besides model/optimizer/scheduler/RNG
+    restore(extra)                  the inverse, after a checkpoint was loaded
+
+and calls `self.fit(total_steps, tracker)`. Everything else below is the same for all five trainers,
+so each guarantee is proven once (tests/test_lifecycle.py runs it over all of them):
+
+* `resume: auto` continues from the newest complete checkpoint; one whose files cannot be read is
+  skipped with a warning and the previous complete one is used.
+* A loss or gradient norm that is NaN or infinite stops the run at that step with `NonFiniteError`,
+  before anything is saved: no NaN weights reach a checkpoint or the final model.
+* SIGUSR1 / SIGTERM / SIGINT (Ctrl-C): the current step finishes, a checkpoint is written, and
+  `stopped_by` holds the signal; the launch scripts then exit with 128 + signal (a scheduler can tell
+  it from success). A second Ctrl-C aborts at once.
+* `save_every` checkpoints, `save_total_limit` keeps only the newest N; a full disk removes the
+  partial checkpoint and raises `RunError("no space left on <dir>")`, the previous one stays.
+* A new run into an output_dir that holds a previous run is refused unless `resume` or
+  `overwrite=true` is given (`check_output_dir`, called by the launch scripts before any model is built).
+"""
+
+from __future__ import annotations
+
+import errno
+import logging
+import math
+import re
+import shutil
+import signal
+from pathlib import Path
+
+from rl.checkpoint import StopSignal, checkpoint_dir, checkpoint_name, resolve_resume
+from rl.forward_backward import COMPLETE_MARKER
+
+logger = logging.getLogger(__name__)
+
+_STEP = re.compile(r"^checkpoint-(\d+)$")
+# metrics whose non-finite value means the weights are, or are about to be, garbage
+GUARDED = ("loss", "grad_norm")
+
+
+class RunError(RuntimeError):
+    """A failure during training that the user can act on; its message is one line."""
+
+
+class NonFiniteError(RunError):
+    """A loss or gradient norm became NaN or infinite."""
+
+
+def check_finite(row: dict) -> None:
+    """Raise NonFiniteError naming the step and the metric when a guarded value is not finite."""
+    for key in GUARDED:
+        v = row.get(key)
+        if isinstance(v, (int, float)) and not math.isfinite(v):
+            raise NonFiniteError(f"step {row.get('step')}: {key} is {v}; training diverged (lower "
+                                 f"learning_rate, or check the data and rewards); nothing was saved at this step")
+
+
+def complete_checkpoints(output_dir: str | Path) -> list[Path]:
+    """Complete checkpoints under `<output_dir>/checkpoints`, newest first."""
+    root = checkpoint_dir(output_dir)
+    if not root.is_dir():
+        return []
+    found = [(int(m.group(1)), d) for d in root.iterdir()
+             if (m := _STEP.match(d.name)) and d.is_dir() and (d / COMPLETE_MARKER).exists()]
+    return [d for _, d in sorted(found, reverse=True)]
+
+
+def prune_checkpoints(output_dir: str | Path, keep: int | None) -> list[Path]:
+    """Delete all but the newest `keep` complete checkpoints (and their critic twins); return the deleted."""
+    if not keep:
+        return []
+    gone = complete_checkpoints(output_dir)[keep:]
+    for d in gone:
+        shutil.rmtree(d, ignore_errors=True)
+        shutil.rmtree(d.parent / "critic" / d.name, ignore_errors=True)
+    return gone
+
+
+def previous_run(output_dir: str | Path) -> str | None:
+    """What in `output_dir` shows an earlier run (None when it is empty or fresh)."""
+    out = Path(output_dir)
+    for name in ("metrics.jsonl", "model.safetensors", "adapter_model.safetensors", "reward_config.json"):
+        if (out / name).exists():
+            return name
+    if complete_checkpoints(out):
+        return "checkpoints/"
+    return None
+
+
+def check_output_dir(cfg) -> None:
+    """Refuse to start a new run over a previous one; with overwrite=true clear its metrics and checkpoints
+    (a later resume=auto must not pick up the old run's checkpoints)."""
+    out = Path(cfg.output_dir)
+    if out.exists() and not out.is_dir():
+        raise RunError(f"output_dir={out} is a file; give a directory")
+    if cfg.resume:
+        return
+    found = previous_run(out)
+    if found is None:
+        return
+    if not getattr(cfg, "overwrite", False):
+        raise RunError(f"output_dir={out} holds a previous run ({found}); pass resume=auto to continue it, "
+                       f"overwrite=true to replace it, or another output_dir")
+    (out / "metrics.jsonl").unlink(missing_ok=True)
+    shutil.rmtree(checkpoint_dir(out), ignore_errors=True)
+
+
+class _Stop(StopSignal):
+    """StopSignal plus Ctrl-C: the first SIGINT asks for a clean stop, a second one aborts."""
+
+    def __init__(self):
+        super().__init__((signal.SIGUSR1, signal.SIGTERM, signal.SIGINT))
+
+    def _handle(self, signum, frame):
+        if signum == signal.SIGINT and self.received is not None:
+            raise KeyboardInterrupt
+        super()._handle(signum, frame)
+
+
+class Trainer:
+    """Base of the five trainers. Subclasses set `cfg`, `accelerator` and, before `fit`, `pipeline`."""
+
+    stopped_by: int | None = None  # the signal that stopped the run early, if any
+
+    # ------------------------------------------------------------------ hooks (the algorithm's own)
+    def train_step(self) -> list[dict]:
+        raise NotImplementedError
+
+    def evaluate_now(self) -> dict | None:
+        return None
+
+    def checkpoint_extra(self) -> dict:
+        return {}
+
+    def restore(self, extra: dict) -> None:  # noqa: B027 - optional hook
+        pass
+
+    @property
+    def current_step(self) -> int:
+        return self.pipeline.step
+
+    def save_checkpoint(self, name: str, extra: dict) -> None:
+        self.pipeline.save_state(name, extra).result()
+
+    def load_checkpoint(self, path: Path) -> dict:
+        return self.pipeline.load_state(path).result()
+
+    # ------------------------------------------------------------------ derived
+    @property
+    def world(self) -> int:
+        return self.accelerator.num_processes
+
+    @property
+    def stopped_early(self) -> bool:
+        return self.stopped_by is not None
+
+    # ------------------------------------------------------------------ the lifecycle
+    def fit(self, total_steps: int, tracker, eval_at_start: bool = False) -> list[dict]:
+        """Run `train_step` until `current_step` reaches `total_steps`; returns the metric rows."""
+        cfg = self.cfg
+        history: list[dict] = []
+        self.stopped_by = None
+        self._resume(tracker)
+        stopper = _Stop()
+        try:
+            if eval_at_start and self.current_step == 0:
+                ev = self.evaluate_now()
+                if ev is not None:
+                    history.append({"step": 0, **ev})
+                    tracker.log(0, ev)
+            while self.current_step < total_steps:
+                for row in self.train_step():
+                    check_finite(row)
+                    step = row["step"]
+                    if step == total_steps or (cfg.eval_every and step % cfg.eval_every == 0):
+                        row.update(self.evaluate_now() or {})
+                    history.append(row)
+                    if step % cfg.log_every == 0 or step == total_steps or any(k.startswith("eval") for k in row):
+                        tracker.log(step, {k: v for k, v in row.items() if k != "step"})
+                stop = stopper.agreed(self.accelerator)
+                if (cfg.save_every and self.current_step % cfg.save_every == 0) or stop:
+                    self._checkpoint()
+                if stop:
+                    self.stopped_by = stopper.received
+                    tracker.write(f"stopping on signal {stopper.received} after step {self.current_step}; "
+                                  f"checkpoint written, resume with resume=auto")
+                    break
+            return history
+        finally:
+            stopper.restore()
+            tracker.close()
+
+    def _resume(self, tracker) -> None:
+        cfg = self.cfg
+        if not cfg.resume:
+            return
+        candidates = complete_checkpoints(cfg.output_dir) if cfg.resume == "auto" else \
+            [resolve_resume(cfg.resume, cfg.output_dir)]
+        for i, path in enumerate(candidates):
+            try:
+                extra = self.load_checkpoint(path)
+            except Exception as e:  # noqa: BLE001 - any unreadable file: fall back to an older checkpoint
+                if cfg.resume != "auto" or i + 1 == len(candidates):
+                    raise RunError(f"resume: checkpoint {path} cannot be loaded ({type(e).__name__}: "
+                                   f"{str(e).splitlines()[0] if str(e) else ''})") from None
+                tracker.write(f"warning: checkpoint {path} cannot be loaded ({type(e).__name__}); "
+                              f"trying the previous one")
+                continue
+            self.restore(extra)
+            tracker.write(f"resumed from {path} at step {self.current_step}")
+            return
+
+    def _checkpoint(self) -> None:
+        name = checkpoint_name(self.current_step)
+        try:
+            self.save_checkpoint(name, self.checkpoint_extra())
+        except OSError as e:
+            if e.errno != errno.ENOSPC:
+                raise
+            root = checkpoint_dir(self.cfg.output_dir)
+            for tmp in (root / f".tmp-{name}", root / "critic" / f".tmp-{name}"):
+                shutil.rmtree(tmp, ignore_errors=True)
+            raise RunError(f"no space left on {root} while writing {name}; the previous checkpoint is kept "
+                           f"(free space or lower save_total_limit, then resume=auto)") from None
+        if self.accelerator.is_main_process:
+            prune_checkpoints(self.cfg.output_dir, getattr(self.cfg, "save_total_limit", None))
+        self.accelerator.wait_for_everyone()
