@@ -43,9 +43,11 @@ from pathlib import Path
 from typing import Literal, Sequence
 
 import torch
-import torch.nn.functional as F
 
 from rl import losses
+from rl.algos import names
+from rl.algos.preference import (hinge_loss, ipo_loss, log_odds, orpo_loss, preference_loss,  # noqa: F401
+                                 sigmoid_loss)
 from rl.config import ConfigError, TrainConfig, epoch_plan, opt, save_config, to_dict
 from rl.forward_backward import zero_stage
 from rl.tracking import Tracker
@@ -53,98 +55,12 @@ from rl.trainers.base import Trainer
 
 logger = logging.getLogger(__name__)
 
-LOSS_TYPES = ("sigmoid", "ipo", "hinge", "orpo")
+LOSS_TYPES = names("preference_loss")
 
 
 # ============================================================================== pure loss functions
-
-def sigmoid_loss(delta: torch.Tensor, beta: float, label_smoothing: float = 0.0) -> torch.Tensor:
-    """DPO / conservative DPO per pair.
-
-    delta (B,): chosen log-ratio minus rejected log-ratio (sums over answer tokens).
-    label_smoothing eps: probability that a preference label is flipped (cDPO); 0 gives plain DPO.
-    Returns (B,) = -(1-eps) log sigmoid(beta delta) - eps log sigmoid(-beta delta).
-    """
-    h = beta * delta
-    return -(1.0 - label_smoothing) * F.logsigmoid(h) - label_smoothing * F.logsigmoid(-h)
-
-
-def hinge_loss(delta: torch.Tensor, beta: float) -> torch.Tensor:
-    """SLiC-HF hinge per pair: (B,) = relu(1 - beta delta)."""
-    return torch.relu(1.0 - beta * delta)
-
-
-def ipo_loss(chosen_logratios: torch.Tensor, rejected_logratios: torch.Tensor, chosen_lengths: torch.Tensor,
-             rejected_lengths: torch.Tensor, beta: float) -> torch.Tensor:
-    """IPO per pair (Azar et al. 2023, eq. 17) on per-token averaged log-ratios (as TRL).
-
-    All inputs (B,); lengths = answer tokens counted. beta is the paper's tau.
-    Returns (B,) = (chosen/len_c - rejected/len_r - 1/(2 beta))^2.
-    """
-    d = chosen_logratios / chosen_lengths.clamp(min=1) - rejected_logratios / rejected_lengths.clamp(min=1)
-    return (d - 1.0 / (2.0 * beta)) ** 2
-
-
-def log_odds(mean_logps: torch.Tensor) -> torch.Tensor:
-    """log(p / (1 - p)) for p = exp(mean_logps) < 1; (B,) -> (B,). log(1-p) via expm1 for accuracy."""
-    return mean_logps - torch.log(-torch.expm1(mean_logps.clamp(max=-1e-6)))
-
-
-def orpo_loss(chosen_logps: torch.Tensor, rejected_logps: torch.Tensor, chosen_lengths: torch.Tensor,
-              rejected_lengths: torch.Tensor, beta: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """ORPO per pair (Hong et al. 2024, eq. 6-7): mean-token NLL of the chosen answer plus
-    beta * -log sigmoid(log odds(chosen) - log odds(rejected)), odds of the per-token mean probability.
-
-    Inputs (B,) sums of answer log-probs and answer lengths.
-    Returns (loss (B,), nll (B,), log-odds ratio (B,)).
-    """
-    c_mean = chosen_logps / chosen_lengths.clamp(min=1)
-    r_mean = rejected_logps / rejected_lengths.clamp(min=1)
-    ratio = log_odds(c_mean) - log_odds(r_mean)
-    nll = -c_mean
-    return nll - beta * F.logsigmoid(ratio), nll, ratio
-
-
-def preference_loss(loss_type: str, chosen_logps: torch.Tensor, rejected_logps: torch.Tensor,
-                    ref_chosen_logps: torch.Tensor | None, ref_rejected_logps: torch.Tensor | None,
-                    chosen_lengths: torch.Tensor, rejected_lengths: torch.Tensor, beta: float,
-                    label_smoothing: float = 0.0) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """Per-pair losses and TRL-named per-pair statistics of one batch of pairs.
-
-    All tensors (B,). A missing reference (None) means reference-free: its log-probs count as 0.
-    Returns (losses (B,), stats) with stats rewards/chosen, rewards/rejected, rewards/accuracies,
-    rewards/margins, logps/chosen, logps/rejected (each (B,), detached) and, for ORPO, nll_loss and
-    log_odds_ratio.
-    """
-    stats: dict[str, torch.Tensor] = {}
-    if loss_type == "orpo":
-        per_pair, nll, ratio = orpo_loss(chosen_logps, rejected_logps, chosen_lengths, rejected_lengths, beta)
-        chosen_rewards = beta * chosen_logps.detach() / chosen_lengths.clamp(min=1)
-        rejected_rewards = beta * rejected_logps.detach() / rejected_lengths.clamp(min=1)
-        stats["nll_loss"] = nll.detach()
-        stats["log_odds_ratio"] = ratio.detach()
-    else:
-        c_ratio = chosen_logps - (ref_chosen_logps if ref_chosen_logps is not None else 0.0)
-        r_ratio = rejected_logps - (ref_rejected_logps if ref_rejected_logps is not None else 0.0)
-        if loss_type == "sigmoid":
-            per_pair = sigmoid_loss(c_ratio - r_ratio, beta, label_smoothing)
-        elif loss_type == "hinge":
-            per_pair = hinge_loss(c_ratio - r_ratio, beta)
-        elif loss_type == "ipo":
-            per_pair = ipo_loss(c_ratio, r_ratio, chosen_lengths, rejected_lengths, beta)
-        else:
-            raise ValueError(f"unknown loss_type {loss_type!r}; use one of {', '.join(LOSS_TYPES)}")
-        chosen_rewards, rejected_rewards = beta * c_ratio.detach(), beta * r_ratio.detach()
-    stats.update({
-        "rewards/chosen": chosen_rewards,
-        "rewards/rejected": rejected_rewards,
-        "rewards/accuracies": (chosen_rewards > rejected_rewards).float(),
-        "rewards/margins": chosen_rewards - rejected_rewards,
-        "logps/chosen": chosen_logps.detach(),
-        "logps/rejected": rejected_logps.detach(),
-    })
-    return per_pair, stats
-
+# The per-pair losses (sigmoid, ipo, hinge, orpo) and preference_loss are in rl.algos.preference (names
+# kept importable from here).
 
 def sequence_logps(logits: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Sum of answer-token log-probs and number of answer tokens per sequence.

@@ -46,14 +46,16 @@ from typing import Callable, Literal, Sequence
 import torch
 
 from rl import losses
+from rl.algos.advantages import (STD_EPS, compute_advantages, dr_grpo_advantages, grpo_advantages,  # noqa: F401
+                                 group_stats, nanstd, reinforce_pp_advantages, rloo_advantages)
+from rl.algos.kl import k3_kl  # noqa: F401
+from rl.algos.policy_losses import LOSS_AGGREGATIONS, grpo_loss  # noqa: F401
 from rl.checkpoint import StopSignal, checkpoint_dir, checkpoint_name, resolve_resume
 from rl.config import ConfigError, TrainConfig, opt, save_config, to_dict
+from rl.generation import position_ids_from_mask
 
 logger = logging.getLogger(__name__)
 
-ADVANTAGE_ESTIMATORS = ("grpo", "dr_grpo", "rloo", "reinforce_pp")
-LOSS_AGGREGATIONS = ("token_mean", "sequence_mean", "constant")
-STD_EPS = 1e-4  # TRL's epsilon in (r - mean) / (std + eps)
 
 
 @dataclasses.dataclass
@@ -118,83 +120,8 @@ class GRPOConfig(TrainConfig):
 
 
 # ============================================================================ pure math
-
-def _nanstd(x: torch.Tensor, dim: int | None = None) -> torch.Tensor:
-    """Bessel-corrected std ignoring NaNs (TRL's `nanstd`); `dim` None reduces everything."""
-    if dim is None:
-        x, dim = x.reshape(-1), 0
-    mean = torch.nanmean(x, dim=dim, keepdim=True)
-    var = torch.nanmean((x - mean) ** 2, dim=dim, keepdim=True)
-    count = (~torch.isnan(x)).sum(dim=dim, keepdim=True)
-    return torch.sqrt(var * count / (count - 1)).squeeze(dim)
-
-
-def _grouped(rewards: torch.Tensor, num_generations: int) -> torch.Tensor:
-    if rewards.dim() != 1 or rewards.numel() % num_generations:
-        raise ValueError(f"rewards must be 1-D with a multiple of num_generations={num_generations} entries "
-                         f"(groups contiguous), got shape {tuple(rewards.shape)}")
-    return rewards.view(-1, num_generations)
-
-
-def group_stats(rewards: torch.Tensor, num_generations: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(N*G,) rewards -> per-completion group mean and Bessel-corrected group std, NaNs ignored."""
-    g = _grouped(rewards, num_generations)
-    mean = torch.nanmean(g, dim=1)
-    std = _nanstd(g, dim=1)
-    return mean.repeat_interleave(num_generations), std.repeat_interleave(num_generations)
-
-
-def grpo_advantages(rewards: torch.Tensor, num_generations: int, eps: float = STD_EPS) -> torch.Tensor:
-    """GRPO (Shao et al. 2024, outcome supervision): (r - mean_group) / (std_group + eps).
-
-    rewards (N*G,) with each prompt's G completions contiguous -> advantages (N*G,); NaN -> 0."""
-    mean, std = group_stats(rewards, num_generations)
-    return torch.nan_to_num((rewards - mean) / (std + eps), nan=0.0)
-
-
-def dr_grpo_advantages(rewards: torch.Tensor, num_generations: int) -> torch.Tensor:
-    """Dr. GRPO (Liu et al. 2025, "Understanding R1-Zero-Like Training"): r - mean_group, no std
-    (dividing by the std up-weights prompts that are too easy or too hard). (N*G,) -> (N*G,)."""
-    mean, _ = group_stats(rewards, num_generations)
-    return torch.nan_to_num(rewards - mean, nan=0.0)
-
-
-def rloo_advantages(rewards: torch.Tensor, num_generations: int) -> torch.Tensor:
-    """RLOO (Ahmadian et al. 2024; Kool et al. 2019): r_i - mean_{j != i} r_j within the group.
-
-    Equals G/(G-1) * (r - mean_group). NaN rewards are left out of the siblings' baseline (TRL)."""
-    if num_generations < 2:
-        raise ValueError("rloo needs num_generations >= 2 (the baseline is the other completions)")
-    g = _grouped(rewards, num_generations)
-    counts = (~torch.isnan(g)).sum(dim=1, keepdim=True)
-    baseline = (torch.nansum(g, dim=1, keepdim=True) - g) / (counts - 1)
-    return torch.nan_to_num((g - baseline).view(-1), nan=0.0)
-
-
-def reinforce_pp_advantages(rewards: torch.Tensor, num_generations: int, eps: float = STD_EPS) -> torch.Tensor:
-    """REINFORCE++-baseline (Hu et al. 2025): subtract the group mean, then normalise the result with
-    the mean and (Bessel-corrected) std of the whole batch. (N*G,) -> (N*G,).
-
-    Unlike TRL's scale_rewards="batch" (which divides by the std of the raw rewards), the std is that
-    of the group-centred advantages, as in the paper."""
-    centred = rewards - group_stats(rewards, num_generations)[0]
-    adv = (centred - torch.nanmean(centred)) / (_nanstd(centred) + eps)
-    return torch.nan_to_num(adv, nan=0.0)
-
-
-ADVANTAGE_FNS: dict[str, Callable] = {
-    "grpo": grpo_advantages,
-    "dr_grpo": dr_grpo_advantages,
-    "rloo": rloo_advantages,
-    "reinforce_pp": reinforce_pp_advantages,
-}
-
-
-def compute_advantages(rewards: torch.Tensor, num_generations: int, estimator: str = "grpo") -> torch.Tensor:
-    if estimator not in ADVANTAGE_FNS:
-        raise ValueError(f"unknown advantage_estimator {estimator!r}; choose one of {', '.join(ADVANTAGE_FNS)}")
-    return ADVANTAGE_FNS[estimator](rewards.float(), num_generations)
-
+# Advantages and the loss are in rl.algos (names kept importable from here); combine_rewards belongs to
+# the reward sources below.
 
 def combine_rewards(rewards_per_func: torch.Tensor, weights: torch.Tensor | Sequence[float]) -> torch.Tensor:
     """(B, F) rewards (NaN where a function returned None) -> (B,) weighted sum over the functions that
@@ -202,66 +129,6 @@ def combine_rewards(rewards_per_func: torch.Tensor, weights: torch.Tensor | Sequ
     w = torch.as_tensor(weights, dtype=rewards_per_func.dtype, device=rewards_per_func.device)
     total = (rewards_per_func * w[None]).nansum(dim=1)
     return total.masked_fill(torch.isnan(rewards_per_func).all(dim=1), float("nan"))
-
-
-def k3_kl(logp: torch.Tensor, ref_logp: torch.Tensor) -> torch.Tensor:
-    """Schulman's k3 estimator of KL(pi || ref) per token: exp(ref - logp) - (ref - logp) - 1 >= 0."""
-    d = ref_logp - logp
-    return torch.exp(d) - d - 1
-
-
-def grpo_loss(logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor,
-              ref_logp: torch.Tensor | None = None, beta: float = 0.0, epsilon_low: float = 0.2,
-              epsilon_high: float = 0.2, loss_aggregation: str = "token_mean",
-              max_completion_length: int | None = None, num_items: float | None = None,
-              use_bias_correction_kl: bool = True) -> tuple[torch.Tensor, dict]:
-    """Clipped GRPO surrogate with an optional k3 KL term; see the module docstring.
-
-    Args:
-        logp, old_logp, mask: (B, N) per-token log-probs of the current / sampling policy, mask 1 on
-            completion tokens. ref_logp: (B, N) or None (beta must then be 0).
-        advantages: (B,) per sequence or (B, N) per token.
-        loss_aggregation: token_mean | sequence_mean | constant.
-        max_completion_length: the constant's divisor (required for "constant").
-        use_bias_correction_kl: multiply k3 by the (differentiable) ratio r_t, as TRL 1.16 does by default:
-            the KL gradient is then the unbiased reverse-KL gradient even off-policy (DeepSeek-V3.2).
-        num_items: token_mean's divisor (default: this micro-batch's token count); the trainer passes
-            the step's token count / (processes * micro-batches) so the accumulated gradient is the
-            exact token mean of the whole step.
-    Returns: (loss, metrics) with TRL's names: kl, clip_ratio/{low,high,region}_mean.
-    """
-    mask = mask.to(logp.dtype)
-    adv = advantages[:, None] if advantages.dim() == 1 else advantages
-    ratio = torch.exp(logp - old_logp)
-    clipped = torch.clamp(ratio, 1 - epsilon_low, 1 + epsilon_high)
-    per_token = -torch.min(ratio * adv, clipped * adv)
-    metrics: dict[str, torch.Tensor] = {}
-    if beta != 0.0:
-        if ref_logp is None:
-            raise ValueError("beta > 0 needs ref_logp (the reference model's per-token log-probs)")
-        kl = k3_kl(logp, ref_logp)
-        if use_bias_correction_kl:
-            kl = kl * ratio
-        per_token = per_token + beta * kl
-        metrics["kl"] = losses.masked_mean(kl.detach(), mask)
-    if loss_aggregation == "token_mean":
-        denom = mask.sum().clamp(min=1) if num_items is None else num_items
-        loss = (per_token * mask).sum() / denom
-    elif loss_aggregation == "sequence_mean":
-        loss = ((per_token * mask).sum(-1) / mask.sum(-1).clamp(min=1)).mean()
-    elif loss_aggregation == "constant":
-        if not max_completion_length:
-            raise ValueError("loss_aggregation='constant' needs max_completion_length")
-        loss = (per_token * mask).sum() / (per_token.shape[0] * max_completion_length)
-    else:
-        raise ValueError(f"loss_aggregation must be one of {', '.join(LOSS_AGGREGATIONS)}, got {loss_aggregation!r}")
-    with torch.no_grad():
-        low = ((ratio < 1 - epsilon_low) & (adv < 0)).to(logp.dtype)
-        high = ((ratio > 1 + epsilon_high) & (adv > 0)).to(logp.dtype)
-        metrics["clip_ratio/low_mean"] = losses.masked_mean(low, mask)
-        metrics["clip_ratio/high_mean"] = losses.masked_mean(high, mask)
-        metrics["clip_ratio/region_mean"] = losses.masked_mean(torch.maximum(low, high), mask)
-    return loss, metrics
 
 
 def grpo_loss_fn(logits, labels, attention_mask=None, *, advantages, old_logprobs=None, ref_logprobs=None,
@@ -503,8 +370,11 @@ class GRPOTrainer:
 
     @torch.no_grad()
     def _logprobs(self, model, batch: dict) -> torch.Tensor:
-        """(B, T-1) log-probs of the batch's labels under `model` at the sampling temperature."""
-        logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], use_cache=False).logits
+        """(B, T-1) log-probs of the batch's labels under `model` at the sampling temperature, with the
+        sampler's positions (counted from each row's first real token of the left-padded prompt)."""
+        mask = batch["attention_mask"]
+        logits = model(input_ids=batch["input_ids"], attention_mask=mask, position_ids=position_ids_from_mask(mask),
+                       use_cache=False).logits
         if self.cfg.temperature and self.cfg.temperature != 1.0:
             logits = logits / self.cfg.temperature
         return losses.token_logprobs(logits, batch["labels"])[0]
@@ -619,7 +489,7 @@ class GRPOTrainer:
         lengths = acc.gather(lengths_local).cpu() if self.world > 1 else lengths_local.cpu()
         truncated = acc.gather(truncated_local).cpu() if self.world > 1 else truncated_local.cpu()
         metrics = {
-            "reward": _nanmean(rewards), "reward_std": float(_nanstd(rewards)) if rewards.numel() > 1 else 0.0,
+            "reward": _nanmean(rewards), "reward_std": float(nanstd(rewards)) if rewards.numel() > 1 else 0.0,
             "frac_reward_zero_std": float(zero_std.float().mean()),
             "num_zero_std_groups": int(zero_std.view(-1, G)[:, 0].sum()),
             "completions/mean_length": float(lengths.mean()), "completions/min_length": float(lengths.min()),
@@ -628,7 +498,7 @@ class GRPOTrainer:
         }
         for j, (name, _) in enumerate(self.reward_funcs):
             metrics[f"rewards/{name}/mean"] = _nanmean(per_func[:, j])
-            metrics[f"rewards/{name}/std"] = float(_nanstd(per_func[:, j]))
+            metrics[f"rewards/{name}/std"] = float(nanstd(per_func[:, j]))
         env_fn = self.reward_funcs[0][1] if self.env is not None else None
         for comp, values in (getattr(env_fn, "last_metrics", {}) or {}).items():
             if comp.startswith("reward_") and comp != "reward_total":
@@ -658,8 +528,10 @@ class GRPOTrainer:
                           beta=cfg.beta, epsilon_low=cfg.epsilon_low, epsilon_high=cfg.epsilon_high,
                           loss_aggregation=cfg.loss_aggregation, max_completion_length=cfg.max_completion_length,
                           num_items=num_items, use_bias_correction_kl=cfg.use_bias_correction_kl)
+                # the sampler's positions: on absolute-position models (GPT-2) left padding shifts them
                 r = pipe.forward_backward(batch["input_ids"][s], batch["attention_mask"][s], batch["labels"][s],
-                                          loss_fn=partial(grpo_loss_fn, **kw)).result()
+                                          loss_fn=partial(grpo_loss_fn, **kw),
+                                          position_ids=position_ids_from_mask(batch["attention_mask"][s])).result()
                 for key, v in {"loss": r.loss, **r.metrics}.items():
                     sums[key] = sums.get(key, 0.0) + v / len(micro)
             o = pipe.optim_step(max_grad_norm=cfg.max_grad_norm).result()

@@ -46,88 +46,19 @@ from typing import Any, Callable, Literal, Sequence
 import torch
 import torch.nn as nn
 
+from rl.algos.advantages import gae, whiten
+from rl.algos.kl import AdaptiveKLController, FixedKLController, kl_penalized_rewards, per_token_kl
+from rl.algos.policy_losses import ppo_policy_loss, ppo_value_loss
+from rl.algos.reduce import masked_mean
 from rl.config import ConfigError, TrainConfig, opt
 
 logger = logging.getLogger(__name__)
 
 
 # ==================================================================================================
-# Pure math (all (B, N) tensors in response space; mask 1 on generated tokens)
+# Pure math (all (B, N) tensors in response space; mask 1 on generated tokens). KL estimators, KL-penalised
+# rewards, GAE, whitening and the KL controllers are in rl.algos (names kept importable from here).
 # ==================================================================================================
-
-def per_token_kl(logp: torch.Tensor, ref_logp: torch.Tensor, estimator: str = "k1") -> torch.Tensor:
-    """KL(policy || reference) estimate per sampled token (Schulman 2020, "Approximating KL divergence").
-
-    k1 = log p - log p_ref (unbiased, can be negative per token); k3 = (r - 1) - log r with
-    r = p_ref / p (unbiased and always >= 0). logp, ref_logp: (B, N) -> (B, N)."""
-    log_ratio = logp - ref_logp
-    if estimator == "k1":
-        return log_ratio
-    if estimator == "k3":
-        return torch.expm1(-log_ratio) + log_ratio
-    raise ValueError(f"kl_estimator must be 'k1' or 'k3', got {estimator!r}")
-
-
-def kl_penalized_rewards(scores: torch.Tensor, kl: torch.Tensor, mask: torch.Tensor, kl_coef: float
-                         ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per-token rewards (Ziegler et al. 2019, eq. 2): -kl_coef * KL_t on every response token, plus the
-    sequence score at the last response token only.
-
-    scores (B,), kl (B, N), mask (B, N) -> (rewards (B, N), non_score_rewards (B, N)). A row with no
-    response token gets no score (nothing to credit it to)."""
-    mask = mask.to(kl.dtype)
-    non_score = -kl_coef * kl * mask
-    lengths = mask.sum(-1).long()
-    last = (lengths - 1).clamp(min=0)
-    bonus = torch.zeros_like(non_score)
-    bonus.scatter_(1, last[:, None], (scores.to(kl.dtype) * (lengths > 0).to(kl.dtype))[:, None])
-    return non_score + bonus, non_score
-
-
-def gae(rewards: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, gamma: float = 1.0,
-        lam: float = 0.95) -> tuple[torch.Tensor, torch.Tensor]:
-    """Generalised advantage estimation (Schulman et al. 2016, eq. 16) without a Python loop.
-
-    rewards, values, mask: (B, N). Masked positions are skipped: the successor of a valid token is the
-    next VALID token (V = 0 after the last one: the episode ends there), and discounting counts valid
-    tokens only. With trailing padding this is the textbook recursion
-        delta_t = r_t + gamma * V_{t+1} - V_t,   A_t = delta_t + gamma * lam * A_{t+1}.
-    Vectorised as A_t = sum_{k >= t, valid} (gamma * lam)^(rank_k - rank_t) delta_k with
-    rank = the index among valid tokens: one (B, N, N) weighted sum instead of N sequential steps.
-    Returns (advantages, returns = advantages + values), both 0 where mask == 0."""
-    B, N = rewards.shape
-    m = mask.to(torch.float64)
-    r = rewards.to(torch.float64) * m
-    v = values.to(torch.float64) * m
-    pos = torch.arange(N, device=rewards.device)
-    # index of the next valid position after t (N if none), by a reverse cumulative minimum
-    idx = torch.where(m > 0, pos.expand(B, N), torch.full_like(pos.expand(B, N), N))
-    nxt = torch.cat([idx[:, 1:], torch.full((B, 1), N, device=idx.device, dtype=idx.dtype)], dim=1)
-    nxt = torch.flip(torch.cummin(torch.flip(nxt, [1]), dim=1).values, [1])
-    v_pad = torch.cat([v, torch.zeros(B, 1, dtype=v.dtype, device=v.device)], dim=1)
-    next_v = v_pad.gather(1, nxt)
-    delta = (r + gamma * next_v - v) * m
-    rank = m.cumsum(-1) - 1
-    diff = rank[:, None, :] - rank[:, :, None]  # (B, t, k): rank_k - rank_t
-    upper = (pos[None, :] >= pos[:, None]).to(m.dtype)  # k >= t
-    weights = torch.pow(torch.as_tensor(gamma * lam, dtype=m.dtype), diff.clamp(min=0)) * upper * m[:, None, :]
-    adv = torch.einsum("btk,bk->bt", weights, delta) * m
-    returns = (adv + v) * m
-    return adv.to(rewards.dtype), returns.to(rewards.dtype)
-
-
-def whiten(x: torch.Tensor, mask: torch.Tensor, shift_mean: bool = True, eps: float = 1e-8) -> torch.Tensor:
-    """(x - mean) / std over the masked entries (unbiased variance, as TRL's `masked_whiten`); masked
-    positions return 0. With shift_mean=False the mean is added back (scale only)."""
-    m = mask.to(x.dtype)
-    n = m.sum().clamp(min=1)
-    mean = (x * m).sum() / n
-    var = (((x - mean) * m) ** 2).sum() / (n - 1).clamp(min=1)
-    out = (x - mean) * torch.rsqrt(var + eps)
-    if not shift_mean:
-        out = out + mean
-    return out * m
-
 
 def explained_variance(values: torch.Tensor, returns: torch.Tensor, mask: torch.Tensor) -> float:
     """1 - Var[returns - values] / Var[returns] over masked entries: 1 is a perfect critic, 0 one that
@@ -165,39 +96,6 @@ def response_logprobs(logits: torch.Tensor, tokens: torch.Tensor, prompt_width: 
     p = torch.softmax(lg, dim=-1)
     entropy = logz - (p * lg).sum(-1)
     return logp, entropy
-
-
-# ==================================================================================================
-# KL controllers
-# ==================================================================================================
-
-class AdaptiveKLController:
-    """Ziegler et al. (2019), sec. 2.2: coef *= 1 + clip(KL / target - 1, -0.2, 0.2) * n_steps / horizon.
-
-    `n_steps` is the number of samples the KL was measured on (the rollout batch); without it (the
-    reference's bug) the coefficient moves by at most 0.2 / horizon per iteration, i.e. never."""
-
-    def __init__(self, init_kl_coef: float, target: float, horizon: float):
-        if target <= 0 or horizon <= 0:
-            raise ValueError(f"kl target and horizon must be > 0, got {target} and {horizon}")
-        self.value = float(init_kl_coef)
-        self.target = float(target)
-        self.horizon = float(horizon)
-
-    def update(self, current_kl: float, n_steps: int) -> float:
-        error = min(max(float(current_kl) / self.target - 1.0, -0.2), 0.2)
-        self.value *= 1.0 + error * n_steps / self.horizon
-        return self.value
-
-
-class FixedKLController:
-    """A constant KL coefficient (`adaptive_kl: false`)."""
-
-    def __init__(self, kl_coef: float):
-        self.value = float(kl_coef)
-
-    def update(self, current_kl: float, n_steps: int) -> float:  # noqa: ARG002
-        return self.value
 
 
 # ==================================================================================================
@@ -683,8 +581,6 @@ class PPOTrainer:
     def _policy_loss(model, inputs, outputs, *, P, tokens, mask, old_logprobs, advantages, old_values=None,
                      returns=None, clip_ratio=0.2, value_clip=0.2, value_coef=1.0, entropy_coef=0.0,
                      temperature=1.0):
-        from rl.losses import masked_mean, ppo_policy_loss, ppo_value_loss
-
         logp, entropy = response_logprobs(outputs.logits, tokens, P, temperature, with_entropy=True)
         loss, metrics = ppo_policy_loss(logp, old_logprobs, advantages, mask, clip_ratio, clip_ratio)
         ent = masked_mean(entropy, mask)
@@ -700,8 +596,6 @@ class PPOTrainer:
 
     @staticmethod
     def _critic_loss(model, inputs, outputs, *, P, mask, old_values, returns, value_clip=0.2, value_coef=1.0):
-        from rl.losses import ppo_value_loss
-
         v_loss, metrics = ppo_value_loss(outputs.value[:, P - 1:-1], old_values, returns, mask, value_clip)
         return value_coef * v_loss, metrics
 

@@ -36,6 +36,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from rl.algos.preference import bradley_terry_loss
 from rl.config import ConfigError, TrainConfig, opt
 from rl.generation import position_ids_from_mask
 
@@ -47,31 +48,8 @@ HF_WEIGHTS_FILE = "model.safetensors"
 
 
 # ==================================================================================================
-# Pure math
+# Pure math (the Bradley-Terry loss is in rl.algos.preference, importable from here)
 # ==================================================================================================
-
-def bradley_terry_loss(chosen: torch.Tensor, rejected: torch.Tensor, margin: torch.Tensor | None = None,
-                       center_rewards_coefficient: float | None = None) -> tuple[torch.Tensor, dict]:
-    """Bradley-Terry pairwise loss, as TRL's RewardTrainer computes it.
-
-    Args:
-        chosen, rejected: (B,) rewards of the preferred and the rejected answer.
-        margin: optional (B,) required reward gap (Llama 2 paper, sec. 3.2.2); the loss is
-            -logsigmoid(r_c - r_r - margin).
-        center_rewards_coefficient: optional weight of mean((r_c + r_r)^2), which keeps rewards
-            centred on zero (Eisenstein et al. 2023, "Helping or herding?").
-    Returns:
-        (scalar loss, metrics) with `accuracy` = mean(r_c > r_r) (ties count as wrong, as in TRL)
-        and `margin` = mean(r_c - r_r).
-    """
-    diff = chosen - rejected
-    loss = -F.logsigmoid(diff - margin if margin is not None else diff).mean()
-    if center_rewards_coefficient:
-        loss = loss + center_rewards_coefficient * ((chosen + rejected) ** 2).mean()
-    with torch.no_grad():
-        metrics = {"accuracy": (chosen > rejected).float().mean(), "margin": diff.mean()}
-    return loss, metrics
-
 
 def masked_mse(pred: torch.Tensor, target: torch.Tensor, mask: torch.Tensor | None = None,
                ) -> tuple[torch.Tensor, torch.Tensor]:

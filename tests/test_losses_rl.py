@@ -27,7 +27,7 @@ def test_aggregate_modes():
     assert L.aggregate(x, m, "sum").item() == pytest.approx(6.0)
     assert L.aggregate(x, m, "token_mean").item() == pytest.approx(2.0)
     # (1.5 + 3) / 2: the empty third sequence is not counted
-    assert L.aggregate(x, m, "seq_mean").item() == pytest.approx(2.25)
+    assert L.aggregate(x, m, "sequence_mean").item() == pytest.approx(2.25)
     with pytest.raises(ValueError, match="token_mean"):
         L.aggregate(x, m, "mean")
 
@@ -116,7 +116,7 @@ def test_per_sequence_advantages_broadcast_and_mask():
     # per token -A over counted tokens: (-2, -2) and (+1)
     loss, _ = L.importance_sampling_loss(logp, old, adv, mask, "sum")
     assert loss.item() == pytest.approx(-3.0)
-    loss, _ = L.importance_sampling_loss(logp, old, adv, mask, "seq_mean")
+    loss, _ = L.importance_sampling_loss(logp, old, adv, mask, "sequence_mean")
     assert loss.item() == pytest.approx((-2.0 + 1.0) / 2)
     with pytest.raises(ValueError, match="advantages"):
         L.importance_sampling_loss(logp, old, torch.ones(3), mask)
@@ -142,9 +142,10 @@ def test_engine_wrappers_match_pure_functions():
         ("dro", L.dro_loss, {"beta": 0.2}),
     ]:
         for norm in L.NORMALIZATIONS:
+            length = {"max_length": 7} if norm == "constant" else {}
             got, metrics = L.LOSS_FNS[name](logits, labels, None, advantages=adv, old_logprobs=old,
-                                            normalization=norm, **extra)
-            want, _ = pure(logp, old, adv, mask, *extra.values(), normalization=norm)
+                                            normalization=norm, **extra, **length)
+            want, _ = pure(logp, old, adv, mask, *extra.values(), normalization=norm, **length)
             assert got.item() == pytest.approx(want.item(), abs=1e-6), (name, norm)
             assert "loss/policy" in metrics and "policy/approx_kl" in metrics
     # the reference's spelling, and (B, T) tensors aligned with labels
