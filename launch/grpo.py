@@ -17,7 +17,8 @@ os.environ.setdefault("WANDB_MODE", "offline")
 
 from rl.config import ConfigError, cli_config  # noqa: E402
 from rl.data import DataError  # noqa: E402
-from rl.launch_utils import dry_run_report, fail  # noqa: E402
+from rl.launch_utils import dry_run_report, fail, run_training  # noqa: E402
+from rl.trainers.base import RunError, check_output_dir  # noqa: E402
 
 
 def main(argv=None) -> None:
@@ -37,24 +38,24 @@ def main(argv=None) -> None:
                 models["reference (frozen)"] = "policy without adapters" if cfg.lora.enabled else cfg.model_name
             dry_run_report(cfg, n_examples=len(rows) if rows else None, models=models)
             return
+        check_output_dir(cfg)
         trainer = GRPOTrainer(cfg, train_prompts=rows)
         plan = trainer.plan()
-    except (ConfigError, DataError, ValueError) as e:
+    except (ConfigError, DataError, RunError, ValueError) as e:
         fail(str(e))
-    # 3. train
-    history = trainer.train()
+    # 3. train (a stop on a signal exits here, after its checkpoint)
+    history = run_training(trainer, trainer.train)
     # 4. save (every process takes part: ZeRO-3 gathers the weights)
-    if not trainer.stopped_early:
-        out = trainer.save()
-        if trainer.accelerator.is_main_process:
-            train_rows = [r for r in history if "reward" in r]
-            evals = [r["eval/accuracy"] for r in history if "eval/accuracy" in r]
-            msg = f"grpo done: {plan['total_steps']} steps"
-            if train_rows:
-                msg += f"; reward {train_rows[0]['reward']:.3f} -> {train_rows[-1]['reward']:.3f}"
-            if evals:
-                msg += f"; eval accuracy {evals[0]:.3f} -> {evals[-1]:.3f}"
-            print(f"{msg}; model saved to {out}")
+    out = trainer.save()
+    if trainer.accelerator.is_main_process:
+        train_rows = [r for r in history if "reward" in r]
+        evals = [r["eval/accuracy"] for r in history if "eval/accuracy" in r]
+        msg = f"grpo done: {plan['total_steps']} steps"
+        if train_rows:
+            msg += f"; reward {train_rows[0]['reward']:.3f} -> {train_rows[-1]['reward']:.3f}"
+        if evals:
+            msg += f"; eval accuracy {evals[0]:.3f} -> {evals[-1]:.3f}"
+        print(f"{msg}; model saved to {out}")
 
 
 if __name__ == "__main__":

@@ -24,7 +24,8 @@ os.environ.setdefault("WANDB_MODE", "offline")
 
 from rl.config import ConfigError, cli_config  # noqa: E402
 from rl.data import DataError  # noqa: E402
-from rl.launch_utils import dry_run_report, fail  # noqa: E402
+from rl.launch_utils import dry_run_report, fail, run_training  # noqa: E402
+from rl.trainers.base import RunError, check_output_dir  # noqa: E402
 
 
 def load_prompts(path: str, cfg) -> tuple[list[str], list[dict]]:
@@ -66,23 +67,23 @@ def main(argv=None) -> None:
         # 2. setup
         from rl.ppo import PPOTrainer
 
+        check_output_dir(cfg)
         trainer = PPOTrainer(cfg)
         if prompts is None:  # the environment supplies the prompts
             env = trainer.reward.env
             prompts, metadata = list(env.prompts), list(env.metadata)
-    except (ConfigError, DataError, FileNotFoundError) as e:
+    except (ConfigError, DataError, FileNotFoundError, RunError) as e:
         fail(str(e))
-    # 3. train
-    history = trainer.train(prompts, metadata=metadata, eval_prompts=eval_prompts)
+    # 3. train (a stop on a signal exits here, after its checkpoint)
+    history = run_training(trainer, trainer.train, prompts, metadata=metadata, eval_prompts=eval_prompts)
     # 4. save (every process takes part: ZeRO-3 gathers the weights)
-    if not trainer.stopped_early:
-        out = trainer.save()
-        if trainer.accelerator.is_main_process and history:
-            first, last = history[0], history[-1]
-            print(f"ppo done: objective/scores {first['objective/scores']:.4f} -> {last['objective/scores']:.4f}, "
-                  f"objective/kl {last['objective/kl']:.4f}, kl_coef {last['kl_coef']:.4f} over {len(history)} "
-                  f"iterations; seconds per iteration: generation {last['time/generation']:.2f}, scoring "
-                  f"{last['time/scoring']:.2f}, training {last['time/training']:.2f}; model saved to {out}")
+    out = trainer.save()
+    if trainer.accelerator.is_main_process and history:
+        first, last = history[0], history[-1]
+        print(f"ppo done: objective/scores {first['objective/scores']:.4f} -> {last['objective/scores']:.4f}, "
+              f"objective/kl {last['objective/kl']:.4f}, kl_coef {last['kl_coef']:.4f} over {len(history)} "
+              f"iterations; seconds per iteration: generation {last['time/generation']:.2f}, scoring "
+              f"{last['time/scoring']:.2f}, training {last['time/training']:.2f}; model saved to {out}")
 
 
 if __name__ == "__main__":

@@ -50,9 +50,16 @@ from rl.algos.advantages import (STD_EPS, compute_advantages, dr_grpo_advantages
                                  group_stats, nanstd, reinforce_pp_advantages, rloo_advantages)
 from rl.algos.kl import k3_kl  # noqa: F401
 from rl.algos.policy_losses import LOSS_AGGREGATIONS, grpo_loss  # noqa: F401
-from rl.checkpoint import StopSignal, checkpoint_dir, checkpoint_name, resolve_resume
+from rl.checkpoint import checkpoint_dir
 from rl.config import ConfigError, TrainConfig, opt, save_config, to_dict
-from rl.generation import position_ids_from_mask
+from rl.dpo import prepare_reference
+from rl.environments import make_env
+from rl.forward_backward import ForwardBackwardPipeline, build_accelerator, zero_stage
+from rl.generation import generate, position_ids_from_mask
+from rl.models import (apply_lora, freeze, build_optimizer, build_scheduler, load_causal_lm, load_tokenizer,
+                       load_trainable_policy, resolve_dtype, save_pretrained, trainable_fraction)
+from rl.tracking import Tracker
+from rl.trainers.base import Trainer
 
 logger = logging.getLogger(__name__)
 
@@ -225,8 +232,6 @@ def greedy_eval(model, tokenizer, env, prompts: list[str], metadata: list[dict],
     """Greedy completions scored by `env`: eval/accuracy (mean correctness component when the env has
     one, else the fraction of rewards > 0), eval/reward, eval/mean_length. Every rank must call it
     under ZeRO-3 (generation gathers the parameters)."""
-    from rl.generation import generate
-
     rewards, correct, lengths = [], [], []
     for i in range(0, len(prompts), batch_size):
         ps, ms = prompts[i:i + batch_size], metadata[i:i + batch_size]
@@ -264,7 +269,7 @@ def encode_prompt(tokenizer, prompt: str, budget: int) -> list[int]:
 
 # ============================================================================ trainer
 
-class GRPOTrainer:
+class GRPOTrainer(Trainer):
     """GRPO-family trainer on the shared engine.
 
     `GRPOTrainer(cfg, model=None, tokenizer=None, reward_funcs=None, train_prompts=None)`:
@@ -274,11 +279,6 @@ class GRPOTrainer:
 
     def __init__(self, cfg: GRPOConfig, model=None, tokenizer=None, reward_funcs: Sequence[Callable] | None = None,
                  train_prompts: list[dict] | None = None):
-        from rl.environments import make_env
-        from rl.forward_backward import build_accelerator
-        from rl.models import (apply_lora, freeze, load_causal_lm, load_tokenizer, load_trainable_policy,
-                               resolve_dtype, trainable_fraction)
-
         self.cfg = cfg
         torch.manual_seed(cfg.seed)
         train_dtype = resolve_dtype(cfg.dtype)
@@ -315,8 +315,6 @@ class GRPOTrainer:
         # beta = 0: no reference model at all (no memory, no forward)
         self._ref_model = None
         if cfg.beta > 0 and not cfg.lora.enabled:
-            from rl.forward_backward import zero_stage
-
             if zero_stage(self.accelerator) == 3:
                 # under ZeRO-3 the policy was loaded partitioned (zero.Init): a deepcopy would copy empty
                 # shards, so the reference is loaded again from the same weights
@@ -331,10 +329,6 @@ class GRPOTrainer:
         self._model = model
         self.ref = None
         self.pipeline = None
-
-    @property
-    def world(self) -> int:
-        return self.accelerator.num_processes
 
     def plan(self) -> dict:
         """Derived sizes, computed once: completions and prompts per step (global and per process)."""
@@ -389,24 +383,15 @@ class GRPOTrainer:
 
     # ------------------------------------------------------------------ training
     def train(self) -> list[dict]:
-        from rl.forward_backward import ForwardBackwardPipeline, zero_stage
-        from rl.generation import generate
-        from rl.models import build_optimizer, build_scheduler
-        from rl.tracking import Tracker
-
         cfg, acc = self.cfg, self.accelerator
-        plan = self.plan()
-        self.plan_info = plan
+        plan = self._plan = self.plan()
         out = Path(cfg.output_dir)
         optimizer = build_optimizer(self._model, cfg.learning_rate, cfg.weight_decay)
         scheduler = build_scheduler(optimizer, cfg.lr_scheduler, plan["total_steps"], cfg.warmup_ratio)
-        pipe = ForwardBackwardPipeline(self._model, gradient_accumulation_steps=cfg.gradient_accumulation_steps,
-                                       optimizer=optimizer, scheduler=scheduler, accelerator=acc,
-                                       checkpoint_dir=checkpoint_dir(out), micro_batch_size=cfg.batch_size)
-        self.pipeline = pipe
+        self.pipeline = ForwardBackwardPipeline(
+            self._model, gradient_accumulation_steps=cfg.gradient_accumulation_steps, optimizer=optimizer,
+            scheduler=scheduler, accelerator=acc, checkpoint_dir=checkpoint_dir(out), micro_batch_size=cfg.batch_size)
         if self._ref_model is not None:
-            from rl.dpo import prepare_reference
-
             self.ref = prepare_reference(self._ref_model, acc)
             self._ref_model = None
         if acc.is_main_process:
@@ -419,44 +404,19 @@ class GRPOTrainer:
                       f"{plan['prompts_per_step']} prompts x {cfg.num_generations} generations "
                       f"({self.world} processes, ZeRO stage {zero_stage(acc)}), beta {cfg.beta}, "
                       f"trainable {self.trainable:,}/{self.total_params:,} parameters")
-        resume_from = resolve_resume(cfg.resume, out)
-        if resume_from is not None:
-            pipe.load_state(resume_from).result()
-            tracker.write(f"resumed from {resume_from} at step {pipe.step}")
-        eval_set = unique_eval_set(self.eval_env, cfg.eval_num_prompts) if self.eval_env is not None else None
-        stopper = StopSignal()
-        history: list[dict] = []
-        self.stopped_early = False
-        try:
-            if eval_set is not None and pipe.step == 0:
-                row = self.evaluate(eval_set)
-                history.append({"step": 0, **row})
-                tracker.log(0, row)
-            while pipe.step < plan["total_steps"]:
-                rows = self.train_step(pipe, plan, generate)
-                for row in rows:
-                    if eval_set is not None and (pipe.step == plan["total_steps"] or
-                                                 (cfg.eval_every and row["step"] % cfg.eval_every == 0)):
-                        row.update(self.evaluate(eval_set))
-                    history.append(row)
-                    if row["step"] % cfg.log_every == 0 or row["step"] == plan["total_steps"] or "eval/accuracy" in row:
-                        tracker.log(row["step"], {k: v for k, v in row.items() if k != "step"})
-                stop = stopper.agreed(acc)
-                if (cfg.save_every and pipe.step % cfg.save_every == 0) or stop:
-                    pipe.save_state(checkpoint_name(pipe.step), {"step": pipe.step}).result()
-                if stop:
-                    tracker.write(f"stopping on signal {stopper.received} after step {pipe.step}; "
-                                  "checkpoint written, resume with resume=auto")
-                    self.stopped_early = True
-                    break
-            return history
-        finally:
-            stopper.restore()
-            tracker.close()
+        self._eval_set = unique_eval_set(self.eval_env, cfg.eval_num_prompts) if self.eval_env is not None else None
+        # the held-out accuracy before the first step is the starting point's (the pipeline reports it)
+        return self.fit(plan["total_steps"], tracker, eval_at_start=True)
 
-    def train_step(self, pipe, plan: dict, generate) -> list[dict]:
+    def evaluate_now(self) -> dict | None:
+        return self.evaluate(self._eval_set) if self._eval_set is not None else None
+
+    def checkpoint_extra(self) -> dict:
+        return {"step": self.pipeline.step}
+
+    def train_step(self) -> list[dict]:
         """One generation batch: sample, score, advantages, num_iterations optimizer steps."""
-        cfg, acc = self.cfg, self.accelerator
+        cfg, acc, pipe, plan = self.cfg, self.accelerator, self.pipeline, self._plan
         t0 = time.time()
         generation = pipe.step // cfg.num_iterations
         rows = self._prompts_for(generation, plan["prompts_per_step"])
@@ -558,8 +518,6 @@ class GRPOTrainer:
 
     def save(self, out_dir: str | None = None) -> str:
         """Write the final model (HF format, LoRA merged) and tokenizer; all processes must call it."""
-        from rl.models import save_pretrained
-
         out = out_dir or self.cfg.output_dir
         save_pretrained(self.pipeline.model, self.tokenizer, out, self.accelerator)
         self.accelerator.wait_for_everyone()

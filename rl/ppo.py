@@ -45,12 +45,20 @@ from typing import Any, Callable, Literal, Sequence
 
 import torch
 import torch.nn as nn
+from safetensors.torch import save_file
 
 from rl.algos.advantages import gae, whiten
 from rl.algos.kl import AdaptiveKLController, FixedKLController, kl_penalized_rewards, per_token_kl
 from rl.algos.policy_losses import ppo_policy_loss, ppo_value_loss
 from rl.algos.reduce import masked_mean
-from rl.config import ConfigError, TrainConfig, opt
+from rl.checkpoint import checkpoint_dir
+from rl.config import ConfigError, TrainConfig, opt, save_config, to_dict
+from rl.forward_backward import ForwardBackwardPipeline, build_accelerator, is_deepspeed, zero_stage
+from rl.generation import generate
+from rl.models import (apply_lora, build_optimizer, build_scheduler, freeze, load_causal_lm, load_tokenizer,
+                       load_trainable_policy, resolve_dtype, trainable_fraction, write_pretrained)
+from rl.tracking import Tracker
+from rl.trainers.base import Trainer
 
 logger = logging.getLogger(__name__)
 
@@ -431,7 +439,7 @@ def build_reward_source(cfg: PPOConfig, tokenizer, reward_fn=None, reward_model=
 # Trainer
 # ==================================================================================================
 
-class PPOTrainer:
+class PPOTrainer(Trainer):
     """PPO with a shared value head or a separate critic, a frozen (or adapter-disabled) reference, and
     any reward source; runs single-process, DDP and DeepSpeed ZeRO-2/3 (policy and reference sharded).
 
@@ -442,9 +450,6 @@ class PPOTrainer:
 
     def __init__(self, config: PPOConfig, tokenizer=None, reward_fn: Callable | None = None, reward_model=None,
                  model: nn.Module | None = None):
-        from rl.forward_backward import build_accelerator
-        from rl.models import apply_lora, load_causal_lm, load_tokenizer, load_trainable_policy, resolve_dtype
-
         cfg = self.cfg = self.config = config
         torch.manual_seed(cfg.seed)
         self.tokenizer = tokenizer or load_tokenizer(cfg.model_name, cfg.trust_remote_code, padding_side="left")
@@ -464,8 +469,6 @@ class PPOTrainer:
             cfg.gradient_accumulation_steps, device=cfg.device, micro_batch_size=cfg.micro_batch_size,
             max_grad_norm=cfg.max_grad_norm, mixed_precision="bf16" if self.train_dtype == torch.bfloat16 else "no",
             deepspeed_config=cfg.deepspeed)
-        from rl.forward_backward import is_deepspeed
-
         if critic_rm is not None and is_deepspeed(self.accelerator):
             raise ConfigError("value_model=critic is not supported under DeepSpeed yet; use value_model=shared "
                               "(the value head is sharded with the policy)")
@@ -481,8 +484,6 @@ class PPOTrainer:
         self.ref_from_adapters = cfg.lora.enabled and cfg.ref_model is None
         self.ref_model = None
         if not self.ref_from_adapters:
-            from rl.models import freeze
-
             self.ref_model = freeze(load_causal_lm(cfg.ref_model or cfg.model_name, dtype=self.train_dtype,
                                                    trust_remote_code=cfg.trust_remote_code,
                                                    attn_implementation=cfg.attn_implementation))
@@ -490,13 +491,9 @@ class PPOTrainer:
                        else FixedKLController(cfg.kl_penalty_coef))
         self.pipeline = None
         self.history: list[dict] = []
-        self.stopped_early = False
+        self._iteration = 0
 
     # ------------------------------------------------------------------ sizes and setup
-    @property
-    def world(self) -> int:
-        return self.accelerator.num_processes
-
     def plan(self, n_prompts: int, num_iterations: int | None = None) -> dict:
         """Derived sizes, computed once."""
         return ppo_plan(self.cfg, n_prompts, self.world, num_iterations)
@@ -504,10 +501,6 @@ class PPOTrainer:
     def _setup(self, plan: dict) -> None:
         if self.pipeline is not None:
             return
-        from rl.checkpoint import checkpoint_dir
-        from rl.forward_backward import ForwardBackwardPipeline, zero_stage
-        from rl.models import build_optimizer, build_scheduler
-
         cfg, acc = self.cfg, self.accelerator
         out = Path(cfg.output_dir)
         optimizer = build_optimizer(self.policy, cfg.learning_rate, cfg.weight_decay)
@@ -601,8 +594,6 @@ class PPOTrainer:
 
     # ------------------------------------------------------------------ one iteration
     def _rollout(self, prompt_ids: list[list[int]], seed: int):
-        from rl.generation import generate
-
         cfg = self.cfg
         model = self.pipeline.model if self.pipeline is not None else self.policy
         return generate(model, self.tokenizer, prompt_ids, max_new_tokens=cfg.max_new_tokens,
@@ -750,12 +741,6 @@ class PPOTrainer:
         Every process passes the same prompts; iteration i uses a seeded shuffle of them, and process r
         takes every world-th of the iteration's `batch_size * world` prompts. `metadata` (one dict per
         prompt, e.g. {"answer": ...}) is handed to the reward source."""
-        from rl.checkpoint import StopSignal, checkpoint_name, resolve_resume
-        from rl.config import save_config, to_dict
-        from rl.forward_backward import zero_stage
-        from rl.models import trainable_fraction
-        from rl.tracking import Tracker
-
         cfg, acc = self.cfg, self.accelerator
         prompts = [prompts] if isinstance(prompts, str) else list(prompts)
         if not prompts:
@@ -765,7 +750,6 @@ class PPOTrainer:
         plan = self.plan(len(prompts), num_iterations)
         self._plan = plan
         self._setup(plan)
-        encoded = self.encode_prompts(prompts)
         out = Path(cfg.output_dir)
         if acc.is_main_process:
             save_config(cfg, out)
@@ -781,46 +765,46 @@ class PPOTrainer:
                       f"{'policy without adapters' if self.ref_from_adapters else (cfg.ref_model or cfg.model_name)}")
         if zero_stage(acc) == 3:
             tracker.write("zero3 shards on rank 0: " + ", ".join(f"{k} {a:,}/{b:,}" for k, (a, b) in self.shard_report().items()))
-        start = 0
-        resume_from = resolve_resume(cfg.resume, out)
-        if resume_from is not None:
-            extra = self.pipeline.load_state(resume_from).result()
-            if self.critic_pipeline is not None:
-                self.critic_pipeline.load_state(Path(resume_from).parent / "critic" / Path(resume_from).name).result()
-            start = int(extra["iteration"])
-            self.kl_ctl.value = float(extra["kl_coef"])
-            tracker.write(f"resumed from {resume_from} at iteration {start}")
-        stopper = StopSignal()
-        G = plan["global_batch"]
-        try:
-            for it in range(start, plan["iterations"]):
-                idx = self._global_indices(it, len(prompts))[acc.process_index::self.world]
-                metrics = self.step([prompts[i] for i in idx], [encoded[i] for i in idx],
-                                    [dict(metadata[i]) for i in idx] if metadata is not None else None, it)
-                metrics["iteration"] = it + 1
-                metrics["epoch"] = (it + 1) * G / len(prompts)
-                if eval_prompts and cfg.eval_every and (it + 1) % cfg.eval_every == 0:
-                    metrics.update(self.evaluate(eval_prompts))
-                self.history.append(metrics)
-                if (it + 1) % cfg.log_every == 0 or it + 1 == plan["iterations"]:
-                    tracker.log(it + 1, metrics)
-                stop = stopper.agreed(self.accelerator)
-                if (cfg.save_every and (it + 1) % cfg.save_every == 0) or stop:
-                    self._save_checkpoint(checkpoint_name(it + 1), it + 1)
-                if stop:
-                    tracker.write(f"stopping on signal {stopper.received} after iteration {it + 1}; checkpoint "
-                                  f"written, resume with resume=auto")
-                    self.stopped_early = True
-                    return self.history
-            if eval_prompts:
-                ev = self.evaluate(eval_prompts)
-                if self.history:
-                    self.history[-1].update(ev)
-                tracker.log(plan["iterations"], ev)
-            return self.history
-        finally:
-            stopper.restore()
-            tracker.close()
+        self._prompts, self._encoded, self._metadata = prompts, self.encode_prompts(prompts), metadata
+        self._eval_prompts = eval_prompts
+        rows = self.fit(plan["iterations"], tracker)
+        self.history += rows
+        return self.history
+
+    # ------------------------------------------------------------------ the lifecycle's hooks
+    @property
+    def current_step(self) -> int:
+        return self._iteration
+
+    def train_step(self) -> list[dict]:
+        it, prompts, metadata = self._iteration, self._prompts, self._metadata
+        idx = self._global_indices(it, len(prompts))[self.accelerator.process_index::self.world]
+        metrics = self.step([prompts[i] for i in idx], [self._encoded[i] for i in idx],
+                            [dict(metadata[i]) for i in idx] if metadata is not None else None, it)
+        self._iteration = it + 1
+        return [{"step": it + 1, **metrics, "iteration": it + 1,
+                 "epoch": (it + 1) * self._plan["global_batch"] / len(prompts)}]
+
+    def evaluate_now(self) -> dict | None:
+        return self.evaluate(self._eval_prompts) if self._eval_prompts else None
+
+    def checkpoint_extra(self) -> dict:
+        return {"iteration": self._iteration, "kl_coef": self.kl_ctl.value}
+
+    def restore(self, extra: dict) -> None:
+        self._iteration = int(extra["iteration"])
+        self.kl_ctl.value = float(extra["kl_coef"])
+
+    def save_checkpoint(self, name: str, extra: dict) -> None:
+        self.pipeline.save_state(name, extra).result()
+        if self.critic_pipeline is not None:
+            self.critic_pipeline.save_state(name, extra).result()
+
+    def load_checkpoint(self, path: Path) -> dict:
+        extra = self.pipeline.load_state(path).result()
+        if self.critic_pipeline is not None:
+            self.critic_pipeline.load_state(Path(path).parent / "critic" / Path(path).name).result()
+        return extra
 
     def shard_report(self) -> dict[str, tuple[int, int]]:
         """{model: (parameters held by this process, all parameters)}; under ZeRO-3 the first is a shard."""
@@ -853,12 +837,6 @@ class PPOTrainer:
         return out
 
 
-    def _save_checkpoint(self, name: str, iteration: int) -> None:
-        extra = {"iteration": iteration, "kl_coef": self.kl_ctl.value}
-        self.pipeline.save_state(name, extra).result()
-        if self.critic_pipeline is not None:
-            self.critic_pipeline.save_state(name, extra).result()
-
     @torch.no_grad()
     def evaluate(self, prompts: Sequence[str], metadata: Sequence[dict] | None = None) -> dict:
         """Sample once per prompt (this process's share) and score: eval/scores, eval/response_length."""
@@ -878,10 +856,6 @@ class PPOTrainer:
     def save(self, out_dir: str | None = None) -> str:
         """Write the policy as an HF model directory (LoRA merged, no value head) plus
         `value_head.safetensors`; every process must call it (ZeRO-3 gathers the weights)."""
-        from safetensors.torch import save_file
-
-        from rl.models import write_pretrained
-
         acc = self.accelerator
         out = Path(out_dir or self.cfg.output_dir)
         state = acc.get_state_dict(self.pipeline.model)
