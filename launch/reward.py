@@ -21,7 +21,8 @@ os.environ.setdefault("WANDB_MODE", "offline")
 
 from rl.config import ConfigError, cli_config, save_config, to_dict  # noqa: E402
 from rl.data import DataError  # noqa: E402
-from rl.launch_utils import dry_run_report, fail  # noqa: E402
+from rl.launch_utils import dry_run_report, fail, run_training  # noqa: E402
+from rl.trainers.base import RunError, check_output_dir  # noqa: E402
 
 
 def main(argv=None) -> None:
@@ -38,7 +39,9 @@ def main(argv=None) -> None:
         train = load_preference_pairs(d.path, max_examples=d.max_examples, **cols)
         evals = load_preference_pairs(d.eval_path, **cols) if d.eval_path else None
         model_cfg = cfg.model_config()
-    except (ConfigError, DataError) as e:
+        if not cfg.dry_run:
+            check_output_dir(cfg)
+    except (ConfigError, DataError, RunError) as e:
         fail(str(e))
     if cfg.dry_run:
         dry_run_report(cfg, n_examples=len(train), models={"reward model (trainable)": cfg.model_name})
@@ -67,16 +70,15 @@ def main(argv=None) -> None:
     # 3. train
     eval_data = ({"chosen": evals.chosen, "rejected": evals.rejected, "prompts": evals.prompts,
                   "margins": evals.margins} if evals is not None else None)
-    metrics = trainer.train_on_preferences(
-        train.chosen, train.rejected, prompts=train.prompts, margins=train.margins, num_epochs=cfg.num_epochs,
-        batch_size=cfg.batch_size, eval_fraction=0.0 if evals is not None else d.eval_fraction,
-        eval_data=eval_data, log_fn=tracker.log)
+    metrics = run_training(
+        trainer, trainer.train_on_preferences, train.chosen, train.rejected, prompts=train.prompts,
+        margins=train.margins, num_epochs=cfg.num_epochs, batch_size=cfg.batch_size,
+        eval_fraction=0.0 if evals is not None else d.eval_fraction, eval_data=eval_data, tracker=tracker)
 
     # 4. save (every process takes part: ZeRO-3 gathers the weights)
     out = trainer.save_model(cfg.output_dir)
     if accelerator.is_main_process:
         save_config(cfg, cfg.output_dir, "recipe.yaml")
-    tracker.close()
     if accelerator.is_main_process:
         first = trainer.history[0]["loss"] if trainer.history else float("nan")
         ev = f", eval accuracy {metrics['eval/accuracy']:.3f}" if "eval/accuracy" in metrics else ""

@@ -38,6 +38,7 @@ import torch.nn.functional as F
 
 from rl.algos.preference import bradley_terry_loss
 from rl.config import ConfigError, TrainConfig, opt
+from rl.trainers.base import CallbackTracker, Trainer
 from rl.generation import position_ids_from_mask
 
 FORMAT = "rl-reward-model"
@@ -143,6 +144,10 @@ class RewardModelConfig:
     trust_remote_code: bool = field(default=False, metadata={"help": "run model code from the checkpoint"})
     seed: int = field(default=42, metadata={"help": "shuffling and eval-split seed"})
     eval_every: int = field(default=0, metadata={"help": "evaluate every N optimizer steps (0: at the end)"})
+    log_every: int = field(default=1, metadata={"help": "log metrics every N optimizer steps"})
+    save_every: int = field(default=0, metadata={"help": "checkpoint every N optimizer steps (0: only the final model)"})
+    save_total_limit: int | None = field(default=None, metadata={"help": "keep only the newest N checkpoints"})
+    resume: str | None = field(default=None, metadata={"help": "'auto' or a checkpoint path to resume training from"})
 
     def __post_init__(self):
         if self.num_labels < 1:
@@ -587,7 +592,7 @@ def _bt_custom_loss(model, inputs, outputs, n_pairs: int, margin=None, center_re
     return loss, m
 
 
-class RewardModelTrainer:
+class RewardModelTrainer(Trainer):
     """Trains a `RewardModel` on preference pairs with the Bradley-Terry loss.
 
     Every optimizer step is `gradient_accumulation_steps` micro-batches of `batch_size` pairs per
@@ -598,7 +603,7 @@ class RewardModelTrainer:
                  device: str | None = None, accelerator=None, output_dir: str | Path = "runs/reward"):
         from rl.forward_backward import build_accelerator
 
-        self.config = config or model.config
+        self.cfg = self.config = config or model.config
         self.model = model
         self.tokenizer = tokenizer if tokenizer is not None else model.get_tokenizer()
         model.tokenizer = self.tokenizer
@@ -693,12 +698,14 @@ class RewardModelTrainer:
                              prompts: Sequence[str] | None = None, num_epochs: int = 1, batch_size: int = 8,
                              eval_fraction: float = 0.0, margins: Sequence[float] | None = None,
                              eval_data: dict | None = None, log_fn: Callable[[int, dict], None] | None = None,
-                             ) -> dict[str, float]:
+                             tracker=None) -> dict[str, float]:
         """Train on pairs (optionally with `prompts` prepended and per-pair `margins`).
 
         `eval_fraction` holds out that share of the pairs (seeded) for `evaluate()`; `eval_data`
         (`{"chosen": [...], "rejected": [...], "prompts": [...]}`) gives a separate eval set instead.
-        `log_fn(step, metrics)` is called after every optimizer step (and with eval metrics).
+        `log_fn(step, metrics)` is called after every optimizer step (and with eval metrics), or give a
+        `rl.tracking.Tracker` as `tracker`. Checkpoints, resume and signals follow the run core
+        (rl.trainers.base): `config.save_every`, `config.resume`, `config.save_total_limit`.
         Returns the last step's metrics plus the final evaluation."""
         if not 0.0 <= eval_fraction < 1.0:
             raise ValueError(f"eval_fraction must be in [0, 1), got {eval_fraction}")
@@ -718,47 +725,53 @@ class RewardModelTrainer:
             self.eval_split, train = data.take(perm[:n_eval]), data.take(perm[n_eval:])
         else:
             train = data
-        epochs = [self._micro_batches(len(train), batch_size, e) for e in range(num_epochs)]
         N = self.config.gradient_accumulation_steps
-        total = sum(len(b) // N for b in epochs)
+        # the optimizer steps of this call, each N micro-batches of this process's pairs
+        steps = []
+        for e in range(num_epochs):
+            batches = self._micro_batches(len(train), batch_size, e)
+            steps += [batches[s:s + N] for s in range(0, len(batches) - N + 1, N)]
         if self.config.max_steps is not None:
-            total = min(total, self.config.max_steps)
-        self._setup(total, batch_size)
-        pipe, cfg = self.pipeline, self.config
+            steps = steps[:self.config.max_steps]
+        self._setup(len(steps), batch_size)
         self.model.train()
-        last: dict[str, float] = {}
-        done = 0
-        for batches in epochs:
-            for s in range(0, len(batches), N):
-                if done >= total:
-                    break
-                futures = []
-                for idx in batches[s:s + N]:
-                    ids, mask, margin = self._batch(train, idx)
-                    futures.append(pipe.forward_backward_custom(
-                        _bt_custom_loss, ids, mask, n_pairs=len(idx), margin=margin,
-                        center_rewards_coefficient=cfg.center_rewards_coefficient))
-                step = pipe.optim_step(max_grad_norm=cfg.max_grad_norm).result()
-                results = [f.result() for f in futures]
-                last = self._step_metrics(results, step)
-                done += 1
-                self.global_step += 1
-                self.history.append({"step": self.global_step, **last})
-                if log_fn is not None:
-                    log_fn(self.global_step, last)
-                if cfg.eval_every and self.eval_split is not None and self.global_step % cfg.eval_every == 0 \
-                        and done < total:
-                    ev = self.evaluate(batch_size=batch_size)
-                    self.history.append({"step": self.global_step, **ev})
-                    if log_fn is not None:
-                        log_fn(self.global_step, ev)
-        if self.eval_split is not None:
-            ev = self.evaluate(batch_size=batch_size)
-            self.history.append({"step": self.global_step, **ev})
-            if log_fn is not None:
-                log_fn(self.global_step, ev)
-            last = {**last, **ev}
-        return last
+        self._train, self._steps, self._done, self._bs = train, steps, 0, batch_size
+        rows = self.fit(len(steps), tracker or CallbackTracker(log_fn))
+        self.history += rows
+        last = next((r for r in reversed(rows) if "loss" in r), {})
+        return {k: v for k, v in last.items() if k != "step"}
+
+    # ------------------------------------------------------------------ the lifecycle's hooks
+    @property
+    def current_step(self) -> int:
+        return self._done
+
+    @property
+    def run_dir(self) -> Path:
+        return self.output_dir
+
+    def train_step(self) -> list[dict]:
+        pipe, cfg = self.pipeline, self.config
+        futures = []
+        for idx in self._steps[self._done]:
+            ids, mask, margin = self._batch(self._train, idx)
+            futures.append(pipe.forward_backward_custom(
+                _bt_custom_loss, ids, mask, n_pairs=len(idx), margin=margin,
+                center_rewards_coefficient=cfg.center_rewards_coefficient))
+        step = pipe.optim_step(max_grad_norm=cfg.max_grad_norm).result()
+        metrics = self._step_metrics([f.result() for f in futures], step)
+        self._done += 1
+        self.global_step += 1
+        return [{"step": self._done, **metrics}]
+
+    def evaluate_now(self) -> dict | None:
+        return self.evaluate(batch_size=self._bs) if self.eval_split is not None else None
+
+    def checkpoint_extra(self) -> dict:
+        return {"done": self._done, "global_step": self.global_step}
+
+    def restore(self, extra: dict) -> None:
+        self._done, self.global_step = int(extra["done"]), int(extra["global_step"])
 
     def _step_metrics(self, results, step) -> dict[str, float]:
         """Average micro-batch metrics over the step and over processes (std from pooled sums)."""
@@ -945,8 +958,6 @@ class RewardTrainConfig(TrainConfig):
             raise ConfigError("load_in_4bit and load_in_8bit are both true; choose one")
         if not self.temperature > 0:
             raise ConfigError(f"key 'temperature' must be > 0, got {self.temperature}")
-        if self.resume is not None or self.save_every:
-            raise ConfigError("the reward trainer writes only the final model: leave resume unset and save_every=0")
 
     def model_config(self) -> RewardModelConfig:
         """The library-level RewardModelConfig this recipe describes."""
@@ -962,4 +973,6 @@ class RewardTrainConfig(TrainConfig):
             max_grad_norm=self.max_grad_norm, max_length=self.max_length, max_steps=self.max_steps,
             center_rewards_coefficient=self.center_rewards_coefficient, append_eos=self.append_eos,
             dtype=self.dtype, gradient_checkpointing=self.gradient_checkpointing,
-            trust_remote_code=self.trust_remote_code, seed=self.seed, eval_every=self.eval_every)
+            trust_remote_code=self.trust_remote_code, seed=self.seed, eval_every=self.eval_every,
+            log_every=self.log_every, save_every=self.save_every, save_total_limit=self.save_total_limit,
+            resume=self.resume)

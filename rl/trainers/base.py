@@ -112,6 +112,24 @@ def check_output_dir(cfg) -> None:
     shutil.rmtree(checkpoint_dir(out), ignore_errors=True)
 
 
+class CallbackTracker:
+    """The tracker interface `fit` needs, for library calls without a Tracker: each logged row goes to
+    `log_fn(step, metrics)` (or nowhere), notes go to the module logger."""
+
+    def __init__(self, log_fn=None):
+        self.log_fn = log_fn
+
+    def log(self, step: int, metrics: dict) -> None:
+        if self.log_fn is not None:
+            self.log_fn(step, metrics)
+
+    def write(self, message: str) -> None:
+        logger.info(message)
+
+    def close(self) -> None:
+        pass
+
+
 class _Stop(StopSignal):
     """StopSignal plus Ctrl-C: the first SIGINT asks for a clean stop, a second one aborts."""
 
@@ -145,6 +163,11 @@ class Trainer:
     @property
     def current_step(self) -> int:
         return self.pipeline.step
+
+    @property
+    def run_dir(self) -> Path:
+        """Where checkpoints go (`<run_dir>/checkpoints`)."""
+        return Path(self.cfg.output_dir)
 
     def save_checkpoint(self, name: str, extra: dict) -> None:
         self.pipeline.save_state(name, extra).result()
@@ -201,8 +224,8 @@ class Trainer:
         cfg = self.cfg
         if not cfg.resume:
             return
-        candidates = complete_checkpoints(cfg.output_dir) if cfg.resume == "auto" else \
-            [resolve_resume(cfg.resume, cfg.output_dir)]
+        candidates = complete_checkpoints(self.run_dir) if cfg.resume == "auto" else \
+            [resolve_resume(cfg.resume, self.run_dir)]
         for i, path in enumerate(candidates):
             try:
                 extra = self.load_checkpoint(path)
@@ -224,11 +247,11 @@ class Trainer:
         except OSError as e:
             if e.errno != errno.ENOSPC:
                 raise
-            root = checkpoint_dir(self.cfg.output_dir)
+            root = checkpoint_dir(self.run_dir)
             for tmp in (root / f".tmp-{name}", root / "critic" / f".tmp-{name}"):
                 shutil.rmtree(tmp, ignore_errors=True)
             raise RunError(f"no space left on {root} while writing {name}; the previous checkpoint is kept "
                            f"(free space or lower save_total_limit, then resume=auto)") from None
         if self.accelerator.is_main_process:
-            prune_checkpoints(self.cfg.output_dir, getattr(self.cfg, "save_total_limit", None))
+            prune_checkpoints(self.run_dir, getattr(self.cfg, "save_total_limit", None))
         self.accelerator.wait_for_everyone()
