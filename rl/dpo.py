@@ -518,7 +518,7 @@ class DPOTrainer:
         epoch, batch_index = 0, 0
         resume_from = resolve_resume(cfg.resume, out)
         if resume_from is not None:
-            extra = pipe.load_state(resume_from).result()
+            extra = pipe.load_state(resume_from)
             epoch, batch_index = extra["epoch"], extra["batch_index"]
             tracker.write(f"resumed from {resume_from} at step {pipe.step}")
         loss_fn = partial(dpo_batch_loss, loss_type=cfg.loss_type, beta=cfg.beta, label_smoothing=cfg.label_smoothing)
@@ -554,7 +554,7 @@ class DPOTrainer:
                         tracker.log(pipe.step, row)
                     stop = stopper.agreed(acc)
                     if (cfg.save_every and pipe.step % cfg.save_every == 0) or stop:
-                        pipe.save_state(checkpoint_name(pipe.step), {"epoch": epoch, "batch_index": batch_index}).result()
+                        pipe.save_state(checkpoint_name(pipe.step), {"epoch": epoch, "batch_index": batch_index})
                     if stop:
                         tracker.write(f"stopping on signal {stopper.received} after step {pipe.step}; checkpoint "
                                       f"written, resume with resume=auto")

@@ -551,7 +551,7 @@ class GRPOTrainer:
                       f"trainable {self.trainable:,}/{self.total_params:,} parameters")
         resume_from = resolve_resume(cfg.resume, out)
         if resume_from is not None:
-            pipe.load_state(resume_from).result()
+            pipe.load_state(resume_from)
             tracker.write(f"resumed from {resume_from} at step {pipe.step}")
         eval_set = unique_eval_set(self.eval_env, cfg.eval_num_prompts) if self.eval_env is not None else None
         stopper = StopSignal()
@@ -573,7 +573,7 @@ class GRPOTrainer:
                         tracker.log(row["step"], {k: v for k, v in row.items() if k != "step"})
                 stop = stopper.agreed(acc)
                 if (cfg.save_every and pipe.step % cfg.save_every == 0) or stop:
-                    pipe.save_state(checkpoint_name(pipe.step), {"step": pipe.step}).result()
+                    pipe.save_state(checkpoint_name(pipe.step), {"step": pipe.step})
                 if stop:
                     tracker.write(f"stopping on signal {stopper.received} after step {pipe.step}; "
                                   "checkpoint written, resume with resume=auto")

@@ -890,9 +890,9 @@ class PPOTrainer:
         start = 0
         resume_from = resolve_resume(cfg.resume, out)
         if resume_from is not None:
-            extra = self.pipeline.load_state(resume_from).result()
+            extra = self.pipeline.load_state(resume_from)
             if self.critic_pipeline is not None:
-                self.critic_pipeline.load_state(Path(resume_from).parent / "critic" / Path(resume_from).name).result()
+                self.critic_pipeline.load_state(Path(resume_from).parent / "critic" / Path(resume_from).name)
             start = int(extra["iteration"])
             self.kl_ctl.value = float(extra["kl_coef"])
             tracker.write(f"resumed from {resume_from} at iteration {start}")
@@ -961,9 +961,9 @@ class PPOTrainer:
 
     def _save_checkpoint(self, name: str, iteration: int) -> None:
         extra = {"iteration": iteration, "kl_coef": self.kl_ctl.value}
-        self.pipeline.save_state(name, extra).result()
+        self.pipeline.save_state(name, extra)
         if self.critic_pipeline is not None:
-            self.critic_pipeline.save_state(name, extra).result()
+            self.critic_pipeline.save_state(name, extra)
 
     @torch.no_grad()
     def evaluate(self, prompts: Sequence[str], metadata: Sequence[dict] | None = None) -> dict:

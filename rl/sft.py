@@ -169,7 +169,7 @@ class SFTTrainer:
         epoch, batch_index = 0, 0
         resume_from = resolve_resume(cfg.resume, out)
         if resume_from is not None:
-            extra = pipe.load_state(resume_from).result()
+            extra = pipe.load_state(resume_from)
             epoch, batch_index = extra["epoch"], extra["batch_index"]
             tracker.write(f"resumed from {resume_from} at step {pipe.step}")
         stopper = StopSignal()
@@ -205,7 +205,7 @@ class SFTTrainer:
                     stop = stopper.agreed(acc)
                     if (cfg.save_every and pipe.step % cfg.save_every == 0) or stop:
                         pipe.save_state(checkpoint_name(pipe.step),
-                                        {"epoch": epoch, "batch_index": batch_index}).result()
+                                        {"epoch": epoch, "batch_index": batch_index})
                     if stop:
                         tracker.write(f"stopping on signal {stopper.received} after step {pipe.step}; "
                                       f"checkpoint written, resume with resume=auto")
