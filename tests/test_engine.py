@@ -195,3 +195,47 @@ def test_client_refuses_a_traversing_name_before_queueing(tiny_llama, tmp_path):
         client.save_state("../../escaped")
     client.shutdown()
     assert list(tmp_path.iterdir()) == []
+
+
+DDP_PARTIAL_SCRIPT = '''
+import json, sys, torch
+from transformers import AutoModelForCausalLM
+from rl.forward_backward import ForwardBackwardPipeline
+
+path, out = sys.argv[1], sys.argv[2]
+def make(n, acc=None):
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_pretrained(path)
+    return ForwardBackwardPipeline(model, gradient_accumulation_steps=n, accelerator=acc,
+                                   optimizer=torch.optim.SGD(model.parameters(), lr=0.1))
+partial = make(4)
+exact = make(1, partial.accelerator)
+rank = partial.accelerator.process_index
+ids = torch.randint(0, 256, (2, 12), generator=torch.Generator().manual_seed(10 + rank))  # per-rank data
+partial.forward_backward(ids).result()
+exact.forward_backward(ids).result()
+r = partial.optim_step().result()
+exact.optim_step().result()
+flat = lambda p: torch.cat([x.detach().flatten() for x in p.unwrapped_model.parameters()])
+json.dump({"n": r.metrics["num_micro_batches"], "world": partial.accelerator.num_processes,
+           "diff": float((flat(partial) - flat(exact)).abs().max()), "sum": float(flat(partial).double().sum())},
+          open(f"{out}/rank{rank}.json", "w"))
+'''
+
+
+@pytest.mark.slow
+def test_partial_accumulation_under_ddp_averages_across_processes(tiny_llama, tmp_path):
+    """1 of 4 micro-batches per rank under 2-process DDP == gradient_accumulation_steps=1 under DDP:
+    the k-th backward ran without DDP's all-reduce, so optim_step must average across ranks itself
+    (without it each rank would step with its own gradient and the ranks would drift apart)."""
+    import json
+
+    from conftest import accelerate_cmd, run_cmd
+
+    script = tmp_path / "ddp_partial.py"
+    script.write_text(DDP_PARTIAL_SCRIPT)
+    run_cmd(accelerate_cmd(str(script), tiny_llama, str(tmp_path)), timeout=300)
+    r = [json.loads((tmp_path / f"rank{i}.json").read_text()) for i in (0, 1)]
+    assert [x["world"] for x in r] == [2, 2] and [x["n"] for x in r] == [1, 1]
+    assert max(x["diff"] for x in r) < 1e-6
+    assert r[0]["sum"] == r[1]["sum"]  # the ranks agree
