@@ -37,6 +37,7 @@ import os
 import random
 import shutil
 import threading
+import traceback
 import weakref
 from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import nullcontext
@@ -200,7 +201,8 @@ class ForwardBackwardPipeline:
         self.loss_fns: dict[str, Callable] = dict(losses.LOSS_FNS)
         self._executor = (ThreadPoolExecutor(max_workers=1, thread_name_prefix="fb-worker") if asynchronous
                           else _InlineExecutor())
-        self._failed: list[RequestFuture] = []  # failed requests, until shutdown() reports the unread ones
+        # failed requests (as text: a traceback would keep this pipeline alive), until shutdown() reports them
+        self._failed: list[_Failure] = []
         self._failed_lock = threading.Lock()  # the worker appends while the caller prunes
         # at garbage collection or interpreter exit without shutdown(): still log what nobody read
         weakref.finalize(self, _log_unread, self._failed)
@@ -220,7 +222,7 @@ class ForwardBackwardPipeline:
 
     def _submit(self, future: "RequestFuture", fn: Callable, *args, **kwargs) -> "RequestFuture":
         future.request = getattr(fn, "__name__", "request").lstrip("_")
-        with self._failed_lock:  # drop the ones already read (their tracebacks hold tensors)
+        with self._failed_lock:  # drop the ones already read
             self._failed[:] = [f for f in self._failed if not f.read]
 
         def run() -> None:
@@ -229,8 +231,10 @@ class ForwardBackwardPipeline:
             try:
                 result = fn(*args, **kwargs)
             except BaseException as e:  # noqa: BLE001 - delivered through the future
+                future.failure = _Failure(future.request, f"{type(e).__name__}: {e}",
+                                          "".join(traceback.format_exception(e)))
                 with self._failed_lock:
-                    self._failed.append(future)
+                    self._failed.append(future.failure)
                 future.set_exception(e)
             else:
                 future.set_result(result)
@@ -248,10 +252,8 @@ class ForwardBackwardPipeline:
     def _raise_unread(self) -> None:
         unread = _log_unread(self._failed)
         if unread:
-            first = unread[0]
-            exc = first.exception()
-            raise RuntimeError(f"{len(unread)} request(s) failed and their futures were never read; the first, "
-                               f"{first.request}: {type(exc).__name__}: {exc}") from exc
+            raise RuntimeError(f"{len(unread)} request(s) failed and their futures were never read (tracebacks "
+                               f"logged); the first, {unread[0].request}: {unread[0].error}")
 
     def _to_device(self, t):
         if t is None:
@@ -593,35 +595,49 @@ class _InlineExecutor:
         pass
 
 
+@dataclass
+class _Failure:
+    """A failed request, as text (no frames, so it holds neither tensors nor the pipeline)."""
+
+    request: str
+    error: str  # "ValueError: message"
+    traceback: str
+    read: bool = False
+
+
 class RequestFuture(Future):
-    """The future of one engine request; it remembers whether its outcome was read (`result()` or
+    """The future of one engine request; it records whether its outcome was read (`result()` or
     `exception()` after it finished), so a failure nobody read is reported at `shutdown()`."""
 
     request = "request"
-    read = False
+    failure: _Failure | None = None
+
+    def _mark_read(self) -> None:
+        if self.failure is not None and self.done():
+            self.failure.read = True
 
     def result(self, timeout=None):
         try:
             return super().result(timeout)
         finally:
-            self.read = self.read or self.done()
+            self._mark_read()
 
     def exception(self, timeout=None):
         try:
             return super().exception(timeout)
         finally:
-            self.read = self.read or self.done()
+            self._mark_read()
 
 
 def _log_unread(failed: list) -> list:
-    """Log (ERROR, with traceback) each failed request whose future was never read; mark them read
-    and return them. Also the pipeline's finalizer, so it holds no reference to the pipeline."""
+    """Log (ERROR, with the traceback) each failed request whose future was never read, mark them
+    read, empty `failed` and return them. Also the pipeline's finalizer (garbage collection or
+    interpreter exit without `shutdown()`), so it takes the list, not the pipeline."""
     unread = [f for f in failed if not f.read]
     for f in unread:
         f.read = True
-        exc = Future.exception(f)
-        log.error("engine request %s failed and its future was never read: %s: %s", f.request,
-                  type(exc).__name__, exc, exc_info=(type(exc), exc, exc.__traceback__))
+        log.error("engine request %s failed and its future was never read: %s\n%s", f.request, f.error,
+                  f.traceback.rstrip())
     failed.clear()
     return unread
 

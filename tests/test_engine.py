@@ -239,3 +239,19 @@ def test_partial_accumulation_under_ddp_averages_across_processes(tiny_llama, tm
     assert [x["world"] for x in r] == [2, 2] and [x["n"] for x in r] == [1, 1]
     assert max(x["diff"] for x in r) < 1e-6
     assert r[0]["sum"] == r[1]["sum"]  # the ranks agree
+
+
+def test_unread_failure_is_logged_when_the_pipeline_is_dropped(tiny_llama, caplog):
+    """Without shutdown(): a failure nobody read is still logged when the pipeline goes away."""
+    import gc
+    import logging
+
+    pipe = make(tiny_llama, 1)
+    pipe.optim_step()  # fails (no micro-batch); its future is dropped unread
+    pipe.forward_backward(batch(2)).result()  # later requests still run
+    with caplog.at_level(logging.ERROR, logger="rl.forward_backward"):
+        del pipe
+        gc.collect()
+    assert [r.getMessage().splitlines()[0] for r in caplog.records] == [
+        "engine request optim_step failed and its future was never read: RuntimeError: optim_step after 0 "
+        "forward_backward calls since the last step: there is no gradient to apply; queue a forward_backward first"]
