@@ -244,7 +244,7 @@ class ForwardBackwardPipeline:
 
     def shutdown(self, wait: bool = True) -> None:
         """Finish the queued requests; then log every failed request whose future was never read
-        and raise the first of them (RuntimeError from it), so no error vanishes silently."""
+        (with its traceback) and raise a RuntimeError naming the first, so no error vanishes silently."""
         self._executor.shutdown(wait=wait)
         if wait:
             self._raise_unread()
