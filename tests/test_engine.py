@@ -255,3 +255,18 @@ def test_unread_failure_is_logged_when_the_pipeline_is_dropped(tiny_llama, caplo
     assert [r.getMessage().splitlines()[0] for r in caplog.records] == [
         "engine request optim_step failed and its future was never read: RuntimeError: optim_step after 0 "
         "forward_backward calls since the last step: there is no gradient to apply; queue a forward_backward first"]
+
+
+def test_partial_accumulation_is_refused_under_deepspeed(tiny_llama, monkeypatch):
+    """DeepSpeed steps inside the N-th backward, so k < N cannot be applied: a clear error, state kept
+    (checked with the DeepSpeed test stubbed: the rule runs before any DeepSpeed call)."""
+    import rl.forward_backward as fb
+
+    pipe = make(tiny_llama, 4)
+    pipe.forward_backward(batch(2)).result()
+    monkeypatch.setattr(fb, "is_deepspeed", lambda acc: True)
+    with pytest.raises(RuntimeError, match="after 1 forward_backward calls, but gradient_accumulation_steps=4: "
+                                           "under DeepSpeed the step happens inside the 4-th backward"):
+        pipe.optim_step().result()
+    monkeypatch.undo()
+    assert pipe.micro_step == 1 and pipe.optim_step().result().metrics["num_micro_batches"] == 1
