@@ -47,6 +47,13 @@ def _flag_value(value: Any) -> str:
     return str(value)
 
 
+def translate_params(trainer: str, params: dict[str, Any], config: str | None = None) -> list[str]:
+    """Keyword parameters -> the launch script's arguments, through `rl.cli.translate` (rl-train's
+    table): each keyword is the flag `--<keyword>`; None values are left out. Raises ValueError."""
+    argv = [f"--{k}={_flag_value(v)}" for k, v in params.items() if v is not None]
+    return ([] if config is None else ["--config", str(config)]) + translate(trainer, argv, _schema(trainer))
+
+
 class LLMTrainingParams:
     """Training parameters by the reference's names; `.args` is what the launch script receives.
 
@@ -66,11 +73,9 @@ class LLMTrainingParams:
         self.trainer = trainer
         self.config = None if config is None else str(config)
         self.params = {k: v for k, v in params.items() if v is not None}
-        argv = [f"--{k}={_flag_value(v)}" for k, v in self.params.items()]
         schema = _schema(trainer)
         try:
-            self.args: list[str] = ([] if self.config is None else ["--config", self.config]) + \
-                translate(trainer, argv, schema)
+            self.args: list[str] = translate_params(trainer, self.params, self.config)
             if schema is not None:
                 parse_config(schema, self.args)  # every key and value is checked now, in this process
         except ValueError as e:  # ConfigError included: same type, prefixed with where it came from

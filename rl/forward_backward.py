@@ -363,8 +363,8 @@ class ForwardBackwardPipeline:
         if k < n and is_deepspeed(acc):
             raise RuntimeError(
                 f"optim_step after {k} forward_backward calls, but gradient_accumulation_steps={n}: under "
-                f"DeepSpeed the step happens inside the {n}-th backward, so queue {n} micro-batches per step "
-                f"or lower gradient_accumulation_steps")
+                f"DeepSpeed the step happens inside the backward of the last micro-batch, so queue {n} "
+                f"micro-batches per step or lower gradient_accumulation_steps")
         self._adopt(optimizer, scheduler)
         if self.optimizer is None:
             raise ValueError("optim_step needs an optimizer (pass it here or to the pipeline)")

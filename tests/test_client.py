@@ -109,8 +109,8 @@ def test_unread_failure_is_raised_at_shutdown_and_logged(tiny_llama, tiny_tokeni
     with pytest.raises(KeyError):
         read.result(timeout=60)  # read: not reported again
     with caplog.at_level(logging.ERROR, logger="rl.forward_backward"):
-        with pytest.raises(RuntimeError, match="1 request.* never read .tracebacks logged.; the first, optim_step: ValueError: "
-                                               "optim_step needs an optimizer"):
+        with pytest.raises(RuntimeError, match="1 request.* never read .tracebacks logged.; the first, "
+                                               "optim_step: ValueError: optim_step needs an optimizer"):
             client.shutdown()
     assert [r.getMessage().split(":")[0] for r in caplog.records] == \
         ["engine request optim_step failed and its future was never read"]
