@@ -16,6 +16,9 @@ _EXPORTS = {
     "AsyncTrainingClient": "rl.forward_backward",
     # config
     "ConfigError": "rl.config",
+    # the reference CLI doc's Python API (rl-train from Python)
+    "LLMTrainingParams": "rl.autotrain",
+    "AutoTrainProject": "rl.autotrain",
     # PPO
     "PPOConfig": "rl.ppo",
     "PPOTrainer": "rl.ppo",

@@ -46,6 +46,10 @@ FLAG_KEYS: dict[str, object] = {
     "dpo_beta": "beta",
     "model_ref": ("ref_model_name", "ref_model"),
     "reward_model": ("reward_model_path",),  # the module docs' spelling of --rl-reward-model-path
+    # the CLI doc's PPO memory knobs: positions per LM-head + log-softmax chunk when scoring, and
+    # freeing the device's cached memory between generation and training
+    "rl_chunk_size": ("logprob_chunk_size",),
+    "rl_optimize_device_cache": ("optimize_device_cache",),
 }
 
 # Accepted and ignored: `aitraining llm --train ...` pasted as is.

@@ -1,7 +1,7 @@
 """The engine: ordered forward-backward / optimizer-step requests on top of Accelerate.
 
-`ForwardBackwardPipeline` keeps the reference's call shapes (every call returns a future) and fixes
-what the reference got wrong:
+`ForwardBackwardPipeline` keeps the reference's call shapes (requests return futures; `save_state` and
+`load_state` return their dicts, as the reference docs show) and fixes what the reference got wrong:
 
 * Requests run in submission order, so an `optim_step` always sees the gradients of the
   `forward_backward` calls submitted before it: by default in the calling thread (the future is
@@ -10,9 +10,16 @@ what the reference got wrong:
   OpenMP pool: measured on 2 CPU cores, generation in the main thread after one backward on a worker
   thread ran 2.3x slower (0.10 s -> 0.23 s per rollout), the two pools fighting for the cores. On a GPU
   the kernels are asynchronous anyway; `AsyncTrainingClient` uses the worker thread.
-* Gradients are accumulated over exactly `gradient_accumulation_steps` micro-batches, scaled by
-  1/N (Accelerate does it, or DeepSpeed in its own backward), synchronised across processes only on
-  the last micro-batch, and cleared after every optimizer step.
+* Gradients are accumulated over up to N = `gradient_accumulation_steps` micro-batches, each scaled
+  by 1/N (by us, or by DeepSpeed in its own backward), synchronised across processes only on the
+  N-th micro-batch, and cleared after every optimizer step. An `optim_step` after k < N micro-batches
+  (the reference docs queue one with N = 4) rescales the sum by N/k, so it applies the mean gradient
+  of the k micro-batches it got, and reports k as `metrics["num_micro_batches"]`. A forward_backward
+  beyond the N-th is an error: the docs always step explicitly (the optimizer may be given to
+  `optim_step` only), so there is no optimizer to step with automatically.
+* A request that fails raises from its own future's `.result()`; one whose future nobody reads is
+  not lost: `shutdown()` logs every such failure and raises the first (the reference docs never read
+  the client's `optim_future`).
 * The same code runs single-process, DDP and DeepSpeed ZeRO-2/3, because the model and optimizer
   go through `accelerator.prepare` and the backward through `accelerator.backward`.
 * `save_state` writes to a temporary directory and renames it when complete, so a crash mid-save
@@ -25,9 +32,13 @@ DeepSpeed works); `optim_step` then only reports the gradient norm and steps the
 from __future__ import annotations
 
 import json
+import logging
 import os
 import random
 import shutil
+import threading
+import traceback
+import weakref
 from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import nullcontext
 from dataclasses import dataclass, field
@@ -40,6 +51,8 @@ import torch
 from rl import losses
 
 COMPLETE_MARKER = "COMPLETE"
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -54,9 +67,27 @@ class ForwardBackwardResult:
 
 @dataclass
 class OptimStepResult:
+    """What one optimizer step did. `metrics["num_micro_batches"]`: the micro-batches whose mean
+    gradient it applied (`gradient_accumulation_steps`, or fewer after a partial accumulation)."""
+
     grad_norm: float | None
     step: int
     learning_rate: float | None
+    metrics: dict[str, float] = field(default_factory=dict)
+
+
+def check_checkpoint_name(name) -> str:
+    """A checkpoint name is one plain path component, so `<checkpoint_dir>/<name>` (and its
+    `.tmp-<name>` / `.old-<name>` siblings) stay inside `checkpoint_dir`. Raises ValueError otherwise.
+
+    Refused: empty, `/` or `\\` (a path, absolute or not), a leading `.` (`.`, `..`, hidden names,
+    and our own `.tmp-*` / `.old-*` work directories) and NUL."""
+    rule = "a checkpoint name must be one path component: no '/', '\\', NUL, no leading '.', not empty"
+    if not isinstance(name, str):
+        raise ValueError(f"checkpoint name {name!r} is not a string; {rule}")
+    if not name or name.startswith(".") or any(c in name for c in "/\\\0"):
+        raise ValueError(f"checkpoint name {name!r} is refused; {rule}")
+    return name
 
 
 def build_accelerator(gradient_accumulation_steps: int = 1, device: str | None = None,
@@ -170,6 +201,11 @@ class ForwardBackwardPipeline:
         self.loss_fns: dict[str, Callable] = dict(losses.LOSS_FNS)
         self._executor = (ThreadPoolExecutor(max_workers=1, thread_name_prefix="fb-worker") if asynchronous
                           else _InlineExecutor())
+        # failed requests (as text: a traceback would keep this pipeline alive), until shutdown() reports them
+        self._failed: list[_Failure] = []
+        self._failed_lock = threading.Lock()  # the worker appends while the caller prunes
+        # at garbage collection or interpreter exit without shutdown(): still log what nobody read
+        weakref.finalize(self, _log_unread, self._failed)
 
     # ------------------------------------------------------------------ plumbing
     @property
@@ -180,12 +216,44 @@ class ForwardBackwardPipeline:
     def unwrapped_model(self):
         return self.accelerator.unwrap_model(self.model)
 
-    def submit(self, fn: Callable, *args, **kwargs) -> Future:
-        """Run `fn` on the worker after every request submitted before it."""
-        return self._executor.submit(fn, *args, **kwargs)
+    def submit(self, fn: Callable, *args, **kwargs) -> "RequestFuture":
+        """Run `fn` after every request submitted before it; its future (see `RequestFuture`)."""
+        return self._submit(RequestFuture(), fn, *args, **kwargs)
+
+    def _submit(self, future: "RequestFuture", fn: Callable, *args, **kwargs) -> "RequestFuture":
+        future.request = getattr(fn, "__name__", "request").lstrip("_")
+        with self._failed_lock:  # drop the ones already read
+            self._failed[:] = [f for f in self._failed if not f.read]
+
+        def run() -> None:
+            if not future.set_running_or_notify_cancel():
+                return
+            try:
+                result = fn(*args, **kwargs)
+            except BaseException as e:  # noqa: BLE001 - delivered through the future
+                future.failure = _Failure(future.request, f"{type(e).__name__}: {e}",
+                                          "".join(traceback.format_exception(e)))
+                with self._failed_lock:
+                    self._failed.append(future.failure)
+                future.set_exception(e)
+            else:
+                future.set_result(result)
+
+        self._executor.submit(run)
+        return future
 
     def shutdown(self, wait: bool = True) -> None:
+        """Finish the queued requests; then log every failed request whose future was never read
+        (with its traceback) and raise a RuntimeError naming the first, so no error vanishes silently."""
         self._executor.shutdown(wait=wait)
+        if wait:
+            self._raise_unread()
+
+    def _raise_unread(self) -> None:
+        unread = _log_unread(self._failed)
+        if unread:
+            raise RuntimeError(f"{len(unread)} request(s) failed and their futures were never read (tracebacks "
+                               f"logged); the first, {unread[0].request}: {unread[0].error}")
 
     def _to_device(self, t):
         if t is None:
@@ -195,7 +263,8 @@ class ForwardBackwardPipeline:
         return t.to(self.device)
 
     def _backward(self, loss: torch.Tensor) -> None:
-        """Accumulate 1/N of this micro-batch's gradient; synchronise only on the N-th.
+        """Accumulate 1/N of this micro-batch's gradient; synchronise only on the N-th (a partial
+        accumulation is finished by `_finish_partial_accumulation`).
 
         We keep our own micro-batch counter instead of `accelerator.accumulate`: accelerate's
         gradient state is a process-wide singleton, so a second pipeline (a reward model, a
@@ -280,19 +349,27 @@ class ForwardBackwardPipeline:
     def optim_step(self, optimizer=None, scheduler=None, max_grad_norm: float | None = None) -> Future:
         """Clip, step the optimizer and scheduler, clear gradients; Future[OptimStepResult].
 
-        Must follow exactly `gradient_accumulation_steps` forward_backward calls: anything else
-        would apply a wrongly scaled gradient, so it is an error rather than a silent fix."""
+        Applies the mean gradient of the k micro-batches accumulated since the last step, 1 <= k <=
+        `gradient_accumulation_steps` (k is `metrics["num_micro_batches"]`). k = 0 is an error (there
+        is no gradient), and so is k < N under DeepSpeed, which steps inside the N-th backward."""
         return self.submit(self._optim_step, optimizer, scheduler, max_grad_norm)
 
     def _optim_step(self, optimizer, scheduler, max_grad_norm):
         acc = self.accelerator
-        if self.micro_step != self.gradient_accumulation_steps:
+        k, n = self.micro_step, self.gradient_accumulation_steps
+        if k == 0:
+            raise RuntimeError("optim_step after 0 forward_backward calls since the last step: there is no "
+                               "gradient to apply; queue a forward_backward first")
+        if k < n and is_deepspeed(acc):
             raise RuntimeError(
-                f"optim_step after {self.micro_step} forward_backward calls, but "
-                f"gradient_accumulation_steps={self.gradient_accumulation_steps}")
+                f"optim_step after {k} forward_backward calls, but gradient_accumulation_steps={n}: under "
+                f"DeepSpeed the step happens inside the backward of the last micro-batch, so queue {n} "
+                f"micro-batches per step or lower gradient_accumulation_steps")
         self._adopt(optimizer, scheduler)
         if self.optimizer is None:
             raise ValueError("optim_step needs an optimizer (pass it here or to the pipeline)")
+        if k < n:
+            self._finish_partial_accumulation(k)
         grad_norm = None
         inner = _inner(self.optimizer)
         if is_deepspeed(acc):
@@ -316,7 +393,27 @@ class ForwardBackwardPipeline:
         self.step += 1
         lr = inner.param_groups[0]["lr"] if inner.param_groups else None
         return OptimStepResult(grad_norm=None if grad_norm is None else float(grad_norm),
-                               step=self.step, learning_rate=lr)
+                               step=self.step, learning_rate=lr, metrics={"num_micro_batches": k})
+
+    def _finish_partial_accumulation(self, k: int) -> None:
+        """After k < N micro-batches the gradients hold (1/N) sum_i g_i: rescale by N/k to the mean
+        (1/k) sum_i g_i, which is what N micro-batches would give when k = N. Under DDP the k-th
+        backward ran in `no_sync` (we could not know it was the last), so average across processes
+        here, as DDP's own all-reduce would (every process must call optim_step after the same k)."""
+        from torch.nn.parallel import DistributedDataParallel
+
+        factor = self.gradient_accumulation_steps / k
+        grads = [p.grad for p in self.model.parameters() if p.grad is not None]
+        ddp = isinstance(self.model, DistributedDataParallel) and self.accelerator.num_processes > 1
+        if self.accelerator.num_processes > 1 and not ddp:
+            raise RuntimeError(f"optim_step after {k} of {self.gradient_accumulation_steps} micro-batches is "
+                               f"supported single-process and under DDP, not under {self.accelerator.distributed_type}")
+        if ddp:
+            factor /= self.accelerator.num_processes
+        for g in grads:
+            if ddp:
+                torch.distributed.all_reduce(g)
+            g.mul_(factor)
 
     def _adopt(self, optimizer, scheduler) -> None:
         """Prepare an optimizer/scheduler handed to optim_step (allowed outside DeepSpeed)."""
@@ -357,9 +454,8 @@ class ForwardBackwardPipeline:
         `samples["logprobs"]` (per-token, of the distribution sampled from, after temperature /
         top-k / top-p) and `samples["prompt"]`; lists of lists when num_samples > 1. Under ZeRO-3
         call it on every rank (the parameters are gathered once for the rollout)."""
-        inner = self.submit(self._sample, prompt, max_tokens, temperature, top_k, top_p, stop, num_samples,
-                            seed, tokenizer)
-        return SampleFuture.wrap(inner)
+        return self._submit(SampleFuture(), self._sample, prompt, max_tokens, temperature, top_k, top_p, stop,
+                            num_samples, seed, tokenizer)
 
     def _sample(self, prompt, max_tokens, temperature, top_k, top_p, stop, num_samples, seed, tokenizer):
         stop = list(stop or [])
@@ -396,10 +492,14 @@ class ForwardBackwardPipeline:
         return generate(self.model, tok_or_pad, prompts, **kw)
 
     # ------------------------------------------------------------------ checkpoints
-    def save_state(self, name: str, extra_state: dict | None = None) -> Future:
-        """Write `<checkpoint_dir>/<name>` atomically; Future[dict] with the reference's keys
-        `path`, `model_path`, `optimizer_path`, `state_path`. Call it on every process."""
-        return self.submit(self._save_state, name, extra_state or {})
+    def save_state(self, name: str, extra_state: dict | None = None) -> dict:
+        """Write `<checkpoint_dir>/<name>` atomically, after every request queued before it; returns
+        the reference's dict `path`, `model_path`, `optimizer_path`, `state_path` (blocking, as
+        documented; `AsyncTrainingClient.save_state` returns a future). Call it on every process.
+
+        `name` is one path component (`check_checkpoint_name`): ValueError before anything is written."""
+        check_checkpoint_name(name)
+        return self.submit(self._save_state, name, extra_state or {}).result()
 
     def _save_state(self, name: str, extra_state: dict) -> dict:
         acc = self.accelerator
@@ -445,9 +545,10 @@ class ForwardBackwardPipeline:
         return {"path": str(final), "model_path": str(final / "model.safetensors"),
                 "optimizer_path": str(final / rel), "state_path": str(final / "state.json")}
 
-    def load_state(self, path: str | os.PathLike) -> Future:
-        """Restore what `save_state` wrote; Future[dict] of the `extra_state` saved with it."""
-        return self.submit(self._load_state, Path(path))
+    def load_state(self, path: str | os.PathLike) -> dict:
+        """Restore what `save_state` wrote, after every request queued before it; returns the
+        `extra_state` dict saved with it (blocking; `AsyncTrainingClient.load_state` returns a future)."""
+        return self.submit(self._load_state, Path(path)).result()
 
     def _load_state(self, path: Path) -> dict:
         acc = self.accelerator
@@ -484,19 +585,61 @@ class ForwardBackwardPipeline:
 # ------------------------------------------------------------------------------------------ helpers
 
 class _InlineExecutor:
-    """Runs each request at once in the caller's thread and returns its finished future; an
-    exception is stored in the future (raised by `.result()`), as a worker thread would."""
+    """Runs each request at once in the caller's thread (the request stores its outcome, or its
+    exception, in its own future, as on the worker thread)."""
 
-    def submit(self, fn: Callable, *args, **kwargs) -> Future:
-        future: Future = Future()
-        try:
-            future.set_result(fn(*args, **kwargs))
-        except BaseException as e:  # noqa: BLE001 - delivered through the future
-            future.set_exception(e)
-        return future
+    def submit(self, fn: Callable) -> None:
+        fn()
 
     def shutdown(self, wait: bool = True) -> None:  # noqa: ARG002
         pass
+
+
+@dataclass
+class _Failure:
+    """A failed request, as text (no frames, so it holds neither tensors nor the pipeline)."""
+
+    request: str
+    error: str  # "ValueError: message"
+    traceback: str
+    read: bool = False
+
+
+class RequestFuture(Future):
+    """The future of one engine request; it records whether its outcome was read (`result()` or
+    `exception()` after it finished), so a failure nobody read is reported at `shutdown()`."""
+
+    request = "request"
+    failure: _Failure | None = None
+
+    def _mark_read(self) -> None:
+        if self.failure is not None and self.done():
+            self.failure.read = True
+
+    def result(self, timeout=None):
+        try:
+            return super().result(timeout)
+        finally:
+            self._mark_read()
+
+    def exception(self, timeout=None):
+        try:
+            return super().exception(timeout)
+        finally:
+            self._mark_read()
+
+
+def _log_unread(failed: list) -> list:
+    """Log (ERROR, with the traceback) each failed request whose future was never read, mark them
+    read, empty `failed` and return them. Also the pipeline's finalizer (garbage collection or
+    interpreter exit without `shutdown()`), so it takes the list, not the pipeline."""
+    unread = [f for f in failed if not f.read]
+    for f in unread:
+        f.read = True
+        log.error("engine request %s failed and its future was never read: %s\n%s", f.request, f.error,
+                  f.traceback.rstrip())
+    failed.clear()
+    return unread
 
 
 def _floats(metrics: dict) -> dict[str, float]:
@@ -568,23 +711,9 @@ def _set_np_rng_state(state) -> None:
 
 # ------------------------------------------------------------------------------------------ client
 
-class SampleFuture(Future):
+class SampleFuture(RequestFuture):
     """A future that also reads like the dict it resolves to (`samples["tokens"]` blocks until
     done), so both the reference's `pipeline.sample(...)["tokens"]` and `.result()` work."""
-
-    @classmethod
-    def wrap(cls, inner: Future) -> "SampleFuture":
-        out = cls()
-
-        def _copy(f: Future) -> None:
-            exc = f.exception()
-            if exc is not None:
-                out.set_exception(exc)
-            else:
-                out.set_result(f.result())
-
-        inner.add_done_callback(_copy)
-        return out
 
     def __getitem__(self, key):
         return self.result()[key]
@@ -685,7 +814,8 @@ class AsyncTrainingClient:
                                                      model_in.get("attention_mask"), **extra, **kwargs)
 
     def optim_step(self, optimizer=None, scheduler=None, max_grad_norm: float | None = None) -> Future:
-        """Future[OptimStepResult]; after exactly `gradient_accumulation_steps` forward_backward calls."""
+        """Future[OptimStepResult]: the mean gradient of the 1..`gradient_accumulation_steps`
+        micro-batches queued since the last step (see `ForwardBackwardPipeline.optim_step`)."""
         return self.pipeline.optim_step(optimizer, scheduler, max_grad_norm)
 
     def forward(self, batch: dict, use_reference: bool = False) -> Future:
@@ -728,20 +858,29 @@ class AsyncTrainingClient:
         return self.pipeline.sample_batch(prompts, tokenizer=self.tokenizer, **generate_kwargs)
 
     def save_state(self, name: str, extra_state: dict | None = None) -> Future:
-        """Checkpoint the policy, optimizer, scheduler and RNG (the frozen reference is not saved)."""
-        return self.pipeline.save_state(name, extra_state)
+        """Future[dict] (`path`, `model_path`, `optimizer_path`, `state_path`): checkpoint the policy,
+        optimizer, scheduler and RNG (the frozen reference is not saved). A `name` that is not one
+        path component raises ValueError here, before anything is queued or written."""
+        check_checkpoint_name(name)
+        return self.pipeline.submit(self.pipeline._save_state, name, extra_state or {})
 
     def load_state(self, path) -> Future:
-        return self.pipeline.load_state(path)
+        """Future[dict] of the `extra_state` saved with the checkpoint at `path`."""
+        return self.pipeline.submit(self.pipeline._load_state, Path(path))
 
     def shutdown(self, wait: bool = True) -> None:
+        """Finish the queued requests; raise (and log) failures whose futures were never read."""
         self.pipeline.shutdown(wait=wait)
 
     def __enter__(self):
         return self
 
-    def __exit__(self, *exc):
-        self.shutdown()
+    def __exit__(self, exc_type, exc, tb):
+        if exc_type is None:
+            self.shutdown()
+        else:  # an exception is already on its way: log unread failures, do not mask it
+            self.pipeline._executor.shutdown(wait=True)
+            _log_unread(self.pipeline._failed)
 
 
 def _left_pad_positions(mask, model):

@@ -796,14 +796,14 @@ class PPOTrainer(Trainer):
         self.kl_ctl.value = float(extra["kl_coef"])
 
     def save_checkpoint(self, name: str, extra: dict) -> None:
-        self.pipeline.save_state(name, extra).result()
+        self.pipeline.save_state(name, extra)
         if self.critic_pipeline is not None:
-            self.critic_pipeline.save_state(name, extra).result()
+            self.critic_pipeline.save_state(name, extra)
 
     def load_checkpoint(self, path: Path) -> dict:
-        extra = self.pipeline.load_state(path).result()
+        extra = self.pipeline.load_state(path)
         if self.critic_pipeline is not None:
-            self.critic_pipeline.load_state(Path(path).parent / "critic" / Path(path).name).result()
+            self.critic_pipeline.load_state(Path(path).parent / "critic" / Path(path).name)
         return extra
 
     def shard_report(self) -> dict[str, tuple[int, int]]:

@@ -97,6 +97,27 @@ def test_exception_surfaces_in_result_and_client_stays_usable(tiny_llama, tiny_t
     client.shutdown()
 
 
+def test_unread_failure_is_raised_at_shutdown_and_logged(tiny_llama, tiny_tokenizer, caplog):
+    """The reference docs never read `optim_future`: a failure there must not vanish."""
+    import logging
+
+    client = _client(tiny_llama)
+    client.pipeline.optimizer = None  # the optimizer is missing: optim_step fails
+    client.forward_backward(_batch(tiny_tokenizer))
+    client.optim_step()  # nobody reads it
+    read = client.forward_backward({"input_ids": torch.ones(1, 3, dtype=torch.long)}, loss_fn="nope")
+    with pytest.raises(KeyError):
+        read.result(timeout=60)  # read: not reported again
+    with caplog.at_level(logging.ERROR, logger="rl.forward_backward"):
+        with pytest.raises(RuntimeError, match="1 request.* never read .tracebacks logged.; the first, "
+                                               "optim_step: ValueError: optim_step needs an optimizer"):
+            client.shutdown()
+    assert [r.getMessage().split(":")[0] for r in caplog.records] == \
+        ["engine request optim_step failed and its future was never read"]
+    assert "Traceback" in caplog.records[0].getMessage() and "in _optim_step" in caplog.records[0].getMessage()
+    client.shutdown()  # reported once: a second shutdown is quiet
+
+
 def test_sample_logprobs_equal_later_forward(tiny_llama, tiny_tokenizer):
     client = _client(tiny_llama, tokenizer=tiny_tokenizer)
     prompt = tiny_tokenizer.encode("once upon")
@@ -148,7 +169,7 @@ def test_save_and_load_state(tiny_llama, tiny_tokenizer, tmp_path):
     batch = _batch(tiny_tokenizer)
     client.forward_backward(batch)
     client.optim_step()
-    info = client.save_state("ck", {"note": 1}).result(timeout=60)
+    info = client.save_state("ck", {"note": 1}).result(timeout=60)  # the client keeps its futures
     before = client.forward(batch).result().outputs
     client.forward_backward(batch)
     client.optim_step()

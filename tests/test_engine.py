@@ -55,15 +55,43 @@ def test_accumulation_actually_changes_the_update(tiny_llama):
     assert max((x - y).abs().max().item() for x, y in zip(params(a), params(b))) > 1e-4
 
 
-def test_optim_step_requires_exactly_n_micro_batches(tiny_llama):
+def test_optim_step_needs_one_to_n_micro_batches(tiny_llama):
+    """0 micro-batches (no gradient) and an (N+1)-th one (no optimizer step was asked for) are
+    errors; 1..N are fine (see the partial-accumulation tests)."""
     pipe = make(tiny_llama, 2)
-    pipe.forward_backward(batch(2)).result()
-    with pytest.raises(RuntimeError, match="after 1 forward_backward calls, but gradient_accumulation_steps=2"):
+    with pytest.raises(RuntimeError, match="optim_step after 0 forward_backward calls since the last step"):
         pipe.optim_step().result()
+    pipe.forward_backward(batch(2)).result()
     pipe.forward_backward(batch(2)).result()
     with pytest.raises(RuntimeError, match="call optim_step before the next forward_backward"):
         pipe.forward_backward(batch(2)).result()
-    assert pipe.optim_step().result().step == 1  # still usable after the errors
+    r = pipe.optim_step().result()  # still usable after the errors
+    assert (r.step, r.metrics["num_micro_batches"]) == (1, 2)
+    with pytest.raises(RuntimeError, match="after 0 forward_backward calls"):  # cleared by the step
+        pipe.optim_step().result()
+
+
+@pytest.mark.parametrize("k,n", [(1, 4), (2, 4)])
+def test_partial_accumulation_equals_k_micro_batches(tiny_llama, k, n):
+    """k of N micro-batches then optim_step == gradient_accumulation_steps=k on the same k, after
+    one SGD step (the step applies their mean gradient, rescaled by N/k). Without the rescale the
+    update would be k/N as large, which the size check below makes visible."""
+    ids = batch(2 * k)
+    partial, exact = make(tiny_llama, n), make(tiny_llama, k)
+    start = params(exact)
+    for chunk in ids.chunk(k):
+        partial.forward_backward(chunk).result()
+        exact.forward_backward(chunk).result()
+    rp, re_ = partial.optim_step().result(), exact.optim_step().result()
+    assert rp.metrics["num_micro_batches"] == k and re_.metrics["num_micro_batches"] == k
+    assert rp.grad_norm == pytest.approx(re_.grad_norm, rel=1e-6)
+    update = max((a - b).abs().max().item() for a, b in zip(start, params(exact)))
+    assert update > 1e-3  # lr 0.1: a step that a missing N/k factor would shrink far beyond 1e-6
+    assert max((a - b).abs().max().item() for a, b in zip(params(partial), params(exact))) < 1e-6
+    # the counter restarts: N more micro-batches are allowed after a partial step
+    for chunk in batch(n).chunk(n):
+        partial.forward_backward(chunk).result()
+    assert partial.optim_step().result().metrics["num_micro_batches"] == n
 
 
 def test_custom_loss_is_applied_by_the_next_step(tiny_llama):
@@ -85,7 +113,7 @@ def test_save_load_round_trip_and_resume_equals_uninterrupted(tiny_llama, tmp_pa
     for _ in range(2):
         a.forward_backward(ids).result()
         a.optim_step().result()
-    info = a.save_state("ckpt", {"epoch": 3}).result()
+    info = a.save_state("ckpt", {"epoch": 3})  # blocking, a dict (as the reference docs show)
     assert set(info) == {"path", "model_path", "optimizer_path", "state_path"}
     saved_params, saved_opt = params(a), copy.deepcopy(a.optimizer.state_dict())
     for _ in range(2):
@@ -94,7 +122,7 @@ def test_save_load_round_trip_and_resume_equals_uninterrupted(tiny_llama, tmp_pa
     uninterrupted = params(a)
 
     b = make(tiny_llama, 1, lr=1e-2, opt="adamw", ckpt=tmp_path / "a")
-    assert b.load_state(info["path"]).result() == {"epoch": 3}
+    assert b.load_state(info["path"]) == {"epoch": 3}
     assert all(torch.equal(x, y) for x, y in zip(saved_params, params(b)))  # bitwise
     loaded_opt = b.optimizer.state_dict()
     for k, st in saved_opt["state"].items():
@@ -111,7 +139,7 @@ def test_interrupted_save_leaves_previous_checkpoint(tiny_llama, tmp_path, monke
     pipe = make(tiny_llama, 1, ckpt=tmp_path)
     pipe.forward_backward(batch(2)).result()
     pipe.optim_step().result()
-    first = pipe.save_state("ckpt").result()
+    first = pipe.save_state("ckpt")
     good = params(pipe)
     pipe.forward_backward(batch(2)).result()
     pipe.optim_step().result()
@@ -123,11 +151,11 @@ def test_interrupted_save_leaves_previous_checkpoint(tiny_llama, tmp_path, monke
 
     monkeypatch.setattr(fb, "_py_rng_state", boom)  # fails after the model file, before the rename
     with pytest.raises(OSError):
-        pipe.save_state("ckpt").result()
+        pipe.save_state("ckpt")
     assert (tmp_path / "ckpt" / COMPLETE_MARKER).exists()
     assert (tmp_path / ".tmp-ckpt").exists()  # the half-written one, never picked up
     monkeypatch.undo()
-    pipe.load_state(first["path"]).result()
+    pipe.load_state(first["path"])
     assert all(torch.equal(x, y) for x, y in zip(good, params(pipe)))
 
 
@@ -142,3 +170,103 @@ def test_forward_gives_masked_token_logprobs(tiny_llama):
     logits = pipe.unwrapped_model(input_ids=ids, attention_mask=mask).logits
     ref = torch.log_softmax(logits[0, :-1].float(), -1).gather(-1, ids[0, 1:, None]).squeeze(-1)
     assert torch.allclose(out[0], ref, atol=1e-5)
+
+
+@pytest.mark.parametrize("name", ["../../escaped", "../x", "a/b", "/tmp/abs", "a\\b", "..", ".", "", ".hidden",
+                                  ".tmp-x", "x\0y"])
+def test_checkpoint_name_is_one_path_component(tiny_llama, tmp_path, name):
+    """No traversal: refused before anything is written, inside or outside checkpoint_dir."""
+    root = tmp_path / "a" / "b"
+    pipe = make(tiny_llama, 1, ckpt=root / "ckpts")
+    with pytest.raises(ValueError, match="checkpoint name .* must be one path component"):
+        pipe.save_state(name)
+    assert [p.relative_to(tmp_path).as_posix() for p in tmp_path.rglob("*")] == []  # nothing at all
+    assert pipe.save_state("ok-1")["path"] == str(root / "ckpts" / "ok-1")  # a plain name still saves
+
+
+def test_client_refuses_a_traversing_name_before_queueing(tiny_llama, tmp_path):
+    from rl.forward_backward import AsyncTrainingClient
+    from rl.models import load_causal_lm
+
+    model = load_causal_lm(tiny_llama, dtype="float32")
+    client = AsyncTrainingClient(model, device="cpu", checkpoint_dir=tmp_path / "ck",
+                                 optimizer=torch.optim.SGD(model.parameters(), lr=0.1))
+    with pytest.raises(ValueError, match="'../../escaped' is refused"):
+        client.save_state("../../escaped")
+    client.shutdown()
+    assert list(tmp_path.iterdir()) == []
+
+
+DDP_PARTIAL_SCRIPT = '''
+import json, sys, torch
+from transformers import AutoModelForCausalLM
+from rl.forward_backward import ForwardBackwardPipeline
+
+path, out = sys.argv[1], sys.argv[2]
+def make(n, acc=None):
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_pretrained(path)
+    return ForwardBackwardPipeline(model, gradient_accumulation_steps=n, accelerator=acc,
+                                   optimizer=torch.optim.SGD(model.parameters(), lr=0.1))
+partial = make(4)
+exact = make(1, partial.accelerator)
+rank = partial.accelerator.process_index
+ids = torch.randint(0, 256, (2, 12), generator=torch.Generator().manual_seed(10 + rank))  # per-rank data
+partial.forward_backward(ids).result()
+exact.forward_backward(ids).result()
+r = partial.optim_step().result()
+exact.optim_step().result()
+flat = lambda p: torch.cat([x.detach().flatten() for x in p.unwrapped_model.parameters()])
+json.dump({"n": r.metrics["num_micro_batches"], "world": partial.accelerator.num_processes,
+           "diff": float((flat(partial) - flat(exact)).abs().max()), "sum": float(flat(partial).double().sum())},
+          open(f"{out}/rank{rank}.json", "w"))
+'''
+
+
+@pytest.mark.slow
+def test_partial_accumulation_under_ddp_averages_across_processes(tiny_llama, tmp_path):
+    """1 of 4 micro-batches per rank under 2-process DDP == gradient_accumulation_steps=1 under DDP:
+    the k-th backward ran without DDP's all-reduce, so optim_step must average across ranks itself
+    (without it each rank would step with its own gradient and the ranks would drift apart)."""
+    import json
+
+    from conftest import accelerate_cmd, run_cmd
+
+    script = tmp_path / "ddp_partial.py"
+    script.write_text(DDP_PARTIAL_SCRIPT)
+    run_cmd(accelerate_cmd(str(script), tiny_llama, str(tmp_path)), timeout=300)
+    r = [json.loads((tmp_path / f"rank{i}.json").read_text()) for i in (0, 1)]
+    assert [x["world"] for x in r] == [2, 2] and [x["n"] for x in r] == [1, 1]
+    assert max(x["diff"] for x in r) < 1e-6
+    assert r[0]["sum"] == r[1]["sum"]  # the ranks agree
+
+
+def test_unread_failure_is_logged_when_the_pipeline_is_dropped(tiny_llama, caplog):
+    """Without shutdown(): a failure nobody read is still logged when the pipeline goes away."""
+    import gc
+    import logging
+
+    pipe = make(tiny_llama, 1)
+    pipe.optim_step()  # fails (no micro-batch); its future is dropped unread
+    pipe.forward_backward(batch(2)).result()  # later requests still run
+    with caplog.at_level(logging.ERROR, logger="rl.forward_backward"):
+        del pipe
+        gc.collect()
+    assert [r.getMessage().splitlines()[0] for r in caplog.records] == [
+        "engine request optim_step failed and its future was never read: RuntimeError: optim_step after 0 "
+        "forward_backward calls since the last step: there is no gradient to apply; queue a forward_backward first"]
+
+
+def test_partial_accumulation_is_refused_under_deepspeed(tiny_llama, monkeypatch):
+    """DeepSpeed steps inside the N-th backward, so k < N cannot be applied: a clear error, state kept
+    (checked with the DeepSpeed test stubbed: the rule runs before any DeepSpeed call)."""
+    import rl.forward_backward as fb
+
+    pipe = make(tiny_llama, 4)
+    pipe.forward_backward(batch(2)).result()
+    monkeypatch.setattr(fb, "is_deepspeed", lambda acc: True)
+    with pytest.raises(RuntimeError, match="after 1 forward_backward calls, but gradient_accumulation_steps=4: under "
+                                           "DeepSpeed the step happens inside the backward of the last micro-batch"):
+        pipe.optim_step().result()
+    monkeypatch.undo()
+    assert pipe.micro_step == 1 and pipe.optim_step().result().metrics["num_micro_batches"] == 1

@@ -170,10 +170,10 @@ class Trainer:
         return Path(self.cfg.output_dir)
 
     def save_checkpoint(self, name: str, extra: dict) -> None:
-        self.pipeline.save_state(name, extra).result()
+        self.pipeline.save_state(name, extra)
 
     def load_checkpoint(self, path: Path) -> dict:
-        return self.pipeline.load_state(path).result()
+        return self.pipeline.load_state(path)
 
     # ------------------------------------------------------------------ derived
     @property
