@@ -52,7 +52,6 @@ from rl.config import ConfigError, TrainConfig, epoch_plan, opt
 
 logger = logging.getLogger(__name__)
 
-LOSS_TYPES = names("preference_loss")
 
 
 # ============================================================================== pure loss functions
