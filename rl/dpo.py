@@ -55,7 +55,6 @@ from rl.trainers.base import Trainer
 
 logger = logging.getLogger(__name__)
 
-LOSS_TYPES = names("preference_loss")
 
 
 # ============================================================================== pure loss functions
@@ -95,7 +94,7 @@ class DPOConfig(TrainConfig):
     learning_rate: float = opt(1e-6, "peak learning rate of AdamW (DPO wants it small: 1e-6 to 1e-5)")
     beta: float = opt(0.1, "DPO temperature beta (IPO: tau; ORPO: lambda, the weight of the odds-ratio term)")
     label_smoothing: float = opt(0.0, "conservative DPO: probability a preference label is flipped, in [0, 0.5)")
-    loss_type: Literal["sigmoid", "ipo", "hinge", "orpo"] = opt(
+    loss_type: Literal[names("preference_loss")] = opt(
         "sigmoid", "sigmoid (DPO), ipo, hinge (SLiC) or orpo (reference-free odds ratio + chosen NLL)")
     reference_free: bool = opt(False, "no reference model: its log-probs count as 0")
     precompute_ref_logps: bool = opt(False, "compute reference log-probs in one pass before training, then "

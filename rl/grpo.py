@@ -46,6 +46,7 @@ from typing import Callable, Literal, Sequence
 import torch
 
 from rl import losses
+from rl.algos import names
 from rl.algos.advantages import (STD_EPS, compute_advantages, dr_grpo_advantages, grpo_advantages,  # noqa: F401
                                  group_stats, nanstd, reinforce_pp_advantages, rloo_advantages)
 from rl.algos.kl import k3_kl  # noqa: F401
@@ -72,9 +73,9 @@ class GRPOConfig(TrainConfig):
     temperature: float = opt(1.0, "sampling temperature (log-probs in the loss use the same temperature)")
     top_k: int = opt(0, "sample from the k most likely tokens (0: all)")
     top_p: float = opt(1.0, "nucleus sampling mass (1.0: off)")
-    advantage_estimator: Literal["grpo", "dr_grpo", "rloo", "reinforce_pp"] = opt(
+    advantage_estimator: Literal[names("advantage_estimator")] = opt(
         "grpo", "grpo (group mean/std), dr_grpo (group mean only), rloo (leave-one-out), reinforce_pp (batch-normalised)")
-    loss_aggregation: Literal["token_mean", "sequence_mean", "constant"] = opt(
+    loss_aggregation: Literal[LOSS_AGGREGATIONS] = opt(
         "token_mean", "token_mean (DAPO), sequence_mean (GRPO paper) or constant (Dr. GRPO: / max_completion_length)")
     epsilon_low: float = opt(0.2, "clip the ratio below at 1 - epsilon_low")
     epsilon_high: float = opt(0.2, "clip the ratio above at 1 + epsilon_high (DAPO recommends 0.28)")

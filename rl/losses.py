@@ -16,8 +16,8 @@ from typing import Callable
 import torch
 
 from rl import algos
-from rl.algos.policy_losses import (cispo_loss, dro_loss, grpo_loss, importance_sampling_loss,  # noqa: F401
-                                    per_token, ppo_policy_loss, ppo_value_loss)
+from rl.algos.policy_losses import (cispo_loss, dro_loss, importance_sampling_loss, per_token,  # noqa: F401
+                                    ppo_policy_loss, ppo_value_loss)
 from rl.algos.reduce import NORMALIZATIONS, aggregate, masked_mean  # noqa: F401
 
 IGNORE_INDEX = -100
@@ -72,12 +72,9 @@ def cross_entropy_loss(logits: torch.Tensor, labels: torch.Tensor, attention_mas
 LOSS_FNS: dict[str, Callable] = {"cross_entropy": cross_entropy_loss}
 
 
-# ------------------------------------------------------------------------------------------------
-# RL losses: the math is in rl.algos (one copy each, registered under "policy_loss"); the names below
-# stay importable from here. Every registered policy loss is also an engine loss of the same name.
-# ------------------------------------------------------------------------------------------------
-
 # ---------------------------------------------------------------- engine-signature wrappers
+# The RL math is in rl.algos (one copy each); every registered policy loss is also an engine loss of
+# the same name.
 # `(logits, labels, attention_mask, **kw) -> (loss, metrics)`, registered in LOSS_FNS. Per-token
 # kwargs are (B, T-1) aligned with labels[:, 1:]; (B, T) aligned with labels is also accepted
 # (the first column is dropped) and (B,) is one value per sequence.

@@ -47,6 +47,7 @@ import torch
 import torch.nn as nn
 from safetensors.torch import save_file
 
+from rl.algos import names
 from rl.algos.advantages import gae, whiten
 from rl.algos.kl import AdaptiveKLController, FixedKLController, kl_penalized_rewards, per_token_kl
 from rl.algos.policy_losses import ppo_policy_loss, ppo_value_loss
@@ -229,7 +230,8 @@ class PPOConfig(TrainConfig):
     adaptive_kl: bool = opt(True, "adapt the KL coefficient towards kl_target (Ziegler et al. 2019)")
     kl_target: float = opt(6.0, "target KL per sequence in nats (summed over response tokens), adaptive_kl only")
     kl_horizon: int = opt(10000, "adaptive KL horizon in samples")
-    kl_estimator: Literal["k1", "k3"] = opt("k1", "per-token KL estimator: k1 = log p/p_ref, k3 = r-1-log r")
+    kl_estimator: Literal[names("kl_estimator")] = opt(
+        "k1", "per-token KL estimator: k1 = log p/p_ref, k2 = (log p/p_ref)^2 / 2, k3 = r-1-log r")
     entropy_coef: float = opt(0.01, "entropy bonus coefficient (response tokens only)")
     value_coef: float = opt(1.0, "value loss coefficient")
     whiten_advantages: bool = opt(True, "normalise advantages to mean 0 / std 1 per rollout batch")

@@ -50,6 +50,11 @@ def test_registering_twice_is_an_error_and_a_new_estimator_is_one_function(monke
         return rewards * 2
 
     assert compute_advantages(torch.tensor([1.0, 3.0]), 2, "raw").tolist() == [2.0, 6.0]
+    # ... and a valid config value, with no other edit (the config's choices are the registry's names)
+    from rl.config import build
+    from rl.grpo import GRPOConfig
+
+    assert build(GRPOConfig, {"model_name": "tiny:llama", "advantage_estimator": "raw"}).advantage_estimator == "raw"
 
 
 def test_every_policy_loss_is_an_engine_loss():
