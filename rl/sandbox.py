@@ -168,7 +168,10 @@ def _bwrap_argv(workdir: str, srcdir: str, disk_bytes: int) -> list[str]:
     for d in _python_dirs():
         argv += ["--ro-bind", d, d]
     argv += ["--proc", "/proc", "--dev", "/dev", "--size", str(disk_bytes), "--perms", "0700", "--tmpfs", "/tmp",
-             "--dir", workdir, "--ro-bind", srcdir, INPUT_DIR, "--chdir", workdir, "--"]
+             "--dir", workdir, "--ro-bind", srcdir, INPUT_DIR,
+             # bwrap's own root and /dev are tmpfs without a size limit: read-only, or a program could
+             # fill this machine's memory through them.
+             "--remount-ro", "/dev", "--remount-ro", "/", "--chdir", workdir, "--"]
     return argv
 
 
