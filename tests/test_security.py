@@ -286,7 +286,8 @@ def test_environment_secrets_are_not_visible(monkeypatch):
     token = f"hf_{uuid.uuid4().hex}"
     monkeypatch.setenv("HF_TOKEN", token)
     monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", token)
-    code = ("import os, json\nprint(json.dumps(sorted(os.environ)))\nfor p in os.listdir('/proc'):\n    if p.isdigit():\n"
+    code = ("import os, json\nprint(json.dumps(sorted(os.environ)))\n"
+            "for p in os.listdir('/proc'):\n    if p.isdigit():\n"
             "        try:\n            print(open(f'/proc/{p}/environ').read())\n        except OSError:\n"
             "            pass\n")
     res = run_python(code, require_private_root=True)
