@@ -100,6 +100,7 @@ runpy.run_path(path, run_name="__main__")
 _NS_ARGV = ["unshare", "--user", "--map-root-user", "--net", "--pid", "--fork", "--kill-child"]
 INPUT_DIR = "/.rl-input"  # where, under a private root, the program's files arrive read-only
 ISOLATION_LEVELS = ("private-root", "network", "none")
+_JOIN_CGROUP = 'echo $$ > "$0/cgroup.procs"'  # sh: move this shell into the cgroup named by $0
 # System directories bound read-only into a private root (or recreated as the symlinks they are).
 _SYSTEM_DIRS = ("/usr", "/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32")
 
@@ -240,10 +241,15 @@ def _pids_cgroup_parent() -> str | None:
         probe = parent / f"rl-sandbox-probe-{os.getpid()}"
         try:
             probe.mkdir()
-            ok = (probe / "pids.max").exists() and (probe / "cgroup.procs").exists()
-            probe.rmdir()
         except OSError:
             continue
+        try:
+            # Creating is not joining (cgroup v2 refuses tasks in an inner node): try what run_python does.
+            ok = (probe / "pids.max").exists() and subprocess.run(
+                ["/bin/sh", "-c", _JOIN_CGROUP, str(probe)], capture_output=True, timeout=10).returncode == 0
+        except (OSError, subprocess.TimeoutExpired):
+            ok = False
+        _remove_cgroup(str(probe))
         if ok:
             return str(parent)
     return None
@@ -346,7 +352,7 @@ def run_python(code: str, *, timeout: float = 5.0, cpu_seconds: int | None = Non
         cgroup = _make_pids_cgroup(max_processes)
         if cgroup is not None:
             # Join the cgroup before anything forks: the shell moves itself in, then becomes the sandbox.
-            argv = ["/bin/sh", "-c", 'echo $$ > "$0/cgroup.procs" && exec "$@"', cgroup, *argv]
+            argv = ["/bin/sh", "-c", _JOIN_CGROUP + ' && exec "$@"', cgroup, *argv]
         env = {"PATH": os.defpath, "HOME": workdir, "TMPDIR": workdir, "LANG": "C.UTF-8"}
         out_path, err_path = os.path.join(iodir, "stdout"), os.path.join(iodir, "stderr")
         start = time.monotonic()

@@ -18,6 +18,7 @@ import uuid
 from pathlib import Path
 
 import pytest
+import torch
 
 import rl.environments as E
 from rl import sandbox
@@ -401,4 +402,55 @@ def test_model_and_reward_model_directories_cannot_enable_remote_code(tmp_path, 
     monkeypatch.setattr(sys, "path", list(sys.path))
     with pytest.raises(Exception):  # noqa: B017 - evil.py defines no classes; importing it is the point
         load_reward_model(rm_dir, trust_remote_code=True)
+    assert marker.exists()
+
+
+def test_a_downloaded_model_type_with_custom_code_is_refused(tmp_path):
+    from rl.models import load_causal_lm
+    from rl.tiny import write_tiny_model
+
+    marker = tmp_path / "remote-code-ran"
+    model_dir = write_tiny_model(tmp_path / "model")
+    _arm(model_dir, marker)
+    cfg = json.loads((model_dir / "config.json").read_text())
+    cfg["model_type"] = "not-a-transformers-model"  # only its own code could load it
+    (model_dir / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ValueError, match="custom code"):
+        load_causal_lm(str(model_dir))
+    assert not marker.exists()
+
+
+class _Payload:
+    """Unpickling this runs code: what a checkpoint or recipe from elsewhere could carry."""
+
+    def __init__(self, marker: Path):
+        self.marker = str(marker)
+
+    def __reduce__(self):
+        return (exec, (f"open({self.marker!r}, 'w').write('ran')",))
+
+
+def test_checkpoints_and_recipes_run_no_code(tmp_path, tiny_llama):
+    from transformers import AutoModelForCausalLM
+
+    from rl.config import load_recipe
+    from rl.forward_backward import ForwardBackwardPipeline
+
+    marker = tmp_path / "payload-ran"
+    model = AutoModelForCausalLM.from_pretrained(tiny_llama)
+    pipe = ForwardBackwardPipeline(model, device="cpu", optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
+                                   checkpoint_dir=tmp_path / "ckpt")
+    path = Path(pipe.save_state("step-1").result()["path"])
+    torch.save(_Payload(marker), path / "optimizer.pt")  # a pickle with a payload in place of the state
+    with pytest.raises(Exception, match="[Ww]eights only load failed|Unsupported global"):
+        pipe.load_state(path).result()
+    assert not marker.exists()
+
+    recipe = tmp_path / "recipe.yaml"
+    recipe.write_text(f"lr: !!python/object/apply:exec [\"open({str(marker)!r}, 'w').write('ran')\"]\n")
+    with pytest.raises(ConfigError, match="recipe.yaml"):
+        load_recipe(str(recipe))
+    assert not marker.exists()
+
+    torch.load(path / "optimizer.pt", weights_only=False)  # the payload is real: a plain unpickle runs it
     assert marker.exists()
