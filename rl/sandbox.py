@@ -5,14 +5,16 @@ Nothing here executes model code in the calling process: every program runs in a
 hooks are all off) started in its own session, so a timeout kills its whole process group.
 
 Isolation levels (`isolation_level()`, best first; `SandboxResult.isolation` says which one ran):
-- "private-root": Debian's `bubblewrap` (`bwrap`) gives the child new user, mount, PID, network, IPC
-  and UTS namespaces and a root of its own: /usr (and the /bin, /lib* links) plus the Python
-  installation read-only, a fresh /proc of its own PID namespace, a minimal /dev, and one writable,
-  size-capped tmpfs at /tmp holding its working directory. Nothing else exists in it: not the
-  checkout, /home, /root, /work, the output or cache directories, /etc, /var or the host's /tmp. All
-  capabilities are dropped, so it cannot remount anything.
-- "network": `unshare --user --map-root-user --net --pid --fork --kill-child` (bubblewrap missing): an
-  empty network namespace and a private PID namespace, but the file system is the host's.
+- "private-root": new user, mount, PID, network, IPC and UTS namespaces and a root of its own: /usr
+  (and the /bin, /lib* links) plus the Python installation read-only, a fresh /proc of its own PID
+  namespace, a minimal /dev, a read-only root, and one writable, size-capped tmpfs at /tmp holding
+  its working directory. Nothing else exists in it: not the checkout, /home, /root, /work, the
+  output or cache directories, /etc, /var or the host's /tmp. All capabilities are dropped, so it
+  cannot remount anything. Built by Debian's `bubblewrap` (`bwrap`) where it works, else by
+  util-linux alone (`unshare` + `mount` + `pivot_root` + `setpriv`, see `_unshare_root_argv`);
+  `SandboxResult.mechanism` says which.
+- "network": `unshare --user --map-root-user --net --pid --fork --kill-child` (no private root
+  possible): an empty network namespace and a private PID namespace, but the file system is the host's.
 - "none": resource limits only (no namespaces at all).
 `run_python(..., require_private_root=True)` raises rather than run below "private-root"; the code
 environment does that unless its config says `sandbox: unisolated`.
@@ -45,6 +47,7 @@ from __future__ import annotations
 
 import functools
 import os
+import shlex
 import shutil
 import signal
 import subprocess
@@ -116,6 +119,7 @@ class SandboxResult:
     wall_time: float
     network_isolated: bool
     isolation: str = "none"  # one of ISOLATION_LEVELS: what this run actually had
+    mechanism: str = "none"  # "bwrap", "unshare" or "none": what provided it
 
     @property
     def ok(self) -> bool:
@@ -176,22 +180,90 @@ def _bwrap_argv(workdir: str, srcdir: str, disk_bytes: int) -> list[str]:
     return argv
 
 
-@functools.lru_cache(maxsize=1)
-def private_root_available() -> bool:
-    """Whether bubblewrap can give the child a private root here (probed once: `bwrap` may be
-    installed but unable to create namespaces, e.g. in a container that forbids them)."""
-    if shutil.which("bwrap") is None:
+def _unshare_root_argv(mountpoint: str, workdir: str, srcdir: str, disk_bytes: int) -> list[str]:
+    """The same private root as `_bwrap_argv` from util-linux alone (`unshare`, `mount`, `pivot_root`,
+    `setpriv`), for machines without bubblewrap: a shell in new user/mount/PID/network namespaces
+    builds the root on a tmpfs over the empty host directory `mountpoint`, pivots into it, detaches
+    the old root, and execs the command with every capability gone for good (empty bounding set,
+    `noroot` securebits, no_new_privs), so the program cannot remount anything read-write."""
+    q, root = shlex.quote, mountpoint.rstrip("/")
+    lines = ["set -eu", 'ENV_PATH="$PATH"', "PATH=/usr/sbin:/usr/bin:/sbin:/bin", "mount --make-rprivate /",
+             f"mount -t tmpfs -o size=1m,mode=0755 tmpfs {q(root)}"]
+
+    def ro_bind(src: str, dst: str) -> None:
+        lines.extend([f"mkdir -p {q(root + dst)}", f"mount --bind {q(src)} {q(root + dst)}",
+                      f"mount -o remount,bind,ro {q(root + dst)}"])
+
+    for d in _SYSTEM_DIRS:
+        if os.path.islink(d):
+            lines.append(f"ln -s {q(os.readlink(d))} {q(root + d)}")
+        elif os.path.isdir(d):
+            ro_bind(d, d)
+    for d in _python_dirs():
+        ro_bind(d, d)
+    ro_bind(srcdir, INPUT_DIR)
+    lines += [f"mkdir -p {q(root)}/proc {q(root)}/dev {q(root)}/tmp {q(root)}/.old",
+              f"mount -t proc -o nosuid,nodev,noexec proc {q(root)}/proc"]
+    for dev in ("null", "zero", "random", "urandom"):
+        lines += [f"touch {q(root)}/dev/{dev}", f"mount --bind /dev/{dev} {q(root)}/dev/{dev}"]
+    lines += [f"mount -t tmpfs -o size={disk_bytes},mode=0700,nosuid,nodev tmpfs {q(root)}/tmp",
+              f"mkdir -p {q(root + workdir)}", f"cd {q(root)}", "pivot_root . .old", "umount -l /.old",
+              "rmdir /.old", "mount -o remount,bind,ro /", "cd /", f"cd {q(workdir)}", "unset OLDPWD",
+              'PATH="$ENV_PATH" exec setpriv --no-new-privs --inh-caps=-all --ambient-caps=-all '
+              "--bounding-set=-all --securebits=+noroot,+noroot_locked,+no_setuid_fixup,+no_setuid_fixup_locked,"
+              '+keep_caps_locked -- "$@"']
+    return ["unshare", "--user", "--map-root-user", "--mount", "--net", "--pid", "--ipc", "--uts", "--fork",
+            "--kill-child", "/bin/sh", "-c", "\n".join(lines), "rl-sandbox-root"]
+
+
+def _private_root_argv(mechanism: str, workdir: str, srcdir: str, disk_bytes: int, mountpoint: str) -> list[str]:
+    if mechanism == "bwrap":
+        return _bwrap_argv(workdir, srcdir, disk_bytes)
+    return _unshare_root_argv(mountpoint, workdir, srcdir, disk_bytes)
+
+
+def _private_root_works(mechanism: str) -> bool:
+    """Run a probe under `mechanism`: it must start Python and must not see a file of this process."""
+    if shutil.which("bwrap" if mechanism == "bwrap" else "unshare") is None:
         return False
-    src = tempfile.mkdtemp(prefix="rl-sandbox-probe-")
+    tmp = tempfile.mkdtemp(prefix="rl-sandbox-probe-")
     try:
-        argv = [*_bwrap_argv("/tmp/probe", src, 1 << 20), _interpreter(), "-I", "-S", "-c",
-                "import os; assert not os.path.exists('/work') and not os.path.exists('/home')"]
-        proc = subprocess.run(argv, capture_output=True, timeout=10, env={"PATH": os.defpath})
+        src, mnt = os.path.join(tmp, "src"), os.path.join(tmp, "root")
+        os.mkdir(src)
+        os.mkdir(mnt)
+        secret = os.path.join(tmp, "outside")
+        open(secret, "w").close()
+        argv = [*_private_root_argv(mechanism, "/tmp/probe", src, 1 << 20, mnt), _interpreter(), "-I", "-S", "-c",
+                f"import os; assert not os.path.exists({secret!r}) and os.getcwd() == '/tmp/probe'"]
+        proc = subprocess.run(argv, capture_output=True, timeout=10, env={"PATH": os.defpath}, cwd=tmp)
     except (OSError, subprocess.TimeoutExpired):
         return False
     finally:
-        shutil.rmtree(src, ignore_errors=True)
+        shutil.rmtree(tmp, ignore_errors=True)
     return proc.returncode == 0
+
+
+@functools.lru_cache(maxsize=1)
+def _bwrap_works() -> bool:
+    return _private_root_works("bwrap")
+
+
+@functools.lru_cache(maxsize=1)
+def _unshare_root_works() -> bool:
+    return _private_root_works("unshare")
+
+
+def private_root_mechanism() -> str | None:
+    """'bwrap' or 'unshare' (util-linux only), whichever first gives a private root here (each is
+    probed once: a tool may be installed yet unable to create namespaces); None when neither does."""
+    if _bwrap_works():
+        return "bwrap"
+    return "unshare" if _unshare_root_works() else None
+
+
+def private_root_available() -> bool:
+    """Whether the child can get a private root on this machine."""
+    return private_root_mechanism() is not None
 
 
 @functools.lru_cache(maxsize=1)
@@ -216,8 +288,9 @@ def isolation_level() -> str:
     return "network" if namespaces_available() else "none"
 
 
-NO_PRIVATE_ROOT = ("the sandbox cannot give generated code a private root here: bubblewrap (`bwrap`) is "
-                   "missing or cannot create namespaces; install it (`apt-get install bubblewrap`) or, to run "
+NO_PRIVATE_ROOT = ("the sandbox cannot give generated code a private root here: neither bubblewrap (`bwrap`) nor "
+                   "`unshare --user --mount` can create namespaces; install bubblewrap (`apt-get install "
+                   "bubblewrap`), allow unprivileged user namespaces, or, to run "
                    "generated code with resource limits only, seeing this machine's files, set "
                    "sandbox: unisolated")
 
@@ -327,7 +400,7 @@ def run_python(code: str, *, timeout: float = 5.0, cpu_seconds: int | None = Non
                            "enable unprivileged user namespaces or pass require_network_isolation=False")
     workdir = tempfile.mkdtemp(prefix="rl-sandbox-")
     iodir = tempfile.mkdtemp(prefix="rl-sandbox-io-")  # outside the program's cwd
-    cgroup = None
+    cgroup, mechanism = None, "none"
     try:
         prog = os.path.join(workdir, "main.py")
         with open(prog, "w", encoding="utf-8") as fh:
@@ -346,8 +419,12 @@ def run_python(code: str, *, timeout: float = 5.0, cpu_seconds: int | None = Non
                 INPUT_DIR if level == "private-root" else "-"]
         if level == "private-root":
             # The same path inside, on the private tmpfs; the host directory is only read (copied in).
-            argv = [*_bwrap_argv(workdir, workdir, disk_mb << 20), *argv]
+            mountpoint = os.path.join(iodir, "root")  # empty on the host; the root's tmpfs covers it inside
+            os.mkdir(mountpoint)
+            mechanism = private_root_mechanism()
+            argv = [*_private_root_argv(mechanism, workdir, workdir, disk_mb << 20, mountpoint), *argv]
         elif level == "network":
+            mechanism = "unshare"
             argv = [*_NS_ARGV, *argv]
         cgroup = _make_pids_cgroup(max_processes)
         if cgroup is not None:
@@ -382,7 +459,7 @@ def run_python(code: str, *, timeout: float = 5.0, cpu_seconds: int | None = Non
                              stdout=_read_head_limited(out_path, max_output_bytes),
                              stderr=_read_head_limited(err_path, max_output_bytes),
                              timed_out=timed_out, wall_time=wall, network_isolated=level != "none",
-                             isolation=level)
+                             isolation=level, mechanism=mechanism)
     finally:
         if cgroup is not None:
             _remove_cgroup(cgroup)

@@ -27,8 +27,25 @@ from rl.sandbox import run_python
 
 ROOT = Path(__file__).resolve().parents[1]
 
-needs_private_root = pytest.mark.skipif(not sandbox.private_root_available(),
-                                        reason="bubblewrap cannot give the sandbox a private root here")
+
+
+@pytest.fixture(params=["bwrap", "unshare"])
+def mechanism(request, monkeypatch):
+    """Each private-root mechanism that works here: bubblewrap, and util-linux's unshare (the
+    fallback where bubblewrap is missing)."""
+    works = sandbox._bwrap_works() if request.param == "bwrap" else sandbox._unshare_root_works()
+    if not works:
+        pytest.skip(f"{request.param} cannot give the sandbox a private root here")
+    if request.param == "unshare":
+        monkeypatch.setattr(sandbox, "_bwrap_works", lambda: False)
+    return request.param
+
+
+def private_run(code: str, *, mechanism: str, **kw):
+    res = run_python(code, require_private_root=True, **kw)
+    assert res.isolation == "private-root" and res.mechanism == mechanism
+    return res
+
 
 ADD = 'def add(a, b):\n    """Sum."""\n    return a + b\n'
 WRONG_ADD = 'def add(a, b):\n    """Wrong."""\n    return a - b + 7\n'
@@ -67,8 +84,7 @@ def _tests_reward(env, codes: list[str]) -> list[float]:
 
 # ------------------------------------------------------------------------------ the file system
 
-@needs_private_root
-def test_reads_outside_get_nothing(secret_files):
+def test_reads_outside_get_nothing(secret_files, mechanism):
     token, paths = secret_files
     targets = [*paths, str(ROOT / "rl" / "environments.py"), str(Path.home() / ".bashrc"), "/etc/passwd",
                "/work", "/home", "/root/.cache", os.environ.get("RL_TINY_CACHE", "/nonexistent")]
@@ -79,7 +95,7 @@ def test_reads_outside_get_nothing(secret_files):
             "    except OSError as e:\n"
             "        found[p] = type(e).__name__\n"
             "print(json.dumps(found))\nprint(json.dumps(os.listdir('/')))\n")
-    res = run_python(code, require_private_root=True)
+    res = private_run(code, mechanism=mechanism)
     assert res.ok and res.isolation == "private-root", res.stderr
     found = json.loads(res.stdout.splitlines()[0])
     assert token not in res.stdout
@@ -93,8 +109,7 @@ def _python_roots() -> set[str]:
     return {d.strip("/").split("/")[0] for d in sandbox._python_dirs()}
 
 
-@needs_private_root
-def test_writes_outside_get_nothing(tmp_path):
+def test_writes_outside_get_nothing(tmp_path, mechanism):
     name = f"pwned-{uuid.uuid4().hex[:8]}"
     targets = [str(tmp_path / name), str(ROOT / "rl" / f"{name}.py"), f"/usr/{name}", f"/{name}",
                f"/dev/{name}", f"/proc/{name}", f"{sys.base_prefix}/{name}", f"/.rl-input/{name}"]
@@ -108,7 +123,7 @@ def test_writes_outside_get_nothing(tmp_path):
             "        pass\n"
             "open('mine.txt', 'w').write('allowed')\n"
             "print(json.dumps(ok))\nprint(open('mine.txt').read())\n")
-    res = run_python(code, require_private_root=True)
+    res = private_run(code, mechanism=mechanism)
     assert res.ok, res.stderr
     written, mine = res.stdout.splitlines()
     # Not even inside the sandbox, except in its private /tmp (the host's is checked below).
@@ -118,11 +133,10 @@ def test_writes_outside_get_nothing(tmp_path):
         assert not os.path.exists(p), f"the sandbox created {p} on the host"
 
 
-@needs_private_root
-def test_disk_flood_stops_at_the_private_tmpfs():
+def test_disk_flood_stops_at_the_private_tmpfs(mechanism):
     code = ("n = 0\ntry:\n    for i in range(10_000):\n        open(f'f{i}', 'wb').write(b'x' * (1 << 20))\n"
             "        n += 1\nexcept OSError as e:\n    print(n, e.errno)\n")
-    res = run_python(code, disk_mb=16, require_private_root=True)
+    res = private_run(code, disk_mb=16, mechanism=mechanism)
     count, errno = res.stdout.split()
     assert int(count) <= 16 and int(errno) == 28  # ENOSPC: 16 MiB in all, not the host's disk
 
@@ -159,8 +173,7 @@ def add(a, b):
 '''
 
 
-@needs_private_root
-def test_forging_the_unit_test_reward_earns_nothing(tok):
+def test_forging_the_unit_test_reward_earns_nothing(tok, mechanism):
     env = _code_env(tok)
     forge = FORGE_EVERYTHING.replace("CHECKOUT", repr(str(ROOT)))
     old_attack = ("import sys\nsrc = open(sys.argv[0]).read()\n"  # the attack that beat the old marker scheme
@@ -194,8 +207,7 @@ def test_result_lines_are_judged_here():
 
 # ------------------------------------------------------------------------------ network
 
-@needs_private_root
-def test_network_gets_nothing():
+def test_network_gets_nothing(mechanism):
     server = socket.socket()
     server.bind(("127.0.0.1", 0))
     server.listen(1)
@@ -209,7 +221,7 @@ def test_network_gets_nothing():
                 "    s = _socket.socket(fam, _socket.SOCK_STREAM)\n    s.settimeout(1)\n"
                 "    try:\n        s.connect(addr)\n        print('connected', addr)\n"
                 "    except OSError as e:\n        print('refused', type(e).__name__)\n")
-        res = run_python(code, require_private_root=True)
+        res = private_run(code, mechanism=mechanism)
     finally:
         server.close()
         abstract.close()
@@ -231,59 +243,58 @@ def _host_processes_with(marker: str) -> list[str]:
     return found
 
 
-@needs_private_root
-def test_fork_bomb_is_bounded():
+def test_fork_bomb_is_bounded(mechanism):
     marker = f"bomb{uuid.uuid4().hex[:8]}"
     count = ("import os, time\nn = 0\nfor _ in range(500):\n    try:\n        pid = os.fork()\n"
              "    except OSError:\n        break\n    if pid == 0:\n        time.sleep(30)\n        os._exit(0)\n"
              "    n += 1\nprint(n)\n")
-    res = run_python(count, timeout=5, max_processes=16, require_private_root=True)
+    res = private_run(count, timeout=5, max_processes=16, mechanism=mechanism)
     if sandbox._pids_cgroup_parent() is not None or os.getuid() != 0:
         assert int(res.stdout) < 16  # the pids cgroup (or RLIMIT_NPROC in the user namespace) stops it
     start = time.monotonic()
     bomb = f"# {marker}\nimport os\nwhile True:\n    try:\n        os.fork()\n    except OSError:\n        pass\n"
-    res = run_python(bomb, timeout=2, require_private_root=True)
+    res = private_run(bomb, timeout=2, mechanism=mechanism)
     assert res.timed_out and time.monotonic() - start < 10
     time.sleep(0.2)
     assert _host_processes_with(marker) == []  # the PID namespace took every copy with it
     assert run_python("print('fine')").stdout.strip() == "fine"
 
 
-@needs_private_root
-def test_killing_the_parent_or_everyone_gets_nothing():
+def test_killing_the_parent_or_everyone_gets_nothing(mechanism):
     sentinel = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"])
     try:
-        code = (f"import os, signal\nfor pid in (os.getppid(), {os.getpid()}, {sentinel.pid}, -1):\n"
+        code = (f"import os, signal\nfor pid in ({os.getpid()}, {sentinel.pid}, -1, os.getppid()):\n"
                 "    try:\n        os.kill(pid, signal.SIGKILL)\n    except OSError as e:\n"
-                "        print(type(e).__name__)\nprint('done')\n")
-        res = run_python(code, require_private_root=True)
+                "        print(type(e).__name__, flush=True)\nprint('done')\n")
+        res = private_run(code, mechanism=mechanism)
         assert sentinel.poll() is None, "a process outside the sandbox was killed"
     finally:
         sentinel.kill()
         sentinel.wait()
     assert run_python("print('fine')").stdout.strip() == "fine"
-    # The trainer and the sentinel do not exist in its PID namespace; its parent is the namespace's
-    # init, which ignores the SIGKILL; kill(-1) reaches only the sandbox's own processes.
+    # The trainer and the sentinel do not exist in its PID namespace, and kill(-1) reaches only the
+    # sandbox's own processes. Its parent: under bwrap the namespace's init, which ignores SIGKILL;
+    # under unshare the program is that init and getppid() is 0, so it kills its own process group.
     out = res.stdout.split()
-    assert res.ok and out[:2] == ["ProcessLookupError", "ProcessLookupError"] and out[-1] == "done", res.stderr
+    assert out[:2] == ["ProcessLookupError", "ProcessLookupError"], res.stderr
+    if mechanism == "bwrap":
+        assert res.ok and out[-1] == "done"
 
 
 # ------------------------------------------------------------------------------ resources and secrets
 
-@needs_private_root
-def test_memory_time_and_output_limits_hold_in_the_private_root():
-    res = run_python("x = bytearray(4 * 1024 ** 3)", memory_mb=256, require_private_root=True)
+def test_memory_time_and_output_limits_hold_in_the_private_root(mechanism):
+    res = private_run("x = bytearray(4 * 1024 ** 3)", memory_mb=256, mechanism=mechanism)
     assert not res.ok and "MemoryError" in res.stderr
     start = time.monotonic()
-    res = run_python("while True:\n    pass", timeout=1.0, cpu_seconds=30, require_private_root=True)
+    res = private_run("while True:\n    pass", timeout=1.0, cpu_seconds=30, mechanism=mechanism)
     assert res.timed_out and time.monotonic() - start < 5
-    res = run_python("import os\nwhile True:\n    os.write(1, b'x' * 65536)", timeout=2, max_output_bytes=10_000,
-                     require_private_root=True)
+    res = private_run("import os\nwhile True:\n    os.write(1, b'x' * 65536)", timeout=2, max_output_bytes=10_000,
+                      mechanism=mechanism)
     assert len(res.stdout) <= 10_000 and not res.ok
 
 
-@needs_private_root
-def test_environment_secrets_are_not_visible(monkeypatch):
+def test_environment_secrets_are_not_visible(monkeypatch, mechanism):
     token = f"hf_{uuid.uuid4().hex}"
     monkeypatch.setenv("HF_TOKEN", token)
     monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", token)
@@ -291,14 +302,13 @@ def test_environment_secrets_are_not_visible(monkeypatch):
             "for p in os.listdir('/proc'):\n    if p.isdigit():\n"
             "        try:\n            print(open(f'/proc/{p}/environ').read())\n        except OSError:\n"
             "            pass\n")
-    res = run_python(code, require_private_root=True)
+    res = private_run(code, mechanism=mechanism)
     assert res.ok, res.stderr
     assert token not in res.stdout
     assert set(json.loads(res.stdout.splitlines()[0])) <= {"HOME", "LANG", "PATH", "TMPDIR", "PWD"}
 
 
-@needs_private_root
-def test_every_attack_in_the_code_env_gets_nothing_and_the_honest_solution_everything(tok, secret_files):
+def test_every_attack_in_the_code_env_gets_nothing_and_the_honest_solution_everything(tok, secret_files, mechanism):
     token, paths = secret_files
     env = _code_env(tok)
     attacks = [
@@ -338,7 +348,7 @@ def test_without_private_root_the_code_env_refuses_unless_unisolated(tok, monkey
         _code_env(tok, sandbox="maybe")
 
 
-def test_fallback_without_bubblewrap_still_limits(monkeypatch):
+def test_without_a_private_root_the_limits_still_hold(monkeypatch):
     monkeypatch.setattr(sandbox, "private_root_available", lambda: False)
     res = run_python("import os\nprint(os.path.exists('/work') or os.path.exists('/usr'))")
     assert res.ok and res.isolation in ("network", "none") and not res.filesystem_isolated
