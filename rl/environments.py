@@ -25,7 +25,8 @@ parameter being named `prompts`).
 
 Deviations from the reference implementation (see shared/reference/README.md): the math environment
 parses the answer and compares numbers (the substring "correct" earns nothing), the code environment
-rewards only non-empty parseable code and runs unit tests only in `rl.sandbox`, and the preference
+rewards only non-empty parseable code and runs unit tests only in `rl.sandbox`, which returns the
+candidate's outputs while the expected values stay in the trainer (see `run_unit_tests`), and the preference
 environment scores with the given model or callback, never a random number.
 """
 

@@ -385,7 +385,7 @@ def run_python(code: str, *, timeout: float = 5.0, cpu_seconds: int | None = Non
     files: extra {relative name: text} written into the working directory before the run.
     isolate_network=False: no namespaces at all (the file system is then the host's too).
     require_network_isolation: raise RuntimeError when network namespaces are unavailable.
-    require_private_root: raise RuntimeError unless bubblewrap gives the child a private root.
+    require_private_root: raise RuntimeError unless the child can get a private root (bwrap or unshare).
     max_processes: pids-cgroup limit on the child's tasks, where such a cgroup can be made.
     disk_mb: size of the private root's writable tmpfs (everything the program may write).
     """
