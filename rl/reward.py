@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -40,6 +41,8 @@ from rl.algos.preference import bradley_terry_loss
 from rl.config import ConfigError, TrainConfig, opt
 from rl.trainers.base import CallbackTracker, Trainer
 from rl.generation import position_ids_from_mask
+
+logger = logging.getLogger(__name__)
 
 FORMAT = "rl-reward-model"
 CONFIG_FILE = "reward_config.json"
@@ -514,10 +517,15 @@ def save_reward_model(model: RewardModel, path: str | Path, state_dict: dict | N
 
 
 def load_reward_model(path: str | Path, device: str | torch.device | None = None,
-                      dtype: str | None = None, trainable: bool = False) -> RewardModel:
+                      dtype: str | None = None, trainable: bool = False,
+                      trust_remote_code: bool = False) -> RewardModel:
     """A saved reward model (or any `AutoModelForSequenceClassification` directory, read with
     `last` pooling) ready to score: `load_reward_model(p).score(texts) -> (B,)`. Frozen and in eval
-    mode unless `trainable`."""
+    mode unless `trainable`.
+
+    `trust_remote_code` is the caller's alone (the user's recipe or command line): a
+    `trust_remote_code` in the directory's reward_config.json is ignored with a warning, so a
+    downloaded directory cannot make this process import its own model code."""
     from rl.models import load_tokenizer
     from rl.tiny import resolve_model_path
 
@@ -528,13 +536,16 @@ def load_reward_model(path: str | Path, device: str | torch.device | None = None
             raise FileNotFoundError(f"{path}: no {CONFIG_FILE} or config.json; pass the directory written by "
                                     f"RewardModelTrainer.save_model or launch/reward.py")
         cfg = RewardModelConfig(model_name=str(p), use_lora=False, dropout_prob=0.0, pooling_strategy="last",
-                                dtype=dtype or "auto")
+                                dtype=dtype or "auto", trust_remote_code=trust_remote_code)
         model = RewardModel(cfg)
     else:
         meta = json.loads(meta_path.read_text())
         if meta.get("format") != FORMAT:
             raise ValueError(f"{meta_path} is not a {FORMAT} file")
-        cfg = RewardModelConfig(**meta["config"])
+        saved = dict(meta["config"])
+        if saved.pop("trust_remote_code", False) and not trust_remote_code:
+            logger.warning("%s asks for trust_remote_code; ignored (only your own config can enable it)", meta_path)
+        cfg = RewardModelConfig(**saved, trust_remote_code=trust_remote_code)
         if dtype is not None:
             cfg = dataclasses.replace(cfg, dtype=dtype)
         if meta["weights"] == "full":

@@ -1,28 +1,45 @@
-"""Run untrusted, model-generated Python in a separate, resource-limited process.
+"""Run untrusted, model-generated Python in a separate, resource-limited, isolated process.
 
 Nothing here executes model code in the calling process: every program runs in a child
 `python -I -S` (isolated mode: PYTHON* variables, the user site and `site`/`sitecustomize`/`.pth`
 hooks are all off) started in its own session, so a timeout kills its whole process group.
 
-What IS isolated / limited
+Isolation levels (`isolation_level()`, best first; `SandboxResult.isolation` says which one ran):
+- "private-root": new user, mount, PID, network, IPC and UTS namespaces and a root of its own: /usr
+  (and the /bin, /lib* links) plus the Python installation read-only, a fresh /proc of its own PID
+  namespace, a minimal /dev, a read-only root, and one writable, size-capped tmpfs at /tmp holding
+  its working directory. Nothing else exists in it: not the checkout, /home, /root, /work, the
+  output or cache directories, /etc, /var or the host's /tmp. All capabilities are dropped, so it
+  cannot remount anything. Built by Debian's `bubblewrap` (`bwrap`) where it works, else by
+  util-linux alone (`unshare` + `mount` + `pivot_root` + `setpriv`, see `_unshare_root_argv`);
+  `SandboxResult.mechanism` says which.
+- "network": `unshare --user --map-root-user --net --pid --fork --kill-child` (no private root
+  possible): an empty network namespace and a private PID namespace, but the file system is the host's.
+- "none": resource limits only (no namespaces at all).
+`run_python(..., require_private_root=True)` raises rather than run below "private-root"; the code
+environment does that unless its config says `sandbox: unisolated`.
+
+Limits (every level)
 - Wall time: the parent waits `timeout` seconds, then SIGKILLs the process group (and, with namespaces,
   the whole PID namespace, which also catches children that called `setsid`).
 - CPU time: RLIMIT_CPU (the kernel kills the process when it is spent).
-- Memory: RLIMIT_AS (address space); allocations past it raise MemoryError inside the child.
-- Files written: RLIMIT_FSIZE per file (which also bounds captured stdout/stderr); RLIMIT_NOFILE; no core.
-- Network: when unprivileged user namespaces are available (probed once, see `namespaces_available`),
-  the child runs under `unshare --user --map-root-user --net --pid --fork --kill-child`: an empty network
-  namespace (only a down loopback), so connections fail with "Network is unreachable", and a private PID
-  namespace. As a second, weaker layer the runner replaces `socket.socket` before user code runs.
-  `SandboxResult.network_isolated` says whether the namespace layer was in force.
-- Working directory: a fresh temporary directory, deleted afterwards; HOME and TMPDIR point into it and
-  the environment is reduced to PATH/HOME/TMPDIR/LANG.
+- Memory: RLIMIT_AS (address space) per process; allocations past it raise MemoryError in the child.
+- Processes: where this user may create a pids cgroup (root in a container with cgroup v1, or a
+  delegated v2 subtree), the child runs in one with `pids.max = max_processes`, so a fork bomb stops
+  at that many; inside a user namespace RLIMIT_NPROC is set too (the kernel ignores it for real root).
+- Files written: RLIMIT_FSIZE per file (which also bounds captured stdout/stderr); RLIMIT_NOFILE; no
+  core; with a private root all writes land in the `disk_mb` tmpfs.
+- Network: no route out in a network namespace ("Network is unreachable"); as a second, weaker layer
+  the runner replaces `socket.socket` before user code runs.
+- Environment: reduced to PATH/HOME/TMPDIR/LANG; HOME and TMPDIR are the working directory.
 
 What is NOT isolated
-- The filesystem: the child runs as the same user and can read (and write) whatever that user can.
-  Use a container or a dedicated low-privilege user if that matters for your threat model.
-- Fork bombs when running as root (RLIMIT_NPROC is not enforced for root); the PID namespace plus the
-  wall-time kill bounds their lifetime, not their rate.
+- Below "private-root", the file system: the child runs as the trainer's user and can read and write
+  whatever that user can.
+- The kernel: namespaces are not a VM; a kernel exploit escapes them. /proc shows host-wide
+  information (CPU, memory, kernel version), not other processes.
+- Without a pids cgroup and as root, a fork bomb is bounded by the wall-time kill and the PID
+  namespace (its lifetime), not by a process count; total memory is per-process times processes.
 - Without user namespaces, the socket block is Python-level only and can be bypassed (e.g. `_socket`).
 """
 
@@ -30,20 +47,28 @@ from __future__ import annotations
 
 import functools
 import os
+import shlex
 import shutil
 import signal
 import subprocess
 import sys
 import tempfile
 import time
+import uuid
 from dataclasses import dataclass
+from pathlib import Path
 
-# Runs inside the child before the user program: apply limits (they survive nothing but this
-# process and its children), disable sockets as a second layer, then run the program as __main__.
+# Runs inside the child before the user program: copy the program's files into its working directory
+# (with a private root they arrive read-only at INPUT_DIR), apply limits (they bind this process and
+# its children), disable sockets as a second layer, then run the program as __main__.
 _RUNNER = r"""
 import resource, sys
-cpu, mem, fsize, nofile = (int(v) for v in sys.argv[1:5])
-block_net, path = sys.argv[5] == "1", sys.argv[6]
+cpu, mem, fsize, nofile, nproc = (int(v) for v in sys.argv[1:6])
+block_net, path, src = sys.argv[6] == "1", sys.argv[7], sys.argv[8]
+if src != "-":
+    import shutil
+    shutil.copytree(src, ".", dirs_exist_ok=True)
+    del shutil
 def lim(kind, value):
     try:
         resource.setrlimit(kind, (value, value))
@@ -60,6 +85,8 @@ lim(resource.RLIMIT_AS, mem)
 lim(resource.RLIMIT_FSIZE, fsize)
 lim(resource.RLIMIT_NOFILE, nofile)
 lim(resource.RLIMIT_CORE, 0)
+if nproc > 0:
+    lim(resource.RLIMIT_NPROC, nproc)
 if block_net:
     import socket
     class _NoNetwork(socket.socket):
@@ -67,13 +94,18 @@ if block_net:
             raise OSError("network access is disabled in the sandbox")
     socket.socket = _NoNetwork
     socket.create_connection = lambda *a, **k: _NoNetwork()
-del resource, lim, os, signal, cpu, mem, fsize, nofile, block_net
+del resource, lim, os, signal, cpu, mem, fsize, nofile, nproc, block_net, src
 sys.argv = [path]
 import runpy
 runpy.run_path(path, run_name="__main__")
 """
 
 _NS_ARGV = ["unshare", "--user", "--map-root-user", "--net", "--pid", "--fork", "--kill-child"]
+INPUT_DIR = "/.rl-input"  # where, under a private root, the program's files arrive read-only
+ISOLATION_LEVELS = ("private-root", "network", "none")
+_JOIN_CGROUP = 'echo $$ > "$0/cgroup.procs"'  # sh: move this shell into the cgroup named by $0
+# System directories bound read-only into a private root (or recreated as the symlinks they are).
+_SYSTEM_DIRS = ("/usr", "/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32")
 
 
 @dataclass
@@ -86,10 +118,16 @@ class SandboxResult:
     timed_out: bool
     wall_time: float
     network_isolated: bool
+    isolation: str = "none"  # one of ISOLATION_LEVELS: what this run actually had
+    mechanism: str = "none"  # "bwrap", "unshare" or "none": what provided it
 
     @property
     def ok(self) -> bool:
         return self.returncode == 0 and not self.timed_out
+
+    @property
+    def filesystem_isolated(self) -> bool:
+        return self.isolation == "private-root"
 
     @property
     def cpu_exceeded(self) -> bool:
@@ -104,20 +142,231 @@ class SandboxResult:
         return None
 
 
+def _interpreter() -> str:
+    """The real Python binary (not a venv's link to it): the child needs only the standard library,
+    and with a private root only the base installation is bound in, never the venv or checkout."""
+    return os.path.realpath(getattr(sys, "_base_executable", None) or sys.executable)
+
+
+def _python_dirs() -> list[str]:
+    """Directories of the Python installation outside the system directories (e.g. pyenv under
+    /root): bound read-only so the interpreter finds its standard library."""
+    dirs = []
+    for d in (sys.base_prefix, sys.base_exec_prefix, os.path.dirname(_interpreter())):
+        d = os.path.realpath(d)
+        if d in ("/", "") or any(d == s or d.startswith(s + "/") for s in _SYSTEM_DIRS):
+            continue
+        if not any(d == k or d.startswith(k + "/") for k in dirs):
+            dirs.append(d)
+    return dirs
+
+
+def _bwrap_argv(workdir: str, srcdir: str, disk_bytes: int) -> list[str]:
+    """bubblewrap arguments for a private root: system and Python read-only, fresh /proc and /dev,
+    a `disk_bytes` tmpfs at /tmp with `workdir` in it, `srcdir` read-only at INPUT_DIR."""
+    argv = ["bwrap", "--unshare-all", "--die-with-parent", "--cap-drop", "ALL", "--hostname", "sandbox"]
+    for d in _SYSTEM_DIRS:
+        if os.path.islink(d):
+            argv += ["--symlink", os.readlink(d), d]
+        elif os.path.isdir(d):
+            argv += ["--ro-bind", d, d]
+    for d in _python_dirs():
+        argv += ["--ro-bind", d, d]
+    argv += ["--proc", "/proc", "--dev", "/dev", "--size", str(disk_bytes), "--perms", "0700", "--tmpfs", "/tmp",
+             "--dir", workdir, "--ro-bind", srcdir, INPUT_DIR,
+             # bwrap's own root and /dev are tmpfs without a size limit: read-only, or a program could
+             # fill this machine's memory through them.
+             "--remount-ro", "/dev", "--remount-ro", "/", "--chdir", workdir, "--"]
+    return argv
+
+
+def _unshare_root_argv(mountpoint: str, workdir: str, srcdir: str, disk_bytes: int) -> list[str]:
+    """The same private root as `_bwrap_argv` from util-linux alone (`unshare`, `mount`, `pivot_root`,
+    `setpriv`), for machines without bubblewrap: a shell in new user/mount/PID/network namespaces
+    builds the root on a tmpfs over the empty host directory `mountpoint`, pivots into it, detaches
+    the old root, and execs the command with every capability gone for good (empty bounding set,
+    `noroot` securebits, no_new_privs), so the program cannot remount anything read-write."""
+    q, root = shlex.quote, mountpoint.rstrip("/")
+    lines = ["set -eu", 'ENV_PATH="$PATH"', "PATH=/usr/sbin:/usr/bin:/sbin:/bin", "mount --make-rprivate /",
+             f"mount -t tmpfs -o size=1m,mode=0755 tmpfs {q(root)}"]
+
+    def ro_bind(src: str, dst: str) -> None:
+        lines.extend([f"mkdir -p {q(root + dst)}", f"mount --bind {q(src)} {q(root + dst)}",
+                      f"mount -o remount,bind,ro {q(root + dst)}"])
+
+    for d in _SYSTEM_DIRS:
+        if os.path.islink(d):
+            lines.append(f"ln -s {q(os.readlink(d))} {q(root + d)}")
+        elif os.path.isdir(d):
+            ro_bind(d, d)
+    for d in _python_dirs():
+        ro_bind(d, d)
+    ro_bind(srcdir, INPUT_DIR)
+    lines += [f"mkdir -p {q(root)}/proc {q(root)}/dev {q(root)}/tmp {q(root)}/.old",
+              f"mount -t proc -o nosuid,nodev,noexec proc {q(root)}/proc"]
+    for dev in ("null", "zero", "random", "urandom"):
+        lines += [f"touch {q(root)}/dev/{dev}", f"mount --bind /dev/{dev} {q(root)}/dev/{dev}"]
+    lines += [f"mount -t tmpfs -o size={disk_bytes},mode=0700,nosuid,nodev tmpfs {q(root)}/tmp",
+              f"mkdir -p {q(root + workdir)}", f"cd {q(root)}", "pivot_root . .old", "umount -l /.old",
+              "rmdir /.old", "mount -o remount,bind,ro /", "cd /", f"cd {q(workdir)}", "unset OLDPWD",
+              'PATH="$ENV_PATH" exec setpriv --no-new-privs --inh-caps=-all --ambient-caps=-all '
+              "--bounding-set=-all --securebits=+noroot,+noroot_locked,+no_setuid_fixup,+no_setuid_fixup_locked,"
+              '+keep_caps_locked -- "$@"']
+    return ["unshare", "--user", "--map-root-user", "--mount", "--net", "--pid", "--ipc", "--uts", "--fork",
+            "--kill-child", "/bin/sh", "-c", "\n".join(lines), "rl-sandbox-root"]
+
+
+def _private_root_argv(mechanism: str, workdir: str, srcdir: str, disk_bytes: int, mountpoint: str) -> list[str]:
+    if mechanism == "bwrap":
+        return _bwrap_argv(workdir, srcdir, disk_bytes)
+    return _unshare_root_argv(mountpoint, workdir, srcdir, disk_bytes)
+
+
+def _private_root_works(mechanism: str) -> bool:
+    """Run a probe under `mechanism`: it must start Python and must not see a file of this process."""
+    if shutil.which("bwrap" if mechanism == "bwrap" else "unshare") is None:
+        return False
+    tmp = tempfile.mkdtemp(prefix="rl-sandbox-probe-")
+    try:
+        src, mnt = os.path.join(tmp, "src"), os.path.join(tmp, "root")
+        os.mkdir(src)
+        os.mkdir(mnt)
+        secret = os.path.join(tmp, "outside")
+        open(secret, "w").close()
+        argv = [*_private_root_argv(mechanism, "/tmp/probe", src, 1 << 20, mnt), _interpreter(), "-I", "-S", "-c",
+                f"import os; assert not os.path.exists({secret!r}) and os.getcwd() == '/tmp/probe'"]
+        proc = subprocess.run(argv, capture_output=True, timeout=10, env={"PATH": os.defpath}, cwd=tmp)
+    except (OSError, subprocess.TimeoutExpired):
+        return False
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return proc.returncode == 0
+
+
+@functools.lru_cache(maxsize=1)
+def _bwrap_works() -> bool:
+    return _private_root_works("bwrap")
+
+
+@functools.lru_cache(maxsize=1)
+def _unshare_root_works() -> bool:
+    return _private_root_works("unshare")
+
+
+def private_root_mechanism() -> str | None:
+    """'bwrap' or 'unshare' (util-linux only), whichever first gives a private root here (each is
+    probed once: a tool may be installed yet unable to create namespaces); None when neither does."""
+    if _bwrap_works():
+        return "bwrap"
+    return "unshare" if _unshare_root_works() else None
+
+
+def private_root_available() -> bool:
+    """Whether the child can get a private root on this machine."""
+    return private_root_mechanism() is not None
+
+
 @functools.lru_cache(maxsize=1)
 def namespaces_available() -> bool:
-    """Whether `unshare` can give the child private user/network/PID namespaces on this machine."""
+    """Whether the child gets private user/network/PID namespaces (bubblewrap or `unshare`)."""
+    if private_root_available():
+        return True
     if shutil.which("unshare") is None:
         return False
     try:
-        proc = subprocess.run([*_NS_ARGV, sys.executable, "-I", "-S", "-c", "pass"],
+        proc = subprocess.run([*_NS_ARGV, _interpreter(), "-I", "-S", "-c", "pass"],
                               capture_output=True, timeout=10)
     except (OSError, subprocess.TimeoutExpired):
         return False
     return proc.returncode == 0
 
 
-def _read_tail_limited(path: str, limit: int) -> str:
+def isolation_level() -> str:
+    """The best isolation this machine gives (one of ISOLATION_LEVELS)."""
+    if private_root_available():
+        return "private-root"
+    return "network" if namespaces_available() else "none"
+
+
+NO_PRIVATE_ROOT = ("the sandbox cannot give generated code a private root here: neither bubblewrap (`bwrap`) nor "
+                   "`unshare --user --mount` can create namespaces; install bubblewrap (`apt-get install "
+                   "bubblewrap`), allow unprivileged user namespaces, or, to run "
+                   "generated code with resource limits only, seeing this machine's files, set "
+                   "sandbox: unisolated")
+
+
+@functools.lru_cache(maxsize=1)
+def _pids_cgroup_parent() -> str | None:
+    """A directory in which this process may create pids cgroups (cgroup v1's pids hierarchy, or a v2
+    subtree with the pids controller), found by trying once; None when there is none."""
+    candidates = []
+    try:
+        lines = Path("/proc/self/cgroup").read_text().splitlines()
+    except OSError:
+        return None
+    for line in lines:
+        _, controllers, rel = line.split(":", 2)
+        if "pids" in controllers.split(","):
+            candidates.append(Path("/sys/fs/cgroup/pids") / rel.lstrip("/"))
+        elif controllers == "" and "pids" in _read("/sys/fs/cgroup/cgroup.controllers").split():
+            candidates.append(Path("/sys/fs/cgroup") / rel.lstrip("/"))
+    for parent in candidates:
+        probe = parent / f"rl-sandbox-probe-{os.getpid()}"
+        try:
+            probe.mkdir()
+        except OSError:
+            continue
+        try:
+            # Creating is not joining (cgroup v2 refuses tasks in an inner node): try what run_python does.
+            ok = (probe / "pids.max").exists() and subprocess.run(
+                ["/bin/sh", "-c", _JOIN_CGROUP, str(probe)], capture_output=True, timeout=10).returncode == 0
+        except (OSError, subprocess.TimeoutExpired):
+            ok = False
+        _remove_cgroup(str(probe))
+        if ok:
+            return str(parent)
+    return None
+
+
+def _read(path: str) -> str:
+    try:
+        return Path(path).read_text()
+    except OSError:
+        return ""
+
+
+def _make_pids_cgroup(max_processes: int) -> str | None:
+    """A fresh pids cgroup limited to `max_processes` tasks, or None where none can be made."""
+    parent = _pids_cgroup_parent()
+    if parent is None or max_processes <= 0:
+        return None
+    path = os.path.join(parent, f"rl-sandbox-{uuid.uuid4().hex[:12]}")
+    try:
+        os.mkdir(path)
+        Path(path, "pids.max").write_text(str(max_processes))
+    except OSError:
+        shutil.rmtree(path, ignore_errors=True)
+        return None
+    return path
+
+
+def _remove_cgroup(path: str) -> None:
+    """Kill whatever is left in the cgroup, then remove it (rmdir fails while tasks remain)."""
+    for _ in range(50):
+        pids = [int(p) for p in _read(os.path.join(path, "cgroup.procs")).split()]
+        for pid in pids:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except (ProcessLookupError, PermissionError):
+                pass
+        try:
+            os.rmdir(path)
+            return
+        except OSError:
+            time.sleep(0.02)
+
+
+def _read_head_limited(path: str, limit: int) -> str:
     with open(path, "rb") as fh:
         data = fh.read(limit)
     return data.decode("utf-8", errors="replace")
@@ -125,7 +374,8 @@ def _read_tail_limited(path: str, limit: int) -> str:
 
 def run_python(code: str, *, timeout: float = 5.0, cpu_seconds: int | None = None, memory_mb: int = 512,
                max_output_bytes: int = 1 << 20, stdin: str | None = None, files: dict[str, str] | None = None,
-               isolate_network: bool = True, require_network_isolation: bool = False) -> SandboxResult:
+               isolate_network: bool = True, require_network_isolation: bool = False,
+               require_private_root: bool = False, max_processes: int = 32, disk_mb: int = 64) -> SandboxResult:
     """Run `code` as a Python program in a sandboxed child process and return its outcome.
 
     timeout: wall-clock seconds before the whole process group is SIGKILLed.
@@ -133,17 +383,24 @@ def run_python(code: str, *, timeout: float = 5.0, cpu_seconds: int | None = Non
     memory_mb: RLIMIT_AS in MiB (address space, so keep headroom over the interpreter's ~30 MiB).
     max_output_bytes: per-stream cap on captured stdout/stderr (also the RLIMIT_FSIZE of written files).
     files: extra {relative name: text} written into the working directory before the run.
+    isolate_network=False: no namespaces at all (the file system is then the host's too).
     require_network_isolation: raise RuntimeError when network namespaces are unavailable.
+    require_private_root: raise RuntimeError unless the child can get a private root (bwrap or unshare).
+    max_processes: pids-cgroup limit on the child's tasks, where such a cgroup can be made.
+    disk_mb: size of the private root's writable tmpfs (everything the program may write).
     """
     if timeout <= 0 or memory_mb <= 0:
         raise ValueError(f"timeout ({timeout}) and memory_mb ({memory_mb}) must be positive")
     cpu = int(cpu_seconds if cpu_seconds is not None else int(timeout) + 1)
-    use_ns = isolate_network and namespaces_available()
-    if isolate_network and require_network_isolation and not use_ns:
+    level = isolation_level() if isolate_network else "none"
+    if require_private_root and level != "private-root":
+        raise RuntimeError(NO_PRIVATE_ROOT)
+    if isolate_network and require_network_isolation and level == "none":
         raise RuntimeError("network isolation requested but `unshare --user --net` is unavailable here; "
                            "enable unprivileged user namespaces or pass require_network_isolation=False")
     workdir = tempfile.mkdtemp(prefix="rl-sandbox-")
     iodir = tempfile.mkdtemp(prefix="rl-sandbox-io-")  # outside the program's cwd
+    cgroup, mechanism = None, "none"
     try:
         prog = os.path.join(workdir, "main.py")
         with open(prog, "w", encoding="utf-8") as fh:
@@ -155,10 +412,24 @@ def run_python(code: str, *, timeout: float = 5.0, cpu_seconds: int | None = Non
             os.makedirs(os.path.dirname(target), exist_ok=True)
             with open(target, "w", encoding="utf-8") as fh:
                 fh.write(text)
-        argv = [sys.executable, "-I", "-S", "-c", _RUNNER, str(cpu), str(memory_mb << 20),
-                str(max_output_bytes), "256", "1" if isolate_network else "0", prog]
-        if use_ns:
+        # Inside a user namespace RLIMIT_NPROC counts only the sandbox's own processes.
+        nproc = max_processes if level != "none" else 0
+        argv = [_interpreter(), "-I", "-S", "-c", _RUNNER, str(cpu), str(memory_mb << 20),
+                str(max_output_bytes), "256", str(nproc), "1" if isolate_network else "0", prog,
+                INPUT_DIR if level == "private-root" else "-"]
+        if level == "private-root":
+            # The same path inside, on the private tmpfs; the host directory is only read (copied in).
+            mountpoint = os.path.join(iodir, "root")  # empty on the host; the root's tmpfs covers it inside
+            os.mkdir(mountpoint)
+            mechanism = private_root_mechanism()
+            argv = [*_private_root_argv(mechanism, workdir, workdir, disk_mb << 20, mountpoint), *argv]
+        elif level == "network":
+            mechanism = "unshare"
             argv = [*_NS_ARGV, *argv]
+        cgroup = _make_pids_cgroup(max_processes)
+        if cgroup is not None:
+            # Join the cgroup before anything forks: the shell moves itself in, then becomes the sandbox.
+            argv = ["/bin/sh", "-c", _JOIN_CGROUP + ' && exec "$@"', cgroup, *argv]
         env = {"PATH": os.defpath, "HOME": workdir, "TMPDIR": workdir, "LANG": "C.UTF-8"}
         out_path, err_path = os.path.join(iodir, "stdout"), os.path.join(iodir, "stderr")
         start = time.monotonic()
@@ -185,9 +456,12 @@ def run_python(code: str, *, timeout: float = 5.0, cpu_seconds: int | None = Non
                 proc.wait()
         wall = time.monotonic() - start
         return SandboxResult(returncode=None if timed_out else proc.returncode,
-                             stdout=_read_tail_limited(out_path, max_output_bytes),
-                             stderr=_read_tail_limited(err_path, max_output_bytes),
-                             timed_out=timed_out, wall_time=wall, network_isolated=use_ns)
+                             stdout=_read_head_limited(out_path, max_output_bytes),
+                             stderr=_read_head_limited(err_path, max_output_bytes),
+                             timed_out=timed_out, wall_time=wall, network_isolated=level != "none",
+                             isolation=level, mechanism=mechanism)
     finally:
+        if cgroup is not None:
+            _remove_cgroup(cgroup)
         shutil.rmtree(workdir, ignore_errors=True)
         shutil.rmtree(iodir, ignore_errors=True)

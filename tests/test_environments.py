@@ -13,6 +13,8 @@ import torch
 
 import rl
 from rl import environments as E
+from rl.data import DataError
+from rl.sandbox import private_root_available
 
 
 @pytest.fixture(scope="module")
@@ -293,6 +295,9 @@ def test_math_env_from_jsonl(tok, tmp_path):
 
 # ------------------------------------------------------------------------------- code
 
+# Where bubblewrap cannot give a private root, run these anyway (tests/test_security.py covers isolation).
+SANDBOX = "isolated" if private_root_available() else "unisolated"
+
 def test_code_env_syntax_and_style(tok):
     env = E.create_code_generation_env(tok)
     obs = env.reset()
@@ -321,7 +326,7 @@ def test_code_env_unit_tests_run_in_sandbox_only(tok, monkeypatch):
 
     monkeypatch.setattr(rl.sandbox, "run_python", counting)
     monkeypatch.delenv("RL_SANDBOX_PWNED", raising=False)
-    env = E.create_code_generation_env(tok, run_tests=True, timeout=3.0)
+    env = E.create_code_generation_env(tok, run_tests=True, timeout=3.0, sandbox=SANDBOX)
     prompt = env.prompts[1]  # factorial
     right = "def factorial(n):\n    return 1 if n < 2 else n * factorial(n - 1)\n"
     wrong = "def factorial(n):\n    return n\n"  # passes factorial(1) only
@@ -336,9 +341,36 @@ def test_code_env_unit_tests_run_in_sandbox_only(tok, monkeypatch):
 
 @pytest.mark.slow
 def test_code_env_infinite_loop_scores_zero(tok):
-    env = E.create_code_generation_env(tok, run_tests=True, timeout=1.0)
+    env = E.create_code_generation_env(tok, run_tests=True, timeout=1.0, sandbox=SANDBOX)
     rewards, m = env.score([env.prompts[0]], ["def add(a, b):\n    while True:\n        pass\n"])
     assert m["reward_tests"] == [0.0]
+
+
+def test_unit_test_forms_and_their_checks():
+    t = E.parse_unit_test("assert 120 == factorial(5)")
+    assert (t.function, t.args, t.op, t.expected) == ("factorial", ("5",), "==", 120)
+    t = E.parse_unit_test("assert f([1, -2], key={'a': (1,)}) is None")
+    assert (t.args, t.kwargs, t.op, t.expected) == (("[1, -2]",), (("key", "{'a': (1,)}"),), "is", None)
+    cases = [("assert f(1) == 3", "3", True), ("assert f(1) == 3", "3.0", True), ("assert f(1) == 3", "4", False),
+             ("assert f('a')", "'x'", True), ("assert f('a')", "0", False), ("assert not f('a')", "[]", True),
+             ("assert 2 in f()", "[1, 2]", True), ("assert f() in (1, 2)", "3", False),
+             ("assert f() < 1.5", "1", True), ("assert f() is not None", "None", False)]
+    for test, value, passes in cases:
+        assert E.unit_test_passes(E.parse_unit_test(test), {"i": 0, "repr": value}) is passes, (test, value)
+    for bad in ["assert abs(f(1) - 2) < 1e-6", "x = f(1)\nassert x == 2", "assert f(1) == g(2)",
+                "assert f(1) is 3", "assert f(a)", "assert f(1) == [x for x in y]", "assert 1 < f(1) < 3", "f(1)"]:
+        with pytest.raises(ValueError, match="write each test as"):
+            E.parse_unit_test(bad)
+
+
+def test_code_env_rejects_unit_tests_it_cannot_judge(tok, tmp_path):
+    path = tmp_path / "code.jsonl"
+    path.write_text(json.dumps({"prompt": "Write f.", "tests": ["assert f(1) == 2"]}) + "\n"
+                    + json.dumps({"prompt": "Write g.", "tests": ["assert abs(g(1) - 2) < 1e-6"]}) + "\n")
+    with pytest.raises(DataError, match=r"code.jsonl:2: unit test 'assert abs"):
+        E.create_code_generation_env(tok, problems_path=str(path), run_tests=True, sandbox=SANDBOX)
+    env = E.create_code_generation_env(tok, problems_path=str(path))  # without run_tests nothing runs them
+    assert len(env.prompts) == 2
 
 
 def test_extract_code():
