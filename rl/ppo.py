@@ -411,7 +411,8 @@ def build_reward_source(cfg: PPOConfig, tokenizer, reward_fn=None, reward_model=
     if cfg.reward_model_path:
         from rl.reward import load_reward_model
 
-        return RewardSource(model=load_reward_model(cfg.reward_model_path), name=cfg.reward_model_path)
+        return RewardSource(model=load_reward_model(cfg.reward_model_path, trust_remote_code=cfg.trust_remote_code),
+                            name=cfg.reward_model_path)
     if cfg.reward_fn:
         from rl.rewards import get_reward_fn
 
@@ -463,7 +464,7 @@ class PPOTrainer(Trainer):
             from rl.reward import load_reward_model
 
             critic_rm = load_reward_model(cfg.critic_model_path or cfg.reward_model_path or cfg.model_name,
-                                          dtype="float32", trainable=True)
+                                          dtype="float32", trainable=True, trust_remote_code=cfg.trust_remote_code)
             for p in critic_rm.head.parameters():
                 p.requires_grad_(True)
         self.train_dtype = resolve_dtype(cfg.dtype)

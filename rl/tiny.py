@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import fcntl
 import json
 import os
 import shutil
@@ -86,37 +87,36 @@ def write_tiny_model(out: str | os.PathLike, family: str = "llama", task: str = 
     marker = out / "tiny_spec.json"
     if marker.exists() and json.loads(marker.read_text()) == spec:
         return out
-    # Several processes (an `accelerate launch` of 2) may build the same model at once: each writes
-    # to its own temporary directory and renames it into place; the first rename wins.
-    tmp = out.parent / f".{out.name}.tmp-{os.getpid()}"
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
-    tok = build_tokenizer()
-    # Headroom above the 259 tokens: some families' tokenizer classes (Qwen2's) add a special token of
-    # their own on load, and a multiple of 64 keeps the embedding matmuls aligned.
-    vocab_size = 320
-    cfg = build_config(family, vocab_size, hidden, layers, heads, task=task,
-                       pad_id=tok.pad_token_id, bos_id=tok.bos_token_id, eos_id=tok.eos_token_id)
-    torch.manual_seed(seed)
-    cls = AutoModelForSequenceClassification if task == "classifier" else AutoModelForCausalLM
-    with _without_zero3_init():
-        model = cls.from_config(cfg)
-    model.save_pretrained(tmp, safe_serialization=True)
-    tok.save_pretrained(tmp)
-    (tmp / "tiny_spec.json").write_text(json.dumps(spec))
-    if marker.exists() and json.loads(marker.read_text()) == spec:
-        shutil.rmtree(tmp, ignore_errors=True)  # another process finished the same model first
-        return out
-    if out.exists() and not marker.exists():
-        shutil.rmtree(out, ignore_errors=True)  # an incomplete or different model from an old run
-    elif out.exists():
-        old = out.parent / f".{out.name}.old-{os.getpid()}"
-        os.replace(out, old)  # a model with another spec: replace it
-        shutil.rmtree(old, ignore_errors=True)
-    try:
-        os.rename(tmp, out)
-    except OSError:  # another process renamed its copy first; theirs is identical
+    # Several processes (an `accelerate launch` of 2) may build the same model at once. They take turns
+    # on a lock file: the first builds into a temporary directory and renames it into place, the others
+    # then find the marker. (Without the lock, one process could move aside the model another had just
+    # renamed into place while a third was loading it: seen as a directory with tokenizer files only.)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with open(out.parent / f".{out.name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if marker.exists() and json.loads(marker.read_text()) == spec:
+            return out  # another process finished the same model first
+        tmp = out.parent / f".{out.name}.tmp-{os.getpid()}"
         shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir(parents=True)
+        tok = build_tokenizer()
+        # Headroom above the 259 tokens: some families' tokenizer classes (Qwen2's) add a special token of
+        # their own on load, and a multiple of 64 keeps the embedding matmuls aligned.
+        vocab_size = 320
+        cfg = build_config(family, vocab_size, hidden, layers, heads, task=task,
+                           pad_id=tok.pad_token_id, bos_id=tok.bos_token_id, eos_id=tok.eos_token_id)
+        torch.manual_seed(seed)
+        cls = AutoModelForSequenceClassification if task == "classifier" else AutoModelForCausalLM
+        with _without_zero3_init():
+            model = cls.from_config(cfg)
+        model.save_pretrained(tmp, safe_serialization=True)
+        tok.save_pretrained(tmp)
+        (tmp / "tiny_spec.json").write_text(json.dumps(spec))
+        if out.exists():  # an incomplete model, or one with another spec: replace it
+            old = out.parent / f".{out.name}.old-{os.getpid()}"
+            os.replace(out, old)
+            shutil.rmtree(old, ignore_errors=True)
+        os.rename(tmp, out)
     return out
 
 
