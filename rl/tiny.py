@@ -78,6 +78,7 @@ def write_tiny_model(out: str | os.PathLike, family: str = "llama", task: str = 
     Idempotent: if `out` already holds a model written with the same arguments, it is reused.
     """
     import torch
+    from huggingface_hub import save_torch_state_dict
     from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
 
     if task not in TASKS:
@@ -109,7 +110,14 @@ def write_tiny_model(out: str | os.PathLike, family: str = "llama", task: str = 
         cls = AutoModelForSequenceClassification if task == "classifier" else AutoModelForCausalLM
         with _without_zero3_init():
             model = cls.from_config(cfg)
-        model.save_pretrained(tmp, safe_serialization=True)
+        # Written piece by piece, not with model.save_pretrained: that writes only on torch.distributed
+        # rank 0, and under `accelerate launch` the rank that takes the lock first may be another one
+        # (seen: a directory with the tokenizer and nothing else).
+        model.config.architectures = [type(model).__name__]
+        model.config.save_pretrained(tmp)
+        if model.can_generate():
+            model.generation_config.save_pretrained(tmp)
+        save_torch_state_dict(model.state_dict(), tmp)
         tok.save_pretrained(tmp)
         (tmp / "tiny_spec.json").write_text(json.dumps(spec))
         if out.exists():  # an incomplete model, or one with another spec: replace it

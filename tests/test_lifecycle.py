@@ -1,0 +1,176 @@
+"""The run core's lifecycle (rl/trainers/base.py), proven once over all five trainers through their
+launch scripts: a stop on SIGTERM checkpoints and exits 128 + 15; retention keeps save_total_limit
+checkpoints; resume=auto falls back past a corrupt newest checkpoint; a rerun into a finished run is
+refused; a diverging run stops at the first non-finite loss with one line and saves nothing."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from rl.config import ConfigError, build
+from rl.sft import SFTConfig
+from rl.trainers.base import (CallbackTracker, NonFiniteError, RunError, check_finite, check_output_dir,
+                              complete_checkpoints, prune_checkpoints)
+from tests.conftest import ROOT
+
+
+
+def _env() -> dict:
+    # read at call time: the session fixture sets RL_TINY_CACHE after this module is imported
+    return {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "RL_NO_PROGRESS": "1"}
+
+# Each trainer's tiny recipe cut to small steps; {n} is the run length in steps (PPO: iterations).
+TRAINERS = {
+    "sft": ["launch/sft.py", "--config", "recipes/tiny/sft.yaml", "batch_size=4", "max_steps={n}"],
+    "reward": ["launch/reward.py", "--config", "recipes/tiny/reward.yaml", "batch_size=4", "num_epochs=100",
+               "max_steps={n}", "data.eval_fraction=0"],
+    "dpo": ["launch/dpo.py", "--config", "recipes/tiny/dpo.yaml", "batch_size=4", "max_steps={n}",
+            "eval_every=0", "data.eval_fraction=0"],
+    "ppo": ["launch/ppo.py", "--config", "recipes/tiny/ppo.yaml", "batch_size=4", "mini_batch_size=4",
+            "gradient_accumulation_steps=1", "ppo_epochs=1", "max_new_tokens=4", "num_iterations={n}"],
+    "grpo": ["launch/grpo.py", "--config", "recipes/tiny/grpo.yaml", "batch_size=8", "num_generations=4",
+             "max_steps={n}", "eval_every=0", "eval_num_prompts=4"],
+}
+COMMON = ["log_every=1", "report_to=[jsonl]"]
+FINAL = {"reward": "reward_config.json"}  # the file a finished run writes (default model.safetensors)
+
+
+def _cmd(trainer: str, out, n: int, *extra: str) -> list[str]:
+    return [sys.executable, *(a.format(n=n) for a in TRAINERS[trainer]), *COMMON, f"output_dir={out}", *extra]
+
+
+def _train_rows(out) -> list[dict]:
+    path = out / "metrics.jsonl"
+    if not path.exists():
+        return []
+    rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    return [r for r in rows if "loss" in r or "objective/scores" in r]
+
+
+def _run(cmd, **kw) -> subprocess.CompletedProcess:
+    return subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600, env=_env(), **kw)
+
+
+# ------------------------------------------------------------------------------- unit level
+
+def test_check_finite_names_step_and_metric():
+    check_finite({"step": 3, "loss": 1.0, "grad_norm": 2.0, "other": float("nan")})  # only guarded keys
+    with pytest.raises(NonFiniteError, match=r"step 3: loss is nan"):
+        check_finite({"step": 3, "loss": float("nan")})
+    with pytest.raises(NonFiniteError, match=r"step 4: grad_norm is inf"):
+        check_finite({"step": 4, "loss": 1.0, "grad_norm": float("inf")})
+
+
+def _fake_checkpoint(out, step: int, complete: bool = True):
+    d = out / "checkpoints" / f"checkpoint-{step}"
+    d.mkdir(parents=True)
+    if complete:
+        (d / "COMPLETE").write_text("")
+    return d
+
+
+def test_retention_keeps_the_newest_complete_checkpoints(tmp_path):
+    for s in (1, 2, 10, 3):
+        _fake_checkpoint(tmp_path, s)
+    partial = _fake_checkpoint(tmp_path, 11, complete=False)
+    assert [d.name for d in complete_checkpoints(tmp_path)] == ["checkpoint-10", "checkpoint-3", "checkpoint-2",
+                                                                "checkpoint-1"]
+    gone = prune_checkpoints(tmp_path, 2)
+    assert sorted(d.name for d in gone) == ["checkpoint-1", "checkpoint-2"]
+    assert [d.name for d in complete_checkpoints(tmp_path)] == ["checkpoint-10", "checkpoint-3"]
+    assert partial.exists()  # an interrupted write is not a checkpoint; retention leaves it alone
+    assert prune_checkpoints(tmp_path, None) == []
+
+
+def test_output_dir_guard(tmp_path):
+    class Cfg:
+        output_dir, resume, overwrite = str(tmp_path / "run"), None, False
+
+    cfg = Cfg()
+    check_output_dir(cfg)  # nothing there yet
+    (tmp_path / "run").mkdir()
+    (tmp_path / "run" / "metrics.jsonl").write_text("{}\n")
+    _fake_checkpoint(tmp_path / "run", 2)
+    with pytest.raises(RunError, match="holds a previous run .*resume=auto.*overwrite=true"):
+        check_output_dir(cfg)
+    cfg.resume = "auto"
+    check_output_dir(cfg)  # continuing is fine
+    cfg.resume, cfg.overwrite = None, True
+    check_output_dir(cfg)  # replacing clears what a later resume=auto would pick up
+    assert not (tmp_path / "run" / "metrics.jsonl").exists() and complete_checkpoints(tmp_path / "run") == []
+    (tmp_path / "file").write_text("x")
+    cfg.output_dir = str(tmp_path / "file")
+    with pytest.raises(RunError, match="is a file"):
+        check_output_dir(cfg)
+
+
+def test_callback_tracker_forwards_rows():
+    seen = []
+    t = CallbackTracker(lambda step, m: seen.append((step, m)))
+    t.log(2, {"loss": 1.0})
+    t.write("note")
+    t.close()
+    assert seen == [(2, {"loss": 1.0})]
+
+
+# ------------------------------------------------------------------------- all five trainers
+
+@pytest.mark.slow
+@pytest.mark.parametrize("trainer", list(TRAINERS))
+def test_sigterm_retention_corrupt_fallback_and_rerun(trainer, tmp_path, tiny_llama):
+    """(tiny_llama: the tiny model exists before the run starts.)"""
+    out = tmp_path / "run"
+    final = out / FINAL.get(trainer, "model.safetensors")
+    # 1. SIGTERM mid-run: the step finishes, a checkpoint is written, exit 128 + 15, no final model
+    proc = subprocess.Popen(_cmd(trainer, out, 500, "save_every=1", "save_total_limit=2"), cwd=ROOT, text=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=_env())
+    deadline = time.time() + 300
+    while len(_train_rows(out)) < 3 and proc.poll() is None and time.time() < deadline:
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGTERM)
+    log = proc.communicate(timeout=300)[0]
+    assert proc.returncode == 128 + signal.SIGTERM, log[-3000:]
+    assert "stopping on signal 15" in log and "Traceback" not in log, log[-3000:]
+    assert not final.exists()
+    ckpts = complete_checkpoints(out)
+    stopped = int(ckpts[0].name.split("-")[1])
+    assert len(ckpts) == 2 and stopped >= 3 and ckpts[1].name == f"checkpoint-{stopped - 1}", ckpts
+    # 2. the newest checkpoint is unreadable: resume=auto warns and continues from the previous one
+    (ckpts[0] / "model.safetensors").write_bytes(b"not a safetensors file")
+    r = _run(_cmd(trainer, out, stopped + 1, "resume=auto"))
+    assert r.returncode == 0, (r.stdout + r.stderr)[-3000:]
+    text = r.stdout + r.stderr
+    assert "cannot be loaded" in text and f"resumed from {ckpts[1]}" in text, text[-3000:]
+    assert final.exists()
+    # 3. a new run into the finished one is refused before any model is built; nothing is touched
+    before = final.stat().st_mtime_ns
+    r = _run(_cmd(trainer, out, 2))
+    assert r.returncode == 2 and "error: " in r.stderr and "holds a previous run" in r.stderr, r.stderr[-2000:]
+    assert "Traceback" not in r.stderr and final.stat().st_mtime_ns == before
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("trainer", list(TRAINERS))
+def test_diverging_run_stops_at_the_first_non_finite_loss(trainer, tmp_path, tiny_llama):
+    out = tmp_path / "run"
+    r = _run(_cmd(trainer, out, 8, "learning_rate=1e30", "save_every=1"))
+    err = r.stderr.strip().splitlines()
+    assert r.returncode == 1, (r.stdout + r.stderr)[-3000:]
+    assert err and err[-1].startswith("error: step ") and ("is nan" in err[-1] or "is inf" in err[-1]), err[-5:]
+    assert "Traceback" not in r.stderr
+    assert not (out / FINAL.get(trainer, "model.safetensors")).exists()
+    bad = int(err[-1].split()[2].rstrip(":"))
+    assert all(int(d.name.split("-")[1]) < bad for d in complete_checkpoints(out))  # no NaN checkpoint
+
+
+def test_learning_rate_zero_or_nan_is_refused():
+    for lr in (0.0, float("nan"), -1e-3):
+        with pytest.raises(ConfigError, match="learning_rate' must be a positive number"):
+            build(SFTConfig, {"model_name": "m", "learning_rate": lr})
