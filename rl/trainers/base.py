@@ -41,8 +41,10 @@ from rl.forward_backward import COMPLETE_MARKER
 logger = logging.getLogger(__name__)
 
 _STEP = re.compile(r"^checkpoint-(\d+)$")
-# metrics whose non-finite value means the weights are, or are about to be, garbage
-GUARDED = ("loss", "grad_norm")
+# metrics whose non-finite value means the weights are, or are about to be, garbage: the loss and its
+# parts (PPO logs loss/policy, loss/value, loss/total) and the gradient norm
+def _guarded(key: str) -> bool:
+    return key in ("loss", "grad_norm") or key.startswith("loss/")
 
 
 class RunError(RuntimeError):
@@ -55,9 +57,8 @@ class NonFiniteError(RunError):
 
 def check_finite(row: dict) -> None:
     """Raise NonFiniteError naming the step and the metric when a guarded value is not finite."""
-    for key in GUARDED:
-        v = row.get(key)
-        if isinstance(v, (int, float)) and not math.isfinite(v):
+    for key, v in row.items():
+        if _guarded(key) and isinstance(v, (int, float)) and not math.isfinite(v):
             raise NonFiniteError(f"step {row.get('step')}: {key} is {v}; training diverged (lower "
                                  f"learning_rate, or check the data and rewards); nothing was saved at this step")
 
