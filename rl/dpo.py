@@ -32,7 +32,6 @@ Chosen and rejected answers go through ONE forward of the concatenated batch [ch
 
 from __future__ import annotations
 
-import copy
 import dataclasses
 import gc
 import logging
@@ -49,7 +48,11 @@ from rl.algos import names
 from rl.algos.preference import (hinge_loss, ipo_loss, log_odds, orpo_loss, preference_loss,  # noqa: F401
                                  sigmoid_loss)
 from rl.config import ConfigError, TrainConfig, epoch_plan, opt, save_config, to_dict
-from rl.forward_backward import zero_stage
+from rl.checkpoint import checkpoint_dir
+from rl.forward_backward import ForwardBackwardPipeline, build_accelerator, zero_stage
+from rl.models import (apply_lora, build_optimizer, build_scheduler, load_tokenizer, load_trainable_policy,
+                       resolve_dtype, save_pretrained, trainable_fraction)
+from rl.reference import ReferencePolicy
 from rl.tracking import Tracker
 from rl.trainers.base import Trainer
 
@@ -297,10 +300,6 @@ class DPOTrainer(Trainer):
     """
 
     def __init__(self, config: DPOConfig, tokenizer=None, model=None, ref_model=None):
-        from rl.forward_backward import build_accelerator, zero_stage
-        from rl.models import (apply_lora, load_causal_lm, load_tokenizer, load_trainable_policy, resolve_dtype,
-                               trainable_fraction)
-
         cfg = self.cfg = self.config = config
         torch.manual_seed(cfg.seed)
         train_dtype = resolve_dtype(cfg.dtype)
@@ -312,32 +311,18 @@ class DPOTrainer(Trainer):
         if model is None:
             model = load_trainable_policy(cfg)
         is_peft = hasattr(model, "disable_adapter")
-        # The reference: decided once, here.
-        if cfg.uses_no_reference:
-            self.ref_mode = "none"
-        elif ref_model is None and (cfg.lora.enabled or is_peft) and cfg.ref_model_name is None:
-            self.ref_mode = "adapters"  # the policy with adapters disabled: no second copy in memory
-        else:
-            self.ref_mode = "copy"
-            if ref_model is None:
-                # Under ZeRO-3 the policy's parameters may already be partitioned (zero.Init at load):
-                # a deep copy would copy empty shards, so the reference is loaded again by name.
-                if cfg.ref_model_name is not None or zero_stage(self.accelerator) == 3:
-                    ref_model = load_causal_lm(cfg.ref_model_name or cfg.model_name, dtype=torch.float32,
-                                               trust_remote_code=cfg.trust_remote_code,
-                                               attn_implementation=cfg.attn_implementation)
-                else:
-                    ref_model = copy.deepcopy(model)  # before LoRA: the initial policy
-            from rl.models import freeze
-
-            freeze(ref_model)
+        # The reference: decided once, here, before LoRA (a copy is the initial policy)
+        self.reference = ReferencePolicy.build(cfg, model, self.accelerator, needed=not cfg.uses_no_reference,
+                                               name=cfg.ref_model_name, model=ref_model)
         if cfg.lora.enabled and not is_peft:
             model = apply_lora(model, cfg.lora.rank, cfg.lora.alpha, cfg.lora.dropout, cfg.lora.target_modules)
         self.trainable, self.total_params = trainable_fraction(model)
         self._model = model
-        self._ref_model = ref_model
-        self.ref = None  # the prepared reference (module or DeepSpeed engine) once training starts
         self.pipeline = None
+
+    @property
+    def ref_mode(self) -> str:
+        return self.reference.mode
 
     # ----------------------------------------------------------------------------------- sizes
     def plan(self, n_pairs: int) -> dict:
@@ -346,10 +331,6 @@ class DPOTrainer(Trainer):
 
     # ------------------------------------------------------------------------------- reference
     def _setup(self, total_steps: int) -> None:
-        from rl.checkpoint import checkpoint_dir
-        from rl.forward_backward import ForwardBackwardPipeline
-        from rl.models import build_optimizer, build_scheduler
-
         cfg = self.config
         optimizer = build_optimizer(self._model, cfg.learning_rate, cfg.weight_decay)
         scheduler = build_scheduler(optimizer, cfg.lr_scheduler, total_steps, cfg.warmup_ratio)
@@ -357,29 +338,18 @@ class DPOTrainer(Trainer):
             self._model, gradient_accumulation_steps=cfg.gradient_accumulation_steps, optimizer=optimizer,
             scheduler=scheduler, accelerator=self.accelerator, checkpoint_dir=checkpoint_dir(cfg.output_dir),
             micro_batch_size=cfg.batch_size)
-        if self.ref_mode == "copy":
-            self.ref = prepare_reference(self._ref_model, self.accelerator)
-            self._ref_model = None
+        self.reference.place(self.accelerator)
 
     def _reference_logps(self, batch: dict) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         """Reference log-probs of a collated batch: precomputed, a forward of the frozen copy or of the
         policy with adapters disabled, or (None, None) when there is no reference."""
         if "ref_chosen_logps" in batch:
             return batch["ref_chosen_logps"], batch["ref_rejected_logps"]
-        if self.ref_mode == "none":
+        if not self.reference.exists:
             return None, None
         batch = {k: v.to(self.accelerator.device) for k, v in batch.items()}
-        if self.ref_mode == "copy":
-            # The frozen copy is not prepared by accelerate: autocast it like the policy (bf16 on GPUs).
-            with self.accelerator.autocast():
-                c, r, _, _ = concatenated_logps(self.ref, batch)
-            return c, r
-        model = self.pipeline.model
-        with self.pipeline.unwrapped_model.disable_adapter():
-            was_training = model.training
-            model.eval()
+        with self.reference.use(self.pipeline) as model:
             c, r, _, _ = concatenated_logps(model, batch)
-            model.train(was_training)
         return c, r
 
     def precompute_reference(self, dataset: PreferenceDataset) -> None:
@@ -419,7 +389,7 @@ class DPOTrainer(Trainer):
             for ds in (dataset, eval_dataset):
                 if ds is not None and ds.ref_logps is None:
                     self.precompute_reference(ds)
-            self.ref = None  # no reference forward from here on: free its memory
+            self.reference.release()  # no reference forward from here on: free its memory
             gc.collect()
             tracker.write(f"reference log-probs precomputed in {time.time() - t0:.1f}s")
         self._train, self._eval = dataset, eval_dataset
@@ -497,8 +467,6 @@ class DPOTrainer(Trainer):
 
     def save(self, out_dir: str | None = None) -> str:
         """Write the final model (HF format, LoRA merged) and tokenizer; every process must call it."""
-        from rl.models import save_pretrained
-
         out = out_dir or self.config.output_dir
         save_pretrained(self.pipeline.model, self.tokenizer, out, self.accelerator)
         self.accelerator.wait_for_everyone()
@@ -506,38 +474,6 @@ class DPOTrainer(Trainer):
 
 
 # ===================================================================================== helpers
-
-def prepare_reference(ref_model, accelerator):
-    """Place a frozen reference: under ZeRO-3 its own DeepSpeed engine (parameters sharded like the
-    policy's, no optimizer), otherwise a plain module on the device (no DDP wrapper: no gradients)."""
-    from rl.forward_backward import zero_stage
-
-    if zero_stage(accelerator) == 3:
-        import deepspeed
-
-        ds = copy.deepcopy(accelerator.state.deepspeed_plugin.deepspeed_config)
-        ds.pop("optimizer", None)
-        ds.pop("scheduler", None)
-        hidden = getattr(getattr(ref_model, "config", None), "hidden_size", None)
-        zo = ds.setdefault("zero_optimization", {})
-        # accelerate fills these "auto" values for the model it prepares; fill them for this one.
-        for key, value in (("reduce_bucket_size", (hidden or 1024) ** 2),
-                           ("stage3_prefetch_bucket_size", int(0.9 * (hidden or 1024) ** 2)),
-                           ("stage3_param_persistence_threshold", 10 * (hidden or 1024))):
-            if zo.get(key) == "auto":
-                zo[key] = value
-        for key in ("bf16", "fp16"):
-            if isinstance(ds.get(key), dict) and ds[key].get("enabled") == "auto":
-                ds[key]["enabled"] = False
-        for key in ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps",
-                    "gradient_clipping"):
-            if ds.get(key) == "auto":
-                ds.pop(key)
-        engine, *_ = deepspeed.initialize(model=ref_model, config=ds)
-        engine.eval()
-        return engine
-    return ref_model.to(accelerator.device)
-
 
 def _shards(n: int, batch_size: int, world: int, rank: int):
     """Yield (indices, weights) micro-batches of this rank's share of range(n); every rank gets the same

@@ -781,17 +781,9 @@ class AsyncTrainingClient:
         return self.pipeline.step
 
     def _prepare_reference(self, ref):
-        ref.eval()
         for p in ref.parameters():
             p.requires_grad_(False)
-        acc = self.accelerator
-        if zero_stage(acc) == 3:
-            import deepspeed
-
-            engine, *_ = deepspeed.initialize(model=ref, config=reference_ds_config(acc))
-            engine.eval()
-            return engine
-        return ref.to(acc.device)
+        return place_frozen(ref, self.accelerator)
 
     # ------------------------------------------------------------------ requests
     def forward_backward(self, batch: dict, loss_fn: str | Callable = "cross_entropy", **loss_kwargs) -> Future:
@@ -909,6 +901,21 @@ def _split_batch(batch: dict) -> tuple[dict, dict]:
     model_in = {k: batch[k] for k in BATCH_MODEL_KEYS if batch.get(k) is not None}
     extra = {k: v for k, v in batch.items() if k not in BATCH_MODEL_KEYS}
     return model_in, extra
+
+
+def place_frozen(model, accelerator):
+    """Put a frozen model (a reference) where the policy runs, in eval mode: under ZeRO-3 its own
+    DeepSpeed inference engine, so that each rank holds a shard of it like the policy's; otherwise a
+    plain module on the device (no DDP wrapper: it has no gradients). The one placement rule for every
+    frozen model of every trainer (rl.reference) and of the client."""
+    model.eval()
+    if zero_stage(accelerator) == 3:
+        import deepspeed
+
+        engine, *_ = deepspeed.initialize(model=model, config=reference_ds_config(accelerator))
+        engine.eval()
+        return engine
+    return model.to(accelerator.device)
 
 
 def reference_ds_config(accelerator) -> dict:

@@ -34,7 +34,6 @@ GRPOTrainer/RLOOTrainer formulas in tests/test_grpo_trl.py.
 
 from __future__ import annotations
 
-import copy
 import dataclasses
 import inspect
 import logging
@@ -53,12 +52,12 @@ from rl.algos.kl import k3_kl  # noqa: F401
 from rl.algos.policy_losses import LOSS_AGGREGATIONS, grpo_loss  # noqa: F401
 from rl.checkpoint import checkpoint_dir
 from rl.config import ConfigError, TrainConfig, opt, save_config, to_dict
-from rl.dpo import prepare_reference
 from rl.environments import make_env
 from rl.forward_backward import ForwardBackwardPipeline, build_accelerator, zero_stage
 from rl.generation import generate, position_ids_from_mask
-from rl.models import (apply_lora, freeze, build_optimizer, build_scheduler, load_causal_lm, load_tokenizer,
-                       load_trainable_policy, resolve_dtype, save_pretrained, trainable_fraction)
+from rl.models import (apply_lora, build_optimizer, build_scheduler, load_tokenizer, load_trainable_policy,
+                       resolve_dtype, save_pretrained, trainable_fraction)
+from rl.reference import ReferencePolicy
 from rl.tracking import Tracker
 from rl.trainers.base import Trainer
 
@@ -313,22 +312,12 @@ class GRPOTrainer(Trainer):
         self.train_prompts = train_prompts
         if model is None:
             model = load_trainable_policy(cfg)
-        # beta = 0: no reference model at all (no memory, no forward)
-        self._ref_model = None
-        if cfg.beta > 0 and not cfg.lora.enabled:
-            if zero_stage(self.accelerator) == 3:
-                # under ZeRO-3 the policy was loaded partitioned (zero.Init): a deepcopy would copy empty
-                # shards, so the reference is loaded again from the same weights
-                ref = load_causal_lm(cfg.model_name, dtype=torch.float32, trust_remote_code=cfg.trust_remote_code,
-                                     attn_implementation=cfg.attn_implementation)
-            else:
-                ref = copy.deepcopy(model)
-            self._ref_model = freeze(ref)
+        # beta = 0: no reference model at all (no memory, no forward); decided before LoRA
+        self.reference = ReferencePolicy.build(cfg, model, self.accelerator, needed=cfg.beta > 0)
         if cfg.lora.enabled:
             model = apply_lora(model, cfg.lora.rank, cfg.lora.alpha, cfg.lora.dropout, cfg.lora.target_modules)
         self.trainable, self.total_params = trainable_fraction(model)
         self._model = model
-        self.ref = None
         self.pipeline = None
 
     def plan(self) -> dict:
@@ -375,12 +364,8 @@ class GRPOTrainer(Trainer):
         return losses.token_logprobs(logits, batch["labels"])[0]
 
     def _ref_logprobs(self, batch: dict) -> torch.Tensor:
-        if self.ref is not None:
-            return self._logprobs(self.ref, batch)
-        # LoRA: the reference is the base model, i.e. the adapters switched off
-        model = self.pipeline.unwrapped_model
-        with model.disable_adapter():
-            return self._logprobs(self.pipeline.model, batch)
+        with self.reference.use(self.pipeline) as model:
+            return self._logprobs(model, batch)
 
     # ------------------------------------------------------------------ training
     def train(self) -> list[dict]:
@@ -392,9 +377,7 @@ class GRPOTrainer(Trainer):
         self.pipeline = ForwardBackwardPipeline(
             self._model, gradient_accumulation_steps=cfg.gradient_accumulation_steps, optimizer=optimizer,
             scheduler=scheduler, accelerator=acc, checkpoint_dir=checkpoint_dir(out), micro_batch_size=cfg.batch_size)
-        if self._ref_model is not None:
-            self.ref = prepare_reference(self._ref_model, acc)
-            self._ref_model = None
+        self.reference.place(acc)
         if acc.is_main_process:
             save_config(cfg, out)
         tracker = Tracker(out, cfg.report_to, cfg.run_name, to_dict(cfg), plan["total_steps"], acc.is_main_process,

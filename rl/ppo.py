@@ -56,8 +56,9 @@ from rl.checkpoint import checkpoint_dir
 from rl.config import ConfigError, TrainConfig, opt, save_config, to_dict
 from rl.forward_backward import ForwardBackwardPipeline, build_accelerator, is_deepspeed, zero_stage
 from rl.generation import generate
-from rl.models import (apply_lora, build_optimizer, build_scheduler, freeze, load_causal_lm, load_tokenizer,
-                       load_trainable_policy, resolve_dtype, trainable_fraction, write_pretrained)
+from rl.models import (apply_lora, build_optimizer, build_scheduler, load_tokenizer, load_trainable_policy,
+                       resolve_dtype, trainable_fraction, write_pretrained)
+from rl.reference import ReferencePolicy
 from rl.tracking import Tracker
 from rl.trainers.base import Trainer
 
@@ -479,17 +480,12 @@ class PPOTrainer(Trainer):
             self.reward.model.to(self.accelerator.device)
         if model is None:
             model = load_trainable_policy(cfg)
+        # decided before LoRA: with LoRA and no explicit ref_model the policy without adapters is the reference
+        self.reference = ReferencePolicy.build(cfg, model, self.accelerator, name=cfg.ref_model)
         if cfg.lora.enabled:
             model = apply_lora(model, cfg.lora.rank, cfg.lora.alpha, cfg.lora.dropout, cfg.lora.target_modules)
         self.policy = PPOModel(model, value_head=cfg.value_model == "shared")
         self.critic = Critic(critic_rm) if critic_rm is not None else None
-        # LoRA without an explicit reference: the policy with its adapters disabled is the reference
-        self.ref_from_adapters = cfg.lora.enabled and cfg.ref_model is None
-        self.ref_model = None
-        if not self.ref_from_adapters:
-            self.ref_model = freeze(load_causal_lm(cfg.ref_model or cfg.model_name, dtype=self.train_dtype,
-                                                   trust_remote_code=cfg.trust_remote_code,
-                                                   attn_implementation=cfg.attn_implementation))
         self.kl_ctl = (AdaptiveKLController(cfg.kl_penalty_coef, cfg.kl_target, cfg.kl_horizon) if cfg.adaptive_kl
                        else FixedKLController(cfg.kl_penalty_coef))
         self.pipeline = None
@@ -520,18 +516,7 @@ class PPOTrainer(Trainer):
                 self.critic, gradient_accumulation_steps=cfg.gradient_accumulation_steps, optimizer=c_opt,
                 scheduler=c_sched, accelerator=acc, checkpoint_dir=checkpoint_dir(out) / "critic",
                 micro_batch_size=cfg.micro_batch_size)
-        if self.ref_model is not None:
-            if zero_stage(acc) == 3:
-                import deepspeed
-
-                from rl.forward_backward import reference_ds_config
-
-                # its own inference engine: each rank holds a shard of the frozen reference
-                engine, *_ = deepspeed.initialize(model=self.ref_model, config=reference_ds_config(acc))
-                engine.eval()
-                self.ref_model = engine
-            else:
-                self.ref_model = self.ref_model.to(acc.device)
+        self.reference.place(acc)
 
     # ------------------------------------------------------------------ forward passes (no grad)
     @torch.no_grad()
@@ -554,13 +539,9 @@ class PPOTrainer(Trainer):
                 if out.value is not None:
                     old_v.append(out.value[:, P - 1:-1].float())
                 del out
-                if self.ref_from_adapters:
-                    with self.pipeline.unwrapped_model.base_model.disable_adapter():
-                        ref_logits = model(input_ids=ids[sl], attention_mask=mask[sl], position_ids=pos[sl],
-                                           use_cache=False).logits
-                else:
-                    ref_logits = self.ref_model(input_ids=ids[sl], attention_mask=mask[sl], position_ids=pos[sl],
-                                                use_cache=False).logits
+                with self.reference.use(pipe) as ref:
+                    ref_logits = ref(input_ids=ids[sl], attention_mask=mask[sl], position_ids=pos[sl],
+                                     use_cache=False).logits
                 ref_lp.append(response_logprobs(ref_logits, toks[sl], P, cfg.temperature))
                 del ref_logits
                 if self.critic_pipeline is not None:
@@ -765,7 +746,7 @@ class PPOTrainer(Trainer):
                       f"rollouts, {plan['steps_per_iteration']} optimizer steps each; {self.world} process(es), "
                       f"ZeRO stage {zero_stage(acc)}; trainable {n_train:,}/{n_all:,} parameters; "
                       f"reward: {self.reward.name}; value: {cfg.value_model}; reference: "
-                      f"{'policy without adapters' if self.ref_from_adapters else (cfg.ref_model or cfg.model_name)}")
+                      f"{self.reference.description}")
         if zero_stage(acc) == 3:
             tracker.write("zero3 shards on rank 0: " + ", ".join(f"{k} {a:,}/{b:,}" for k, (a, b) in self.shard_report().items()))
         self._prompts, self._encoded, self._metadata = prompts, self.encode_prompts(prompts), metadata
@@ -820,8 +801,8 @@ class PPOTrainer(Trainer):
         out = {"policy": count(policy.base_model.parameters())}
         if policy.value_head is not None:
             out["value head"] = count(policy.value_head.parameters())
-        if self.ref_model is not None:
-            out["reference"] = count(self.ref_model.parameters())
+        if self.reference.mode == "copy":
+            out["reference"] = count(self.reference.model.parameters())
         if self.critic_pipeline is not None:
             out["critic"] = count(self.critic_pipeline.unwrapped_model.parameters())
         return out

@@ -193,12 +193,12 @@ def test_grpo_training_logprobs_equal_the_samplers_on_gpt2(tmp_path, monkeypatch
     """Left-padded prompts of different lengths on an absolute-position model (tiny:gpt2): the training
     forward, the old-policy forward (num_iterations=2) and the frozen reference (beta > 0) score the
     sampled tokens as the sampler did, because all of them count positions from each row's first token."""
-    from rl import generation, grpo
+    from rl import grpo
     from rl.config import build
     from rl.losses import token_logprobs
 
     rollouts, seen = [], []
-    real_generate, real_loss_fn = generation.generate, grpo.grpo_loss_fn
+    real_generate, real_loss_fn = grpo.generate, grpo.grpo_loss_fn
 
     def recording_generate(*args, **kwargs):
         out = real_generate(*args, **kwargs)
@@ -210,7 +210,7 @@ def test_grpo_training_logprobs_equal_the_samplers_on_gpt2(tmp_path, monkeypatch
         seen.append({"logp": logp, "mask": mask, "old": kw["old_logprobs"], "ref": kw["ref_logprobs"]})
         return real_loss_fn(logits, labels, attention_mask, **kw)
 
-    monkeypatch.setattr(generation, "generate", recording_generate)
+    monkeypatch.setattr(grpo, "generate", recording_generate)  # the name the trainer calls
     monkeypatch.setattr(grpo, "grpo_loss_fn", recording_loss_fn)
     cfg = build(grpo.GRPOConfig, dict(model_name="tiny:gpt2", output_dir=str(tmp_path), learning_rate=1e-3,
                                       batch_size=4, num_generations=2, max_completion_length=5, max_length=40,
@@ -220,7 +220,7 @@ def test_grpo_training_logprobs_equal_the_samplers_on_gpt2(tmp_path, monkeypatch
     t = grpo.GRPOTrainer(cfg, reward_funcs=[lambda prompts, completions, **kw: [float(len(c)) for c in completions]],
                          train_prompts=rows)
     # GPT-2's configs default to dropout 0.1, which the training forward (train mode) would add on top
-    for module in [*t._model.modules(), *t._ref_model.modules()]:
+    for module in [*t._model.modules(), *t.reference.model.modules()]:
         if isinstance(module, torch.nn.Dropout):
             module.p = 0.0
     t.train()
@@ -235,7 +235,7 @@ def test_grpo_training_logprobs_equal_the_samplers_on_gpt2(tmp_path, monkeypatch
         assert diff < 1e-4, (key, diff)
     # the check can fail: the same forward without the sampler's positions scores the tokens differently
     batch = rollout.to_batch()
-    ref_model = t.ref.module if hasattr(t.ref, "module") else t.ref
+    ref_model = t.reference.model
     with torch.no_grad():
         logits = ref_model.eval()(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
     no_pos = token_logprobs(logits / cfg.temperature, batch["labels"])[0]

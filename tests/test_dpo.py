@@ -216,7 +216,7 @@ def test_precomputed_reference_matches_live_reference(tiny_llama, tiny_tokenizer
                             learning_rate=1e-3), tokenizer=tok, model=load_causal_lm(tiny_llama, dtype="float32"))
         runs[pre] = t.train(ds)
         if pre:
-            assert t.ref is None and ds.ref_logps.shape == (8, 2)
+            assert t.reference.model is None and ds.ref_logps.shape == (8, 2)
     for a, b in zip(runs[False], runs[True]):
         for k in ("loss", "rewards/chosen", "rewards/margins", "logps/rejected"):
             assert a[k] == pytest.approx(b[k], abs=1e-5), k

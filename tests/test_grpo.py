@@ -262,9 +262,9 @@ def test_beta_zero_loads_no_reference_and_learns(tiny_llama, tmp_path):
                                  report_to=["jsonl"], seed=LEARN_SEED))
     rows = [{"prompt": f"{a}+{b}="} for a in range(10) for b in range(10)]
     t = GRPOTrainer(cfg, reward_funcs=[starts_with_seven], train_prompts=rows)
-    assert t._ref_model is None
+    assert t.reference.mode == "none"
     h = t.train()
-    assert t.ref is None
+    assert t.reference.model is None
     assert len(h) == 16 and {"reward", "reward_std", "frac_reward_zero_std", "num_zero_std_groups",
                              "completions/mean_length", "clip_ratio/region_mean", "loss"} <= set(h[0])
     first, last = sum(r["reward"] for r in h[:3]) / 3, sum(r["reward"] for r in h[-3:]) / 3
@@ -292,7 +292,7 @@ def test_environment_reward_source_with_reference(tiny_llama, tmp_path):
 
     t = GRPOTrainer(cfg, reward_funcs=[content])
     h = t.train()
-    assert t.ref is not None
+    assert t.reference.mode == "copy" and t.reference.model is not None
     rows = [r for r in h if "reward" in r]
     assert len(rows) == 2 and rows[0]["kl"] == pytest.approx(0.0, abs=1e-6) and rows[1]["kl"] > 0
     assert "rewards/correctness/mean" in rows[0] and "rewards/formatting/mean" in rows[0]
