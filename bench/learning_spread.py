@@ -36,7 +36,7 @@ TESTS = [
 # name -> (threshold, direction): the bound each test asserts
 THRESHOLDS = {"sft_loss_ratio": (0.5, "<"), "reward_heldout_accuracy": (0.95, ">="),
               "dpo_heldout_accuracy": (0.9, ">="), "grpo_reward_gain": (0.2, ">"),
-              "ppo_reward_ratio": (2.0, ">="), "ppo_reward_end": (0.03, ">"), "pipeline_gain": (0.10, ">=")}
+              "ppo_reward_ratio": (2.0, ">="), "ppo_reward_end": (0.03, ">"), "ppo_max_kl": (50.0, "<"), "pipeline_gain": (0.10, ">=")}
 AVX2 = {"ATEN_CPU_CAPABILITY": "avx2", "MKL_ENABLE_INSTRUCTIONS": "AVX2", "ONEDNN_MAX_CPU_ISA": "AVX2"}
 VARIANTS = {"native": {}, "native1": {"OMP_NUM_THREADS": "1"}, "avx2": {"OMP_NUM_THREADS": "1", **AVX2}}
 

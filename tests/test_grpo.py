@@ -251,7 +251,8 @@ def test_config_errors(tiny_llama):
 def test_beta_zero_loads_no_reference_and_learns(tiny_llama, tmp_path):
     """A rewarded first character becomes the common one within a few steps; beta = 0 -> no reference.
     It learns: the mean reward of the last 3 steps exceeds that of the first 3 by 0.2; spread measured
-    by bench/learning_spread.py (see SPREAD below)."""
+    by bench/learning_spread.py over seeds 0-3 x {2 threads, 1 thread, AVX2 kernels}: gain 0.526 to 0.807
+    (median 0.69) in 12 runs, so the 0.2 bar has a margin of 0.3."""
 
     def starts_with_seven(prompts, completions, **kw):
         return [1.0 if c.startswith("7") else 0.0 for c in completions]
