@@ -154,23 +154,64 @@ def _hints(cls: type) -> dict[str, Any]:
     return typing.get_type_hints(cls)
 
 
+# The one alias table: the reference docs' and CLI's names and TRL's names, each mapped to our key. An
+# alias lists candidate targets in order and a schema takes the first that is one of its fields (so
+# `rl_kl_coef` is PPO's kl_penalty_coef and GRPO's beta); a name that is a field itself is never an alias
+# there (GRPO's max_completion_length is its own key, PPO's alias for max_new_tokens). A schema's own
+# ALIASES (rare) win.
+ALIASES: dict[str, tuple[str, ...]] = {
+    # the reference's generic names
+    "lr": ("learning_rate",), "epochs": ("num_epochs",), "model": ("model_name",), "project_name": ("output_dir",),
+    # the reference CLI's rl_* names
+    "rl_gamma": ("gamma",), "rl_gae_lambda": ("lam",), "rl_kl_coef": ("kl_penalty_coef", "beta"),
+    "rl_value_loss_coef": ("value_coef",), "rl_clip_range": ("clip_ratio", "epsilon_low"),
+    "rl_value_clip_range": ("value_clip",), "rl_num_ppo_epochs": ("ppo_epochs",),
+    "rl_mini_batch_size": ("mini_batch_size",), "rl_max_new_tokens": ("max_new_tokens", "max_completion_length"),
+    "rl_top_k": ("top_k",), "rl_top_p": ("top_p",), "rl_temperature": ("temperature",),
+    "rl_reward_model_path": ("reward_model_path",), "rl_reward_fn": ("reward_fn",),
+    "rl_multi_objective": ("multi_objective",), "rl_reward_weights": ("reward_weights",),
+    "rl_env_type": ("env_type",), "rl_env_config": ("env_config",), "model_ref": ("ref_model", "ref_model_name"),
+    "dpo_beta": ("beta",),
+    # TRL's names (TrainingArguments and the DPO/GRPO/PPO/Reward configs)
+    "per_device_train_batch_size": ("batch_size",), "num_train_epochs": ("num_epochs",),
+    "logging_steps": ("log_every",), "save_steps": ("save_every",), "eval_steps": ("eval_every",),
+    "lr_scheduler_type": ("lr_scheduler",), "max_completion_length": ("max_new_tokens",),
+    "max_new_tokens": ("max_completion_length",), "num_generations": ("num_generations",),
+    "group_size": ("num_generations",), "epsilon": ("epsilon_low", "clip_ratio"), "kl_coef": ("kl_penalty_coef", "beta"),
+    "vf_coef": ("value_coef",), "cliprange": ("clip_ratio",), "cliprange_value": ("value_clip",),
+    "num_ppo_epochs": ("ppo_epochs",), "gae_lambda": ("lam",), "precompute_ref_log_probs": ("precompute_ref_logps",),
+    "ref_model": ("ref_model_name",),
+}
+# TRL's boolean precision flags: an alias whose value is mapped too
+VALUE_ALIASES: dict[str, tuple[str, dict]] = {"bf16": ("dtype", {True: "bfloat16", False: "float32"})}
+
+
 def _aliases(cls: type) -> dict[str, str]:
-    """Alternative key names (e.g. the reference CLI's `rl_gamma` for `gamma`)."""
-    return dict(getattr(cls, "ALIASES", {}))
+    """This schema's alternative key names -> its keys (see ALIASES)."""
+    fields = _fields(cls)
+    out = {a: next(t for t in targets if t in fields) for a, targets in ALIASES.items()
+           if a not in fields and any(t in fields for t in targets)}
+    out.update({a: t for a, (t, _) in VALUE_ALIASES.items() if a not in fields and t in fields})
+    out.update(getattr(cls, "ALIASES", {}))
+    return out
 
 
-def _all_keys(cls: type, prefix: str = "") -> list[str]:
-    keys = []
+def _all_keys(cls: type, prefix: str = "", aliases: bool = False) -> list[str]:
+    """Every dotted key of `cls` (with `aliases`, the alias names instead)."""
+    keys = [] if aliases else [prefix + name for name in _fields(cls)]
+    if aliases:
+        keys += [prefix + a for a in _aliases(cls)]
     hints = _hints(cls)
     for name in _fields(cls):
-        keys.append(prefix + name)
         if dataclasses.is_dataclass(hints[name]):
-            keys += _all_keys(hints[name], f"{prefix}{name}.")
-    return keys + [prefix + a for a in _aliases(cls)]
+            keys += _all_keys(hints[name], f"{prefix}{name}.", aliases)
+    return keys
 
 
 def _unknown(key: str, cls: type, where: str) -> ConfigError:
-    close = difflib.get_close_matches(key, _all_keys(cls), n=3, cutoff=0.6)
+    # our own keys first; an alias (a reference CLI or TRL name) only when no key is close
+    close = (difflib.get_close_matches(key, _all_keys(cls), n=3, cutoff=0.6)
+             or difflib.get_close_matches(key, _all_keys(cls, aliases=True), n=3, cutoff=0.6))
     hint = f" (did you mean {', '.join(close)}?)" if close else " (run with --help to list the keys)"
     return ConfigError(f"{where}: unknown key '{key}'{hint}")
 
@@ -188,6 +229,12 @@ def build(cls: type, data: dict, where: str = "config", prefix: str = "", root: 
         key = aliases.get(raw_key, raw_key)
         if key not in fields:
             raise _unknown(prefix + raw_key, root, where)
+        if raw_key in VALUE_ALIASES and key == VALUE_ALIASES[raw_key][0] and raw_key not in fields:
+            try:
+                value = VALUE_ALIASES[raw_key][1][_convert(value, bool)]
+            except TypeError:
+                raise ConfigError(f"{where}: key '{prefix}{raw_key}' has value {value!r}, expected bool "
+                                  f"(true or false)") from None
         tp = hints[key]
         if dataclasses.is_dataclass(tp):
             if value is None:

@@ -59,7 +59,6 @@ from rl.trainers.base import Trainer
 logger = logging.getLogger(__name__)
 
 
-
 # ============================================================================== pure loss functions
 # The per-pair losses (sigmoid, ipo, hinge, orpo) and preference_loss are in rl.algos.preference (names
 # kept importable from here).
@@ -110,7 +109,6 @@ class DPOConfig(TrainConfig):
     eval_batch_size: int | None = opt(None, "pairs per evaluation forward (default: batch_size)")
     device: str | None = opt(None, "cpu or cuda (null: auto-detected)")
 
-    ALIASES = {"lr": "learning_rate", "epochs": "num_epochs", "model": "model_name", "dpo_beta": "beta"}
 
     def __post_init__(self):
         super().__post_init__()

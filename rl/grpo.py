@@ -64,7 +64,6 @@ from rl.trainers.base import Trainer
 logger = logging.getLogger(__name__)
 
 
-
 @dataclasses.dataclass
 class GRPOConfig(TrainConfig):
     num_generations: int = opt(8, "completions sampled per prompt (the group size G)")
@@ -93,9 +92,6 @@ class GRPOConfig(TrainConfig):
                                        "decoding, reports eval/accuracy and eval/reward")
     eval_num_prompts: int = opt(200, "evaluation prompts at most (duplicates removed)")
 
-    ALIASES = {"lr": "learning_rate", "model": "model_name", "group_size": "num_generations",
-               "rl_env_type": "env_type", "rl_env_config": "env_config", "kl_coef": "beta",
-               "max_new_tokens": "max_completion_length"}
 
     def __post_init__(self):
         super().__post_init__()
@@ -520,7 +516,6 @@ def _take(batch: dict, s: slice) -> dict:
 def _nanmean(x: torch.Tensor) -> float:
     v = torch.nanmean(x.float())
     return float(v) if not torch.isnan(v) else 0.0
-
 
 
 def load_prompt_rows(path: str, cfg: GRPOConfig) -> list[dict]:

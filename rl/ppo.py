@@ -260,20 +260,6 @@ class PPOConfig(TrainConfig):
     save_every: int = opt(0, "checkpoint every N iterations (0: only the final model)")
     eval_every: int = opt(0, "score held-out prompts every N iterations (0: only at the end, if any)")
 
-    ALIASES = {
-        # the reference CLI's names
-        "rl_gamma": "gamma", "rl_gae_lambda": "lam", "rl_kl_coef": "kl_penalty_coef",
-        "rl_value_loss_coef": "value_coef", "rl_clip_range": "clip_ratio", "rl_value_clip_range": "value_clip",
-        "rl_num_ppo_epochs": "ppo_epochs", "rl_mini_batch_size": "mini_batch_size",
-        "rl_max_new_tokens": "max_new_tokens", "rl_top_k": "top_k", "rl_top_p": "top_p",
-        "rl_temperature": "temperature", "rl_reward_model_path": "reward_model_path", "model_ref": "ref_model",
-        "rl_reward_fn": "reward_fn", "rl_multi_objective": "multi_objective", "rl_reward_weights": "reward_weights",
-        "rl_env_type": "env_type", "rl_env_config": "env_config",
-        # the reference's generic training names and TRL's PPO names
-        "lr": "learning_rate", "epochs": "num_epochs", "model": "model_name", "project_name": "output_dir",
-        "kl_coef": "kl_penalty_coef", "vf_coef": "value_coef", "cliprange": "clip_ratio",
-        "cliprange_value": "value_clip", "num_ppo_epochs": "ppo_epochs", "gae_lambda": "lam",
-    }
 
     def __post_init__(self):
         super().__post_init__()

@@ -39,9 +39,6 @@ class SFTConfig(TrainConfig):
                                      "completion or messages data); false trains on the whole text")
     add_eos: bool = opt(True, "append the EOS token to every example so the model learns to stop")
 
-    ALIASES = {"lr": "learning_rate", "epochs": "num_epochs", "model": "model_name",
-               "project_name": "output_dir"}
-
 
 # ------------------------------------------------------------------------------------------- data
 
@@ -230,7 +227,6 @@ def _split(items: list, n: int) -> list[list]:
         chunks.append(items[start:end])
         start = end
     return chunks
-
 
 
 def split_eval(records: list, fraction: float, seed: int) -> tuple[list, list]:

@@ -117,7 +117,10 @@ def write_tiny_model(out: str | os.PathLike, family: str = "llama", task: str = 
         model.config.save_pretrained(tmp)
         if model.can_generate():
             model.generation_config.save_pretrained(tmp)
-        save_torch_state_dict(model.state_dict(), tmp)
+        # tied weights (lm_head = embeddings) are stored once, under the embedding's name, as
+        # save_pretrained does: a base model (AutoModel) must find its embeddings
+        tied = getattr(model, "_tied_weights_keys", None) or {}
+        save_torch_state_dict({k: v for k, v in model.state_dict().items() if k not in tied}, tmp)
         tok.save_pretrained(tmp)
         (tmp / "tiny_spec.json").write_text(json.dumps(spec))
         if out.exists():  # an incomplete model, or one with another spec: replace it

@@ -4,7 +4,7 @@ import sys
 
 import pytest
 
-from rl.config import ConfigError, TrainConfig, help_text, parse_config, save_config
+from rl.config import ConfigError, TrainConfig, build, help_text, parse_config, save_config
 from tests.conftest import ROOT, run_cmd
 
 
@@ -91,3 +91,33 @@ def test_launch_script_exits_2_with_one_line(recipe):
     assert "Traceback" not in proc.stderr
     out = run_cmd([sys.executable, "launch/sft.py", "--help"], timeout=120).stdout
     assert "--completion_only_loss" in out and "--lora.rank" in out
+
+
+def test_one_alias_table_for_reference_and_trl_names():
+    """rl/config.py ALIASES: one table; each schema takes the first candidate that is one of its keys."""
+    from rl.dpo import DPOConfig
+    from rl.grpo import GRPOConfig
+    from rl.ppo import PPOConfig
+    from rl.sft import SFTConfig
+
+    ppo = build(PPOConfig, {"model_name": "m", "rl_kl_coef": 0.3, "max_completion_length": 7, "bf16": True,
+                            "per_device_train_batch_size": 8, "mini_batch_size": 8, "logging_steps": 3,
+                            "cliprange": 0.1, "vf_coef": 0.2})
+    assert (ppo.kl_penalty_coef, ppo.max_new_tokens, ppo.dtype, ppo.batch_size, ppo.log_every) == \
+        (0.3, 7, "bfloat16", 8, 3)
+    assert (ppo.clip_ratio, ppo.value_coef) == (0.1, 0.2)
+    grpo = build(GRPOConfig, {"model_name": "m", "rl_kl_coef": 0.3, "max_new_tokens": 9, "epsilon": 0.1,
+                              "epsilon_high": 0.3, "num_train_epochs": 2, "save_steps": 5})
+    assert (grpo.beta, grpo.max_completion_length, grpo.epsilon_low, grpo.epsilon_high, grpo.num_epochs,
+            grpo.save_every) == (0.3, 9, 0.1, 0.3, 2, 5)
+    dpo = build(DPOConfig, {"model_name": "m", "model_ref": "r", "dpo_beta": 0.2, "precompute_ref_log_probs": True,
+                            "bf16": False, "lr_scheduler_type": "cosine"})
+    assert (dpo.ref_model_name, dpo.beta, dpo.precompute_ref_logps, dpo.dtype, dpo.lr_scheduler) == \
+        ("r", 0.2, True, "float32", "cosine")
+    # a name with no meaning for a trainer is an unknown key there, and suggestions prefer our own keys
+    with pytest.raises(ConfigError, match="unknown key 'rl_gamma'"):
+        build(SFTConfig, {"model_name": "m", "rl_gamma": 0.9})
+    with pytest.raises(ConfigError, match=r"unknown key 'max_stepz' \(did you mean max_steps\?\)"):
+        build(SFTConfig, {"model_name": "m", "max_stepz": 3})
+    with pytest.raises(ConfigError, match="key 'bf16' has value 'maybe', expected bool"):
+        build(SFTConfig, {"model_name": "m", "bf16": "maybe"})

@@ -450,10 +450,10 @@ def test_checkpoints_and_recipes_run_no_code(tmp_path, tiny_llama):
     model = AutoModelForCausalLM.from_pretrained(tiny_llama)
     pipe = ForwardBackwardPipeline(model, device="cpu", optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
                                    checkpoint_dir=tmp_path / "ckpt")
-    path = Path(pipe.save_state("step-1").result()["path"])
+    path = Path(pipe.save_state("step-1")["path"])
     torch.save(_Payload(marker), path / "optimizer.pt")  # a pickle with a payload in place of the state
     with pytest.raises(Exception, match="[Ww]eights only load failed|Unsupported global"):
-        pipe.load_state(path).result()
+        pipe.load_state(path)
     assert not marker.exists()
 
     recipe = tmp_path / "recipe.yaml"
