@@ -54,7 +54,7 @@ from rl.models import (apply_lora, build_optimizer, build_scheduler, load_tokeni
                        resolve_dtype, save_pretrained, trainable_fraction)
 from rl.reference import ReferencePolicy
 from rl.tracking import Tracker
-from rl.trainers.base import Trainer
+from rl.trainers.base import EpochTrainer
 
 logger = logging.getLogger(__name__)
 
@@ -288,7 +288,7 @@ def concatenated_logps(model, batch: dict[str, torch.Tensor]) -> tuple[torch.Ten
 
 # ===================================================================================== trainer
 
-class DPOTrainer(Trainer):
+class DPOTrainer(EpochTrainer):
     """DPO-family training on one ForwardBackwardPipeline (single process, DDP or DeepSpeed ZeRO-2/3).
 
     `DPOTrainer(config, tokenizer=None, model=None, ref_model=None)`: missing pieces are loaded from
@@ -390,31 +390,16 @@ class DPOTrainer(Trainer):
             self.reference.release()  # no reference forward from here on: free its memory
             gc.collect()
             tracker.write(f"reference log-probs precomputed in {time.time() - t0:.1f}s")
-        self._train, self._eval = dataset, eval_dataset
-        self._epoch, self._batch_index, self._order = 0, 0, None
+        self._train = dataset
+        self.start_epochs(len(dataset), eval_dataset)
         self._loss_fn = partial(dpo_batch_loss, loss_type=cfg.loss_type, beta=cfg.beta,
                                 label_smoothing=cfg.label_smoothing)
         return self.fit(plan["total_steps"], tracker)
 
-    # ------------------------------------------------------------------ the lifecycle's hooks
-    def checkpoint_extra(self) -> dict:
-        return {"epoch": self._epoch, "batch_index": self._batch_index}
-
-    def restore(self, extra: dict) -> None:
-        self._epoch, self._batch_index, self._order = extra["epoch"], extra["batch_index"], None
-
-    def evaluate_now(self) -> dict | None:
-        return self.evaluate(self._eval) if self._eval is not None else None
-
     def train_step(self) -> list[dict]:
-        cfg, acc, pipe, plan, dataset = self.config, self.accelerator, self.pipeline, self._plan, self._train
-        if self._batch_index == plan["steps_per_epoch"]:
-            self._epoch, self._batch_index, self._order = self._epoch + 1, 0, None
-        if self._order is None:
-            self._order = torch.randperm(len(dataset), generator=torch.Generator().manual_seed(cfg.seed + self._epoch))
+        cfg, acc, pipe, dataset = self.config, self.accelerator, self.pipeline, self._train
         t0 = time.time()
-        g = plan["global_batch"]
-        mine = self._order[self._batch_index * g:(self._batch_index + 1) * g].tolist()[acc.process_index::self.world]
+        mine = self.next_global_batch()[acc.process_index::self.world]
         sums: dict[str, float] = {}
         for m in range(cfg.gradient_accumulation_steps):
             b = collate_pairs([dataset[i] for i in mine[m * cfg.batch_size:(m + 1) * cfg.batch_size]],
@@ -426,10 +411,9 @@ class DPOTrainer(Trainer):
             for k, v in r.metrics.items():
                 sums[k] = sums.get(k, 0.0) + v / cfg.gradient_accumulation_steps
         o = pipe.optim_step(max_grad_norm=cfg.max_grad_norm).result()
-        self._batch_index += 1
         row = _mean_across(acc, sums)
-        row.update({"grad_norm": o.grad_norm, "lr": o.learning_rate,
-                    "epoch": self._epoch + self._batch_index / plan["steps_per_epoch"], "step_time": time.time() - t0})
+        row.update({"grad_norm": o.grad_norm, "lr": o.learning_rate, "epoch": self.epoch_progress,
+                    "step_time": time.time() - t0})
         return [{"step": pipe.step, **row}]
 
     @torch.no_grad()

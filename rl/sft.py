@@ -28,7 +28,7 @@ from rl.forward_backward import ForwardBackwardPipeline, build_accelerator, zero
 from rl.models import (apply_lora, build_optimizer, build_scheduler, load_tokenizer, load_trainable_policy,
                        resolve_dtype, save_pretrained, trainable_fraction)
 from rl.tracking import Tracker
-from rl.trainers.base import Trainer
+from rl.trainers.base import EpochTrainer
 
 logger = logging.getLogger(__name__)
 
@@ -121,7 +121,7 @@ def sum_normalised_nll(logits, labels, attention_mask, scale: float):
 
 # ------------------------------------------------------------------------------------------ trainer
 
-class SFTTrainer(Trainer):
+class SFTTrainer(EpochTrainer):
     """SFT on the shared lifecycle (rl.trainers.base): one `train_step` is one optimizer step."""
 
     def __init__(self, cfg: SFTConfig, model=None, tokenizer=None):
@@ -159,29 +159,14 @@ class SFTTrainer(Trainer):
         tracker.write(f"sft: {len(train_examples)} examples, {plan['total_steps']} steps, global batch "
                       f"{plan['global_batch']} ({self.world} processes, ZeRO stage {zero_stage(acc)}), "
                       f"trainable {self.trainable:,}/{self.total_params:,} parameters")
-        self._train, self._eval = train_examples, eval_examples
-        self._epoch, self._batch_index, self._order = 0, 0, None
+        self._train = train_examples
+        self.start_epochs(len(train_examples), eval_examples)
         return self.fit(plan["total_steps"], tracker)
 
-    # ------------------------------------------------------------------ the lifecycle's hooks
-    def checkpoint_extra(self) -> dict:
-        return {"epoch": self._epoch, "batch_index": self._batch_index}
-
-    def restore(self, extra: dict) -> None:
-        self._epoch, self._batch_index, self._order = extra["epoch"], extra["batch_index"], None
-
-    def evaluate_now(self) -> dict | None:
-        return self.evaluate(self._eval) if self._eval else None
-
     def train_step(self) -> list[dict]:
-        cfg, acc, pipe, plan = self.cfg, self.accelerator, self.pipeline, self._plan
-        if self._batch_index == plan["steps_per_epoch"]:
-            self._epoch, self._batch_index, self._order = self._epoch + 1, 0, None
-        if self._order is None:
-            self._order = torch.randperm(len(self._train), generator=torch.Generator().manual_seed(cfg.seed + self._epoch))
+        cfg, acc, pipe = self.cfg, self.accelerator, self.pipeline
         t0 = time.time()
-        g = plan["global_batch"]
-        batch = [self._train[i] for i in self._order[self._batch_index * g:(self._batch_index + 1) * g].tolist()]
+        batch = [self._train[i] for i in self.next_global_batch()]
         scale = self.world * cfg.gradient_accumulation_steps / max(1, counted_tokens(batch))
         nll_sum, n_tok = 0.0, 0
         for micro in _split(batch[acc.process_index::self.world], cfg.gradient_accumulation_steps):
@@ -191,10 +176,9 @@ class SFTTrainer(Trainer):
             nll_sum += r.metrics["nll"] * r.num_tokens
             n_tok += r.num_tokens
         o = pipe.optim_step(max_grad_norm=cfg.max_grad_norm).result()
-        self._batch_index += 1
         totals = acc.reduce(torch.tensor([nll_sum, n_tok], device=acc.device, dtype=torch.float64), "sum")
         return [{"step": pipe.step, "loss": float(totals[0] / totals[1].clamp(min=1)), "grad_norm": o.grad_norm,
-                 "lr": o.learning_rate, "epoch": self._epoch + self._batch_index / plan["steps_per_epoch"],
+                 "lr": o.learning_rate, "epoch": self.epoch_progress,
                  "num_tokens": int(totals[1]), "step_time": time.time() - t0}]
 
     @torch.no_grad()

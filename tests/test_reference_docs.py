@@ -16,7 +16,8 @@ import shutil
 import pytest
 import torch
 
-from conftest import ROOT
+from tests.conftest import ROOT
+from tests.test_client import _batch as _padded
 from rl.config import ConfigError
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -40,14 +41,8 @@ def _model(path):
 
 
 def _batch(tok, texts=("hello there", "general kenobi")):
-    ids = [tok.encode(t) for t in texts]
-    T = max(map(len, ids))
-    input_ids = torch.full((len(ids), T), tok.pad_token_id)
-    mask = torch.zeros(len(ids), T, dtype=torch.long)
-    for i, x in enumerate(ids):
-        input_ids[i, :len(x)] = torch.tensor(x)
-        mask[i, :len(x)] = 1
-    return input_ids, mask
+    b = _padded(tok, texts)  # tests/test_client.py's right-padded batch
+    return b["input_ids"], b["attention_mask"]
 
 
 def _params(model):
