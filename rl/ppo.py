@@ -55,7 +55,7 @@ from rl.algos.reduce import masked_mean
 from rl.checkpoint import checkpoint_dir
 from rl.config import ConfigError, TrainConfig, opt, save_config, to_dict
 from rl.forward_backward import ForwardBackwardPipeline, build_accelerator, is_deepspeed, zero_stage
-from rl.generation import generate
+from rl.generation import generate, position_ids_from_mask
 from rl.models import (apply_lora, build_optimizer, build_scheduler, load_tokenizer, load_trainable_policy,
                        resolve_dtype, trainable_fraction, write_pretrained)
 from rl.reference import ReferencePolicy
@@ -142,10 +142,6 @@ class ValueHead(nn.Module):
         return self.out(self.act(self.dense(self.dropout(h)))).squeeze(-1).float()
 
 
-def _position_ids(mask: torch.Tensor) -> torch.Tensor:
-    return (mask.long().cumsum(-1) - 1).clamp(min=0)
-
-
 class PPOModel(nn.Module):
     """A causal LM plus a `ValueHead` on its last hidden state: logits and one value per token.
 
@@ -173,7 +169,7 @@ class PPOModel(nn.Module):
                 use_cache=None, **kwargs) -> PPOModelOutput:
         cache = cache if cache is not None else past_key_values
         if position_ids is None and attention_mask is not None and cache is None:
-            position_ids = _position_ids(attention_mask)
+            position_ids = position_ids_from_mask(attention_mask)
         want_value = self.value_head is not None and cache is None
         if cache is not None:
             kwargs[self._cache_kw] = cache
@@ -198,7 +194,7 @@ class Critic(nn.Module):
         if attention_mask is None:
             attention_mask = torch.ones_like(input_ids)
         if position_ids is None:
-            position_ids = _position_ids(attention_mask)
+            position_ids = position_ids_from_mask(attention_mask)
         out = self.backbone(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
                             use_cache=False)
         hidden = out.last_hidden_state if hasattr(out, "last_hidden_state") else out[0]
@@ -512,7 +508,7 @@ class PPOTrainer(Trainer):
         pipe = self.pipeline
         dev = pipe.device
         ids, mask, toks = batch["input_ids"].to(dev), batch["attention_mask"].to(dev), batch["tokens"].to(dev)
-        pos = _position_ids(mask)
+        pos = position_ids_from_mask(mask)
         old_lp, old_v, ref_lp = [], [], []
         step = cfg.micro_batch_size
         model = pipe.model
