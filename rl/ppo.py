@@ -315,7 +315,10 @@ def ppo_plan(cfg: PPOConfig, n_prompts: int | None, world: int, num_iterations: 
     iterations = num_iterations or cfg.num_iterations or (per_epoch * cfg.num_epochs if per_epoch else None)
     mini_batches = cfg.batch_size // cfg.mini_batch_size
     steps_per_iteration = cfg.ppo_epochs * mini_batches
-    return {"world_size": world, "global_batch": global_batch, "iterations": iterations,
+    # per_device_batch / global_batch / steps_per_epoch in PPO's own units (the dry run prints these):
+    # rollouts per forward, rollouts per iteration, iterations per pass over the prompts
+    return {"world_size": world, "per_device_batch": cfg.micro_batch_size, "global_batch": global_batch,
+            "steps_per_epoch": per_epoch, "iterations": iterations,
             "mini_batches_per_epoch": mini_batches, "micro_batch_size": cfg.micro_batch_size,
             "steps_per_iteration": steps_per_iteration,
             "total_steps": iterations * steps_per_iteration if iterations else None, "prompts": n_prompts}
