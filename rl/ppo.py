@@ -46,6 +46,7 @@ from typing import Any, Callable, Literal, Sequence
 import torch
 import torch.nn as nn
 from safetensors.torch import save_file
+from transformers.utils import ModelOutput
 
 from rl.algos import names
 from rl.algos.advantages import gae, whiten
@@ -113,13 +114,13 @@ def response_logprobs(logits: torch.Tensor, tokens: torch.Tensor, prompt_width: 
 # ==================================================================================================
 
 @dataclasses.dataclass
-class PPOModelOutput:
+class PPOModelOutput(ModelOutput):
+    """A transformers ModelOutput (attribute and key access), so that DeepSpeed's ZeRO-3 hooks and
+    accelerate treat it like any model's output instead of warning about an unknown type."""
+
     logits: torch.Tensor | None = None  # (B, T, V)
     value: torch.Tensor | None = None  # (B, T): V of the state after reading tokens 0..t
-    past_key_values: Any = None
-
-    def __getitem__(self, key):
-        return getattr(self, key)
+    cache: Any = None  # the KV cache (transformers 5 renamed past_key_values to cache)
 
 
 class ValueHead(nn.Module):
@@ -176,8 +177,7 @@ class PPOModel(nn.Module):
         out = self.base_model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
                               use_cache=use_cache, output_hidden_states=want_value, **kwargs)
         value = self.value_head(out.hidden_states[-1]) if want_value else None
-        return PPOModelOutput(logits=out.logits, value=value,
-                              past_key_values=getattr(out, "past_key_values", None) or getattr(out, "cache", None))
+        return PPOModelOutput(logits=out.logits, value=value, cache=getattr(out, "cache", None))
 
 
 class Critic(nn.Module):
