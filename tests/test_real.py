@@ -284,9 +284,19 @@ def test_reward_launch(smollm, tmp_path):
     assert any("loss" in r for r in rows)
     from rl.reward import load_reward_model
 
+    from transformers import AutoModelForSequenceClassification
+
     rm = load_reward_model(out)
-    scores = rm.score(["What is 2+3? 2 + 3 = 5", "What is 2+3? 2 + 3 = 7"])
+    texts = ["What is 2+3? 2 + 3 = 5", "What is 2+3? 2 + 3 = 7"]
+    scores = rm.score(texts)
     assert scores.shape == (2,) and torch.isfinite(scores).all()
+    # The "loads in plain transformers with the same rewards" claim must be true when it is made:
+    # with pad == eos, HF's classifier skips the final <|im_end|> that our `last` pooling reads.
+    hf = AutoModelForSequenceClassification.from_pretrained(out, dtype=torch.float32).eval()
+    with torch.no_grad():
+        theirs = torch.cat([hf(torch.tensor([ids])).logits[:, 0] for ids in rm.encode(texts)])
+    meta = json.loads((out / "reward_config.json").read_text())
+    assert meta["hf_compatible"] is bool(torch.allclose(theirs, scores, atol=1e-4))
 
 
 def test_dpo_launch_lora(smollm, tmp_path):
