@@ -198,6 +198,14 @@ def test_sampling_stops_at_im_end_and_logprobs_equal_a_forward(model, tok):
         expect = logp[n - 1:].gather(-1, torch.tensor(comp)[:, None]).squeeze(-1)
         got = sampled.logprobs[row, :len(comp)]
         assert torch.allclose(got, expect, atol=1e-4), (got - expect).abs().max()
+    # what GRPO/PPO learn from: the <|im_end|> a row stopped at is a label with its log-prob, even
+    # though the same id pads the rows after it
+    batch = sampled.to_batch()
+    for row, reason in enumerate(sampled.finish_reasons):
+        labels = batch["labels"][row]
+        last = int((labels != -100).nonzero().max())
+        assert (labels[last] == eos) == (reason == "stop")
+        assert batch["old_logprobs"][row, last - 1] == sampled.logprobs[row, len(sampled.completions()[row]) - 1]
 
 
 # --------------------------------------------------------------------------------------------- DPO
