@@ -159,7 +159,7 @@ def main(argv=None) -> None:
         start = "start" if cfg.skip_sft else "SFT"
         print(f"held-out exact match ({summary['eval_problems']} problems): {start} {100 * before:.1f}% -> "
               f"GRPO {100 * after:.1f}% ({100 * (after - before):+.1f} points) in {summary['seconds']:.0f} s; "
-              f"plots: {out}/accuracy.png, {out}/sft/metrics.png, {out}/grpo/metrics.png")
+              f"plots: {out}/accuracy.png, {'' if cfg.skip_sft else f'{out}/sft/metrics.png, '}{out}/grpo/metrics.png")
     if cfg.min_improvement is not None and after - before < cfg.min_improvement:
         print(f"error: accuracy rose by {after - before:.3f}, less than min_improvement={cfg.min_improvement}",
               file=sys.stderr)
