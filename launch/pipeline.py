@@ -47,6 +47,9 @@ class PipelineConfig:
     teacher_error_rate: float = opt(0.0, "fraction of SFT answers replaced by answer + 1: a deliberately "
                                     "imperfect teacher whose systematic mistake the verifiable reward corrects")
     eval_num_prompts: int = opt(200, "held-out problems evaluated at most (duplicates removed)")
+    skip_sft: bool = opt(False, "start GRPO from model_name itself (an instruct model that already answers)")
+    chat_template: bool = opt(False, "chat models: SFT examples become user/assistant messages and GRPO renders "
+                              "its prompts with the tokenizer's chat template")
     min_improvement: float | None = opt(None, "exit with status 1 unless accuracy rises by at least this "
                                         "(absolute, e.g. 0.15); for CI")
     sft: dict = opt({}, "SFTConfig keys for the SFT stage (see launch/sft.py --help)")
@@ -62,8 +65,10 @@ def stage_configs(cfg: PipelineConfig, init_model: str, sft_dir: Path, grpo_dir:
     # overwrite: rerunning the demo replaces its stages' previous outputs (metrics, checkpoints, model)
     sft = build(SFTConfig, {"seed": cfg.seed, "report_to": cfg.report_to, "overwrite": True, **cfg.sft,
                             "model_name": init_model, "output_dir": str(sft_dir)}, where="sft")
-    grpo = build(GRPOConfig, {"seed": cfg.seed, "report_to": cfg.report_to, "overwrite": True, **cfg.grpo,
-                              "model_name": str(sft_dir), "output_dir": str(grpo_dir), "env_type": "math",
+    grpo = build(GRPOConfig, {"seed": cfg.seed, "report_to": cfg.report_to, "overwrite": True,
+                              "chat_template": cfg.chat_template, **cfg.grpo,
+                              "model_name": init_model if cfg.skip_sft else str(sft_dir),
+                              "output_dir": str(grpo_dir), "env_type": "math",
                               "env_config": env, "eval_env_config": cfg.eval_env_config,
                               "eval_num_prompts": cfg.eval_num_prompts},
                  where="grpo")
@@ -136,9 +141,13 @@ def main(argv=None) -> None:
         write_tiny_model(init_model, family=cfg.tiny_family, hidden=cfg.tiny_hidden, layers=cfg.tiny_layers,
                          seed=cfg.seed)
     # 3. SFT on the train split's reference answers
-    sft = SFTTrainer(sft_cfg)
-    sft.train(tokenize_examples(records, sft.tokenizer, sft_cfg, "math environment (train split)"))
-    sft.save()
+    if cfg.chat_template:
+        records = [{"messages": [{"role": "user", "content": r["prompt"]},
+                                 {"role": "assistant", "content": r["completion"]}]} for r in records]
+    if not cfg.skip_sft:
+        sft = SFTTrainer(sft_cfg)
+        sft.train(tokenize_examples(records, sft.tokenizer, sft_cfg, "math environment (train split)"))
+        sft.save()
     t_sft = time.time() - t0
     # 4. GRPO on the math environment; it evaluates the held-out split before its first step (= the SFT
     #    model's accuracy) and after its last one
@@ -149,14 +158,16 @@ def main(argv=None) -> None:
     before, after = evals[0]["eval/accuracy"], evals[-1]["eval/accuracy"]
     if grpo.accelerator.is_main_process:
         summary = {"sft_accuracy": before, "grpo_accuracy": after, "improvement": after - before,
-                   "eval_problems": evals[0]["eval/num_prompts"], "sft_steps": len(records) and sft_cfg.max_steps,
+                   "eval_problems": evals[0]["eval/num_prompts"],
+                   "sft_steps": 0 if cfg.skip_sft else sft_cfg.max_steps,
                    "grpo_steps": grpo_cfg.max_steps, "seconds": round(time.time() - t0, 1),
                    "seconds_sft": round(t_sft, 1), "models": {"sft": str(out / "sft"), "grpo": str(out / "grpo")}}
         (out / "summary.json").write_text(json.dumps(summary, indent=2))
         plot_accuracy(history, before, after, out / "accuracy.png")
-        print(f"held-out exact match ({summary['eval_problems']} problems): SFT {100 * before:.1f}% -> "
+        start = "start" if cfg.skip_sft else "SFT"
+        print(f"held-out exact match ({summary['eval_problems']} problems): {start} {100 * before:.1f}% -> "
               f"GRPO {100 * after:.1f}% ({100 * (after - before):+.1f} points) in {summary['seconds']:.0f} s; "
-              f"plots: {out}/accuracy.png, {out}/sft/metrics.png, {out}/grpo/metrics.png")
+              f"plots: {out}/accuracy.png, {'' if cfg.skip_sft else f'{out}/sft/metrics.png, '}{out}/grpo/metrics.png")
     if cfg.min_improvement is not None and after - before < cfg.min_improvement:
         print(f"error: accuracy rose by {after - before:.3f}, less than min_improvement={cfg.min_improvement}",
               file=sys.stderr)

@@ -58,7 +58,10 @@ def main(argv=None) -> None:
     torch.manual_seed(cfg.seed)
     accelerator = build_accelerator(cfg.gradient_accumulation_steps, micro_batch_size=2 * cfg.batch_size,
                                     max_grad_norm=cfg.max_grad_norm, deepspeed_config=cfg.deepspeed)
-    tokenizer = load_tokenizer(cfg.model_name, cfg.trust_remote_code)
+    try:
+        tokenizer = load_tokenizer(cfg.model_name, cfg.trust_remote_code)
+    except ConfigError as e:  # e.g. a packaged model that cannot be fetched (rl.gguf)
+        fail(str(e))
     model = RewardModel(model_cfg, tokenizer=tokenizer)
     n_train, n_all = trainable_fraction(model)
     trainer = RewardModelTrainer(model, tokenizer, model_cfg, accelerator=accelerator, output_dir=cfg.output_dir)

@@ -141,6 +141,13 @@ def render_chat(tokenizer, messages: list[dict], add_generation_prompt: bool = F
     return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)
 
 
+def with_bos(tokenizer, ids: list[int]) -> list[int]:
+    """`ids` with the tokenizer's BOS first, exactly once: a chat template may render it itself
+    (ChatML's `<|im_start|>` is SmolLM2's BOS), and a second copy is a sequence the model never saw."""
+    bos = getattr(tokenizer, "bos_token_id", None)
+    return list(ids) if bos is None or list(ids[:1]) == [bos] else [bos] + list(ids)
+
+
 @dataclass
 class LengthReport:
     """Counts examples that did not fit `max_length` (truncated, or rejected when strict)."""

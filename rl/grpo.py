@@ -52,6 +52,7 @@ from rl.algos.kl import k3_kl  # noqa: F401
 from rl.algos.policy_losses import LOSS_AGGREGATIONS, grpo_loss  # noqa: F401
 from rl.checkpoint import checkpoint_dir
 from rl.config import ConfigError, TrainConfig, opt, save_config, to_dict
+from rl.data import render_chat, with_bos
 from rl.environments import make_env
 from rl.forward_backward import ForwardBackwardPipeline, build_accelerator, zero_stage
 from rl.generation import generate, position_ids_from_mask
@@ -91,6 +92,8 @@ class GRPOConfig(TrainConfig):
     eval_env_config: dict | None = opt(None, "environment config for evaluation (e.g. {split: test}); greedy "
                                        "decoding, reports eval/accuracy and eval/reward")
     eval_num_prompts: int = opt(200, "evaluation prompts at most (duplicates removed)")
+    chat_template: bool = opt(False, "render each prompt as a user turn with the tokenizer's chat template "
+                              "(instruct models); reward functions still see the plain prompt")
 
 
     def __post_init__(self):
@@ -224,14 +227,14 @@ def score_completions(reward_funcs: Sequence[tuple[str, RewardFunc]], prompts: l
 
 @torch.no_grad()
 def greedy_eval(model, tokenizer, env, prompts: list[str], metadata: list[dict], max_new_tokens: int,
-                prompt_budget: int = 512, batch_size: int = 64) -> dict:
+                prompt_budget: int = 512, batch_size: int = 64, chat: bool = False) -> dict:
     """Greedy completions scored by `env`: eval/accuracy (mean correctness component when the env has
     one, else the fraction of rewards > 0), eval/reward, eval/mean_length. Every rank must call it
     under ZeRO-3 (generation gathers the parameters)."""
     rewards, correct, lengths = [], [], []
     for i in range(0, len(prompts), batch_size):
         ps, ms = prompts[i:i + batch_size], metadata[i:i + batch_size]
-        ids = [encode_prompt(tokenizer, p, prompt_budget) for p in ps]
+        ids = [encode_prompt(tokenizer, p, prompt_budget, chat) for p in ps]
         out = generate(model, tokenizer, ids, max_new_tokens=max_new_tokens, temperature=0.0)
         texts = tokenizer.batch_decode(out.completions(), skip_special_tokens=True)
         r, m = env.score(ps, texts, ms)
@@ -256,11 +259,12 @@ def unique_eval_set(env, limit: int) -> tuple[list[str], list[dict]]:
     return prompts, metas
 
 
-def encode_prompt(tokenizer, prompt: str, budget: int) -> list[int]:
-    """BOS + prompt tokens (as the SFT trainer tokenises prompts), keeping the last `budget` tokens."""
-    bos = [tokenizer.bos_token_id] if getattr(tokenizer, "bos_token_id", None) is not None else []
-    ids = bos + list(tokenizer(prompt, add_special_tokens=False)["input_ids"])
-    return ids[-budget:]
+def encode_prompt(tokenizer, prompt: str, budget: int, chat: bool = False) -> list[int]:
+    """BOS + prompt tokens (as the SFT trainer tokenises prompts), keeping the last `budget` tokens;
+    with `chat`, the prompt is first rendered as a user turn followed by the assistant's header."""
+    if chat:
+        prompt = render_chat(tokenizer, [{"role": "user", "content": prompt}], add_generation_prompt=True)
+    return with_bos(tokenizer, tokenizer(prompt, add_special_tokens=False)["input_ids"])[-budget:]
 
 
 # ============================================================================ trainer
@@ -402,7 +406,8 @@ class GRPOTrainer(Trainer):
         rows = self._prompts_for(generation, plan["prompts_per_step"])
         k = plan["prompts_per_process"]
         mine = rows[acc.process_index * k:(acc.process_index + 1) * k]
-        prompt_ids = [encode_prompt(self.tokenizer, r["prompt"], cfg.prompt_budget) for r in mine]
+        prompt_ids = [encode_prompt(self.tokenizer, r["prompt"], cfg.prompt_budget, cfg.chat_template)
+                      for r in mine]
         # distinct, reproducible sampling seeds per step and process (row r of a call uses seed + r)
         seed = cfg.seed * 7_919 + (generation * self.world + acc.process_index) * plan["completions_per_process"]
         t_gen = time.time()
@@ -494,7 +499,7 @@ class GRPOTrainer(Trainer):
         prompts, metas = eval_set
         model = self.pipeline.model if self.pipeline is not None else self._model
         return greedy_eval(model, self.tokenizer, self.eval_env, prompts, metas, self.cfg.max_completion_length,
-                           self.cfg.prompt_budget)
+                           self.cfg.prompt_budget, chat=self.cfg.chat_template)
 
     def save(self, out_dir: str | None = None) -> str:
         """Write the final model (HF format, LoRA merged) and tokenizer; all processes must call it."""

@@ -55,6 +55,7 @@ from rl.algos.policy_losses import ppo_policy_loss, ppo_value_loss
 from rl.algos.reduce import masked_mean
 from rl.checkpoint import checkpoint_dir
 from rl.config import ConfigError, TrainConfig, opt, save_config, to_dict
+from rl.data import render_chat
 from rl.forward_backward import ForwardBackwardPipeline, build_accelerator, is_deepspeed, zero_stage
 from rl.generation import generate, position_ids_from_mask
 from rl.models import (apply_lora, build_optimizer, build_scheduler, load_tokenizer, load_trainable_policy,
@@ -236,6 +237,8 @@ class PPOConfig(TrainConfig):
     temperature: float = opt(1.0, "sampling temperature (> 0); log-probs use logits / temperature")
     top_k: int = opt(50, "top-k sampling (0: off)")
     top_p: float = opt(1.0, "nucleus sampling (1.0: off)")
+    chat_template: bool = opt(False, "render each prompt as a user turn with the tokenizer's chat template "
+                              "(instruct models); rewards still see the plain prompt")
     missing_eos_penalty: float | None = opt(None, "subtracted from the score of a completion that never emitted EOS")
     reward_clip: float | None = opt(None, "clip scores to [-reward_clip, reward_clip] (null: no clipping)")
     reward_model_path: str | None = opt(None, "reward model directory written by launch/reward.py")
@@ -690,6 +693,8 @@ class PPOTrainer(Trainer):
         for p in prompts:
             if not isinstance(p, str):
                 raise ConfigError(f"prompts must be strings, got {type(p).__name__}")
+            if self.cfg.chat_template:
+                p = render_chat(tok, [{"role": "user", "content": p}], add_generation_prompt=True)
             ids = tok(p, add_special_tokens=False)["input_ids"]
             if bos and ids[:1] == bos:
                 ids = ids[1:]

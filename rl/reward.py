@@ -506,10 +506,14 @@ def save_reward_model(model: RewardModel, path: str | Path, state_dict: dict | N
         hf_cfg = model.hf_config
         hf_cfg.num_labels = model.config.num_labels
         hf_cfg.save_pretrained(str(path))
-        # HF's classifier reads the last real token with a bias-free head: our rewards exactly
-        # when pooling is `last` and the head has no bias.
+        # HF's classifier reads the last token that is not the pad id, with a bias-free head: our
+        # rewards exactly when pooling is `last`, the head has no bias, and the EOS ending each text
+        # is not the pad id (with pad == eos, as in SmolLM2, HF reads the token before that EOS).
+        eos = hf_cfg.eos_token_id if isinstance(hf_cfg.eos_token_id, list) else [hf_cfg.eos_token_id]
+        pad_ends_texts = model.config.append_eos and model.pad_token_id in eos
         meta.update(weights="full", hf_prefix=prefix,
-                    hf_compatible=model.config.pooling_strategy == "last" and "bias" not in head)
+                    hf_compatible=model.config.pooling_strategy == "last" and "bias" not in head
+                    and not pad_ends_texts)
     if model.tokenizer is not None:
         model.tokenizer.save_pretrained(str(path))
     (path / CONFIG_FILE).write_text(json.dumps(meta, indent=2))

@@ -23,7 +23,7 @@ import torch
 from rl import losses
 from rl.checkpoint import checkpoint_dir
 from rl.config import ConfigError, TrainConfig, epoch_plan, opt, save_config, to_dict
-from rl.data import LengthReport, load_records, render_chat, where
+from rl.data import LengthReport, load_records, render_chat, where, with_bos
 from rl.forward_backward import ForwardBackwardPipeline, build_accelerator, zero_stage
 from rl.models import (apply_lora, build_optimizer, build_scheduler, load_tokenizer, load_trainable_policy,
                        resolve_dtype, save_pretrained, trainable_fraction)
@@ -61,7 +61,7 @@ def tokenize_examples(records: list[dict], tokenizer, cfg: SFTConfig, source: st
             prompt, completion = row[d.prompt_column], row[d.completion_column]
         else:
             prompt, completion = "", row[d.text_column]
-        p_ids = bos + tokenizer(prompt, add_special_tokens=False)["input_ids"] if prompt else list(bos)
+        p_ids = with_bos(tokenizer, tokenizer(prompt, add_special_tokens=False)["input_ids"]) if prompt else list(bos)
         c_ids = tokenizer(completion, add_special_tokens=False)["input_ids"] + eos
         ids = report.fit(p_ids + c_ids, where(source, row))
         n_prompt = min(len(p_ids), len(ids))

@@ -155,12 +155,15 @@ TINY_PREFIX = "tiny:"
 
 
 def resolve_model_path(name: str, cache_dir: str | os.PathLike | None = None) -> str:
-    """Map `tiny:<family>[-classifier]` to a locally written tiny model; other names pass through.
+    """Map `tiny:<family>[-classifier]` to a locally written tiny model, a GGUF file or packaged real
+    model (`smollm2-135m-instruct`) to its converted directory (see rl.gguf); others pass through.
 
     Recipes name `model_name: tiny:llama` so that a fresh machine runs them without any download.
     """
     if not name.startswith(TINY_PREFIX):
-        return name
+        from rl.gguf import resolve  # here, not at the top: rl.gguf imports this module
+
+        return resolve(name)
     spec = name[len(TINY_PREFIX):]
     family, _, task = spec.partition("-")
     task = "classifier" if task == "classifier" else "causal-lm"

