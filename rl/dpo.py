@@ -50,6 +50,7 @@ from rl.algos.preference import (hinge_loss, ipo_loss, log_odds, orpo_loss, pref
 from rl.config import ConfigError, TrainConfig, epoch_plan, opt, save_config, to_dict
 from rl.checkpoint import checkpoint_dir
 from rl.forward_backward import ForwardBackwardPipeline, build_accelerator, zero_stage
+from rl.generation import sequence_logprobs
 from rl.models import (apply_lora, build_optimizer, build_scheduler, load_tokenizer, load_trainable_policy,
                        resolve_dtype, save_pretrained, trainable_fraction)
 from rl.reference import ReferencePolicy
@@ -273,14 +274,20 @@ def collate_pairs(examples: list[dict], pad_token_id: int, padding_side: str = "
 
 
 @torch.no_grad()
-def concatenated_logps(model, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor,
-                                                                         torch.Tensor, torch.Tensor]:
+def concatenated_logps(model, batch: dict[str, torch.Tensor], chunk_size: int | None = None,
+                       ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """No-grad forward of a collated batch -> (chosen_logps, rejected_logps, chosen_lengths,
-    rejected_lengths), each (B,). Passes position_ids, so it is exact for either padding side."""
+    rejected_lengths), each (B,). Passes position_ids, so it is exact for either padding side. With
+    `chunk_size` the LM head runs over that many positions at a time (no (2B, T, V) logits)."""
     device = next(iter(batch.values())).device
-    logits = model(input_ids=batch["input_ids"].to(device), attention_mask=batch["attention_mask"].to(device),
-                   position_ids=batch["position_ids"].to(device), use_cache=False).logits
-    logps, lengths = sequence_logps(logits, batch["labels"].to(device))
+    ids, mask, pos = (batch[k].to(device) for k in ("input_ids", "attention_mask", "position_ids"))
+    labels = batch["labels"].to(device)
+    if chunk_size:
+        logp, m = sequence_logprobs(model, ids, mask, labels, chunk_size=chunk_size, position_ids=pos)
+        logps, lengths = logp.sum(-1), m.sum(-1)
+    else:
+        logits = model(input_ids=ids, attention_mask=mask, position_ids=pos, use_cache=False).logits
+        logps, lengths = sequence_logps(logits, labels)
     c, r = logps.chunk(2)
     cl, rl = lengths.chunk(2)
     return c, r, cl, rl
@@ -347,7 +354,7 @@ class DPOTrainer(EpochTrainer):
             return None, None
         batch = {k: v.to(self.accelerator.device) for k, v in batch.items()}
         with self.reference.use(self.pipeline) as model:
-            c, r, _, _ = concatenated_logps(model, batch)
+            c, r, _, _ = concatenated_logps(model, batch, self.cfg.logprob_chunk_size)
         return c, r
 
     def precompute_reference(self, dataset: PreferenceDataset) -> None:

@@ -394,9 +394,10 @@ def _check_stop_strings(tok, out_tok, out_mask, t, finished, stop_strings, max_s
 @torch.no_grad()
 def sequence_logprobs(model, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
                       labels: torch.Tensor | None = None, chunk_size: int | None = None,
-                      position_ids: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                      position_ids: torch.Tensor | None = None, temperature: float = 1.0,
+                      ) -> tuple[torch.Tensor, torch.Tensor]:
     """No-grad per-token log-probs (B, T-1) of `labels` (default: the inputs where attended) and
-    their mask, like `rl.losses.token_logprobs(model(...).logits, labels)`.
+    their mask, like `rl.losses.token_logprobs(model(...).logits / temperature, labels)`.
 
     With `chunk_size`, the body runs once and the LM head + log-softmax run over `chunk_size`
     positions at a time, so neither the (B, T, V) logits nor their fp32 copy exist at once: the
@@ -415,6 +416,8 @@ def sequence_logprobs(model, input_ids: torch.Tensor, attention_mask: torch.Tens
     if chunk_size is None or body is None or body is base or head is None:
         logits = lm(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
                     use_cache=False).logits
+        if temperature and temperature != 1.0:
+            logits = logits / temperature
         return token_logprobs(logits, labels, chunk_size=chunk_size)
     hidden = body(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
                   use_cache=False).last_hidden_state[:, :-1]
@@ -430,6 +433,8 @@ def sequence_logprobs(model, input_ids: torch.Tensor, attention_mask: torch.Tens
             logits = logits * scale
         if cap:
             logits = torch.tanh(logits / cap) * cap
+        if temperature and temperature != 1.0:
+            logits = logits / temperature
         picked = logits.gather(-1, safe[:, s:s + chunk_size, None]).squeeze(-1)
         out.append(picked - torch.logsumexp(logits, dim=-1))
         del logits

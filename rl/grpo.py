@@ -55,9 +55,9 @@ from rl.config import ConfigError, TrainConfig, opt, save_config, to_dict
 from rl.data import render_chat, with_bos
 from rl.environments import make_env
 from rl.forward_backward import ForwardBackwardPipeline, build_accelerator, zero_stage
-from rl.generation import generate, position_ids_from_mask
+from rl.generation import generate, position_ids_from_mask, sequence_logprobs
 from rl.models import (apply_lora, build_optimizer, build_scheduler, load_tokenizer, load_trainable_policy,
-                       resolve_dtype, save_pretrained, trainable_fraction)
+                       release_device_cache, resolve_dtype, save_pretrained, trainable_fraction)
 from rl.reference import ReferencePolicy
 from rl.tracking import Tracker
 from rl.trainers.base import Trainer
@@ -357,11 +357,9 @@ class GRPOTrainer(Trainer):
         """(B, T-1) log-probs of the batch's labels under `model` at the sampling temperature, with the
         sampler's positions (counted from each row's first real token of the left-padded prompt)."""
         mask = batch["attention_mask"]
-        logits = model(input_ids=batch["input_ids"], attention_mask=mask, position_ids=position_ids_from_mask(mask),
-                       use_cache=False).logits
-        if self.cfg.temperature and self.cfg.temperature != 1.0:
-            logits = logits / self.cfg.temperature
-        return losses.token_logprobs(logits, batch["labels"])[0]
+        return sequence_logprobs(model, batch["input_ids"], mask, batch["labels"],
+                                 chunk_size=self.cfg.logprob_chunk_size, position_ids=position_ids_from_mask(mask),
+                                 temperature=self.cfg.temperature)[0]
 
     def _ref_logprobs(self, batch: dict) -> torch.Tensor:
         with self.reference.use(self.pipeline) as model:
@@ -415,6 +413,8 @@ class GRPOTrainer(Trainer):
                            temperature=cfg.temperature, top_k=cfg.top_k, top_p=cfg.top_p, seed=seed,
                            num_samples=cfg.num_generations)
         t_gen = time.time() - t_gen
+        if cfg.optimize_device_cache:
+            release_device_cache()
         completions = self.tokenizer.batch_decode(rollout.completions(), skip_special_tokens=True)
         G = cfg.num_generations
         rep = [r for r in mine for _ in range(G)]

@@ -57,9 +57,9 @@ from rl.checkpoint import checkpoint_dir
 from rl.config import ConfigError, TrainConfig, opt, save_config, to_dict
 from rl.data import render_chat
 from rl.forward_backward import ForwardBackwardPipeline, build_accelerator, is_deepspeed, zero_stage
-from rl.generation import generate, position_ids_from_mask
+from rl.generation import generate, position_ids_from_mask, sequence_logprobs
 from rl.models import (apply_lora, build_optimizer, build_scheduler, load_tokenizer, load_trainable_policy,
-                       resolve_dtype, trainable_fraction, write_pretrained)
+                       release_device_cache, resolve_dtype, trainable_fraction, write_pretrained)
 from rl.reference import ReferencePolicy
 from rl.tracking import Tracker
 from rl.trainers.base import Trainer
@@ -528,10 +528,15 @@ class PPOTrainer(Trainer):
                     old_v.append(out.value[:, P - 1:-1].float())
                 del out
                 with self.reference.use(pipe) as ref:
-                    ref_logits = ref(input_ids=ids[sl], attention_mask=mask[sl], position_ids=pos[sl],
-                                     use_cache=False).logits
-                ref_lp.append(response_logprobs(ref_logits, toks[sl], P, cfg.temperature))
-                del ref_logits
+                    if cfg.logprob_chunk_size:  # the LM head over chunks of positions: no (B, T, V) logits
+                        labels = torch.cat([torch.full_like(ids[sl][:, :P], -100), toks[sl]], 1)
+                        lp, _ = sequence_logprobs(ref, ids[sl], mask[sl], labels, chunk_size=cfg.logprob_chunk_size,
+                                                  position_ids=pos[sl], temperature=cfg.temperature)
+                        ref_lp.append(lp[:, P - 1:])
+                    else:
+                        ref_lp.append(response_logprobs(ref(input_ids=ids[sl], attention_mask=mask[sl],
+                                                            position_ids=pos[sl], use_cache=False).logits,
+                                                        toks[sl], P, cfg.temperature))
                 if self.critic_pipeline is not None:
                     cm = self.critic_pipeline.model
                     cm.eval()
@@ -568,8 +573,11 @@ class PPOTrainer(Trainer):
     def _rollout(self, prompt_ids: list[list[int]], seed: int):
         cfg = self.cfg
         model = self.pipeline.model if self.pipeline is not None else self.policy
-        return generate(model, self.tokenizer, prompt_ids, max_new_tokens=cfg.max_new_tokens,
-                        temperature=cfg.temperature, top_k=cfg.top_k, top_p=cfg.top_p, seed=seed)
+        rollout = generate(model, self.tokenizer, prompt_ids, max_new_tokens=cfg.max_new_tokens,
+                           temperature=cfg.temperature, top_k=cfg.top_k, top_p=cfg.top_p, seed=seed)
+        if cfg.optimize_device_cache:
+            release_device_cache()
+        return rollout
 
     def _decode(self, rollout) -> list[str]:
         return [self.tokenizer.decode(c, skip_special_tokens=True) for c in rollout.completions()]

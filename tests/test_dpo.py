@@ -257,3 +257,14 @@ def test_recipes_validate(recipe):
     assert cfg.max_prompt_length < cfg.max_length
     head = (ROOT / recipe).read_text().splitlines()[:6]
     assert all(line.startswith("#") for line in head)  # the header: purpose, hardware, command, ds_config
+
+
+def test_chunked_reference_scoring_equals_full(tiny_model, tiny_tokenizer):
+    """DPO's reference forward with logprob_chunk_size: the same sums of answer log-probs."""
+    ds = PreferenceDataset(["say: 1", "say: 22"], ["aei", "ou"], ["bcd", "fgh"], tiny_tokenizer, 64, 32)
+    b = collate_pairs([ds[0], ds[1]], ds.pad_token_id)
+    with torch.no_grad():
+        full = concatenated_logps(tiny_model, b)
+        chunked = concatenated_logps(tiny_model, b, chunk_size=2)
+    for x, y in zip(full, chunked):
+        assert torch.allclose(x, y, atol=1e-5)

@@ -213,3 +213,14 @@ def test_left_padding_with_absolute_positions_gpt2(tiny_cache, prompts):
     b = batched.to_batch()
     lp, m = sequence_logprobs(gpt2, b["input_ids"], b["attention_mask"], b["labels"], chunk_size=4)
     assert torch.allclose(lp, b["old_logprobs"] * m, atol=1e-4)
+
+
+def test_chunked_scoring_with_temperature_equals_full(lm, prompts):
+    """logprob_chunk_size's path: the LM head over chunks of positions, at the sampling temperature."""
+    out = generate(lm, 256, prompts, max_new_tokens=8, seed=0, temperature=0.7)
+    b = out.to_batch()
+    full, m = sequence_logprobs(lm, b["input_ids"], b["attention_mask"], b["labels"], temperature=0.7)
+    chunked, _ = sequence_logprobs(lm, b["input_ids"], b["attention_mask"], b["labels"], chunk_size=3,
+                                   temperature=0.7)
+    assert torch.allclose(full * m, chunked, atol=1e-5)
+    assert torch.allclose(chunked, b["old_logprobs"] * m, atol=1e-4)  # the sampler's log-probs at T = 0.7

@@ -299,3 +299,22 @@ def test_environment_reward_source_with_reference(tiny_llama, tmp_path):
     assert "rewards/correctness/mean" in rows[0] and "rewards/formatting/mean" in rows[0]
     assert "rewards/content/mean" in rows[0] and "rewards/env/mean" in rows[0]
     assert h[0]["eval/num_prompts"] == 8 and 0.0 <= h[-1]["eval/accuracy"] <= 1.0
+
+
+def test_chunked_scoring_changes_nothing(tiny_llama, tmp_path):
+    """logprob_chunk_size on the old-policy and reference forwards (beta > 0, num_iterations = 2): the
+    same metrics as the full (B, T, V) logits, so it is a pure memory saving."""
+    def run(chunk, out):
+        cfg = build(GRPOConfig, dict(model_name=tiny_llama, output_dir=str(out), learning_rate=1e-2, batch_size=8,
+                                     num_generations=4, max_completion_length=4, max_length=16, max_steps=2,
+                                     num_iterations=2, beta=0.1, report_to=["none"], seed=0,
+                                     logprob_chunk_size=chunk))
+        rows = [{"prompt": f"{a}+{b}="} for a in range(4) for b in range(4)]
+        return GRPOTrainer(cfg, reward_funcs=[lambda prompts, completions, **kw: [float(len(c)) for c in completions]],
+                           train_prompts=rows).train()
+
+    full, chunked = run(None, tmp_path / "full"), run(3, tmp_path / "chunked")
+    assert len(full) == len(chunked) == 2
+    for a, b in zip(full, chunked):
+        for k in ("loss", "kl", "clip_ratio/region_mean"):
+            assert a[k] == pytest.approx(b[k], abs=1e-5), k

@@ -410,7 +410,6 @@ def test_memory_flags_translate_to_recipe_keys():
         ["--optimize_device_cache", "False"]
 
 
-@pytest.mark.xfail(strict=False, raises=ValueError, reason="config keys land with the run core")
 def test_memory_flags_reach_the_ppo_config():
     from rl.cli import _schema, translate
     from rl.config import parse_config
