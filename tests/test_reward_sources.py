@@ -248,3 +248,12 @@ def test_ppo_with_a_reward_model_and_an_environment_weighted(tiny_llama, tiny_rm
     assert row["rewards/reward_model/mean"] == pytest.approx(float(seen[0].mean()), abs=1e-5)
     assert row["objective/scores"] == pytest.approx(
         2.0 * row["rewards/env/mean"] + 0.5 * row["rewards/reward_model/mean"], abs=1e-5)
+
+
+def test_launch_with_only_model_ref_says_it_uses_the_default_reward(tmp_path, tiny_cache):
+    r = subprocess.run([sys.executable, "launch/ppo.py", "--config", "recipes/tiny/ppo.yaml", "reward_fn=null",
+                        "--model-ref", "tiny:llama", "--dry-run", f"output_dir={tmp_path}"],
+                       cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr[-2000:]
+    said = [ln for ln in (r.stdout + r.stderr).splitlines() if "reward_fn=default" in ln]
+    assert len(said) == 1 and said[0].startswith("no reward source given: using reward_fn=default")
