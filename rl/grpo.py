@@ -127,6 +127,8 @@ class GRPOConfig(TrainConfig):
             raise ConfigError(f"key 'temperature' must be >= 0, got {self.temperature}")
         if self.num_iterations < 1:
             raise ConfigError(f"key 'num_iterations' must be at least 1, got {self.num_iterations}")
+        if self.reward_timeout is not None and not self.reward_timeout >= 0:
+            raise ConfigError(f"key 'reward_timeout' must be >= 0 seconds or null, got {self.reward_timeout}")
 
     @property
     def prompt_budget(self) -> int:

@@ -316,6 +316,8 @@ class PPOConfig(TrainConfig):
                               f"max_length {self.max_length}; raise max_length")
         if self.reward_clip is not None and not self.reward_clip > 0:
             raise ConfigError(f"key 'reward_clip' must be > 0 or null, got {self.reward_clip}")
+        if self.reward_timeout is not None and not self.reward_timeout >= 0:
+            raise ConfigError(f"key 'reward_timeout' must be >= 0 seconds or null, got {self.reward_timeout}")
         if self.multi_objective and self.env_type not in (None, "multi_objective"):
             raise ConfigError(f"multi_objective=true scores with env_type multi_objective, but env_type is "
                               f"{self.env_type!r}; drop one of them")

@@ -161,6 +161,13 @@ def test_ppo_sources_combine_only_with_reward_weights(tmp_path):
     assert cfg.reward_model_path == "x" and cfg.reward_fn == "default"
 
 
+def test_reward_timeout_must_not_be_negative():
+    for cls in (PPOConfig, GRPOConfig):
+        with pytest.raises(ConfigError, match="reward_timeout"):
+            cls(model_name="m", reward_fn="default", reward_timeout=-1) if cls is PPOConfig else \
+                cls(model_name="m", reward_timeout=-1)
+
+
 def test_command_line_reward_source_replaces_the_recipes():
     cfg = parse_config(PPOConfig, ["--config", "recipes/tiny/ppo.yaml", "reward_model_path=runs/rm"])
     assert cfg.reward_model_path == "runs/rm" and cfg.reward_fn is None and cfg.custom_reward is None
@@ -169,6 +176,10 @@ def test_command_line_reward_source_replaces_the_recipes():
     assert cfg.reward_model_path == "runs/rm" and cfg.reward_fn == "custom"  # reward_weights: combine
     cfg = parse_config(PPOConfig, ["--config", "recipes/tiny/ppo.yaml", "kl_penalty_coef=0.5"])
     assert cfg.reward_fn == "custom"  # no reward key on the command line: the recipe's source stays
+    recipe = parse_config(GRPOConfig, ["--config", "recipes/tiny/grpo.yaml", "reward_funcs=[correctness]"])
+    cfg = parse_config(GRPOConfig, ["--config", "recipes/tiny/grpo.yaml", "reward_funcs=[correctness]",
+                                    "reward_weights=[1.0,0.5]"])
+    assert recipe.env_type == cfg.env_type == "math" and cfg.reward_weights == [1.0, 0.5]  # the env stays
 
 
 def test_ref_model_alone_uses_the_default_reward(caplog):
