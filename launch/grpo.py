@@ -36,6 +36,8 @@ def main(argv=None) -> None:
             if cfg.beta > 0:  # beta = 0 loads no reference model
                 # LoRA: the reference is the policy with the adapters off (GRPOTrainer loads no copy)
                 models["reference (frozen)"] = "policy without adapters" if cfg.lora.enabled else cfg.model_name
+            if cfg.reward_model_path:
+                models["reward model (frozen)"] = cfg.reward_model_path
             dry_run_report(cfg, n_examples=len(rows) if rows else None, models=models)
             return
         check_output_dir(cfg)

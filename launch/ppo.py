@@ -7,10 +7,11 @@
     python launch/ppo.py --help        # every key, its default and meaning (rl_* names are aliases)
 
 Data: prompts only, JSONL (or JSON/CSV/Parquet) rows {"text": "..."} (data.text_column); other columns
-(e.g. "answer") are passed to the reward as metadata. Reward: exactly one of reward_model_path
-(--rl-reward-model-path), reward_fn (--rl-reward-fn default|length_penalty|correctness|custom) or an
-environment (--rl-env-type, --rl-env-config); with none the run stops at once. An environment may also
-supply the prompts when data.path is not set.
+(e.g. "answer") are passed to the reward as metadata. Reward: reward_model_path (--rl-reward-model-path),
+reward_fn (--rl-reward-fn default|length_penalty|correctness|custom) or an environment (--rl-env-type,
+--rl-env-config); several combine when reward_weights (--rl-reward-weights) is given. A reward source on
+the command line replaces the recipe's. With only ref_model (--model-ref) reward_fn=default is used; with
+none the run stops at once. An environment may also supply the prompts when data.path is not set.
 """
 
 from __future__ import annotations

@@ -403,7 +403,22 @@ def parse_config(cls: type, argv: list[str] | None = None, prog: str | None = No
     data = load_recipe(recipe) if recipe else {}
     where = recipe or "config"
     build(cls, data, where, require=False)  # so that a mistake in the recipe names the recipe file
+    data = _cli_replaces_reward_sources(cls, data, overrides)
     return build(cls, _merge(data, overrides), "command line" if overrides else where)
+
+
+def _cli_replaces_reward_sources(cls: type, recipe: dict, overrides: dict) -> dict:
+    """A reward source given on the command line (a key of cls.REWARD_SOURCE_KEYS) replaces the recipe's
+    reward sources and their reward_weights, rather than clashing with them (`reward_model_path=runs/rm`
+    over a recipe with `reward_fn: custom`). With reward_weights on the command line too the sources
+    combine, as reward_weights asks for explicitly."""
+    sources = set(getattr(cls, "REWARD_SOURCE_KEYS", ()))
+    aliases = _aliases(cls)
+    given = {aliases.get(k, k) for k in overrides}
+    if not sources & given or "reward_weights" in given:
+        return recipe
+    dropped = sources | {"reward_weights", "custom_reward"}
+    return {k: v for k, v in recipe.items() if aliases.get(k, k) not in dropped}
 
 
 def cli_config(cls: type, argv: list[str] | None = None, prog: str | None = None,

@@ -35,7 +35,6 @@ GRPOTrainer/RLOOTrainer formulas in tests/test_grpo_trl.py.
 from __future__ import annotations
 
 import dataclasses
-import inspect
 import logging
 import time
 from functools import partial
@@ -59,6 +58,8 @@ from rl.generation import generate, position_ids_from_mask, sequence_logprobs
 from rl.models import (apply_lora, build_optimizer, build_scheduler, load_tokenizer, load_trainable_policy,
                        release_device_cache, resolve_dtype, save_pretrained, trainable_fraction)
 from rl.reference import ReferencePolicy
+from rl.reward_sources import (RewardModelReward, build_reward_fns, combine_rewards,  # noqa: F401
+                               resolve_reward_func)
 from rl.tracking import Tracker
 from rl.trainers.base import Trainer
 
@@ -84,8 +85,11 @@ class GRPOConfig(TrainConfig):
     num_iterations: int = opt(1, "policy updates per generated batch (mu in the GRPO paper)")
     reward_funcs: list[str] = opt([], "reward functions: rl.rewards names (correctness, default, length_penalty) "
                                   "or 'module:function' with TRL's signature (prompts, completions, **columns)")
-    reward_weights: list[float] | None = opt(None, "one weight per reward source (the environment first, then "
-                                             "reward_funcs); default all 1.0")
+    reward_model_path: str | None = opt(None, "reward model directory written by launch/reward.py (scores prompt + "
+                                        "completion); one more reward source")
+    reward_weights: list[float] | None = opt(None, "one weight per reward source (the environment first, then the "
+                                             "reward model, then reward_funcs); default all 1.0")
+    reward_timeout: float | None = opt(300.0, "seconds a reward source may take per batch (null or 0: no limit)")
     env_type: str | None = opt(None, "environment as prompt and reward source: math, code, text_generation, "
                                "multi_objective, preference_comparison")
     env_config: dict = opt({}, "keyword arguments of the environment (see rl.environments.make_env)")
@@ -95,6 +99,8 @@ class GRPOConfig(TrainConfig):
     chat_template: bool = opt(False, "render each prompt as a user turn with the tokenizer's chat template "
                               "(instruct models); reward functions still see the plain prompt")
 
+    # a reward source on the command line replaces the recipe's (the environment stays: it is the prompts)
+    REWARD_SOURCE_KEYS = ("reward_model_path", "reward_funcs")
 
     def __post_init__(self):
         super().__post_init__()
@@ -118,6 +124,8 @@ class GRPOConfig(TrainConfig):
             raise ConfigError(f"key 'temperature' must be >= 0, got {self.temperature}")
         if self.num_iterations < 1:
             raise ConfigError(f"key 'num_iterations' must be at least 1, got {self.num_iterations}")
+        if self.reward_timeout is not None and not self.reward_timeout >= 0:
+            raise ConfigError(f"key 'reward_timeout' must be >= 0 seconds or null, got {self.reward_timeout}")
 
     @property
     def prompt_budget(self) -> int:
@@ -126,16 +134,8 @@ class GRPOConfig(TrainConfig):
 
 
 # ============================================================================ pure math
-# Advantages and the loss are in rl.algos (names kept importable from here); combine_rewards belongs to
-# the reward sources below.
-
-def combine_rewards(rewards_per_func: torch.Tensor, weights: torch.Tensor | Sequence[float]) -> torch.Tensor:
-    """(B, F) rewards (NaN where a function returned None) -> (B,) weighted sum over the functions that
-    answered; NaN when none did (TRL's sum_then_normalize)."""
-    w = torch.as_tensor(weights, dtype=rewards_per_func.dtype, device=rewards_per_func.device)
-    total = (rewards_per_func * w[None]).nansum(dim=1)
-    return total.masked_fill(torch.isnan(rewards_per_func).all(dim=1), float("nan"))
-
+# Advantages and the loss are in rl.algos, the reward sources and combine_rewards in rl.reward_sources
+# (names kept importable from here).
 
 def grpo_loss_fn(logits, labels, attention_mask=None, *, advantages, old_logprobs=None, ref_logprobs=None,
                  temperature: float = 1.0, **kw):
@@ -148,79 +148,6 @@ def grpo_loss_fn(logits, labels, attention_mask=None, *, advantages, old_logprob
     logp, mask = losses.token_logprobs(logits, labels)
     old = logp.detach() if old_logprobs is None else old_logprobs
     return grpo_loss(logp, old, advantages, mask, ref_logp=ref_logprobs, **kw)
-
-
-# ============================================================================ reward sources
-
-RewardFunc = Callable[..., list]
-
-
-def as_trl_reward(fn: Callable) -> RewardFunc:
-    """Wrap a reward function so it is called as TRL calls it: fn(prompts=, completions=, **columns).
-
-    rl.rewards' functions `(prompts, responses, metadata)` get the columns as one dict per row."""
-    try:
-        params = inspect.signature(fn).parameters
-    except (TypeError, ValueError):
-        return fn
-    if "completions" in params or any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
-        return fn
-    names = list(params)
-
-    def call(prompts, completions, **columns):
-        n = len(completions)
-        metadata = [{k: v[i] for k, v in columns.items() if isinstance(v, list) and len(v) == n} for i in range(n)]
-        if "metadata" in names:
-            return fn(prompts, completions, metadata=metadata)
-        return fn(prompts, completions)
-
-    call.__name__ = getattr(fn, "__name__", "reward")
-    return call
-
-
-def resolve_reward_func(spec: str | Callable) -> tuple[str, RewardFunc]:
-    """A name from rl.rewards, 'module:function', or a callable -> (name, TRL-signature function)."""
-    if callable(spec):
-        return getattr(spec, "__name__", "reward"), as_trl_reward(spec)
-    from rl import rewards as R
-
-    try:
-        fn = R.get_reward_fn(spec)
-    except ValueError as e:
-        raise ConfigError(f"reward_funcs: {e}") from None
-    name = spec.split(":")[-1]
-    return name, as_trl_reward(fn)
-
-
-def env_reward(env) -> RewardFunc:
-    """An environment as a TRL-style reward function; its component metrics are kept on `.last_metrics`."""
-
-    def call(prompts, completions, **columns):
-        n = len(completions)
-        metadata = [{k: v[i] for k, v in columns.items() if isinstance(v, list) and len(v) == n} for i in range(n)]
-        rewards, metrics = env.score(prompts, completions, metadata)
-        call.last_metrics = metrics
-        return rewards
-
-    call.last_metrics = {}
-    call.__name__ = "env"
-    return call
-
-
-def score_completions(reward_funcs: Sequence[tuple[str, RewardFunc]], prompts: list[str], completions: list[str],
-                      columns: dict[str, list]) -> torch.Tensor:
-    """(B, F) float tensor, NaN where a function returned None; checks one value per completion."""
-    out = torch.full((len(completions), len(reward_funcs)), float("nan"))
-    for j, (name, fn) in enumerate(reward_funcs):
-        values = fn(prompts=prompts, completions=completions, **columns)
-        if torch.is_tensor(values):
-            values = values.detach().float().flatten().tolist()
-        values = list(values)
-        if len(values) != len(completions):
-            raise ValueError(f"reward function {name!r} returned {len(values)} rewards for {len(completions)} "
-                             "completions; return one float (or None) per completion")
-        out[:, j] = torch.tensor([float("nan") if v is None else float(v) for v in values])
-    return out
 
 
 # ============================================================================ evaluation
@@ -281,32 +208,28 @@ class GRPOTrainer(Trainer):
                  train_prompts: list[dict] | None = None):
         self.cfg = cfg
         torch.manual_seed(cfg.seed)
-        train_dtype = resolve_dtype(cfg.dtype)
-        self.accelerator = build_accelerator(
-            cfg.gradient_accumulation_steps, micro_batch_size=cfg.batch_size, max_grad_norm=cfg.max_grad_norm,
-            mixed_precision="bf16" if train_dtype == torch.bfloat16 else "no", deepspeed_config=cfg.deepspeed)
         self.tokenizer = tokenizer or load_tokenizer(cfg.model_name, cfg.trust_remote_code)
-        # reward sources: the environment first, then the configured names, then the callables
+        # reward sources (rl.reward_sources): the environment, the reward model, the configured names, then
+        # the callables; built before the accelerator so that a reward model is not ZeRO-3 partitioned
         self.env = None
-        self.reward_funcs: list[tuple[str, RewardFunc]] = []
         try:
             if cfg.env_type:
                 self.env = make_env(cfg.env_type, self.tokenizer, dict(cfg.env_config))
-                self.reward_funcs.append(("env", env_reward(self.env)))
             self.eval_env = (make_env(cfg.env_type, self.tokenizer, {**cfg.env_config, **cfg.eval_env_config})
                              if cfg.env_type and cfg.eval_env_config is not None else None)
         except (ValueError, TypeError) as e:
             raise ConfigError(f"env_type={cfg.env_type}: {e}") from None
-        self.reward_funcs += [resolve_reward_func(s) for s in cfg.reward_funcs]
-        self.reward_funcs += [resolve_reward_func(f) for f in (reward_funcs or [])]
-        if not self.reward_funcs:
-            raise ConfigError("no reward source: set env_type (e.g. env_type=math) or reward_funcs "
-                              "(e.g. reward_funcs=[correctness]), or pass reward_funcs= to GRPOTrainer")
-        weights = cfg.reward_weights if cfg.reward_weights is not None else [1.0] * len(self.reward_funcs)
-        if len(weights) != len(self.reward_funcs):
-            raise ConfigError(f"reward_weights has {len(weights)} entries but there are {len(self.reward_funcs)} reward "
-                              f"sources ({', '.join(n for n, _ in self.reward_funcs)}); give one weight each")
-        self.reward_weights = torch.tensor(weights, dtype=torch.float32)
+        self.reward = build_reward_fns(cfg, self.tokenizer, reward_funcs=reward_funcs or (), env=self.env,
+                                       missing="no reward source: set env_type (e.g. env_type=math), "
+                                       "reward_model_path or reward_funcs (e.g. reward_funcs=[correctness]), "
+                                       "or pass reward_funcs= to GRPOTrainer")
+        train_dtype = resolve_dtype(cfg.dtype)
+        self.accelerator = build_accelerator(
+            cfg.gradient_accumulation_steps, micro_batch_size=cfg.batch_size, max_grad_norm=cfg.max_grad_norm,
+            mixed_precision="bf16" if train_dtype == torch.bfloat16 else "no", deepspeed_config=cfg.deepspeed)
+        rm = self.reward.find(RewardModelReward)
+        if rm is not None and not getattr(rm.model.config, "quantization", None):
+            rm.model.to(self.accelerator.device)
         if self.env is None and not train_prompts:
             raise ConfigError("no prompts: set env_type or data.path (rows with a 'prompt' column)")
         self.train_prompts = train_prompts
@@ -420,9 +343,10 @@ class GRPOTrainer(Trainer):
         rep = [r for r in mine for _ in range(G)]
         prompts = [r["prompt"] for r in rep]
         columns = {c: [r.get(c) for r in rep] for c in rep[0] if c not in ("prompt", "_line")}
-        local = score_completions(self.reward_funcs, prompts, completions, columns).to(acc.device)
+        local, components = self.reward.score_each(prompts, completions, columns)
+        local = local.to(acc.device)
         per_func = acc.gather(local).cpu() if self.world > 1 else local.cpu()
-        rewards = combine_rewards(per_func, self.reward_weights)
+        rewards = combine_rewards(per_func, self.reward.weights)
         advantages_all = compute_advantages(rewards, G, cfg.advantage_estimator)
         n_local = local.shape[0]
         advantages = advantages_all[acc.process_index * n_local:(acc.process_index + 1) * n_local]
@@ -441,15 +365,12 @@ class GRPOTrainer(Trainer):
             "completions/max_length": float(lengths.max()), "completions/clipped_ratio": float(truncated.mean()),
             "advantages/mean_abs": float(advantages_all.abs().mean()),
         }
-        for j, (name, _) in enumerate(self.reward_funcs):
+        for j, name in enumerate(self.reward.names):
             metrics[f"rewards/{name}/mean"] = _nanmean(per_func[:, j])
             metrics[f"rewards/{name}/std"] = float(nanstd(per_func[:, j]))
-        env_fn = self.reward_funcs[0][1] if self.env is not None else None
-        for comp, values in (getattr(env_fn, "last_metrics", {}) or {}).items():
-            if comp.startswith("reward_") and comp != "reward_total":
-                v = torch.tensor(values, dtype=torch.float32, device=acc.device)
-                v = acc.gather(v).cpu() if self.world > 1 else v.cpu()
-                metrics[f"rewards/{comp[len('reward_'):]}/mean"] = float(v.mean())
+        for name, v in components.items():  # an environment's components, e.g. rewards/correctness/mean
+            v = v.to(acc.device)
+            metrics[f"rewards/{name}/mean"] = _nanmean(acc.gather(v).cpu() if self.world > 1 else v.cpu())
         batch = {k: v.to(acc.device) for k, v in rollout.to_batch().items()}
         adv = advantages.to(acc.device)
         ref_lp = old_lp = None

@@ -61,6 +61,8 @@ from rl.generation import generate, position_ids_from_mask, sequence_logprobs
 from rl.models import (apply_lora, build_optimizer, build_scheduler, load_tokenizer, load_trainable_policy,
                        release_device_cache, resolve_dtype, trainable_fraction, write_pretrained)
 from rl.reference import ReferencePolicy
+from rl.reward_sources import (RewardError, RewardModelReward, WeightedSum, build_reward_fns,  # noqa: F401
+                               rows_to_columns)
 from rl.tracking import Tracker
 from rl.trainers.base import Trainer
 
@@ -245,7 +247,10 @@ class PPOConfig(TrainConfig):
     reward_fn: str | None = opt(None, "named reward: default | length_penalty | correctness | custom | module:function")
     custom_reward: str | None = opt(None, "'module:function' for reward_fn=custom")
     multi_objective: bool = opt(False, "score with a multi_objective environment weighted by reward_weights")
-    reward_weights: dict | None = opt(None, "JSON/mapping {component: weight} for multi_objective")
+    reward_weights: dict | None = opt(None, "JSON/mapping {name: weight}: a reward source's name (reward_model, env, "
+                                      "the reward_fn's name) weights that source, other names are multi_objective "
+                                      "components; given, several reward sources combine (a weighted sum)")
+    reward_timeout: float | None = opt(300.0, "seconds a reward source may take per batch (null or 0: no limit)")
     env_type: str | None = opt(None, "score with an environment: text_generation, multi_objective, "
                                "preference_comparison, math, code")
     env_config: dict | None = opt(None, "JSON/mapping passed to the environment (see rl.environments.make_env)")
@@ -259,6 +264,8 @@ class PPOConfig(TrainConfig):
     save_every: int = opt(0, "checkpoint every N iterations (0: only the final model)")
     eval_every: int = opt(0, "score held-out prompts every N iterations (0: only at the end, if any)")
 
+    # a reward source on the command line replaces the recipe's (rl.config._cli_replaces_reward_sources)
+    REWARD_SOURCE_KEYS = ("reward_model_path", "reward_fn", "env_type", "multi_objective")
 
     def __post_init__(self):
         super().__post_init__()
@@ -295,14 +302,17 @@ class PPOConfig(TrainConfig):
                               f"max_length {self.max_length}; raise max_length")
         if self.reward_clip is not None and not self.reward_clip > 0:
             raise ConfigError(f"key 'reward_clip' must be > 0 or null, got {self.reward_clip}")
+        if self.reward_timeout is not None and not self.reward_timeout >= 0:
+            raise ConfigError(f"key 'reward_timeout' must be >= 0 seconds or null, got {self.reward_timeout}")
         if self.multi_objective and self.env_type not in (None, "multi_objective"):
             raise ConfigError(f"multi_objective=true scores with env_type multi_objective, but env_type is "
                               f"{self.env_type!r}; drop one of them")
         given = [n for n, v in (("reward_model_path", self.reward_model_path), ("reward_fn", self.reward_fn),
                                 ("env_type", self.env_type or ("multi_objective" if self.multi_objective else None)))
                  if v]
-        if len(given) > 1:
-            raise ConfigError(f"{' and '.join(given)} are both set; give exactly one reward source")
+        if len(given) > 1 and self.reward_weights is None:
+            raise ConfigError(f"{' and '.join(given)} are both set; give exactly one reward source, or reward_weights "
+                              f"to combine them (e.g. reward_weights='{{\"reward_model\": 1.0, \"env\": 0.5}}')")
         if self.reward_fn == "custom" and not self.custom_reward:
             raise ConfigError("reward_fn=custom needs custom_reward='module:function'")
 
@@ -328,103 +338,56 @@ def ppo_plan(cfg: PPOConfig, n_prompts: int | None, world: int, num_iterations: 
 
 
 NO_REWARD_ERROR = ("no reward source: set reward_model_path (rl_reward_model_path, a directory written by "
-                   "launch/reward.py), reward_fn (default | length_penalty | correctness | custom), or env_type; "
-                   "in Python pass PPOTrainer(reward_fn=...) or reward_model=...")
+                   "launch/reward.py), reward_fn (default | length_penalty | correctness | custom), env_type, or "
+                   "ref_model alone (then reward_fn=default); in Python pass PPOTrainer(reward_fn=...) or reward_model=...")
 
 
 def check_reward_source(cfg: PPOConfig, reward_fn=None, reward_model=None) -> None:
-    """Raise one ConfigError at once when no reward can be computed (before any model is built)."""
+    """Raise one ConfigError at once when no reward can be computed (before any model is built).
+
+    With only a reference (`ref_model`, the reference CLI's --model-ref) the documented default reward
+    function is used: cfg.reward_fn becomes "default", said in one line."""
     if reward_fn is not None or reward_model is not None:
         return
+    if cfg.reward_model_path and not Path(cfg.reward_model_path).exists():
+        raise ConfigError(f"reward_model_path {cfg.reward_model_path} does not exist; train one with "
+                          f"launch/reward.py first (its output_dir)")
     if cfg.reward_model_path or cfg.reward_fn or cfg.env_type or cfg.multi_objective:
-        if cfg.reward_model_path and not Path(cfg.reward_model_path).exists():
-            raise ConfigError(f"reward_model_path {cfg.reward_model_path} does not exist; train one with "
-                              f"launch/reward.py first (its output_dir)")
+        return
+    if cfg.ref_model:
+        logger.warning("no reward source given: using reward_fn=default (words / 100, the reference's default "
+                       "reward) with ref_model %s as the reference", cfg.ref_model)
+        cfg.reward_fn = "default"
         return
     raise ConfigError(NO_REWARD_ERROR)
 
 
 # ==================================================================================================
-# Rewards
+# Rewards (rl.reward_sources; the same protocol as GRPO's)
 # ==================================================================================================
 
-def _accepts_metadata(fn: Callable) -> bool:
-    try:
-        params = inspect.signature(fn).parameters.values()
-    except (TypeError, ValueError):
-        return True
-    if any(p.kind in (p.VAR_KEYWORD, p.VAR_POSITIONAL) for p in params):
-        return True
-    return "metadata" in [p.name for p in params] or len(list(params)) >= 3
-
-
-class RewardSource:
-    """Scores completions: `(prompts, responses, metadata) -> (scores (B,) float32, metrics)`."""
-
-    def __init__(self, fn: Callable | None = None, model=None, env=None, name: str = ""):
-        self.fn, self.model, self.env, self.name = fn, model, env, name
-
-    def __call__(self, prompts: list[str], responses: list[str], metadata: list[dict] | None):
-        metrics: dict[str, float] = {}
-        if self.model is not None:
-            scores = self.model.score([p + r for p, r in zip(prompts, responses)])
-        elif self.env is not None:
-            rewards, env_metrics = self.env.score(prompts, responses, metadata)
-            scores = torch.tensor(rewards, dtype=torch.float32)
-            for k, v in env_metrics.items():
-                if v and k != "reward":
-                    metrics[f"env/{k}"] = float(sum(v) / len(v))
-        else:
-            out = (self.fn(prompts, responses, metadata) if _accepts_metadata(self.fn)
-                   else self.fn(prompts, responses))
-            scores = torch.as_tensor([float(x) for x in (out.tolist() if torch.is_tensor(out) else out)],
-                                     dtype=torch.float32)
-        scores = torch.as_tensor(scores, dtype=torch.float32).reshape(-1).cpu()
-        if scores.numel() != len(responses):
-            raise ValueError(f"the reward source returned {scores.numel()} scores for {len(responses)} responses")
-        if not torch.isfinite(scores).all():
-            raise ValueError(f"the reward source returned non-finite scores: {scores.tolist()[:8]}")
-        return scores, metrics
-
-
-def build_reward_source(cfg: PPOConfig, tokenizer, reward_fn=None, reward_model=None) -> RewardSource:
+def build_reward_source(cfg: PPOConfig, tokenizer, reward_fn=None, reward_model=None) -> WeightedSum:
+    """The run's reward: the reward_fn / reward_model given in Python (both: their sum), else the
+    config's sources (reward_model_path, reward_fn, an environment), combined by reward_weights."""
     check_reward_source(cfg, reward_fn, reward_model)
-    if reward_fn is not None and reward_model is not None:
-        raise ConfigError("give PPOTrainer either reward_fn or reward_model, not both")
-    if reward_fn is not None:
-        if not callable(reward_fn):
-            raise ConfigError("reward_fn must be callable: fn(prompts, responses, metadata=None) -> list[float]")
-        return RewardSource(fn=reward_fn, name=getattr(reward_fn, "__name__", "reward_fn"))
-    if reward_model is not None:
-        return RewardSource(model=reward_model, name="reward_model")
-    if cfg.reward_model_path:
-        from rl.reward import load_reward_model
+    if reward_fn is not None or reward_model is not None:
+        cfg = dataclasses.replace(cfg, reward_model_path=None, reward_fn=None, env_type=None, multi_objective=False,
+                                  reward_weights=None)
+    return build_reward_fns(cfg, tokenizer, reward_funcs=[reward_fn] if reward_fn is not None else (),
+                            reward_model=reward_model, missing=NO_REWARD_ERROR)
 
-        return RewardSource(model=load_reward_model(cfg.reward_model_path, trust_remote_code=cfg.trust_remote_code),
-                            name=cfg.reward_model_path)
-    if cfg.reward_fn:
-        from rl.rewards import get_reward_fn
 
-        try:
-            fn = get_reward_fn(cfg.reward_fn, custom=cfg.custom_reward)
-        except ValueError as e:
-            raise ConfigError(str(e)) from None
-        return RewardSource(fn=fn, name=cfg.reward_fn)
-    from rl.environments import make_env
-
-    env_type = cfg.env_type or "multi_objective"
-    env_cfg = dict(cfg.env_config or {})
-    if cfg.reward_weights and env_type == "multi_objective":
-        env_cfg.setdefault("reward_weights", dict(cfg.reward_weights))
-    if env_type not in ("math", "code") and "prompts" not in env_cfg and "prompts_path" not in env_cfg:
-        if cfg.data.path is None:
-            raise ConfigError(f"environment {env_type!r} needs prompts: set data.path or env_config.prompts_path")
-        env_cfg["prompts_path"] = cfg.data.path
-    try:
-        env = make_env(env_type, tokenizer, env_cfg)
-    except ValueError as e:
-        raise ConfigError(str(e)) from None
-    return RewardSource(env=env, name=f"env:{env_type}")
+def ppo_scores(reward: WeightedSum, prompts: list[str], responses: list[str],
+               metadata: Sequence[dict] | None) -> tuple[torch.Tensor, dict[str, float]]:
+    """(B,) scores and `rewards/<source or component>/mean` metrics. PPO needs a score for every
+    completion: one no source scored (all returned None) is a RewardError."""
+    scores, parts = reward(prompts, responses, rows_to_columns(metadata, len(responses)))
+    missing = torch.isnan(scores).nonzero().flatten().tolist()
+    if missing:
+        raise RewardError(f"reward {reward.name!r} gave no score (None) for completion {missing[0]} "
+                          f"({len(missing)} of {len(responses)}); PPO needs a score for every completion")
+    metrics = {f"rewards/{k}/mean": float(v.nanmean()) for k, v in parts.items() if len(parts) > 1 or k != reward.name}
+    return scores, metrics
 
 
 # ==================================================================================================
@@ -464,8 +427,9 @@ class PPOTrainer(Trainer):
         if critic_rm is not None and is_deepspeed(self.accelerator):
             raise ConfigError("value_model=critic is not supported under DeepSpeed yet; use value_model=shared "
                               "(the value head is sharded with the policy)")
-        if self.reward.model is not None and not getattr(self.reward.model.config, "quantization", None):
-            self.reward.model.to(self.accelerator.device)
+        rm = self.reward.find(RewardModelReward)
+        if rm is not None and not getattr(rm.model.config, "quantization", None):
+            rm.model.to(self.accelerator.device)
         if model is None:
             model = load_trainable_policy(cfg)
         # decided before LoRA: with LoRA and no explicit ref_model the policy without adapters is the reference
@@ -595,7 +559,7 @@ class PPOTrainer(Trainer):
         # 2. scoring: reward source, then old policy / values / reference on the same tokens
         t1 = time.time()
         responses = self._decode(rollout)
-        scores, extra = self.reward(prompt_texts, responses, metadata)
+        scores, extra = ppo_scores(self.reward, prompt_texts, responses, metadata)
         raw_scores = scores.clone()
         N = max(1, int(rollout.mask.sum(-1).max()))  # drop columns no row generated into
         P = rollout.prompt_ids.shape[1]
@@ -828,7 +792,7 @@ class PPOTrainer(Trainer):
             idx = [0]
         texts = [prompts[i] for i in idx]
         rollout = self._rollout(self.encode_prompts(texts), seed=self.cfg.seed + 1_000_000_007)
-        scores, _ = self.reward(texts, self._decode(rollout), [metadata[i] for i in idx] if metadata else None)
+        scores, _ = ppo_scores(self.reward, texts, self._decode(rollout), [metadata[i] for i in idx] if metadata else None)
         vec = torch.stack([scores.mean(), rollout.mask.sum(-1).float().mean().cpu()]).to(acc.device)
         if self.world > 1:
             vec = acc.reduce(vec, "mean")

@@ -14,8 +14,9 @@ import torch
 
 from rl.config import ConfigError, build
 from tests.conftest import LEARN_SEED, learned
-from rl.grpo import (GRPOConfig, GRPOTrainer, as_trl_reward, combine_rewards, compute_advantages, dr_grpo_advantages,
-                     grpo_advantages, grpo_loss, k3_kl, reinforce_pp_advantages, rloo_advantages, score_completions)
+from rl.grpo import (GRPOConfig, GRPOTrainer, combine_rewards, compute_advantages, dr_grpo_advantages,
+                     grpo_advantages, grpo_loss, k3_kl, reinforce_pp_advantages, rloo_advantages)
+from rl.reward_sources import FunctionReward, RewardError, WeightedSum
 
 NAN = float("nan")
 
@@ -220,11 +221,11 @@ def test_reward_signatures_and_errors():
     def ours(prompts, responses, metadata=None):
         return [float(len(r)) for r in responses]
 
-    per = score_completions([("a", as_trl_reward(trl_style)), ("b", as_trl_reward(ours))], ["p", "p"],
-                            ["7", "8"], {"answer": ["7", "7"]})
+    per, _ = WeightedSum([FunctionReward(trl_style, "a"), FunctionReward(ours, "b")]).score_each(
+        ["p", "p"], ["7", "8"], {"answer": ["7", "7"]})
     assert per[0, 0] == 1.0 and math.isnan(per[1, 0]) and per[:, 1].tolist() == [1.0, 1.0]
-    with pytest.raises(ValueError, match="returned 1 rewards for 2"):
-        score_completions([("bad", lambda prompts, completions, **kw: [1.0])], ["p", "p"], ["a", "b"], {})
+    with pytest.raises(RewardError, match="'bad' returned 1 values for 2"):
+        FunctionReward(lambda prompts, completions, **kw: [1.0], "bad")(["p", "p"], ["a", "b"], {})
 
 
 def test_config_errors(tiny_llama):

@@ -269,21 +269,22 @@ def test_reward_sources(tiny_tokenizer):
     """Named functions, module:function, a two-argument callable, the multi-objective environment."""
     from rl.config import ConfigError
     from rl.ppo import build_reward_source
+    from rl.reward_sources import RewardError
 
     prompts, responses = ["a: ", "b: "], ["one two three", "Answer: 4"]
     src = build_reward_source(PPOConfig(model_name="m", reward_fn="default"), tiny_tokenizer)
-    torch.testing.assert_close(src(prompts, responses, None)[0], torch.tensor([0.03, 0.02]))
+    torch.testing.assert_close(src(prompts, responses, {})[0], torch.tensor([0.03, 0.02]))
     src = build_reward_source(PPOConfig(model_name="m", reward_fn="custom", custom_reward="rl.ppo:char_fraction_reward"),
                               tiny_tokenizer)
-    torch.testing.assert_close(src(["p"], ["aab"], None)[0], torch.tensor([2 / 3]))
+    torch.testing.assert_close(src(["p"], ["aab"], {})[0], torch.tensor([2 / 3]))
     src = build_reward_source(PPOConfig(model_name="m"), tiny_tokenizer, reward_fn=lambda p, r: [len(x) for x in r])
-    torch.testing.assert_close(src(prompts, responses, None)[0], torch.tensor([13.0, 9.0]))
+    torch.testing.assert_close(src(prompts, responses, {})[0], torch.tensor([13.0, 9.0]))
     cfg = PPOConfig(model_name="m", multi_objective=True, reward_weights={"length": 1.0, "formatting": 0.1})
     cfg.data.path = "data/tiny/ppo_prompts.jsonl"
-    scores, metrics = build_reward_source(cfg, tiny_tokenizer)(prompts, responses, None)
-    assert scores[1] > scores[0] and "env/reward_formatting" in metrics
+    scores, metrics = build_reward_source(cfg, tiny_tokenizer)(prompts, responses, {})
+    assert scores[1] > scores[0] and "formatting" in metrics  # the environment's components are kept
     bad = build_reward_source(PPOConfig(model_name="m"), tiny_tokenizer, reward_fn=lambda p, r, m=None: [float("nan")] * 2)
-    with pytest.raises(ValueError, match="non-finite"):
-        bad(prompts, responses, None)
+    with pytest.raises(RewardError, match="'<lambda>' returned nan for completion 0"):
+        bad(prompts, responses, {})
     with pytest.raises(ConfigError, match="unknown reward function"):
         build_reward_source(PPOConfig(model_name="m", reward_fn="nope"), tiny_tokenizer)

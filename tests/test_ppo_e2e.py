@@ -91,19 +91,20 @@ def test_lora_reference_adaptive_kl_and_critic(tmp_path, tiny_llama):
 
 @pytest.mark.slow
 def test_two_step_rlhf_pipeline(tmp_path, tiny_cache):
-    """launch/reward.py trains a reward model; launch/ppo.py uses it by path (the reference's pipeline)."""
+    """launch/reward.py trains a reward model; launch/ppo.py uses it by path (the reference's pipeline), as
+    the README writes it: the command line's reward_model_path replaces the recipe's reward_fn."""
     rm = tmp_path / "rm"
     run_cmd(["python", "launch/reward.py", "--config", "recipes/tiny/reward.yaml", f"output_dir={rm}",
-             "num_epochs=1", "data.max_examples=64", "report_to=[none]"], timeout=300)
+             "num_epochs=1", "data.max_examples=64"], timeout=300)
     assert (rm / "reward_config.json").exists()
     out = tmp_path / "ppo"
-    proc = run_cmd(["python", "launch/ppo.py", "--config", "recipes/tiny/ppo.yaml", f"output_dir={out}",
-                    "reward_fn=null", "custom_reward=null", f"--rl-reward-model-path={rm}", "num_iterations=2",
-                    "batch_size=8", "mini_batch_size=8", "gradient_accumulation_steps=1", "ppo_epochs=1",
-                    "--rl-max-new-tokens", "8", "report_to=[jsonl]"], timeout=300)
+    proc = run_cmd(["python", "launch/ppo.py", "--config", "recipes/tiny/ppo.yaml", f"reward_model_path={rm}",
+                    "num_iterations=1", "batch_size=8", "mini_batch_size=8", "gradient_accumulation_steps=1",
+                    "ppo_epochs=1", "max_new_tokens=4", f"output_dir={out}"], timeout=300)
+    assert "reward: reward_model" in proc.stdout + proc.stderr, proc.stdout + proc.stderr
     assert "ppo done" in proc.stdout, proc.stdout + proc.stderr
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
-    assert len(rows) == 2 and all("objective/scores" in r and "time/generation" in r for r in rows)
+    assert len(rows) == 1 and all("objective/scores" in r and "time/generation" in r for r in rows)
     assert (out / "config.json").exists() and (out / "value_head.safetensors").exists()
 
 
