@@ -245,7 +245,7 @@ class PPOConfig(TrainConfig):
     reward_fn: str | None = opt(None, "named reward: default | length_penalty | correctness | custom | module:function")
     custom_reward: str | None = opt(None, "'module:function' for reward_fn=custom")
     multi_objective: bool = opt(False, "score with a multi_objective environment weighted by reward_weights")
-    reward_weights: dict | None = opt(None, "JSON/mapping {component: weight} for multi_objective")
+    reward_weights: dict[str, float] | None = opt(None, "JSON/mapping {component: weight} for multi_objective")
     env_type: str | None = opt(None, "score with an environment: text_generation, multi_objective, "
                                "preference_comparison, math, code")
     env_config: dict | None = opt(None, "JSON/mapping passed to the environment (see rl.environments.make_env)")
