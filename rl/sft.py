@@ -23,7 +23,7 @@ import torch
 from rl import losses
 from rl.checkpoint import checkpoint_dir
 from rl.config import ConfigError, TrainConfig, epoch_plan, opt, save_config, to_dict
-from rl.data import LengthReport, load_records, render_chat, where
+from rl.data import DataError, LengthReport, load_records, render_chat, where
 from rl.forward_backward import ForwardBackwardPipeline, build_accelerator, zero_stage
 from rl.models import (apply_lora, build_optimizer, build_scheduler, load_tokenizer, load_trainable_policy,
                        resolve_dtype, save_pretrained, trainable_fraction)
@@ -91,7 +91,14 @@ def load_sft_records(path, cfg: SFTConfig) -> list[dict]:
         spec = dict(columns=[d.prompt_column, d.completion_column])
     else:
         spec = dict(columns=[d.text_column])
-    return load_records(path, max_examples=d.max_examples, **spec)
+    records = load_records(path, max_examples=d.max_examples, **spec)
+    for row in records:
+        msgs = row.get(d.messages_column)
+        if msgs is not None and not isinstance(msgs, list):  # a string here is not chat data
+            raise DataError(f"{where(path, row)}: column '{d.messages_column}' must be a list of "
+                            f"{{\"role\", \"content\"}} messages, got {type(msgs).__name__}; put plain text in "
+                            f"a '{d.text_column}' column (or set data.messages_column)")
+    return records
 
 
 def collate(examples: list[dict], pad_id: int) -> dict[str, torch.Tensor]:
