@@ -768,7 +768,14 @@ class RewardModelTrainer(Trainer):
         self._setup(len(steps), batch_size)
         self.model.train()
         self._train, self._steps, self._done, self._bs = train, steps, 0, batch_size
-        rows = self.fit(len(steps), tracker or CallbackTracker(log_fn))
+        tracker = tracker or CallbackTracker(log_fn)
+        per_step = batch_size * self.accelerator.num_processes * N
+        if len(train) % per_step:
+            tracker.write(f"warning: {len(train)} training pairs do not fill whole global batches of {per_step} "
+                          f"(batch_size {batch_size} x gradient_accumulation_steps {N} x "
+                          f"{self.accelerator.num_processes} processes): the last step of each epoch is "
+                          f"completed with pairs from the epoch's start")
+        rows = self.fit(len(steps), tracker)
         self.history += rows
         last = next((r for r in reversed(rows) if "loss" in r), {})
         return {k: v for k, v in last.items() if k != "step"}

@@ -169,6 +169,8 @@ class SFTTrainer(Trainer):
         tracker.write(f"sft: {len(train_examples)} examples, {plan['total_steps']} steps, global batch "
                       f"{plan['global_batch']} ({self.world} processes, ZeRO stage {zero_stage(acc)}), "
                       f"trainable {self.trainable:,}/{self.total_params:,} parameters")
+        if plan["warning"]:
+            tracker.write(plan["warning"])
         self._train, self._eval = train_examples, eval_examples
         self._epoch, self._batch_index, self._order = 0, 0, None
         return self.fit(plan["total_steps"], tracker)
@@ -195,6 +197,10 @@ class SFTTrainer(Trainer):
         scale = self.world * cfg.gradient_accumulation_steps / max(1, counted_tokens(batch))
         nll_sum, n_tok = 0.0, 0
         for micro in _split(batch[acc.process_index::self.world], cfg.gradient_accumulation_steps):
+            # a short last step can leave this process an empty micro-batch: it still runs one
+            # forward/backward (ZeRO-3 needs every rank in every forward) on an example with no
+            # counted token, so the step's loss stays sum / tokens of the real examples
+            micro = micro or [{"input_ids": batch[0]["input_ids"], "labels": [-100] * len(batch[0]["labels"])}]
             b = collate(micro, self.tokenizer.pad_token_id)
             r = pipe.forward_backward(b["input_ids"], b["attention_mask"], b["labels"],
                                       loss_fn=partial(sum_normalised_nll, scale=scale)).result()
@@ -229,7 +235,7 @@ class SFTTrainer(Trainer):
 
 
 def _split(items: list, n: int) -> list[list]:
-    """n nearly equal consecutive chunks (none empty as long as len(items) >= n)."""
+    """n nearly equal consecutive chunks (the last ones empty when len(items) < n)."""
     k, r = divmod(len(items), n)
     chunks, start = [], 0
     for i in range(n):
