@@ -430,7 +430,7 @@ def dry_run_report(cfg, n_examples: int | None = None, models: dict | None = Non
     }
     if n_examples is not None:
         info["examples"] = n_examples
-        info["steps_per_epoch"] = n_examples // global_batch
+        info["steps_per_epoch"] = -(-n_examples // global_batch)  # a short last step counts (rl.config.epoch_plan)
     info.update(extra or {})
     if models:
         info["models"] = {k: (v if isinstance(v, str) else v.get("name")) for k, v in models.items()}
