@@ -68,11 +68,11 @@ MODEL_KEYS = (("model_name", "model"), ("ref_model_name", "model"), ("ref_model"
 
 
 def _looks_like_path(name: str) -> bool:
-    """A local path rather than a hub id ('org/name'): absolute, ./ ~/, more than one '/', or a first
-    component that exists here (runs/rm when runs/ exists)."""
-    if name.startswith(("/", ".", "~")) or name.count("/") != 1 or name.endswith("/"):
+    """A local path rather than a hub id ('gpt2', 'org/name'): absolute, ./ ~/, more than one '/', or a
+    first component that exists here (runs/rm when runs/ exists)."""
+    if name.startswith(("/", ".", "~")) or name.count("/") > 1 or name.endswith("/"):
         return True
-    return Path(name.split("/")[0]).is_dir()
+    return "/" in name and Path(name.split("/")[0]).is_dir()
 
 
 def model_problem(key: str, name: str, role: str = "model") -> str | None:
@@ -91,7 +91,9 @@ def model_problem(key: str, name: str, role: str = "model") -> str | None:
         return None
     path = Path(name).expanduser()
     if not path.exists():
-        if _looks_like_path(name) or role == "reward":
+        if role == "reward":  # load_reward_model reads a local directory only
+            return f"key '{key}': {name} does not exist; give the directory written by launch/reward.py"
+        if _looks_like_path(name):
             return f"key '{key}': {name} does not exist; give an existing model directory or a hub id"
         return None
     if not path.is_dir():

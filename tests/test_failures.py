@@ -420,3 +420,16 @@ def test_short_last_batch_two_processes_match_one(tmp_path, script, extra):
     a, b = losses(one), losses(two)
     assert len(a) == len(b) == 4
     assert max(abs(x - y) for x, y in zip(a, b)) < 1e-5, (a, b)
+
+
+def test_model_problem_tells_paths_from_hub_ids(tmp_path, monkeypatch):
+    """Hub ids ('gpt2', 'org/name') are left to the loader; what can only be a local path must exist."""
+    from rl.launch_utils import model_problem
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "runs").mkdir()
+    for hub_id in ("gpt2", "Qwen/Qwen2.5-0.5B-Instruct", "meta-llama/Llama-3.1-8B"):
+        assert model_problem("model_name", hub_id) is None, hub_id
+    for path in ("runs/sft", "./model", "/no/such/model", "a/b/c", "~/no-such-model-dir"):
+        assert "does not exist" in model_problem("model_name", path), path
+    assert "does not exist" in model_problem("reward_model_path", "org/reward-model", "reward")
