@@ -25,7 +25,8 @@ os.environ.setdefault("WANDB_MODE", "offline")
 
 from rl.config import ConfigError, build, cli_config, opt, save_config  # noqa: E402
 from rl.data import DataError  # noqa: E402
-from rl.launch_utils import fail  # noqa: E402
+from rl.launch_utils import fail, preflight  # noqa: E402
+from rl.tiny import FAMILIES  # noqa: E402
 from rl.trainers.base import RunError, check_output_dir  # noqa: E402
 
 
@@ -119,6 +120,9 @@ def main(argv=None) -> None:
 
     # 1. parse: every stage's config is built (and validated) before anything runs
     cfg = cli_config(PipelineConfig, argv, prog="launch/pipeline.py", description=__doc__)
+    preflight(cfg)  # model names, deepspeed file, resume path, output_dir: before any model
+    if cfg.model_name is None and cfg.tiny_family not in FAMILIES:
+        fail(f"key 'tiny_family': unknown family {cfg.tiny_family!r}; use one of {', '.join(FAMILIES)}")
     out = Path(cfg.output_dir)
     t0 = time.time()
     try:

@@ -25,7 +25,7 @@ os.environ.setdefault("WANDB_MODE", "offline")
 
 from rl.config import ConfigError, cli_config  # noqa: E402
 from rl.data import DataError  # noqa: E402
-from rl.launch_utils import dry_run_report, fail, run_training  # noqa: E402
+from rl.launch_utils import dry_run_report, fail, preflight, run_training  # noqa: E402
 from rl.trainers.base import RunError, check_output_dir  # noqa: E402
 
 
@@ -45,6 +45,7 @@ def main(argv=None) -> None:
 
     # 1. parse; reward source and data are checked before any model is built
     cfg = cli_config(PPOConfig, argv, prog="launch/ppo.py", description=__doc__)
+    preflight(cfg)  # model names, deepspeed file, resume path, output_dir: before any model
     try:
         check_reward_source(cfg)
         if cfg.data.path is None and not (cfg.env_type or cfg.multi_objective):

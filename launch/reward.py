@@ -21,7 +21,7 @@ os.environ.setdefault("WANDB_MODE", "offline")
 
 from rl.config import ConfigError, cli_config, save_config, to_dict  # noqa: E402
 from rl.data import DataError  # noqa: E402
-from rl.launch_utils import dry_run_report, fail, run_training  # noqa: E402
+from rl.launch_utils import dry_run_report, fail, preflight, run_training  # noqa: E402
 from rl.trainers.base import RunError, check_output_dir  # noqa: E402
 
 
@@ -30,6 +30,7 @@ def main(argv=None) -> None:
 
     # 1. parse; the data is validated before any model is built, so a bad file fails in seconds
     cfg = cli_config(RewardTrainConfig, argv, prog="launch/reward.py", description=__doc__)
+    preflight(cfg)  # model names, deepspeed file, resume path, output_dir: before any model
     d = cfg.data
     if d.path is None:
         fail("data.path is not set: pass --data.path FILE.jsonl or set data: {path: ...} in the recipe")
@@ -60,9 +61,9 @@ def main(argv=None) -> None:
                                     max_grad_norm=cfg.max_grad_norm, deepspeed_config=cfg.deepspeed)
     try:
         tokenizer = load_tokenizer(cfg.model_name, cfg.trust_remote_code)
-    except ConfigError as e:  # e.g. a packaged model that cannot be fetched (rl.gguf)
+        model = RewardModel(model_cfg, tokenizer=tokenizer)
+    except ConfigError as e:  # a packaged model that cannot be fetched (rl.gguf), a hub id offline
         fail(str(e))
-    model = RewardModel(model_cfg, tokenizer=tokenizer)
     n_train, n_all = trainable_fraction(model)
     trainer = RewardModelTrainer(model, tokenizer, model_cfg, accelerator=accelerator, output_dir=cfg.output_dir)
     tracker = Tracker(cfg.output_dir, cfg.report_to, cfg.run_name, to_dict(cfg), is_main=accelerator.is_main_process,

@@ -17,7 +17,7 @@ os.environ.setdefault("WANDB_MODE", "offline")
 
 from rl.config import ConfigError, cli_config  # noqa: E402
 from rl.data import DataError  # noqa: E402
-from rl.launch_utils import dry_run_report, fail, run_training  # noqa: E402
+from rl.launch_utils import dry_run_report, fail, preflight, run_training  # noqa: E402
 from rl.trainers.base import RunError, check_output_dir  # noqa: E402
 
 
@@ -26,6 +26,7 @@ def main(argv=None) -> None:
 
     # 1. parse
     cfg = cli_config(SFTConfig, argv, prog="launch/sft.py", description=__doc__)
+    preflight(cfg)  # model names, deepspeed file, resume path, output_dir: before any model
     if cfg.data.path is None:
         fail("data.path is not set: pass --data.path FILE.jsonl or set data: {path: ...} in the recipe")
     try:

@@ -64,6 +64,17 @@ def _type_name(tp: Any) -> str:
     return "null" if tp is type(None) else getattr(tp, "__name__", str(tp))
 
 
+def _load_inline(text: str) -> Any:
+    """An inline YAML/JSON value from the command line or a recipe string; a syntax error becomes a
+    TypeError that says what was expected (build() names the key)."""
+    try:
+        return yaml.safe_load(text)
+    except yaml.YAMLError as e:
+        problem = getattr(e, "problem", None) or str(e).splitlines()[0]
+        raise TypeError(f"valid inline YAML/JSON such as {{a: 1}} or [1, 2] ({problem}; quote the "
+                        f"whole value in the shell)") from None
+
+
 def _convert(value: Any, tp: Any) -> Any:
     """Convert a YAML/CLI value to `tp`, raising TypeError(expected-type) when it cannot."""
     origin = get_origin(tp)
@@ -74,13 +85,16 @@ def _convert(value: Any, tp: Any) -> Any:
         if value is None or (isinstance(value, str) and value.lower() in ("none", "null")):
             if type(None) in args:
                 return None
+        errors = []
         for a in args:
             if a is type(None):
                 continue
             try:
                 return _convert(value, a)
-            except (TypeError, ValueError):
-                pass
+            except (TypeError, ValueError) as e:
+                errors.append(e.args[0] if isinstance(e, TypeError) and e.args else _type_name(a))
+        if len(errors) == 1 and type(None) in args:  # `X | None`: say what was wrong with X
+            raise TypeError(f"{errors[0]}, or null")
         raise TypeError(_type_name(tp))
     if origin is Literal:
         choices = get_args(tp)
@@ -89,18 +103,31 @@ def _convert(value: Any, tp: Any) -> Any:
         raise TypeError(_type_name(tp))
     if origin in (list, tuple):
         if isinstance(value, str):
-            parsed = yaml.safe_load(value) if value.strip().startswith("[") else value.split(",")
+            parsed = _load_inline(value) if value.strip().startswith("[") else value.split(",")
             value = parsed if isinstance(parsed, list) else [parsed]
         if not isinstance(value, (list, tuple)):
             raise TypeError(_type_name(tp))
         (inner, *_) = get_args(tp) or (Any,)
-        return [_convert(v, inner) for v in value]
+        out = []
+        for i, v in enumerate(value):
+            try:
+                out.append(_convert(v, inner))
+            except (TypeError, ValueError):
+                raise TypeError(f"a list of {_type_name(inner)}, but item {i} is {v!r}") from None
+        return out
     if origin is dict or tp is dict:
         if isinstance(value, str):
-            value = yaml.safe_load(value)
+            value = _load_inline(value)
         if not isinstance(value, dict):
-            raise TypeError(_type_name(tp))
-        return dict(value)
+            raise TypeError(f"{_type_name(tp)} (a mapping such as {{a: 1, b: 2}})")
+        key_tp, val_tp = get_args(tp) or (Any, Any)
+        out = {}
+        for k, v in value.items():
+            try:
+                out[_convert(k, key_tp)] = _convert(v, val_tp)
+            except (TypeError, ValueError):
+                raise TypeError(f"{_type_name(val_tp)} for every value, but {k!r} is {v!r}") from None
+        return out
     if tp is bool:
         if isinstance(value, bool):
             return value
@@ -446,17 +473,26 @@ def save_config(cfg, directory: str | Path, name: str = "config.yaml") -> Path:
 
 def epoch_plan(cfg, n_examples: int, world: int, what: str = "examples") -> dict:
     """Derived sizes of an epoch-based trainer, computed once: global batch, steps per epoch and
-    total optimizer steps (`max_steps` wins over `num_epochs`). An incomplete last global batch is
-    dropped (every process must run the same number of micro-batches)."""
+    total optimizer steps (`max_steps` wins over `num_epochs`).
+
+    As a data loader without drop_last: an incomplete last global batch (or an only one, when the data
+    is smaller than a global batch) is a smaller last step, steps_per_epoch = ceil(n / global_batch).
+    The trainers weight it so that its loss is still the mean over the examples it holds, and every
+    process still runs gradient_accumulation_steps micro-batches in it (ZeRO-3). `warning` is the one
+    line to print about it, or None."""
+    if n_examples < 1:
+        raise ConfigError(f"no training {what}")
     global_batch = cfg.batch_size * cfg.gradient_accumulation_steps * world
-    steps_per_epoch = n_examples // global_batch
-    if steps_per_epoch == 0:
-        raise ConfigError(f"{n_examples} training {what} are fewer than one global batch (batch_size "
-                          f"{cfg.batch_size} x gradient_accumulation_steps {cfg.gradient_accumulation_steps} "
-                          f"x {world} processes = {global_batch}); lower batch_size or add data")
+    steps_per_epoch = math.ceil(n_examples / global_batch)
+    last = n_examples - (steps_per_epoch - 1) * global_batch
+    warning = None
+    if last < global_batch:
+        warning = (f"warning: {n_examples} training {what} do not fill the global batch of {global_batch} "
+                   f"(batch_size {cfg.batch_size} x gradient_accumulation_steps {cfg.gradient_accumulation_steps} "
+                   f"x {world} processes): the last step of each epoch trains on {last}")
     total = cfg.max_steps or steps_per_epoch * cfg.num_epochs
     return {"global_batch": global_batch, "steps_per_epoch": steps_per_epoch, "total_steps": total,
-            "dropped_per_epoch": n_examples - steps_per_epoch * global_batch}
+            "last_batch": last, "warning": warning}
 
 
 # --------------------------------------------------------------------------------------------------

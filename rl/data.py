@@ -24,8 +24,9 @@ class DataError(ValueError):
 
 def _read_jsonl(path: Path) -> list[dict]:
     rows = []
-    with path.open(encoding="utf-8") as f:
-        for lineno, line in enumerate(f, start=1):
+    with path.open("rb") as f:
+        for lineno, raw in enumerate(f, start=1):
+            line = _decode(raw, path, lineno)
             if not line.strip():
                 continue
             try:
@@ -39,8 +40,17 @@ def _read_jsonl(path: Path) -> list[dict]:
     return rows
 
 
+def _decode(raw: bytes, path: Path, lineno: int) -> str:
+    """One line of a data file as text; invalid UTF-8 is a DataError naming the line and byte column."""
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise DataError(f"{path}:{lineno}: invalid UTF-8 (byte {raw[e.start]:#04x} at column {e.start + 1}); "
+                        f"re-encode the file as UTF-8 (e.g. iconv -f latin1 -t utf-8)") from None
+
+
 def _read_json(path: Path) -> list[dict]:
-    text = path.read_text(encoding="utf-8")
+    text = "".join(_decode(raw, path, i) for i, raw in enumerate(path.read_bytes().splitlines(True), start=1))
     try:
         data = json.loads(text)
     except json.JSONDecodeError as e:

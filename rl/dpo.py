@@ -75,17 +75,25 @@ def sequence_logps(logits: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Te
 
 
 def dpo_batch_loss(logits, labels, attention_mask, *, loss_type: str, beta: float, label_smoothing: float = 0.0,
-                   ref_chosen_logps=None, ref_rejected_logps=None):
+                   ref_chosen_logps=None, ref_rejected_logps=None, pair_weight=None):
     """The engine's loss callable: logits of the concatenated batch [chosen..., rejected...] (2B, T, V).
 
-    Returns (mean loss over the B pairs, batch-mean metrics)."""
+    Returns (mean loss over the B pairs, batch-mean metrics); with `pair_weight` (B,) the weighted sums
+    sum_i w_i l_i instead. The trainer gives w_i = world * accumulation / pairs-in-the-step (0 for a
+    padding pair), so that the engine's 1/accumulation and DDP's 1/world leave the exact mean over the
+    optimizer step's pairs even when its micro-batches are unequal (a short last batch)."""
     logps, lengths = sequence_logps(logits, labels)
     chosen, rejected = logps.chunk(2)
     c_len, r_len = lengths.chunk(2)
     per_pair, stats = preference_loss(loss_type, chosen, rejected, ref_chosen_logps, ref_rejected_logps,
                                       c_len, r_len, beta, label_smoothing)
-    loss = per_pair.mean()
-    metrics = {k: v.mean() for k, v in stats.items()}
+    if pair_weight is None:
+        loss = per_pair.mean()
+        metrics = {k: v.mean() for k, v in stats.items()}
+    else:
+        w = pair_weight.to(per_pair.dtype)
+        loss = (per_pair * w).sum()
+        metrics = {k: (v * w).sum() for k, v in stats.items()}
     metrics["loss"] = loss.detach()
     return loss, metrics
 
@@ -389,6 +397,8 @@ class DPOTrainer(EpochTrainer):
                       f"pairs ({self.world} processes, ZeRO stage {zero_stage(acc)}), loss {cfg.loss_type}, "
                       f"reference {'precomputed' if cfg.precompute_ref_logps else self.ref_mode}, trainable "
                       f"{self.trainable:,}/{self.total_params:,} parameters")
+        if plan["warning"]:
+            tracker.write(plan["warning"])
         if cfg.precompute_ref_logps:
             t0 = time.time()
             for ds in (dataset, eval_dataset):
@@ -406,17 +416,23 @@ class DPOTrainer(EpochTrainer):
     def train_step(self) -> list[dict]:
         cfg, acc, pipe, dataset = self.config, self.accelerator, self.pipeline, self._train
         t0 = time.time()
-        mine = self.next_global_batch()[acc.process_index::self.world]
+        N = cfg.gradient_accumulation_steps
+        step_pairs = self.next_global_batch()
+        mine = step_pairs[acc.process_index::self.world]
+        unit = self.world * N / len(step_pairs)  # see dpo_batch_loss: exact step mean for any split
         sums: dict[str, float] = {}
-        for m in range(cfg.gradient_accumulation_steps):
-            b = collate_pairs([dataset[i] for i in mine[m * cfg.batch_size:(m + 1) * cfg.batch_size]],
-                              dataset.pad_token_id)
+        for m in range(N):
+            idx = mine[m * cfg.batch_size:(m + 1) * cfg.batch_size]
+            # a short last step can leave this process a micro-batch with no pair: it still runs one
+            # forward/backward (ZeRO-3 needs every rank in every forward) on a pair weighted 0
+            weight = torch.full((len(idx),), unit) if idx else torch.zeros(1)
+            b = collate_pairs([dataset[i] for i in (idx or step_pairs[:1])], dataset.pad_token_id)
             ref_c, ref_r = self._reference_logps(b)
             # Right padding, so the engine's default positions equal b["position_ids"].
             r = pipe.forward_backward(b["input_ids"], b["attention_mask"], b["labels"], loss_fn=self._loss_fn,
-                                      ref_chosen_logps=ref_c, ref_rejected_logps=ref_r).result()
+                                      ref_chosen_logps=ref_c, ref_rejected_logps=ref_r, pair_weight=weight).result()
             for k, v in r.metrics.items():
-                sums[k] = sums.get(k, 0.0) + v / cfg.gradient_accumulation_steps
+                sums[k] = sums.get(k, 0.0) + v / N
         o = pipe.optim_step(max_grad_norm=cfg.max_grad_norm).result()
         row = _mean_across(acc, sums)
         row.update({"grad_norm": o.grad_norm, "lr": o.learning_rate, "epoch": self.epoch_progress,

@@ -249,13 +249,17 @@ class GRPOTrainer(Trainer):
         per_process = cfg.batch_size * cfg.gradient_accumulation_steps
         prompts_per_process = per_process // cfg.num_generations
         prompts_per_step = prompts_per_process * self.world
+        from_rows = self.train_prompts is not None and self.env is None
+        # checked with max_steps too: a step draws prompts_per_step distinct rows (ZeroDivisionError before)
+        steps_per_epoch = len(self.train_prompts) // prompts_per_step if from_rows else None
+        if steps_per_epoch == 0:
+            raise ConfigError(f"{len(self.train_prompts)} training prompts are fewer than one step's "
+                              f"{prompts_per_step} (batch_size {cfg.batch_size} x gradient_accumulation_steps "
+                              f"{cfg.gradient_accumulation_steps} x {self.world} processes / num_generations "
+                              f"{cfg.num_generations}); add prompts or lower batch_size")
         if cfg.max_steps:
             total = cfg.max_steps
-        elif self.train_prompts is not None and self.env is None:
-            steps_per_epoch = len(self.train_prompts) // prompts_per_step
-            if steps_per_epoch == 0:
-                raise ConfigError(f"{len(self.train_prompts)} prompts are fewer than one step's {prompts_per_step} "
-                                  f"prompts (batch_size x gradient_accumulation_steps x processes / num_generations)")
+        elif from_rows:
             total = steps_per_epoch * cfg.num_epochs * cfg.num_iterations
         else:
             raise ConfigError("an environment draws prompts without end: set max_steps")

@@ -60,6 +60,119 @@ def run_training(trainer, train, *args, **kwargs):
     return history
 
 
+# ------------------------------------------------------------------------------------ preflight
+
+# config keys that name a model: (key, what it must be). "reward" must score (a classifier).
+MODEL_KEYS = (("model_name", "model"), ("ref_model_name", "model"), ("ref_model", "model"),
+              ("critic_model_path", "model"), ("reward_model_path", "reward"))
+
+
+def _looks_like_path(name: str) -> bool:
+    """A local path rather than a hub id ('gpt2', 'org/name'): absolute, ./ ~/, more than one '/', or a
+    first component that exists here (runs/rm when runs/ exists)."""
+    if name.startswith(("/", ".", "~")) or name.count("/") > 1 or name.endswith("/"):
+        return True
+    return "/" in name and Path(name.split("/")[0]).is_dir()
+
+
+def model_problem(key: str, name: str, role: str = "model") -> str | None:
+    """Why `name` (the value of config key `key`) cannot be loaded, without loading it; None when it
+    looks fine or is a hub id left to the loader (offline, which then fails with one line of its own)."""
+    from rl.tiny import FAMILIES, TINY_PREFIX
+
+    if name.startswith(TINY_PREFIX):
+        family, _, task = name[len(TINY_PREFIX):].partition("-")
+        if family not in FAMILIES or task not in ("", "classifier"):
+            return (f"key '{key}': unknown tiny model {name!r}; use tiny:<family> or tiny:<family>-classifier "
+                    f"with family one of {', '.join(FAMILIES)}")
+        if role == "reward" and task != "classifier":
+            return (f"key '{key}': {name!r} is a causal LM, not a reward model; train one with launch/reward.py "
+                    f"or use tiny:{family}-classifier")
+        return None
+    path = Path(name).expanduser()
+    if not path.exists():
+        if role == "reward":  # load_reward_model reads a local directory only
+            return f"key '{key}': {name} does not exist; give the directory written by launch/reward.py"
+        if _looks_like_path(name):
+            return f"key '{key}': {name} does not exist; give an existing model directory or a hub id"
+        return None
+    if not path.is_dir():
+        return f"key '{key}': {name} is a file; give the model's directory (with config.json)"
+    if role == "reward":
+        from rl.reward import reward_model_problem
+
+        problem = reward_model_problem(path)
+        if problem:
+            return f"key '{key}': {problem}"
+    elif not (path / "config.json").exists():
+        return (f"key '{key}': {name} has no config.json, so it is not a model directory (a finished run "
+                f"writes its model to output_dir; a checkpoint goes to resume=, not model_name)")
+    return safetensors_problem(key, path)
+
+
+def safetensors_problem(key: str, directory: Path) -> str | None:
+    """The first *.safetensors file in `directory` whose header or size is unreadable (no tensor is read)."""
+    from safetensors import safe_open
+
+    for f in sorted(directory.glob("*.safetensors")):
+        try:
+            with safe_open(str(f), "pt") as st:
+                st.keys()
+        except Exception as e:  # the library's own errors are several types; its message says which
+            return f"key '{key}': {f} is not a readable safetensors file ({str(e).splitlines()[0][:120]}); " \
+                   f"re-save or re-download the model"
+    return None
+
+
+def writable_problem(key: str, directory: str) -> str | None:
+    """Why `directory` cannot be created or written (its nearest existing ancestor decides)."""
+    p = Path(directory).expanduser().absolute()
+    probe = p
+    while not probe.exists():
+        probe = probe.parent
+    if not probe.is_dir():
+        return f"key '{key}': {probe} is a file, so {directory} cannot be a directory; choose another output_dir"
+    if not os.access(probe, os.W_OK | os.X_OK):
+        return f"key '{key}': {probe} is not writable; choose another output_dir or fix its permissions"
+    return None
+
+
+def preflight_problems(cfg) -> list[str]:
+    """Every mistake in `cfg` found without building a model: model names, the deepspeed file, the
+    resume path and output_dir. Keys a config lacks are skipped."""
+    problems = []
+    for key, role in MODEL_KEYS:
+        name = getattr(cfg, key, None)
+        if isinstance(name, str) and name:
+            problems.append(model_problem(key, name, role))
+    ds = getattr(cfg, "deepspeed", None)
+    if ds:
+        if not Path(ds).is_file():
+            problems.append(f"key 'deepspeed': {ds} does not exist; give a DeepSpeed JSON file such as "
+                            f"ds_configs/zero3.json")
+        else:
+            try:
+                json.loads(Path(ds).read_text())
+            except (ValueError, UnicodeDecodeError) as e:
+                problems.append(f"key 'deepspeed': {ds} is not valid JSON ({e})")
+    resume = getattr(cfg, "resume", None)
+    if resume and resume != "auto" and not Path(resume).exists():
+        problems.append(f"key 'resume': {resume} does not exist; give a checkpoint directory "
+                        f"(output_dir/checkpoints/checkpoint-N) or resume=auto")
+    out = getattr(cfg, "output_dir", None)
+    if out and not getattr(cfg, "dry_run", False):
+        problems.append(writable_problem("output_dir", out))
+    return [p for p in problems if p]
+
+
+def preflight(cfg) -> None:
+    """`preflight_problems` for a launch script, right after parsing: the first problem is one
+    `error:` line and exit 2, before any model is built."""
+    problems = preflight_problems(cfg)
+    if problems:
+        fail(problems[0])
+
+
 # ------------------------------------------------------------------------------ model configs
 
 # config.json fields (the ones that decide the parameter count) of the real models our recipes name,
@@ -322,7 +435,7 @@ def dry_run_report(cfg, n_examples: int | None = None, models: dict | None = Non
     }
     if n_examples is not None:
         info["examples"] = n_examples
-        info["steps_per_epoch"] = n_examples // global_batch
+        info["steps_per_epoch"] = -(-n_examples // global_batch)  # a short last step counts (rl.config.epoch_plan)
     info.update(extra or {})
     if models:
         info["models"] = {k: (v if isinstance(v, str) else v.get("name")) for k, v in models.items()}

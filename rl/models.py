@@ -10,6 +10,7 @@ import math
 
 import torch
 
+from rl.config import ConfigError
 from rl.tiny import resolve_model_path
 
 
@@ -23,10 +24,20 @@ def resolve_dtype(name: str | None) -> torch.dtype:
             "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16}[name]
 
 
+def not_loadable(name: str, what: str, error: Exception) -> ConfigError:
+    """One line for a model/tokenizer the loader could not find or read (a hub id offline, a typo)."""
+    first = (str(error).strip().splitlines() or [type(error).__name__])[0][:200]
+    return ConfigError(f"model {name!r}: cannot load its {what} ({first}); check the name, or download it "
+                       f"first (hf download {name}) when this machine is offline")
+
+
 def load_tokenizer(name: str, trust_remote_code: bool = False, padding_side: str = "right"):
     from transformers import AutoTokenizer
 
-    tok = AutoTokenizer.from_pretrained(resolve_model_path(name), trust_remote_code=trust_remote_code)
+    try:
+        tok = AutoTokenizer.from_pretrained(resolve_model_path(name), trust_remote_code=trust_remote_code)
+    except OSError as e:  # transformers' "not a valid model identifier / no such file" family
+        raise not_loadable(name, "tokenizer", e) from None
     if tok.pad_token is None:
         # Many causal LMs ship without a pad token; reuse EOS (masked out everywhere we pad).
         tok.pad_token = tok.eos_token
@@ -55,12 +66,15 @@ def load_causal_lm(name: str, dtype: str | torch.dtype | None = "auto", trust_re
             BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4",
                                bnb_4bit_compute_dtype=torch_dtype, bnb_4bit_use_double_quant=True)
             if quantization == "4bit" else BitsAndBytesConfig(load_in_8bit=True))
-    if task == "classifier":
-        model = AutoModelForSequenceClassification.from_pretrained(path, num_labels=num_labels, **kwargs)
-        if model.config.pad_token_id is None:
-            model.config.pad_token_id = model.config.eos_token_id
-    else:
-        model = AutoModelForCausalLM.from_pretrained(path, **kwargs)
+    try:
+        if task == "classifier":
+            model = AutoModelForSequenceClassification.from_pretrained(path, num_labels=num_labels, **kwargs)
+        else:
+            model = AutoModelForCausalLM.from_pretrained(path, **kwargs)
+    except OSError as e:
+        raise not_loadable(name, "weights", e) from None
+    if task == "classifier" and model.config.pad_token_id is None:
+        model.config.pad_token_id = model.config.eos_token_id
     if gradient_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         model.config.use_cache = False

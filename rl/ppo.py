@@ -247,9 +247,10 @@ class PPOConfig(TrainConfig):
     reward_fn: str | None = opt(None, "named reward: default | length_penalty | correctness | custom | module:function")
     custom_reward: str | None = opt(None, "'module:function' for reward_fn=custom")
     multi_objective: bool = opt(False, "score with a multi_objective environment weighted by reward_weights")
-    reward_weights: dict | None = opt(None, "JSON/mapping {name: weight}: a reward source's name (reward_model, env, "
-                                      "the reward_fn's name) weights that source, other names are multi_objective "
-                                      "components; given, several reward sources combine (a weighted sum)")
+    reward_weights: dict[str, float] | None = opt(
+        None, "JSON/mapping {name: weight}: a reward source's name (reward_model, env, the reward_fn's name) "
+        "weights that source, other names are multi_objective components; given, several reward sources "
+        "combine (a weighted sum)")
     reward_timeout: float | None = opt(300.0, "seconds a reward source may take per batch (null or 0: no limit)")
     env_type: str | None = opt(None, "score with an environment: text_generation, multi_objective, "
                                "preference_comparison, math, code")

@@ -520,6 +520,27 @@ def save_reward_model(model: RewardModel, path: str | Path, state_dict: dict | N
     return path
 
 
+def reward_model_problem(path: str | Path) -> str | None:
+    """Why directory `path` is not a reward model, or None: it must hold a reward_config.json (written by
+    launch/reward.py) or be a `*ForSequenceClassification` checkpoint. A causal LM would get a randomly
+    initialised score head and train the policy against noise, so it is refused."""
+    p = Path(path)
+    if (p / CONFIG_FILE).exists():
+        return None
+    if not (p / "config.json").exists():
+        return (f"{path} has no {CONFIG_FILE} or config.json; pass the directory written by launch/reward.py "
+                f"(or RewardModelTrainer.save_model)")
+    try:
+        archs = json.loads((p / "config.json").read_text()).get("architectures") or []
+    except (ValueError, UnicodeDecodeError) as e:
+        return f"{p / 'config.json'} is not valid JSON ({e})"
+    if not any(str(a).endswith("ForSequenceClassification") for a in archs):
+        return (f"{path} is not a reward model (architectures {archs or 'unknown'}, no {CONFIG_FILE}): its score "
+                f"head would be random; train one with launch/reward.py or give a *ForSequenceClassification "
+                f"checkpoint")
+    return None
+
+
 def load_reward_model(path: str | Path, device: str | torch.device | None = None,
                       dtype: str | None = None, trainable: bool = False,
                       trust_remote_code: bool = False) -> RewardModel:
@@ -536,9 +557,9 @@ def load_reward_model(path: str | Path, device: str | torch.device | None = None
     p = Path(resolve_model_path(str(path)))
     meta_path = p / CONFIG_FILE
     if not meta_path.exists():
-        if not (p / "config.json").exists():
-            raise FileNotFoundError(f"{path}: no {CONFIG_FILE} or config.json; pass the directory written by "
-                                    f"RewardModelTrainer.save_model or launch/reward.py")
+        problem = reward_model_problem(p)
+        if problem:
+            raise FileNotFoundError(problem) if not (p / "config.json").exists() else ValueError(problem)
         cfg = RewardModelConfig(model_name=str(p), use_lora=False, dropout_prob=0.0, pooling_strategy="last",
                                 dtype=dtype or "auto", trust_remote_code=trust_remote_code)
         model = RewardModel(cfg)
@@ -751,7 +772,14 @@ class RewardModelTrainer(Trainer):
         self._setup(len(steps), batch_size)
         self.model.train()
         self._train, self._steps, self._done, self._bs = train, steps, 0, batch_size
-        rows = self.fit(len(steps), tracker or CallbackTracker(log_fn))
+        tracker = tracker or CallbackTracker(log_fn)
+        per_step = batch_size * self.accelerator.num_processes * N
+        if len(train) % per_step:
+            tracker.write(f"warning: {len(train)} training pairs do not fill whole global batches of {per_step} "
+                          f"(batch_size {batch_size} x gradient_accumulation_steps {N} x "
+                          f"{self.accelerator.num_processes} processes): the last step of each epoch is "
+                          f"completed with pairs from the epoch's start")
+        rows = self.fit(len(steps), tracker)
         self.history += rows
         last = next((r for r in reversed(rows) if "loss" in r), {})
         return {k: v for k, v in last.items() if k != "step"}

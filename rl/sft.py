@@ -23,7 +23,7 @@ import torch
 from rl import losses
 from rl.checkpoint import checkpoint_dir
 from rl.config import ConfigError, TrainConfig, epoch_plan, opt, save_config, to_dict
-from rl.data import LengthReport, load_records, render_chat, where, with_bos
+from rl.data import DataError, LengthReport, load_records, render_chat, where, with_bos
 from rl.forward_backward import ForwardBackwardPipeline, build_accelerator, zero_stage
 from rl.models import (apply_lora, build_optimizer, build_scheduler, load_tokenizer, load_trainable_policy,
                        resolve_dtype, save_pretrained, trainable_fraction)
@@ -88,7 +88,14 @@ def load_sft_records(path, cfg: SFTConfig) -> list[dict]:
         spec = dict(columns=[d.prompt_column, d.completion_column])
     else:
         spec = dict(columns=[d.text_column])
-    return load_records(path, max_examples=d.max_examples, **spec)
+    records = load_records(path, max_examples=d.max_examples, **spec)
+    for row in records:
+        msgs = row.get(d.messages_column)
+        if msgs is not None and not isinstance(msgs, list):  # a string here is not chat data
+            raise DataError(f"{where(path, row)}: column '{d.messages_column}' must be a list of "
+                            f"{{\"role\", \"content\"}} messages, got {type(msgs).__name__}; put plain text in "
+                            f"a '{d.text_column}' column (or set data.messages_column)")
+    return records
 
 
 def collate(examples: list[dict], pad_id: int) -> dict[str, torch.Tensor]:
@@ -159,6 +166,8 @@ class SFTTrainer(EpochTrainer):
         tracker.write(f"sft: {len(train_examples)} examples, {plan['total_steps']} steps, global batch "
                       f"{plan['global_batch']} ({self.world} processes, ZeRO stage {zero_stage(acc)}), "
                       f"trainable {self.trainable:,}/{self.total_params:,} parameters")
+        if plan["warning"]:
+            tracker.write(plan["warning"])
         self._train = train_examples
         self.start_epochs(len(train_examples), eval_examples)
         return self.fit(plan["total_steps"], tracker)
@@ -170,6 +179,10 @@ class SFTTrainer(EpochTrainer):
         scale = self.world * cfg.gradient_accumulation_steps / max(1, counted_tokens(batch))
         nll_sum, n_tok = 0.0, 0
         for micro in _split(batch[acc.process_index::self.world], cfg.gradient_accumulation_steps):
+            # a short last step can leave this process an empty micro-batch: it still runs one
+            # forward/backward (ZeRO-3 needs every rank in every forward) on an example with no
+            # counted token, so the step's loss stays sum / tokens of the real examples
+            micro = micro or [{"input_ids": batch[0]["input_ids"], "labels": [-100] * len(batch[0]["labels"])}]
             b = collate(micro, self.tokenizer.pad_token_id)
             r = pipe.forward_backward(b["input_ids"], b["attention_mask"], b["labels"],
                                       loss_fn=partial(sum_normalised_nll, scale=scale)).result()
@@ -203,7 +216,7 @@ class SFTTrainer(EpochTrainer):
 
 
 def _split(items: list, n: int) -> list[list]:
-    """n nearly equal consecutive chunks (none empty as long as len(items) >= n)."""
+    """n nearly equal consecutive chunks (the last ones empty when len(items) < n)."""
     k, r = divmod(len(items), n)
     chunks, start = [], 0
     for i in range(n):

@@ -77,12 +77,10 @@ def write_tiny_model(out: str | os.PathLike, family: str = "llama", task: str = 
 
     Idempotent: if `out` already holds a model written with the same arguments, it is reused.
     """
-    import torch
-    from huggingface_hub import save_torch_state_dict
-    from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
-
     if task not in TASKS:
         raise ValueError(f"unknown task {task!r}; choose one of {', '.join(TASKS)}")
+    if family not in FAMILIES:  # before anything is written: no half-built directory is left behind
+        raise ValueError(f"unknown tiny model family {family!r}; choose one of {', '.join(FAMILIES)}")
     out = Path(out)
     spec = dict(family=family, task=task, hidden=hidden, layers=layers, heads=heads, seed=seed)
     marker = out / "tiny_spec.json"
@@ -97,38 +95,53 @@ def write_tiny_model(out: str | os.PathLike, family: str = "llama", task: str = 
         fcntl.flock(lock, fcntl.LOCK_EX)
         if marker.exists() and json.loads(marker.read_text()) == spec:
             return out  # another process finished the same model first
+        for stale in out.parent.glob(f".{out.name}.tmp-*"):  # left by a killed build (we hold the lock)
+            shutil.rmtree(stale, ignore_errors=True)
         tmp = out.parent / f".{out.name}.tmp-{os.getpid()}"
-        shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)
-        tok = build_tokenizer()
-        # Headroom above the 259 tokens: some families' tokenizer classes (Qwen2's) add a special token of
-        # their own on load, and a multiple of 64 keeps the embedding matmuls aligned.
-        vocab_size = 320
-        cfg = build_config(family, vocab_size, hidden, layers, heads, task=task,
-                           pad_id=tok.pad_token_id, bos_id=tok.bos_token_id, eos_id=tok.eos_token_id)
-        torch.manual_seed(seed)
-        cls = AutoModelForSequenceClassification if task == "classifier" else AutoModelForCausalLM
-        with _without_zero3_init():
-            model = cls.from_config(cfg)
-        # Written piece by piece, not with model.save_pretrained: that writes only on torch.distributed
-        # rank 0, and under `accelerate launch` the rank that takes the lock first may be another one
-        # (seen: a directory with the tokenizer and nothing else).
-        model.config.architectures = [type(model).__name__]
-        model.config.save_pretrained(tmp)
-        if model.can_generate():
-            model.generation_config.save_pretrained(tmp)
-        # tied weights (lm_head = embeddings) are stored once, under the embedding's name, as
-        # save_pretrained does: a base model (AutoModel) must find its embeddings
-        tied = getattr(model, "_tied_weights_keys", None) or {}
-        save_torch_state_dict({k: v for k, v in model.state_dict().items() if k not in tied}, tmp)
-        tok.save_pretrained(tmp)
-        (tmp / "tiny_spec.json").write_text(json.dumps(spec))
+        try:
+            _build_into(tmp, family, task, hidden, layers, heads, seed, spec)
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
         if out.exists():  # an incomplete model, or one with another spec: replace it
             old = out.parent / f".{out.name}.old-{os.getpid()}"
             os.replace(out, old)
             shutil.rmtree(old, ignore_errors=True)
         os.rename(tmp, out)
     return out
+
+
+def _build_into(tmp: Path, family: str, task: str, hidden: int, layers: int, heads: int, seed: int,
+                spec: dict) -> None:
+    """Write the tiny model's config, weights, tokenizer and spec marker into `tmp`."""
+    import torch
+    from huggingface_hub import save_torch_state_dict
+    from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
+
+    tok = build_tokenizer()
+    # Headroom above the 259 tokens: some families' tokenizer classes (Qwen2's) add a special token of
+    # their own on load, and a multiple of 64 keeps the embedding matmuls aligned.
+    vocab_size = 320
+    cfg = build_config(family, vocab_size, hidden, layers, heads, task=task,
+                       pad_id=tok.pad_token_id, bos_id=tok.bos_token_id, eos_id=tok.eos_token_id)
+    torch.manual_seed(seed)
+    cls = AutoModelForSequenceClassification if task == "classifier" else AutoModelForCausalLM
+    with _without_zero3_init():
+        model = cls.from_config(cfg)
+    # Written piece by piece, not with model.save_pretrained: that writes only on torch.distributed
+    # rank 0, and under `accelerate launch` the rank that takes the lock first may be another one
+    # (seen: a directory with the tokenizer and nothing else).
+    model.config.architectures = [type(model).__name__]
+    model.config.save_pretrained(tmp)
+    if model.can_generate():
+        model.generation_config.save_pretrained(tmp)
+    # tied weights (lm_head = embeddings) are stored once, under the embedding's name, as
+    # save_pretrained does: a base model (AutoModel) must find its embeddings
+    tied = getattr(model, "_tied_weights_keys", None) or {}
+    save_torch_state_dict({k: v for k, v in model.state_dict().items() if k not in tied}, tmp)
+    tok.save_pretrained(tmp)
+    (tmp / "tiny_spec.json").write_text(json.dumps(spec))
 
 
 @contextlib.contextmanager
