@@ -441,7 +441,8 @@ def _cli_replaces_reward_sources(cls: type, recipe: dict, overrides: dict) -> di
     combine, as reward_weights asks for explicitly."""
     sources = set(getattr(cls, "REWARD_SOURCE_KEYS", ()))
     aliases = _aliases(cls)
-    given = {aliases.get(k, k) for k in overrides}
+    # switching a source off (env_type=null) gives none: the recipe's other sources stay
+    given = {aliases.get(k, k) for k, v in overrides.items() if v not in (None, [], "null", "none")}
     if not sources & given or "reward_weights" in given:
         return recipe
     dropped = sources | {"reward_weights", "custom_reward"}
