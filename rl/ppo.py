@@ -219,7 +219,8 @@ class PPOConfig(TrainConfig):
     table differ, the defaults are the CLI's (the documented defaults of the rl_* names)."""
 
     batch_size: int = opt(16, "prompts sampled per process per iteration (rollout batch)")
-    mini_batch_size: int = opt(8, "rollouts per optimizer step, per process; divides batch_size")
+    mini_batch_size: int | None = opt(None, "rollouts per optimizer step, per process; divides batch_size (null: "
+                                      "min(8, batch_size), the CLI's documented 8 capped at the rollout batch)")
     ppo_epochs: int = opt(4, "passes over each rollout batch")
     num_iterations: int | None = opt(None, "rollout+update rounds; null: num_epochs passes over the prompts")
     gamma: float = opt(0.99, "discount factor (0.9-1.0)")
@@ -270,6 +271,8 @@ class PPOConfig(TrainConfig):
 
     def __post_init__(self):
         super().__post_init__()
+        if self.mini_batch_size is None:  # derived once here, so the doc's batch_size=4 needs no extra key
+            self.mini_batch_size = min(8, self.batch_size)
         for name in ("mini_batch_size", "ppo_epochs", "max_new_tokens", "kl_horizon"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"key '{name}' must be at least 1, got {getattr(self, name)}")

@@ -380,8 +380,6 @@ def test_python_api_trains_sft(tmp_path, monkeypatch):
 
 
 @pytest.mark.slow
-@pytest.mark.xfail(strict=False, raises=ConfigError,
-                   reason="PPO's default mini_batch_size 8 exceeds the doc's batch_size=4 (rl/ppo.py, issue 15)")
 def test_python_api_ppo_example_runs(tmp_path, monkeypatch):
     """The doc's snippet as written, in a directory with ./prompts.jsonl and ./reward-model."""
     from rl.tiny import write_tiny_model
