@@ -415,3 +415,63 @@ def test_memory_flags_reach_the_ppo_config():
     args = translate("ppo", DOC_MEMORY_FLAGS, _schema("ppo"))
     cfg = parse_config(_schema("ppo"), ["--model", "tiny:llama", *args])
     assert (cfg.logprob_chunk_size, cfg.optimize_device_cache) == (128, True)
+
+
+# ------------------------------------------------------------------ rl-module-docs: "Treinamento DPO"
+
+DPO_DOC = '''
+from autotrain.trainers.rl import DPOConfig, DPOTrainer
+
+config = DPOConfig(
+    model_name="google/gemma-2-2b",
+    learning_rate=1e-6,
+    batch_size=8,
+    gradient_accumulation_steps=2,
+
+    # DPO hyperparameters
+    beta=0.1,              # Temperature parameter
+    label_smoothing=0.0,   # For robustness
+    reference_free=False,  # Use reference model
+
+    # Training
+    num_epochs=1,
+    max_grad_norm=1.0,
+    warmup_ratio=0.1,
+
+    # Sequence lengths
+    max_length=512,
+    max_prompt_length=256,
+
+    # Checkpointing
+    eval_every=100,
+    save_every=500,
+    device=None,           # Auto-detected
+)
+
+from autotrain.trainers.rl.dpo import PreferenceDataset
+
+# Create dataset from preference pairs
+dataset = PreferenceDataset(
+    prompts=["What is AI?", "Explain gravity"],
+    chosen=["AI is artificial intelligence...", "Gravity is a force..."],
+    rejected=["idk lol", "its like magnets"],
+    tokenizer=tokenizer,
+    max_length=512,
+    max_prompt_length=256,
+)
+
+# Train
+trainer = DPOTrainer(config=config, tokenizer=tokenizer)
+metrics = trainer.train(dataset, eval_dataset=eval_dataset)
+'''
+
+
+def test_dpo_example_trains_two_pairs_with_a_global_batch_of_sixteen(tiny_tokenizer, tmp_path, monkeypatch, caplog):
+    """2 pairs, batch_size=8 x gradient_accumulation_steps=2: one short step on the data there is, with one
+    warning, instead of 'fewer than one global batch' (the doc leaves tokenizer and eval_dataset to the reader)."""
+    monkeypatch.chdir(tmp_path)
+    ns = run_doc(DPO_DOC, {"tokenizer": tiny_tokenizer, "eval_dataset": None},
+                 {'"google/gemma-2-2b"': '"tiny:llama"', "device=None,": 'device=None, report_to=["none"],'})
+    metrics = ns["metrics"]
+    assert len(metrics) == 1 and metrics[0]["step"] == 1
+    assert metrics[0]["loss"] == pytest.approx(0.693147, abs=1e-5)  # policy == reference at the first step
