@@ -178,3 +178,50 @@ def test_learning_rate_zero_or_nan_is_refused():
     for lr in (0.0, float("nan"), -1e-3):
         with pytest.raises(ConfigError, match="learning_rate' must be a positive number"):
             build(SFTConfig, {"model_name": "m", "learning_rate": lr})
+
+
+@pytest.mark.slow
+def test_ctrl_c_checkpoints_and_exits_130(tmp_path, tiny_llama):
+    """SIGINT is a stop like SIGTERM: the step finishes, a checkpoint is written, exit 128 + 2, no traceback."""
+    out = tmp_path / "run"
+    proc = subprocess.Popen(_cmd("sft", out, 500), cwd=ROOT, text=True, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, env=_env())
+    deadline = time.time() + 300
+    while len(_train_rows(out)) < 2 and proc.poll() is None and time.time() < deadline:
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGINT)
+    log = proc.communicate(timeout=300)[0]
+    assert proc.returncode == 128 + signal.SIGINT, log[-3000:]
+    assert "stopping on signal 2" in log and "Traceback" not in log and "KeyboardInterrupt" not in log, log[-3000:]
+    assert complete_checkpoints(out) and not (out / "model.safetensors").exists()
+
+
+def test_disk_full_during_a_checkpoint_keeps_the_previous_one(tmp_path, tiny_llama, monkeypatch):
+    """ENOSPC while writing checkpoint-2: one RunError line naming the directory, the partial checkpoint
+    is removed, checkpoint-1 stays complete and loadable."""
+    import errno
+
+    import safetensors.torch
+
+    from rl.sft import SFTTrainer, tokenize_examples
+
+    cfg = build(SFTConfig, {"model_name": tiny_llama, "output_dir": str(tmp_path / "run"), "max_steps": 4,
+                            "save_every": 1, "batch_size": 2, "report_to": ["none"], "learning_rate": 1e-3})
+    trainer = SFTTrainer(cfg)
+    data = tokenize_examples([{"prompt": f"{i}+1=", "completion": str(i + 1)} for i in range(8)],
+                             trainer.tokenizer, cfg)
+    real_save, calls = safetensors.torch.save_file, []
+
+    def full_disk(tensors, filename, *a, **k):
+        calls.append(filename)
+        if ".tmp-checkpoint-2" in str(filename):
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return real_save(tensors, filename, *a, **k)
+
+    monkeypatch.setattr(safetensors.torch, "save_file", full_disk)
+    with pytest.raises(RunError, match=r"no space left on .*checkpoints while writing checkpoint-2; the previous"):
+        trainer.train(data)
+    root = tmp_path / "run" / "checkpoints"
+    assert [d.name for d in complete_checkpoints(tmp_path / "run")] == ["checkpoint-1"]
+    assert not (root / ".tmp-checkpoint-2").exists()
+    assert set(safetensors.torch.load_file(str(root / "checkpoint-1" / "model.safetensors")))
