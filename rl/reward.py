@@ -558,7 +558,8 @@ def load_reward_model(path: str | Path, device: str | torch.device | None = None
     meta_path = p / CONFIG_FILE
     if not meta_path.exists():
         problem = reward_model_problem(p)
-        if problem:
+        # a trainable critic (PPO's value_model=critic) may start from any backbone: its head is trained
+        if problem and not (trainable and (p / "config.json").exists()):
             raise FileNotFoundError(problem) if not (p / "config.json").exists() else ValueError(problem)
         cfg = RewardModelConfig(model_name=str(p), use_lora=False, dropout_prob=0.0, pooling_strategy="last",
                                 dtype=dtype or "auto", trust_remote_code=trust_remote_code)
