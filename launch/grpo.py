@@ -22,7 +22,7 @@ from rl.trainers.base import RunError, check_output_dir  # noqa: E402
 
 
 def main(argv=None) -> None:
-    from rl.grpo import GRPOConfig, GRPOTrainer, load_prompt_rows
+    from rl.grpo import GRPOConfig, GRPOTrainer, grpo_sizes, load_prompt_rows
 
     # 1. parse
     cfg = cli_config(GRPOConfig, argv, prog="launch/grpo.py", description=__doc__)
@@ -39,7 +39,9 @@ def main(argv=None) -> None:
                 models["reference (frozen)"] = "policy without adapters" if cfg.lora.enabled else cfg.model_name
             if cfg.reward_model_path:
                 models["reward model (frozen)"] = cfg.reward_model_path
-            dry_run_report(cfg, n_examples=len(rows) if rows else None, models=models)
+            world = int(os.environ.get("WORLD_SIZE", "1"))
+            dry_run_report(cfg, n_examples=len(rows) if rows else None, models=models,
+                           extra=grpo_sizes(cfg, world, len(rows) if rows else None))
             return
         check_output_dir(cfg)
         trainer = GRPOTrainer(cfg, train_prompts=rows)

@@ -194,6 +194,19 @@ def encode_prompt(tokenizer, prompt: str, budget: int, chat: bool = False) -> li
     return with_bos(tokenizer, tokenizer(prompt, add_special_tokens=False)["input_ids"])[-budget:]
 
 
+def grpo_sizes(cfg: GRPOConfig, world: int, n_prompts: int | None = None) -> dict:
+    """GRPO's batch arithmetic in its own units (also what --dry-run prints): completions per micro-batch
+    (per_device_batch) and per optimizer step (global_batch), whole groups of num_generations each, so
+    prompts per step = global_batch / num_generations; steps per pass over `n_prompts` data rows."""
+    per_process = cfg.batch_size * cfg.gradient_accumulation_steps
+    prompts_per_process = per_process // cfg.num_generations
+    prompts_per_step = prompts_per_process * world
+    return {"per_device_batch": cfg.batch_size, "global_batch": per_process * world,
+            "completions_per_process": per_process, "prompts_per_process": prompts_per_process,
+            "prompts_per_step": prompts_per_step,
+            "steps_per_epoch": n_prompts // prompts_per_step if n_prompts is not None else None}
+
+
 # ============================================================================ trainer
 
 class GRPOTrainer(Trainer):
@@ -246,12 +259,11 @@ class GRPOTrainer(Trainer):
     def plan(self) -> dict:
         """Derived sizes, computed once: completions and prompts per step (global and per process)."""
         cfg = self.cfg
-        per_process = cfg.batch_size * cfg.gradient_accumulation_steps
-        prompts_per_process = per_process // cfg.num_generations
-        prompts_per_step = prompts_per_process * self.world
         from_rows = self.train_prompts is not None and self.env is None
+        sizes = grpo_sizes(cfg, self.world, len(self.train_prompts) if from_rows else None)
+        per_process, prompts_per_step = sizes["completions_per_process"], sizes["prompts_per_step"]
+        prompts_per_process, steps_per_epoch = sizes["prompts_per_process"], sizes["steps_per_epoch"]
         # checked with max_steps too: a step draws prompts_per_step distinct rows (ZeroDivisionError before)
-        steps_per_epoch = len(self.train_prompts) // prompts_per_step if from_rows else None
         if steps_per_epoch == 0:
             raise ConfigError(f"{len(self.train_prompts)} training prompts are fewer than one step's "
                               f"{prompts_per_step} (batch_size {cfg.batch_size} x gradient_accumulation_steps "

@@ -319,3 +319,15 @@ def test_chunked_scoring_changes_nothing(tiny_llama, tmp_path):
     for a, b in zip(full, chunked):
         for k in ("loss", "kl", "clip_ratio/region_mean"):
             assert a[k] == pytest.approx(b[k], abs=1e-5), k
+
+
+def test_dry_run_sizes_count_prompts_not_completions():
+    """--dry-run's plan in GRPO's units: 8 completions per micro-batch x 2 accumulation x 2 processes = 32
+    completions = 8 prompts (groups of 4) per step, so 64 data rows are 8 steps (not 64 // 32 = 2)."""
+    from rl.grpo import grpo_sizes
+
+    cfg = build(GRPOConfig, {"model_name": "m", "batch_size": 8, "gradient_accumulation_steps": 2,
+                             "num_generations": 4})
+    s = grpo_sizes(cfg, world=2, n_prompts=64)
+    assert (s["per_device_batch"], s["global_batch"], s["prompts_per_step"], s["steps_per_epoch"]) == (8, 32, 8, 8)
+    assert grpo_sizes(cfg, world=2)["steps_per_epoch"] is None  # an environment: no epochs
