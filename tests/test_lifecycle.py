@@ -54,6 +54,16 @@ def _train_rows(out) -> list[dict]:
     return [r for r in rows if "loss" in r or "objective/scores" in r]
 
 
+def _signal_mid_run(cmd, out, rows: int, sig) -> tuple[subprocess.Popen, str]:
+    """Start `cmd`, send `sig` once `rows` training rows are logged, and return the process and its output."""
+    proc = subprocess.Popen(cmd, cwd=ROOT, text=True, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=_env())
+    deadline = time.time() + 300
+    while len(_train_rows(out)) < rows and proc.poll() is None and time.time() < deadline:
+        time.sleep(0.05)
+    proc.send_signal(sig)
+    return proc, proc.communicate(timeout=300)[0]
+
+
 def _run(cmd, **kw) -> subprocess.CompletedProcess:
     return subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600, env=_env(), **kw)
 
@@ -129,13 +139,8 @@ def test_sigterm_retention_corrupt_fallback_and_rerun(trainer, tmp_path, tiny_ll
     out = tmp_path / "run"
     final = out / FINAL.get(trainer, "model.safetensors")
     # 1. SIGTERM mid-run: the step finishes, a checkpoint is written, exit 128 + 15, no final model
-    proc = subprocess.Popen(_cmd(trainer, out, 500, "save_every=1", "save_total_limit=2"), cwd=ROOT, text=True,
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=_env())
-    deadline = time.time() + 300
-    while len(_train_rows(out)) < 3 and proc.poll() is None and time.time() < deadline:
-        time.sleep(0.05)
-    proc.send_signal(signal.SIGTERM)
-    log = proc.communicate(timeout=300)[0]
+    proc, log = _signal_mid_run(_cmd(trainer, out, 500, "save_every=1", "save_total_limit=2"), out, 3,
+                                signal.SIGTERM)
     assert proc.returncode == 128 + signal.SIGTERM, log[-3000:]
     assert "stopping on signal 15" in log and "Traceback" not in log, log[-3000:]
     assert not final.exists()
@@ -184,13 +189,7 @@ def test_learning_rate_zero_or_nan_is_refused():
 def test_ctrl_c_checkpoints_and_exits_130(tmp_path, tiny_llama):
     """SIGINT is a stop like SIGTERM: the step finishes, a checkpoint is written, exit 128 + 2, no traceback."""
     out = tmp_path / "run"
-    proc = subprocess.Popen(_cmd("sft", out, 500), cwd=ROOT, text=True, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, env=_env())
-    deadline = time.time() + 300
-    while len(_train_rows(out)) < 2 and proc.poll() is None and time.time() < deadline:
-        time.sleep(0.05)
-    proc.send_signal(signal.SIGINT)
-    log = proc.communicate(timeout=300)[0]
+    proc, log = _signal_mid_run(_cmd("sft", out, 500), out, 2, signal.SIGINT)
     assert proc.returncode == 128 + signal.SIGINT, log[-3000:]
     assert "stopping on signal 2" in log and "Traceback" not in log and "KeyboardInterrupt" not in log, log[-3000:]
     assert complete_checkpoints(out) and not (out / "model.safetensors").exists()
