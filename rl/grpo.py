@@ -24,13 +24,10 @@ Aggregation over tokens (`loss_aggregation`):
     sequence_mean  mean over sequences of each sequence's token mean (the GRPO paper; TRL "grpo").
     constant       sum / (sequences * max_completion_length) (Dr. GRPO; TRL "dr_grpo"): no length bias.
 
-GSPO (Zheng et al. 2025; importance_sampling_level=sequence, TRL's name): r_t is replaced by the
-sequence's s_i = exp(mean_t (logp_t - old_t)), in the surrogate and the KL factor. DAPO (Yu et al.
-2025): epsilon_high (clip-higher), token_mean, dynamic_sampling (rl.grpo_sampling) and overlong_buffer
-(rl.algos.dapo: a length penalty added to the reward before the advantages).
-
-Modules: rl.grpo_config (schema, batch sizes), rl.grpo_sampling (prompts, rollout assembly, metrics),
-rl.grpo_eval (greedy evaluation); their public names are importable from here.
+GSPO (Zheng et al. 2025; importance_sampling_level=sequence, TRL's name): r_t is the sequence's
+s_i = exp(mean_t (logp_t - old_t)), in the surrogate and the KL factor. DAPO (Yu et al. 2025):
+epsilon_high, token_mean, dynamic_sampling (rl.grpo_sampling), overlong_buffer (rl.algos.dapo).
+Schema and sizes: rl.grpo_config; evaluation: rl.grpo_eval (public names importable from here).
 
 Deviations and choices: with num_iterations = 1 the old policy is the current one (ratio 1, as TRL
 does); with more iterations the old log-probs are recomputed by a no-grad forward before the first

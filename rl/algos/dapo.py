@@ -19,11 +19,12 @@ from rl.algos.advantages import group_stats
 def overlong_penalty(lengths: torch.Tensor, max_length: int, buffer: int, factor: float = 1.0) -> torch.Tensor:
     """DAPO eq. 13, times `factor`; lengths (B,) completion tokens -> (B,) penalties in [-factor, 0]:
 
-        0                                  |y| <= L_max - L_buf
+        0                                        |y| <= L_max - L_buf
         factor * (L_max - L_buf - |y|) / L_buf   L_max - L_buf < |y| <= L_max
-        -factor                            |y| > L_max
+        -factor                                  |y| > L_max
 
-    L_max = max_length (max_completion_length), L_buf = buffer; buffer 0 turns it off (all zeros)."""
+    L_max = max_length (max_completion_length), L_buf = buffer; buffer 0 turns it off (all zeros).
+    |y| is the completion's token count, its EOS included (as verl's DAPO counts the response)."""
     lengths = torch.as_tensor(lengths, dtype=torch.float32)
     if buffer <= 0:
         return torch.zeros_like(lengths)
