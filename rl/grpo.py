@@ -24,37 +24,43 @@ Aggregation over tokens (`loss_aggregation`):
     sequence_mean  mean over sequences of each sequence's token mean (the GRPO paper; TRL "grpo").
     constant       sum / (sequences * max_completion_length) (Dr. GRPO; TRL "dr_grpo"): no length bias.
 
+GSPO (Zheng et al. 2025; importance_sampling_level=sequence, TRL's name): r_t is the sequence's
+s_i = exp(mean_t (logp_t - old_t)), in the surrogate and the KL factor. DAPO (Yu et al. 2025):
+epsilon_high, token_mean, dynamic_sampling (rl.grpo_sampling), overlong_buffer (rl.algos.dapo).
+Schema and sizes: rl.grpo_config; evaluation: rl.grpo_eval (public names importable from here).
+
 Deviations and choices: with num_iterations = 1 the old policy is the current one (ratio 1, as TRL
 does); with more iterations the old log-probs are recomputed by a no-grad forward before the first
 update. Log-probs use logits / temperature, like the sampler (TRL does the same). Groups never span
 processes: each process generates whole groups, rewards are gathered so that advantages and reward
 metrics are computed on the global batch (reinforce_pp needs it). Checked against TRL 1.16's
-GRPOTrainer/RLOOTrainer formulas in tests/test_grpo_trl.py.
+GRPOTrainer/RLOOTrainer formulas in tests/test_grpo.py.
 """
 
 from __future__ import annotations
 
-import dataclasses
-import logging
 import time
 from functools import partial
 from pathlib import Path
-from typing import Callable, Literal, Sequence
+from typing import Callable, Sequence
 
 import torch
 
 from rl import losses
-from rl.algos import names
 from rl.algos.advantages import (STD_EPS, compute_advantages, dr_grpo_advantages, grpo_advantages,  # noqa: F401
                                  group_stats, nanstd, reinforce_pp_advantages, rloo_advantages)
+from rl.algos.dapo import groups_with_spread, overlong_penalty
 from rl.algos.kl import k3_kl  # noqa: F401
 from rl.algos.policy_losses import LOSS_AGGREGATIONS, grpo_loss  # noqa: F401
 from rl.checkpoint import checkpoint_dir
-from rl.config import ConfigError, TrainConfig, opt, save_config, to_dict
-from rl.data import render_chat, with_bos
+from rl.config import ConfigError, save_config, to_dict
 from rl.environments import make_env
 from rl.forward_backward import ForwardBackwardPipeline, build_accelerator, zero_stage
 from rl.generation import generate, position_ids_from_mask, sequence_logprobs
+from rl.grpo_config import GRPOConfig, grpo_sizes  # noqa: F401  (public names of rl.grpo)
+from rl.grpo_eval import greedy_eval, unique_eval_set
+from rl.grpo_sampling import (encode_prompt, load_prompt_rows, pick_groups, picked_rows,  # noqa: F401
+                              reward_metrics, select_rollout, step_prompts, take_global)
 from rl.models import (apply_lora, build_optimizer, build_scheduler, load_tokenizer, load_trainable_policy,
                        release_device_cache, resolve_dtype, save_pretrained, trainable_fraction)
 from rl.reference import ReferencePolicy
@@ -62,76 +68,6 @@ from rl.reward_sources import (RewardModelReward, build_reward_fns, combine_rewa
                                resolve_reward_func)
 from rl.tracking import Tracker
 from rl.trainers.base import Trainer
-
-logger = logging.getLogger(__name__)
-
-
-@dataclasses.dataclass
-class GRPOConfig(TrainConfig):
-    num_generations: int = opt(8, "completions sampled per prompt (the group size G)")
-    max_completion_length: int = opt(64, "new tokens per completion at most")
-    temperature: float = opt(1.0, "sampling temperature (log-probs in the loss use the same temperature)")
-    top_k: int = opt(0, "sample from the k most likely tokens (0: all)")
-    top_p: float = opt(1.0, "nucleus sampling mass (1.0: off)")
-    advantage_estimator: Literal[names("advantage_estimator")] = opt(
-        "grpo", "grpo (group mean/std), dr_grpo (group mean only), rloo (leave-one-out), reinforce_pp (batch-normalised)")
-    loss_aggregation: Literal[LOSS_AGGREGATIONS] = opt(
-        "token_mean", "token_mean (DAPO), sequence_mean (GRPO paper) or constant (Dr. GRPO: / max_completion_length)")
-    epsilon_low: float = opt(0.2, "clip the ratio below at 1 - epsilon_low")
-    epsilon_high: float = opt(0.2, "clip the ratio above at 1 + epsilon_high (DAPO recommends 0.28)")
-    beta: float = opt(0.0, "k3 KL penalty to the reference model; 0 loads no reference model")
-    use_bias_correction_kl: bool = opt(True, "multiply the k3 term by the importance ratio (unbiased reverse-KL "
-                                       "gradient, DeepSeek-V3.2; TRL 1.16's default)")
-    num_iterations: int = opt(1, "policy updates per generated batch (mu in the GRPO paper)")
-    reward_funcs: list[str] = opt([], "reward functions: rl.rewards names (correctness, default, length_penalty) "
-                                  "or 'module:function' with TRL's signature (prompts, completions, **columns)")
-    reward_model_path: str | None = opt(None, "reward model directory written by launch/reward.py (scores prompt + "
-                                        "completion); one more reward source")
-    reward_weights: list[float] | None = opt(None, "one weight per reward source (the environment first, then the "
-                                             "reward model, then reward_funcs); default all 1.0")
-    reward_timeout: float | None = opt(300.0, "seconds a reward source may take per batch (null or 0: no limit)")
-    env_type: str | None = opt(None, "environment as prompt and reward source: math, code, text_generation, "
-                               "multi_objective, preference_comparison")
-    env_config: dict = opt({}, "keyword arguments of the environment (see rl.environments.make_env)")
-    eval_env_config: dict | None = opt(None, "environment config for evaluation (e.g. {split: test}); greedy "
-                                       "decoding, reports eval/accuracy and eval/reward")
-    eval_num_prompts: int = opt(200, "evaluation prompts at most (duplicates removed)")
-    chat_template: bool = opt(False, "render each prompt as a user turn with the tokenizer's chat template "
-                              "(instruct models); reward functions still see the plain prompt")
-
-    # a reward source on the command line replaces the recipe's (the environment stays: it is the prompts)
-    REWARD_SOURCE_KEYS = ("reward_model_path", "reward_funcs")
-
-    def __post_init__(self):
-        super().__post_init__()
-        if self.num_generations < 2:
-            raise ConfigError(f"key 'num_generations' must be at least 2 (the group is the baseline), "
-                              f"got {self.num_generations}")
-        per_process = self.batch_size * self.gradient_accumulation_steps
-        if per_process % self.num_generations:
-            raise ConfigError(f"batch_size x gradient_accumulation_steps = {self.batch_size} x "
-                              f"{self.gradient_accumulation_steps} = {per_process} completions per process must be "
-                              f"a multiple of num_generations={self.num_generations} (whole groups per process)")
-        if self.max_completion_length < 1:
-            raise ConfigError(f"key 'max_completion_length' must be at least 1, got {self.max_completion_length}")
-        if self.max_length <= self.max_completion_length:
-            raise ConfigError(f"max_length={self.max_length} leaves no room for the prompt next to "
-                              f"max_completion_length={self.max_completion_length}; raise max_length")
-        for name in ("epsilon_low", "epsilon_high", "beta"):
-            if getattr(self, name) < 0:
-                raise ConfigError(f"key '{name}' must be >= 0, got {getattr(self, name)}")
-        if self.temperature < 0:
-            raise ConfigError(f"key 'temperature' must be >= 0, got {self.temperature}")
-        if self.num_iterations < 1:
-            raise ConfigError(f"key 'num_iterations' must be at least 1, got {self.num_iterations}")
-        if self.reward_timeout is not None and not self.reward_timeout >= 0:
-            raise ConfigError(f"key 'reward_timeout' must be >= 0 seconds or null, got {self.reward_timeout}")
-
-    @property
-    def prompt_budget(self) -> int:
-        """Prompt tokens kept (from the right) so that prompt + completion fits max_length."""
-        return self.max_length - self.max_completion_length
-
 
 # ============================================================================ pure math
 # Advantages and the loss are in rl.algos, the reward sources and combine_rewards in rl.reward_sources
@@ -148,63 +84,6 @@ def grpo_loss_fn(logits, labels, attention_mask=None, *, advantages, old_logprob
     logp, mask = losses.token_logprobs(logits, labels)
     old = logp.detach() if old_logprobs is None else old_logprobs
     return grpo_loss(logp, old, advantages, mask, ref_logp=ref_logprobs, **kw)
-
-
-# ============================================================================ evaluation
-
-@torch.no_grad()
-def greedy_eval(model, tokenizer, env, prompts: list[str], metadata: list[dict], max_new_tokens: int,
-                prompt_budget: int = 512, batch_size: int = 64, chat: bool = False) -> dict:
-    """Greedy completions scored by `env`: eval/accuracy (mean correctness component when the env has
-    one, else the fraction of rewards > 0), eval/reward, eval/mean_length. Every rank must call it
-    under ZeRO-3 (generation gathers the parameters)."""
-    rewards, correct, lengths = [], [], []
-    for i in range(0, len(prompts), batch_size):
-        ps, ms = prompts[i:i + batch_size], metadata[i:i + batch_size]
-        ids = [encode_prompt(tokenizer, p, prompt_budget, chat) for p in ps]
-        out = generate(model, tokenizer, ids, max_new_tokens=max_new_tokens, temperature=0.0)
-        texts = tokenizer.batch_decode(out.completions(), skip_special_tokens=True)
-        r, m = env.score(ps, texts, ms)
-        rewards += r
-        correct += m.get("reward_correctness", [1.0 if x > 0 else 0.0 for x in r])
-        lengths += out.lengths.tolist()
-    n = max(len(rewards), 1)
-    return {"eval/accuracy": sum(correct) / n, "eval/reward": sum(rewards) / n,
-            "eval/mean_length": sum(lengths) / n, "eval/num_prompts": len(rewards)}
-
-
-def unique_eval_set(env, limit: int) -> tuple[list[str], list[dict]]:
-    """The environment's fixed prompts without duplicates (generated test splits repeat problems)."""
-    seen, prompts, metas = set(), [], []
-    for p, m in zip(env.prompts, env.metadata):
-        if p not in seen:
-            seen.add(p)
-            prompts.append(p)
-            metas.append(m)
-        if len(prompts) >= limit:
-            break
-    return prompts, metas
-
-
-def encode_prompt(tokenizer, prompt: str, budget: int, chat: bool = False) -> list[int]:
-    """BOS + prompt tokens (as the SFT trainer tokenises prompts), keeping the last `budget` tokens;
-    with `chat`, the prompt is first rendered as a user turn followed by the assistant's header."""
-    if chat:
-        prompt = render_chat(tokenizer, [{"role": "user", "content": prompt}], add_generation_prompt=True)
-    return with_bos(tokenizer, tokenizer(prompt, add_special_tokens=False)["input_ids"])[-budget:]
-
-
-def grpo_sizes(cfg: GRPOConfig, world: int, n_prompts: int | None = None) -> dict:
-    """GRPO's batch arithmetic in its own units (also what --dry-run prints): completions per micro-batch
-    (per_device_batch) and per optimizer step (global_batch), whole groups of num_generations each, so
-    prompts per step = global_batch / num_generations; steps per pass over `n_prompts` data rows."""
-    per_process = cfg.batch_size * cfg.gradient_accumulation_steps
-    prompts_per_process = per_process // cfg.num_generations
-    prompts_per_step = prompts_per_process * world
-    return {"per_device_batch": cfg.batch_size, "global_batch": per_process * world,
-            "completions_per_process": per_process, "prompts_per_process": prompts_per_process,
-            "prompts_per_step": prompts_per_step,
-            "steps_per_epoch": n_prompts // prompts_per_step if n_prompts is not None else None}
 
 
 # ============================================================================ trainer
@@ -280,17 +159,6 @@ class GRPOTrainer(Trainer):
                 "total_steps": total}
 
     # ------------------------------------------------------------------ rollout pieces
-    def _prompts_for(self, generation: int, n: int) -> list[dict]:
-        """The step's n prompt rows, identical on every process (seeded by the generation index)."""
-        cfg = self.cfg
-        if self.env is not None:
-            rows = self.env.sample_prompts(n, seed=cfg.seed * 1_000_003 + generation)
-            return [{"prompt": r["prompt"], **r["metadata"]} for r in rows]
-        per_epoch = len(self.train_prompts) // n
-        epoch, index = divmod(generation, per_epoch)
-        order = torch.randperm(len(self.train_prompts), generator=torch.Generator().manual_seed(cfg.seed + epoch))
-        return [self.train_prompts[i] for i in order[index * n:(index + 1) * n].tolist()]
-
     @torch.no_grad()
     def _logprobs(self, model, batch: dict) -> torch.Tensor:
         """(B, T-1) log-probs of the batch's labels under `model` at the sampling temperature, with the
@@ -335,58 +203,82 @@ class GRPOTrainer(Trainer):
     def checkpoint_extra(self) -> dict:
         return {"step": self.pipeline.step}
 
-    def train_step(self) -> list[dict]:
-        """One generation batch: sample, score, advantages, num_iterations optimizer steps."""
-        cfg, acc, pipe, plan = self.cfg, self.accelerator, self.pipeline, self._plan
-        t0 = time.time()
-        generation = pipe.step // cfg.num_iterations
-        rows = self._prompts_for(generation, plan["prompts_per_step"])
+    def _sample_round(self, generation: int, round_: int) -> dict:
+        """Sample and score this process's groups of one round; the rewards (overlong shaping included),
+        per-source rewards, components, lengths and truncation flags gathered over processes."""
+        cfg, acc, plan = self.cfg, self.accelerator, self._plan
         k = plan["prompts_per_process"]
+        rows = step_prompts(self.env, self.train_prompts, cfg.seed, generation, plan["prompts_per_step"], round_)
         mine = rows[acc.process_index * k:(acc.process_index + 1) * k]
         prompt_ids = [encode_prompt(self.tokenizer, r["prompt"], cfg.prompt_budget, cfg.chat_template)
                       for r in mine]
-        # distinct, reproducible sampling seeds per step and process (row r of a call uses seed + r)
-        seed = cfg.seed * 7_919 + (generation * self.world + acc.process_index) * plan["completions_per_process"]
+        # distinct, reproducible sampling seeds per step, round and process (row r of a call uses seed + r)
+        seed = (cfg.seed * 7_919 + (generation * self.world + acc.process_index) * plan["completions_per_process"]
+                + round_ * 2 ** 40)
         t_gen = time.time()
-        rollout = generate(pipe.model, self.tokenizer, prompt_ids, max_new_tokens=cfg.max_completion_length,
+        rollout = generate(self.pipeline.model, self.tokenizer, prompt_ids, max_new_tokens=cfg.max_completion_length,
                            temperature=cfg.temperature, top_k=cfg.top_k, top_p=cfg.top_p, seed=seed,
                            num_samples=cfg.num_generations)
         t_gen = time.time() - t_gen
         if cfg.optimize_device_cache:
             release_device_cache()
         completions = self.tokenizer.batch_decode(rollout.completions(), skip_special_tokens=True)
-        G = cfg.num_generations
-        rep = [r for r in mine for _ in range(G)]
-        prompts = [r["prompt"] for r in rep]
+        rep = [r for r in mine for _ in range(cfg.num_generations)]
         columns = {c: [r.get(c) for r in rep] for c in rep[0] if c not in ("prompt", "_line")}
-        local, components = self.reward.score_each(prompts, completions, columns)
-        local = local.to(acc.device)
-        per_func = acc.gather(local).cpu() if self.world > 1 else local.cpu()
-        rewards = combine_rewards(per_func, self.reward.weights)
-        advantages_all = compute_advantages(rewards, G, cfg.advantage_estimator)
-        n_local = local.shape[0]
+        local, components = self.reward.score_each([r["prompt"] for r in rep], completions, columns)
+
+        def gather(t: torch.Tensor) -> torch.Tensor:
+            t = t.to(acc.device)
+            return (acc.gather(t) if self.world > 1 else t).cpu()
+
+        lengths = gather(rollout.lengths.float())
+        truncated = gather(torch.tensor([float(r == "length") for r in rollout.finish_reasons]))
+        per_func = gather(local)
+        penalty = overlong_penalty(lengths, cfg.max_completion_length, cfg.overlong_buffer, cfg.overlong_penalty)
+        return {"rollout": rollout, "rewards": combine_rewards(per_func, self.reward.weights) + penalty,
+                "per_func": per_func, "lengths": lengths, "truncated": truncated, "penalty": penalty,
+                "t_gen": t_gen, "components": {name: gather(v) for name, v in components.items()}}
+
+    def _rollout(self, generation: int) -> tuple:
+        """The step's groups: one round, or with dynamic sampling rounds until every process holds
+        prompts_per_process groups with reward spread (rl.grpo_sampling). Returns (this process's
+        rollout, the picked rounds' gathered tensors by key, dapo/* metrics)."""
+        cfg, W, k, G = self.cfg, self.world, self._plan["prompts_per_process"], self.cfg.num_generations
+        rounds, keep = [], []
+        for r in range(cfg.max_sampling_rounds if cfg.dynamic_sampling else 1):
+            rounds.append(self._sample_round(generation, r))
+            keep.append(groups_with_spread(rounds[-1]["rewards"], G).view(W, k) if cfg.dynamic_sampling
+                        else torch.ones(W, k, dtype=torch.bool))
+            if (torch.cat(keep, dim=1).sum(1) >= k).all():
+                break
+        picks, filled = pick_groups(keep, k)
+        rows = picked_rows(picks, G)
+        picked = {key: take_global([ro[key] for ro in rounds], rows)
+                  for key in ("rewards", "per_func", "lengths", "truncated", "penalty")}
+        picked["components"] = {name: take_global([ro["components"][name] for ro in rounds], rows)
+                                for name in rounds[0]["components"]}
+        rollout = select_rollout([ro["rollout"] for ro in rounds], rows[self.accelerator.process_index].tolist())
+        dapo = {}
+        if cfg.dynamic_sampling:
+            dapo = {"dapo/sampling_rounds": len(rounds), "dapo/dropped_groups": int((~torch.cat(keep)).sum()),
+                    "dapo/filled_groups": filled}
+        if cfg.overlong_buffer:
+            dapo["dapo/overlong_penalty"] = float(picked["penalty"].mean())
+        picked["t_gen"] = sum(ro["t_gen"] for ro in rounds)
+        return rollout, picked, dapo
+
+    def train_step(self) -> list[dict]:
+        """One generation batch: sample (dynamic sampling: several rounds), score, advantages,
+        num_iterations optimizer steps."""
+        cfg, acc, pipe = self.cfg, self.accelerator, self.pipeline
+        t0 = time.time()
+        generation = pipe.step // cfg.num_iterations
+        rollout, g, dapo = self._rollout(generation)
+        advantages_all = compute_advantages(g["rewards"], cfg.num_generations, cfg.advantage_estimator)
+        n_local = rollout.tokens.shape[0]
         advantages = advantages_all[acc.process_index * n_local:(acc.process_index + 1) * n_local]
-        # metrics on the global batch (TRL's names)
-        _, std = group_stats(rewards, G)
-        zero_std = torch.isclose(std, torch.zeros_like(std))
-        lengths_local = rollout.lengths.to(acc.device).float()
-        truncated_local = torch.tensor([1.0 if r == "length" else 0.0 for r in rollout.finish_reasons], device=acc.device)
-        lengths = acc.gather(lengths_local).cpu() if self.world > 1 else lengths_local.cpu()
-        truncated = acc.gather(truncated_local).cpu() if self.world > 1 else truncated_local.cpu()
-        metrics = {
-            "reward": _nanmean(rewards), "reward_std": float(nanstd(rewards)) if rewards.numel() > 1 else 0.0,
-            "frac_reward_zero_std": float(zero_std.float().mean()),
-            "num_zero_std_groups": int(zero_std.view(-1, G)[:, 0].sum()),
-            "completions/mean_length": float(lengths.mean()), "completions/min_length": float(lengths.min()),
-            "completions/max_length": float(lengths.max()), "completions/clipped_ratio": float(truncated.mean()),
-            "advantages/mean_abs": float(advantages_all.abs().mean()),
-        }
-        for j, name in enumerate(self.reward.names):
-            metrics[f"rewards/{name}/mean"] = _nanmean(per_func[:, j])
-            metrics[f"rewards/{name}/std"] = float(nanstd(per_func[:, j]))
-        for name, v in components.items():  # an environment's components, e.g. rewards/correctness/mean
-            v = v.to(acc.device)
-            metrics[f"rewards/{name}/mean"] = _nanmean(acc.gather(v).cpu() if self.world > 1 else v.cpu())
+        metrics = {**reward_metrics(g["rewards"], g["per_func"], self.reward.names, g["components"], g["lengths"],
+                                    g["truncated"], advantages_all, cfg.num_generations), **dapo}
         batch = {k: v.to(acc.device) for k, v in rollout.to_batch().items()}
         adv = advantages.to(acc.device)
         ref_lp = old_lp = None
@@ -409,7 +301,8 @@ class GRPOTrainer(Trainer):
                           ref_logprobs=None if ref_lp is None else ref_lp[s], temperature=cfg.temperature,
                           beta=cfg.beta, epsilon_low=cfg.epsilon_low, epsilon_high=cfg.epsilon_high,
                           loss_aggregation=cfg.loss_aggregation, max_completion_length=cfg.max_completion_length,
-                          num_items=num_items, use_bias_correction_kl=cfg.use_bias_correction_kl)
+                          num_items=num_items, use_bias_correction_kl=cfg.use_bias_correction_kl,
+                          importance_sampling_level=cfg.importance_sampling_level)
                 # the sampler's positions: on absolute-position models (GPT-2) left padding shifts them
                 r = pipe.forward_backward(batch["input_ids"][s], batch["attention_mask"][s], batch["labels"][s],
                                           loss_fn=partial(grpo_loss_fn, **kw),
@@ -423,9 +316,9 @@ class GRPOTrainer(Trainer):
                 vals = acc.reduce(vals, "mean")
             row = {"step": pipe.step, **metrics, **{key: float(v) for key, v in zip(keys, vals)},
                    "grad_norm": o.grad_norm, "lr": o.learning_rate}
-            completion_tokens = float(lengths.sum())
+            completion_tokens = float(g["lengths"].sum())
             row["step_time"] = time.time() - t0
-            row["time/generation"] = t_gen
+            row["time/generation"] = g["t_gen"]
             row["time/train"] = time.time() - t_train
             row["completion_tokens_per_s"] = completion_tokens / max(row["step_time"], 1e-9)
             out_rows.append(row)
@@ -453,29 +346,3 @@ def _micro_slices(n: int, parts: int) -> list[slice]:
 
 def _take(batch: dict, s: slice) -> dict:
     return {k: v[s] for k, v in batch.items()}
-
-
-def _nanmean(x: torch.Tensor) -> float:
-    v = torch.nanmean(x.float())
-    return float(v) if not torch.isnan(v) else 0.0
-
-
-def load_prompt_rows(path: str, cfg: GRPOConfig) -> list[dict]:
-    """Rows of a data file with a prompt column (data.prompt_column, else data.text_column); the other
-    columns are passed to the reward functions as keyword arguments (TRL's convention)."""
-    from rl.data import DataError, read_records
-
-    rows = read_records(path)
-    if cfg.data.max_examples:
-        rows = rows[:cfg.data.max_examples]
-    if not rows:
-        raise DataError(f"{path}: no rows")
-    col = cfg.data.prompt_column if cfg.data.prompt_column in rows[0] else cfg.data.text_column
-    out = []
-    for row in rows:
-        p = row.get(col)
-        if not isinstance(p, str) or not p:
-            raise DataError(f"{path}:{row.get('_line')}: column '{col}' must be a non-empty string "
-                            f"(set data.prompt_column to the prompt column)")
-        out.append({"prompt": p, **{k: v for k, v in row.items() if k not in (col, "_line")}})
-    return out

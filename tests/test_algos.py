@@ -4,6 +4,8 @@ sampler's on an absolute-position model with left-padded prompts."""
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 
@@ -11,7 +13,8 @@ from rl import algos
 from rl.algos import registry
 from rl.algos.advantages import compute_advantages, gae
 from rl.algos.kl import k2_kl, k3_kl, per_token_kl
-from rl.algos.policy_losses import grpo_loss, ppo_policy_loss, ppo_value_loss
+from rl.algos.dapo import groups_with_spread, overlong_penalty
+from rl.algos.policy_losses import grpo_loss, gspo_loss, ppo_policy_loss, ppo_value_loss
 from rl.algos.preference import preference_loss
 from rl.algos.reduce import aggregate
 from rl.losses import LOSS_FNS
@@ -23,7 +26,7 @@ KINDS = ("advantage_estimator", "policy_loss", "kl_estimator", "preference_loss"
 
 def test_registry_lists_every_kind_and_errors_name_the_valid_choices():
     assert algos.names("advantage_estimator") == ("grpo", "dr_grpo", "rloo", "reinforce_pp")
-    assert algos.names("policy_loss") == ("importance_sampling", "ppo", "cispo", "dro")
+    assert algos.names("policy_loss") == ("importance_sampling", "ppo", "cispo", "dro", "gspo")
     assert algos.names("kl_estimator") == ("k1", "k2", "k3")
     assert algos.names("preference_loss") == ("sigmoid", "ipo", "hinge", "orpo")
     with pytest.raises(ValueError) as e:
@@ -185,6 +188,57 @@ def test_grpo_loss_reuses_the_ppo_surrogate():
     assert a.item() == pytest.approx(b.item(), abs=1e-7)
     with pytest.raises(ValueError, match="loss_aggregation must be one of token_mean, sequence_mean, constant"):
         grpo_loss(logp, old, adv, mask, loss_aggregation="sum")
+
+
+def test_gspo_hand_computed_one_ratio_per_sequence():
+    """Row 0: log-ratios [ln 2, 0] -> s = exp(ln 2 / 2) = sqrt 2, A = 1: high-clipped, loss -1.28 and no
+    gradient. Row 1: one counted token (the padded one's ratio e^4 must not count), s = 0.9, A = -2, inside
+    [0.8, 1.28]: loss -(0.9 * -2) = 1.8, gradient -A * s / |y| = 1.8 on its token."""
+    logp = torch.tensor([[math.log(0.5), -1.0], [math.log(0.45), 3.0]], requires_grad=True)
+    old = torch.tensor([[math.log(0.25), -1.0], [math.log(0.5), -1.0]])
+    mask = torch.tensor([[1.0, 1.0], [1.0, 0.0]])
+    adv = torch.tensor([1.0, -2.0])
+    loss, m = gspo_loss(logp, old, adv, mask, clip_low=0.2, clip_high=0.28)
+    assert loss.item() == pytest.approx((-1.28 + 1.8) / 2, abs=1e-6)  # sequence_mean: the paper's 1/G sum_i
+    assert m["policy/clipfrac"].item() == pytest.approx(0.5)
+    assert m["policy/seq_ratio_mean"].item() == pytest.approx((math.sqrt(2) + 0.9) / 2, abs=1e-6)
+    loss.backward()
+    torch.testing.assert_close(logp.grad, torch.tensor([[0.0, 0.0], [1.8 / 2, 0.0]]))
+    # token_mean weights each sequence by its length: (2 * -1.28 + 1.8) / 3
+    loss, _ = gspo_loss(logp.detach(), old, adv, mask, clip_low=0.2, clip_high=0.28, normalization="token_mean")
+    assert loss.item() == pytest.approx((2 * -1.28 + 1.8) / 3, abs=1e-6)
+    # GRPO with importance_sampling_level=sequence is the same loss (one copy of the math); token level is not
+    a, g = grpo_loss(logp.detach(), old, adv, mask, epsilon_low=0.2, epsilon_high=0.28,
+                     loss_aggregation="sequence_mean", importance_sampling_level="sequence")
+    assert a.item() == pytest.approx((-1.28 + 1.8) / 2, abs=1e-6)
+    assert g["clip_ratio/high_mean"].item() == pytest.approx(0.5)  # counted per sequence
+    b, _ = grpo_loss(logp.detach(), old, adv, mask, epsilon_low=0.2, epsilon_high=0.28,
+                     loss_aggregation="sequence_mean")
+    assert b.item() != pytest.approx(a.item(), abs=1e-3)
+    with pytest.raises(ValueError, match="importance_sampling_level must be token or sequence"):
+        grpo_loss(logp, old, adv, mask, importance_sampling_level="seq")
+
+
+def test_overlong_penalty_hand_computed():
+    """DAPO eq. 13 with L_max = 10, L_buf = 4: 0 up to 6 tokens, then -1/4 per token, -1 at 10 and beyond."""
+    lengths = torch.tensor([3, 6, 7, 8, 10, 12])
+    torch.testing.assert_close(overlong_penalty(lengths, 10, 4), torch.tensor([0.0, 0.0, -0.25, -0.5, -1.0, -1.0]))
+    torch.testing.assert_close(overlong_penalty(lengths, 10, 4, factor=0.5),
+                               torch.tensor([0.0, 0.0, -0.125, -0.25, -0.5, -0.5]))
+    assert overlong_penalty(lengths, 10, 0).eq(0).all()  # buffer 0: off
+    # the whole budget as buffer: linear from the first token
+    torch.testing.assert_close(overlong_penalty(torch.tensor([0, 5, 10]), 10, 10), torch.tensor([0.0, -0.5, -1.0]))
+
+
+def test_dynamic_sampling_filter_keeps_groups_with_reward_spread():
+    nan = float("nan")
+    rewards = torch.tensor([1.0, 1.0, 1.0,   0.0, 1.0, 0.0,   nan, 2.0, nan,   nan, 1.0, 2.0,   nan, nan, nan,
+                            0.5, 0.5, 0.5 + 1e-9])
+    # all equal | spread | one scored (no spread to speak of) | spread among the scored | none scored | equal
+    # within float tolerance (the same isclose as frac_reward_zero_std)
+    assert groups_with_spread(rewards, 3).tolist() == [False, True, False, True, False, False]
+    with pytest.raises(ValueError, match="multiple of num_generations"):
+        groups_with_spread(torch.ones(4), 3)
 
 
 # ------------------------------------------------------------------------------------------ GRPO positions

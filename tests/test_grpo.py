@@ -16,6 +16,7 @@ from rl.config import ConfigError, build
 from tests.conftest import LEARN_SEED, learned
 from rl.grpo import (GRPOConfig, GRPOTrainer, combine_rewards, compute_advantages, dr_grpo_advantages,
                      grpo_advantages, grpo_loss, k3_kl, reinforce_pp_advantages, rloo_advantages)
+from rl.algos.policy_losses import gspo_loss
 from rl.reward_sources import FunctionReward, RewardError, WeightedSum
 
 NAN = float("nan")
@@ -159,17 +160,17 @@ class _FakeAccelerator:
         return t
 
 
-def _trl_loss(loss_type, logp, old, ref, adv, mask, beta, eps_low, eps_high, max_len, bias_kl):
+def _trl_loss(loss_type, logp, old, ref, adv, mask, beta, eps_low, eps_high, max_len, bias_kl, level="token"):
     """Run TRL 1.16's GRPOTrainer._compute_loss on given per-token log-probs (no model)."""
     from trl import GRPOConfig as TRLConfig
     from trl import GRPOTrainer as TRLTrainer
 
     args = TRLConfig(output_dir="/tmp/trl-unused", bf16=False, beta=beta, epsilon=eps_low, epsilon_high=eps_high,
                      loss_type=loss_type, max_completion_length=max_len, report_to=[],
-                     use_bias_correction_kl=bias_kl)
+                     use_bias_correction_kl=bias_kl, importance_sampling_level=level)
     fake = types.SimpleNamespace(
         args=args, loss_type=loss_type, beta=beta, epsilon_low=eps_low, epsilon_high=eps_high,
-        max_completion_length=max_len, importance_sampling_level="token", off_policy_mask_threshold=None,
+        max_completion_length=max_len, importance_sampling_level=level, off_policy_mask_threshold=None,
         top_entropy_quantile=1.0, use_vllm=False, aux_loss_enabled=False, _entropy_bonus_enabled=False,
         current_gradient_accumulation_steps=1, accelerator=_FakeAccelerator(),
         model=types.SimpleNamespace(training=True), _metrics={"train": defaultdict(list)})
@@ -212,6 +213,43 @@ def test_loss_and_gradient_match_trl(ours, theirs, beta, bias_kl):
         assert m["kl"].item() == pytest.approx(trl_m["kl"][0], rel=1e-5)
 
 
+@pytest.mark.parametrize("ours,theirs", [("sequence_mean", "grpo"), ("constant", "dr_grpo"), ("token_mean", "dapo")])
+@pytest.mark.parametrize("beta", [0.0, 0.04])
+def test_gspo_loss_and_gradient_match_trl_sequence_level(ours, theirs, beta):
+    """GSPO: TRL 1.16's importance_sampling_level="sequence" on identical inputs, loss, gradient and clip
+    metrics to 1e-6 (the KL factor is the sequence ratio there too). Per-token noise 0.6 spreads the
+    sequence ratios well beyond the 0.05/0.08 clip range, so clipping is exercised."""
+    pytest.importorskip("trl")
+    g = torch.Generator().manual_seed(2)
+    B, N, L = 8, 5, 7
+    base = -torch.rand(B, N, generator=g) * 2
+    old = base + 0.6 * torch.randn(B, N, generator=g)
+    ref = base + 0.2 * torch.randn(B, N, generator=g)
+    mask = torch.ones(B, N)
+    mask[0, 3:] = 0
+    mask[4, 1:] = 0
+    adv = torch.randn(B, generator=g)
+    lp_ours = base.clone().requires_grad_(True)
+    loss, m = grpo_loss(lp_ours, old, adv, mask, ref_logp=ref, beta=beta, epsilon_low=0.05, epsilon_high=0.08,
+                        loss_aggregation=ours, max_completion_length=L, importance_sampling_level="sequence")
+    loss.backward()
+    lp_trl = base.clone().requires_grad_(True)
+    trl_loss, trl_m = _trl_loss(theirs, lp_trl, old, ref, adv, mask, beta, 0.05, 0.08, L, True, "sequence")
+    trl_loss.backward()
+    assert loss.item() == pytest.approx(trl_loss.item(), rel=1e-6, abs=1e-6)
+    torch.testing.assert_close(lp_ours.grad, lp_trl.grad, rtol=1e-6, atol=1e-6)
+    for k in ("clip_ratio/low_mean", "clip_ratio/high_mean", "clip_ratio/region_mean"):
+        assert m[k].item() == pytest.approx(trl_m[k][0], abs=1e-6)
+    assert 0 < m["clip_ratio/region_mean"].item() < 1  # some sequences clipped, some not
+    if beta:
+        assert m["kl"].item() == pytest.approx(trl_m["kl"][0], rel=1e-6)
+    # the registered policy loss "gspo" is the same math (no KL): equal to GRPO's sequence level at beta 0
+    if not beta:
+        lp = base.clone().requires_grad_(True)
+        gl, _ = gspo_loss(lp, old, adv, mask, clip_low=0.05, clip_high=0.08, normalization=ours, max_length=L)
+        assert gl.item() == pytest.approx(trl_loss.item(), rel=1e-6, abs=1e-6)
+
+
 # ------------------------------------------------------------------------------- rewards, config
 
 def test_reward_signatures_and_errors():
@@ -236,6 +274,12 @@ def test_config_errors(tiny_llama):
         build(GRPOConfig, {**base, "num_generations": 1})
     with pytest.raises(ConfigError, match="loss_aggregation"):
         build(GRPOConfig, {**base, "loss_aggregation": "sum"})
+    with pytest.raises(ConfigError, match="'overlong_buffer' must be between 0 and max_completion_length=64, got 65"):
+        build(GRPOConfig, {**base, "overlong_buffer": 65})
+    with pytest.raises(ConfigError, match="'max_sampling_rounds' must be at least 1"):
+        build(GRPOConfig, {**base, "dynamic_sampling": True, "max_sampling_rounds": 0})
+    with pytest.raises(ConfigError, match="importance_sampling_level"):
+        build(GRPOConfig, {**base, "importance_sampling_level": "seq"})
     with pytest.raises(ConfigError, match="reward_weights has 1 entries but there are 2 reward sources"):
         GRPOTrainer(build(GRPOConfig, {**base, "env_type": "math", "reward_funcs": ["correctness"],
                                        "reward_weights": [1.0], "report_to": ["none"]}))
@@ -331,3 +375,119 @@ def test_dry_run_sizes_count_prompts_not_completions():
     s = grpo_sizes(cfg, world=2, n_prompts=64)
     assert (s["per_device_batch"], s["global_batch"], s["prompts_per_step"], s["steps_per_epoch"]) == (8, 32, 8, 8)
     assert grpo_sizes(cfg, world=2)["steps_per_epoch"] is None  # an environment: no epochs
+
+
+# ------------------------------------------------------------------------------- DAPO
+
+def _rollout(prompts, completions, logp0, reasons):
+    """A Rollout as `generate` returns it: left-padded prompts, right-padded completions."""
+    from rl.generation import Rollout, left_pad
+
+    N = max(len(c) for c in completions)
+    tokens = torch.tensor([c + [0] * (N - len(c)) for c in completions])
+    mask = torch.tensor([[1] * len(c) + [0] * (N - len(c)) for c in completions])
+    ids, pmask = left_pad(prompts, 0)
+    return Rollout(tokens=tokens, logprobs=(logp0 + torch.arange(N).float()) * mask, mask=mask, prompts=prompts,
+                   prompt_ids=ids, prompt_mask=pmask, pad_token_id=0, finish_reasons=reasons)
+
+
+def test_dynamic_sampling_batch_assembly_hand_computed():
+    """Two processes x 2 groups per step over two rounds: each process takes its own kept groups in
+    sampling order, then dropped ones to fill; the picked rows of gathered tensors and rollouts."""
+    from rl.grpo import pick_groups, picked_rows, select_rollout, take_global
+
+    keep = [torch.tensor([[True, False], [False, False]]), torch.tensor([[True, True], [False, True]])]
+    picks, filled = pick_groups(keep, 2)
+    # process 0 kept (round 0, 0), (1, 0), (1, 1) -> groups 0, 2; process 1 kept only 3, then dropped 0
+    assert picks.tolist() == [[0, 2], [3, 0]] and filled == 1
+    rows = picked_rows(picks, 2)  # G = 2
+    assert rows.tolist() == [[0, 1, 4, 5], [6, 7, 0, 1]]
+    # gathered tensors are process-major per round: value = 100 * round + 10 * process + completion;
+    # process 0: group 0 (round 0, completions 0-1), group 2 (round 1, 0-1); process 1: group 3 (round 1,
+    # completions 2-3), group 0 (round 0, 0-1)
+    per_round = [torch.tensor([100 * r + 10 * p + c for p in range(2) for c in range(4)]) for r in range(2)]
+    assert take_global(per_round, rows).tolist() == [0, 1, 100, 101, 112, 113, 10, 11]
+    # rollouts of different widths are re-padded: row 1 of round 0 and row 0 of round 1
+    a = _rollout([[5], [5]], [[7, 8, 9], [7]], 0.0, ["length", "stop"])
+    b = _rollout([[6, 6, 6]], [[3, 4]], 10.0, ["stop"])
+    ro = select_rollout([a, b], [1, 2])
+    assert ro.prompt_ids.tolist() == [[0, 0, 5], [6, 6, 6]] and ro.prompt_mask.tolist() == [[0, 0, 1], [1, 1, 1]]
+    assert ro.tokens.tolist() == [[7, 0], [3, 4]] and ro.mask.tolist() == [[1, 0], [1, 1]]
+    assert ro.logprobs.tolist() == [[0.0, 0.0], [10.0, 11.0]] and ro.finish_reasons == ["stop", "stop"]
+    assert select_rollout([a], [0, 1]) is a  # the plain step: untouched
+
+
+def test_dynamic_sampling_drops_flat_groups_and_samples_more(tiny_llama, tmp_path, monkeypatch):
+    """Half the prompts get one reward for all completions (no spread, advantage 0), the others a
+    distinct reward per completion (always spread), so what dynamic sampling must do depends only on
+    the seeded prompt draws, not on what the model samples: the expected rounds, dropped and filled
+    groups are counted from those draws. Also runs GSPO (importance_sampling_level=sequence)."""
+    from rl import grpo
+
+    def flat_or_spread(prompts, completions, flat, **kw):
+        return [1.0 if f else float(i) for i, f in enumerate(flat)]
+
+    seen = []
+
+    def recording_metrics(rewards, *args):
+        seen.append(rewards.clone())
+        return real_metrics(rewards, *args)
+
+    real_metrics = grpo.reward_metrics
+    monkeypatch.setattr(grpo, "reward_metrics", recording_metrics)
+    rows = [{"prompt": f"{a}+{b}=", "flat": (a + b) % 2 == 0} for a in range(4) for b in range(4)]
+    cfg = build(GRPOConfig, dict(model_name=tiny_llama, output_dir=str(tmp_path), learning_rate=1e-3, batch_size=8,
+                                 num_generations=2, max_completion_length=3, max_length=12, max_steps=2, seed=0,
+                                 dynamic_sampling=True, max_sampling_rounds=2, importance_sampling_level="sequence",
+                                 epsilon_low=3e-4, epsilon_high=4e-4, report_to=["none"]))
+    h = GRPOTrainer(cfg, reward_funcs=[flat_or_spread], train_prompts=rows).train()
+    assert len(h) == 2
+    k = 4  # prompts per step
+    for step, row in enumerate(h):
+        kept = rounds = dropped = 0
+        for r in range(cfg.max_sampling_rounds):
+            n_flat = sum(p["flat"] for p in grpo.step_prompts(None, rows, cfg.seed, step, k, r))
+            rounds, dropped, kept = rounds + 1, dropped + n_flat, kept + k - n_flat
+            if kept >= k:
+                break
+        filled = max(0, k - kept)
+        assert (row["dapo/sampling_rounds"], row["dapo/dropped_groups"], row["dapo/filled_groups"]) == \
+            (rounds, dropped, filled), step
+        assert row["num_zero_std_groups"] == filled and row["frac_reward_zero_std"] == filled / k
+        # the trained batch: kept groups (rewards 0..7 by position) first, filled flat ones (1.0) after
+        assert seen[step].view(k, 2).std(1).gt(0).sum() == k - filled
+        assert "clip_ratio/region_mean" in row and math.isfinite(row["loss"])
+    # these draws exercise both paths: an extra round that fills the batch, and a batch still short (filled)
+    assert sum(r["dapo/sampling_rounds"] for r in h) > len(h) and sum(r["dapo/filled_groups"] for r in h) > 0
+
+
+def test_dapo_recipe_trains(tmp_path, monkeypatch):
+    """recipes/tiny/dapo.yaml for 2 steps: the trained batch's rewards are the environment's plus DAPO's
+    overlong penalty of each completion's length, and its zero-spread groups are exactly the filled ones."""
+    from rl import grpo
+    from rl.algos.dapo import groups_with_spread, overlong_penalty
+    from rl.config import parse_config
+
+    seen = []
+
+    def recording_metrics(rewards, per_func, names, components, lengths, *args):
+        seen.append((rewards.clone(), per_func.clone(), lengths.clone()))
+        return real_metrics(rewards, per_func, names, components, lengths, *args)
+
+    real_metrics = grpo.reward_metrics
+    monkeypatch.setattr(grpo, "reward_metrics", recording_metrics)
+    cfg = parse_config(GRPOConfig, ["--config", "recipes/tiny/dapo.yaml", f"output_dir={tmp_path}", "max_steps=2",
+                                    "batch_size=16", "eval_num_prompts=4", "report_to=[none]"])
+    assert (cfg.dynamic_sampling, cfg.epsilon_high, cfg.loss_aggregation, cfg.overlong_buffer) == \
+        (True, 0.28, "token_mean", 3)
+    t = GRPOTrainer(cfg)
+    h = [r for r in t.train() if "reward" in r]
+    assert len(h) == 2 and len(seen) == 2
+    for row, (rewards, per_func, lengths) in zip(h, seen):
+        penalty = overlong_penalty(lengths, cfg.max_completion_length, cfg.overlong_buffer, cfg.overlong_penalty)
+        torch.testing.assert_close(rewards, combine_rewards(per_func, t.reward.weights) + penalty)
+        assert row["dapo/overlong_penalty"] == pytest.approx(float(penalty.mean()))
+        assert int((~groups_with_spread(rewards, cfg.num_generations)).sum()) == row["dapo/filled_groups"]
+        assert 1 <= row["dapo/sampling_rounds"] <= cfg.max_sampling_rounds
+        if row["dapo/sampling_rounds"] < cfg.max_sampling_rounds:
+            assert row["dapo/filled_groups"] == 0

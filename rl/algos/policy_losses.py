@@ -8,7 +8,7 @@ on counted tokens (N = scored positions, T-1 for a full sequence). advantages: (
 per sequence, broadcast over its tokens. The reduction over tokens is `rl.algos.reduce.aggregate`.
 Metrics are detached scalars with TRL's names (`loss/policy`, `policy/clipfrac`, `policy/approx_kl`,
 `policy/ratio_mean`). Objectives follow Tinker's built-in losses (tinker-docs:
-losses/{importance_sampling,ppo,cispo,dro}); Tinker sums over tokens, here the sum is one option.
+losses/{importance_sampling,ppo,cispo,dro}), GSPO follows its paper; Tinker sums over tokens, here the sum is one option.
 """
 
 from __future__ import annotations
@@ -49,13 +49,29 @@ def ratio_metrics(logp: torch.Tensor, old_logp: torch.Tensor, mask: torch.Tensor
             "policy/ratio_max": torch.where(mask > 0, ratio, torch.zeros_like(ratio)).max()}
 
 
+IMPORTANCE_SAMPLING_LEVELS = ("token", "sequence")  # GRPO's `importance_sampling_level` (TRL's name)
+
+
+def sequence_log_ratio(logp: torch.Tensor, old_logp: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """GSPO's length-normalised sequence log-ratio (Zheng et al. 2025, eq. 7), (B, N) -> (B, 1):
+        log s_i = 1/|y_i| sum_t (logp_t - old_logp_t)  over the sequence's counted tokens.
+    Its gradient is the token mean of grad logp_t, so every token of a sequence shares one weight s_i."""
+    mask = mask.to(logp.dtype)
+    return (((logp - old_logp) * mask).sum(-1) / mask.sum(-1).clamp(min=1))[:, None]
+
+
 def clipped_surrogate(logp: torch.Tensor, old_logp: torch.Tensor, adv: torch.Tensor, clip_low: float,
-                      clip_high: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                      clip_high: float, level: str = "token", mask: torch.Tensor | None = None,
+                      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """PPO's clipped surrogate per token (Schulman et al. 2017, eq. 7; asymmetric clip, DAPO):
         loss_t = -min(r_t A_t, clip(r_t, 1 - clip_low, 1 + clip_high) A_t),  r_t = exp(logp - old_logp).
-    logp, old_logp, adv: (B, N). Returns (loss_t (B, N), r_t (B, N), taken_clipped (B, N) bool: the
-    clipped term is the minimum, so no gradient flows through that token)."""
-    ratio = torch.exp(logp - old_logp)
+    With level "sequence" r_t is GSPO's s_i for every token of sequence i (`sequence_log_ratio`, needs
+    `mask`): the clip then keeps or drops whole sequences. logp, old_logp, adv: (B, N). Returns (loss_t
+    (B, N), ratio (B, N) or (B, 1) per sequence, taken_clipped (B, N) bool: the clipped term is the
+    minimum, so no gradient flows there)."""
+    if level not in IMPORTANCE_SAMPLING_LEVELS:
+        raise ValueError(f"importance_sampling_level must be token or sequence, got {level!r}")
+    ratio = torch.exp(logp - old_logp if level == "token" else sequence_log_ratio(logp, old_logp, mask))
     unclipped = ratio * adv
     clipped = torch.clamp(ratio, 1.0 - clip_low, 1.0 + clip_high) * adv
     return -torch.min(unclipped, clipped), ratio, (clipped < unclipped).detach()
@@ -117,14 +133,37 @@ def dro_loss(logp: torch.Tensor, old_logp: torch.Tensor, advantages, mask: torch
     return loss, {"loss/policy": loss.detach(), **ratio_metrics(logp, old_logp, mask)}
 
 
+@register(KIND, "gspo")
+def gspo_loss(logp: torch.Tensor, old_logp: torch.Tensor, advantages, mask: torch.Tensor,
+              clip_low: float = 3e-4, clip_high: float = 4e-4, normalization: str = "sequence_mean", *,
+              num_items=None, max_length=None) -> tuple[torch.Tensor, dict]:
+    """GSPO (Zheng et al. 2025, "Group Sequence Policy Optimization", eq. 5-7), one ratio per sequence:
+        loss_i = -min(s_i A_i, clip(s_i, 1 - clip_low, 1 + clip_high) A_i),
+        s_i = exp(1/|y_i| sum_t (logp_t - old_logp_t)),
+    broadcast over the sequence's tokens; the default sequence_mean is the paper's 1/G sum_i. The
+    defaults are the paper's clip range (3e-4, 4e-4): a length-normalised ratio moves far less than a
+    token's. TRL 1.16: importance_sampling_level="sequence" (tests/test_grpo.py checks it).
+    `policy/clipfrac` is the fraction of sequences whose clipped term is taken. Shapes: module doc."""
+    adv = per_token(advantages, logp, "advantages")
+    per_tok, ratio, taken = clipped_surrogate(logp, old_logp, adv, clip_low, clip_high, "sequence", mask)
+    loss = aggregate(per_tok, mask, normalization, num_items=num_items, max_length=max_length)
+    has = (mask.sum(-1, keepdim=True) > 0).float()  # sequences with a counted token
+    return loss, {"loss/policy": loss.detach(), "policy/clipfrac": masked_mean(taken.float().amax(-1, keepdim=True), has),
+                  "policy/seq_ratio_mean": masked_mean(ratio.detach(), has), **ratio_metrics(logp, old_logp, mask)}
+
+
 def grpo_loss(logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor,
               ref_logp: torch.Tensor | None = None, beta: float = 0.0, epsilon_low: float = 0.2,
               epsilon_high: float = 0.2, loss_aggregation: str = "token_mean",
               max_completion_length: int | None = None, num_items: float | None = None,
-              use_bias_correction_kl: bool = True) -> tuple[torch.Tensor, dict]:
+              use_bias_correction_kl: bool = True, importance_sampling_level: str = "token",
+              ) -> tuple[torch.Tensor, dict]:
     """GRPO's objective (Shao et al. 2024, eq. 3; the per-token form TRL 1.16 implements):
 
         L = agg_t [ clipped_surrogate_t + beta * r_t * k3_t ]
+
+    With importance_sampling_level "sequence" r_t is GSPO's per-sequence s_i (`gspo_loss`), in the
+    surrogate and in the KL factor, as TRL 1.16 does; the clip_ratio metrics then count sequences.
 
     Args:
         logp, old_logp, mask: (B, N) per-token log-probs of the current / sampling policy, mask 1 on
@@ -141,7 +180,8 @@ def grpo_loss(logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Tens
     """
     mask = mask.to(logp.dtype)
     adv = advantages[:, None] if advantages.dim() == 1 else advantages
-    per_tok, ratio, _ = clipped_surrogate(logp, old_logp, adv, epsilon_low, epsilon_high)
+    per_tok, ratio, _ = clipped_surrogate(logp, old_logp, adv, epsilon_low, epsilon_high,
+                                          importance_sampling_level, mask)
     metrics: dict[str, torch.Tensor] = {}
     if beta != 0.0:
         if ref_logp is None:
@@ -157,9 +197,11 @@ def grpo_loss(logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Tens
     with torch.no_grad():
         low = ((ratio < 1 - epsilon_low) & (adv < 0)).to(logp.dtype)
         high = ((ratio > 1 + epsilon_high) & (adv > 0)).to(logp.dtype)
-        metrics["clip_ratio/low_mean"] = masked_mean(low, mask)
-        metrics["clip_ratio/high_mean"] = masked_mean(high, mask)
-        metrics["clip_ratio/region_mean"] = masked_mean(torch.maximum(low, high), mask)
+        # per token, or per sequence (counted once each, TRL's sequence-level mean) with a sequence ratio
+        count = mask if ratio.shape[-1] == mask.shape[-1] else (mask.sum(-1, keepdim=True) > 0).to(logp.dtype)
+        metrics["clip_ratio/low_mean"] = masked_mean(low, count)
+        metrics["clip_ratio/high_mean"] = masked_mean(high, count)
+        metrics["clip_ratio/region_mean"] = masked_mean(torch.maximum(low, high), count)
     return loss, metrics
 
 

@@ -1,0 +1,147 @@
+"""GRPO's rollout side: prompt rows and their encoding, DAPO's dynamic-sampling batch assembly, and
+the reward metrics of a step (rl.grpo re-exports the public names).
+
+Dynamic sampling (DAPO, Yu et al. 2025, sec. 3.2): each round every process samples and scores its
+share of fresh prompts; rewards are gathered, so every process sees the same keep mask (W, k) per
+round (`rl.algos.dapo.groups_with_spread`) and takes the same decisions without another collective.
+Rounds continue until every process holds k groups with reward spread, or max_sampling_rounds; each
+process then trains on its own first k kept groups (shapes stay those of a plain step), and a process
+still short takes dropped groups (advantage 0, counted as dapo/filled_groups) rather than stopping a
+run on an unlucky step. Groups never move between processes.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from rl.algos.advantages import nanstd
+from rl.data import DataError, read_records, render_chat, with_bos
+from rl.generation import Rollout, left_pad
+
+
+def encode_prompt(tokenizer, prompt: str, budget: int, chat: bool = False) -> list[int]:
+    """BOS + prompt tokens (as the SFT trainer tokenises prompts), keeping the last `budget` tokens;
+    with `chat`, the prompt is first rendered as a user turn followed by the assistant's header."""
+    if chat:
+        prompt = render_chat(tokenizer, [{"role": "user", "content": prompt}], add_generation_prompt=True)
+    return with_bos(tokenizer, tokenizer(prompt, add_special_tokens=False)["input_ids"])[-budget:]
+
+
+def load_prompt_rows(path: str, cfg) -> list[dict]:
+    """Rows of a data file with a prompt column (data.prompt_column, else data.text_column); the other
+    columns are passed to the reward functions as keyword arguments (TRL's convention)."""
+    rows = read_records(path)
+    if cfg.data.max_examples:
+        rows = rows[:cfg.data.max_examples]
+    if not rows:
+        raise DataError(f"{path}: no rows")
+    col = cfg.data.prompt_column if cfg.data.prompt_column in rows[0] else cfg.data.text_column
+    out = []
+    for row in rows:
+        p = row.get(col)
+        if not isinstance(p, str) or not p:
+            raise DataError(f"{path}:{row.get('_line')}: column '{col}' must be a non-empty string "
+                            f"(set data.prompt_column to the prompt column)")
+        out.append({"prompt": p, **{k: v for k, v in row.items() if k not in (col, "_line")}})
+    return out
+
+
+def step_prompts(env, train_prompts: list[dict] | None, seed: int, generation: int, n: int,
+                 round_: int = 0) -> list[dict]:
+    """A step's n prompt rows, the same on every process: from the environment (seeded by the
+    generation index) or the data rows (a pass over a seeded permutation per epoch). A dynamic-sampling
+    round after the first draws n more at random, from a seed stream of its own."""
+    extra = round_ * 2 ** 40  # far from every first round's seed
+    if env is not None:
+        rows = env.sample_prompts(n, seed=seed * 1_000_003 + generation + extra)
+        return [{"prompt": r["prompt"], **r["metadata"]} for r in rows]
+    epoch, index = divmod(generation, len(train_prompts) // n)
+    if round_:
+        epoch, index = seed * 1_000_003 + generation + extra, 0
+    order = torch.randperm(len(train_prompts), generator=torch.Generator().manual_seed(seed + epoch))
+    return [train_prompts[i] for i in order[index * n:(index + 1) * n].tolist()]
+
+
+# ------------------------------------------------------------------------------ dynamic sampling
+
+def pick_groups(keep: list[torch.Tensor], k: int) -> tuple[torch.Tensor, int]:
+    """Each process's k groups out of its rounds, kept ones first (in sampling order), then dropped ones.
+
+    keep: one (W, k) bool per round, True where the group has reward spread. Returns (picks (W, k)
+    long: indices into a process's groups of all rounds, round-major, i.e. round * k + j; filled: how
+    many picked groups are dropped ones, over all processes)."""
+    mask = torch.cat(keep, dim=1)  # (W, R*k)
+    order = torch.arange(mask.shape[1])
+    # a stable sort on "dropped" puts kept groups first, each part in its sampling order
+    picks = torch.stack([order[torch.argsort((~row).long(), stable=True)][:k] for row in mask])
+    filled = int((~mask.gather(1, picks)).sum())
+    return picks, filled
+
+
+def picked_rows(picks: torch.Tensor, num_generations: int) -> torch.Tensor:
+    """(W, k) group indices -> (W, k*G) completion indices (a group's G completions are contiguous)."""
+    G = num_generations
+    return (picks[:, :, None] * G + torch.arange(G)).reshape(picks.shape[0], -1)
+
+
+def take_global(per_round: list[torch.Tensor], rows: torch.Tensor) -> torch.Tensor:
+    """One gathered tensor per round, (W*n, ...) process-major -> the picked (W*k*G, ...) rows, where
+    rows (W, k*G) index a process's completions over all rounds (round-major)."""
+    W = rows.shape[0]
+    parts = torch.cat([t.reshape(W, -1, *t.shape[1:]) for t in per_round], dim=1)  # (W, R*n, ...)
+    return torch.stack([parts[p, rows[p]] for p in range(W)]).reshape(-1, *per_round[0].shape[1:])
+
+
+def select_rollout(rollouts: list[Rollout], rows: list[int]) -> Rollout:
+    """The given rows of the rollouts' concatenation as one rollout, re-padded (prompts on the left,
+    completions on the right) to the widest picked row. One rollout with every row: itself."""
+    if len(rollouts) == 1 and rows == list(range(rollouts[0].tokens.shape[0])):
+        return rollouts[0]
+    flat = [(ro, i) for ro in rollouts for i in range(ro.tokens.shape[0])]
+    picked = [flat[r] for r in rows]
+    first = rollouts[0]
+    device = first.tokens.device
+    N = max(int(ro.mask[i].sum()) for ro, i in picked)
+    tokens = torch.full((len(rows), N), first.pad_token_id, dtype=first.tokens.dtype, device=device)
+    logprobs = torch.zeros(len(rows), N, dtype=first.logprobs.dtype, device=device)
+    mask = torch.zeros(len(rows), N, dtype=first.mask.dtype, device=device)
+    for j, (ro, i) in enumerate(picked):
+        keep = ro.mask[i].bool()
+        n = int(keep.sum())
+        tokens[j, :n], logprobs[j, :n], mask[j, :n] = ro.tokens[i][keep], ro.logprobs[i][keep], 1
+    prompts = [ro.prompts[i] for ro, i in picked]
+    prompt_ids, prompt_mask = left_pad(prompts, first.pad_token_id, device)
+    return Rollout(tokens=tokens, logprobs=logprobs, mask=mask, prompts=prompts, prompt_ids=prompt_ids,
+                   prompt_mask=prompt_mask, pad_token_id=first.pad_token_id,
+                   finish_reasons=[ro.finish_reasons[i] for ro, i in picked])
+
+
+# ------------------------------------------------------------------------------ metrics
+
+def nanmean(x: torch.Tensor) -> float:
+    """Mean ignoring NaNs (unscored completions); 0.0 when nothing was scored."""
+    v = torch.nanmean(x.float())
+    return float(v) if not torch.isnan(v) else 0.0
+
+
+def reward_metrics(rewards: torch.Tensor, per_func: torch.Tensor, names: list[str], components: dict,
+                   lengths: torch.Tensor, truncated: torch.Tensor, advantages: torch.Tensor,
+                   num_generations: int) -> dict:
+    """A step's metrics on the global batch, TRL's names. rewards, lengths, truncated, advantages: (B,);
+    per_func (B, F) one column per reward source (names); components: name -> (B,) environment parts."""
+    G = num_generations
+    std = nanstd(rewards.view(-1, G), dim=1)
+    zero_std = torch.isclose(std, torch.zeros_like(std))
+    metrics = {
+        "reward": nanmean(rewards), "reward_std": float(nanstd(rewards)) if rewards.numel() > 1 else 0.0,
+        "frac_reward_zero_std": float(zero_std.float().mean()), "num_zero_std_groups": int(zero_std.sum()),
+        "completions/mean_length": float(lengths.float().mean()), "completions/min_length": float(lengths.min()),
+        "completions/max_length": float(lengths.max()), "completions/clipped_ratio": float(truncated.mean()),
+        "advantages/mean_abs": float(advantages.abs().mean()),
+    }
+    for j, name in enumerate(names):
+        metrics[f"rewards/{name}/mean"] = nanmean(per_func[:, j])
+        metrics[f"rewards/{name}/std"] = float(nanstd(per_func[:, j]))
+    for name, v in components.items():  # an environment's components, e.g. rewards/correctness/mean
+        metrics[f"rewards/{name}/mean"] = nanmean(v)
+    return metrics
