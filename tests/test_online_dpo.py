@@ -6,9 +6,9 @@ run on the tiny model; the launch script end to end with an exact resume."""
 from __future__ import annotations
 
 import copy
+import importlib.util
 import json
 import shutil
-import subprocess
 import sys
 
 import pytest
@@ -209,11 +209,11 @@ def test_it_learns_a_printable_fraction(tiny_llama, tmp_path):
 
     cfg = build(OnlineDPOConfig, dict(model_name=tiny_llama, output_dir=str(tmp_path), learning_rate=1e-2,
                                       lr_scheduler="constant", batch_size=32, max_completion_length=L, max_length=16,
-                                      max_steps=12, beta=0.1, report_to=["jsonl"], seed=LEARN_SEED))
+                                      max_steps=8, beta=0.1, report_to=["jsonl"], seed=LEARN_SEED))
     rows = [{"prompt": f"{a}+{b}="} for a in range(10) for b in range(10)]
     t = OnlineDPOTrainer(cfg, reward_funcs=[printable], train_prompts=rows)
     h = t.train()
-    assert t.reference.mode == "copy" and len(h) == 12
+    assert t.reference.mode == "copy" and len(h) == 8
     first, last = (sum(r["objective/scores"] for r in part) / 3 for part in (h[:3], h[-3:]))
     assert 0 < h[0]["online_dpo/ties"] < 1
     assert learned("online_dpo_score_gain", last - first) > 0.15, (first, last)
@@ -221,29 +221,39 @@ def test_it_learns_a_printable_fraction(tiny_llama, tmp_path):
 
 # ------------------------------------------------------------------------------- launch
 
+def _launch_main():
+    spec = importlib.util.spec_from_file_location("launch_online_dpo", ROOT / "launch" / "online_dpo.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod.main
+
+
 @pytest.mark.slow
-def test_launch_end_to_end_and_exact_resume(tmp_path, tiny_llama):
-    """The tiny recipe for 3 steps with a checkpoint each step; then the last checkpoint is removed and
-    resume=auto continues from step 2: its step 3 equals the uninterrupted one (the step's prompts and
-    sampling seeds are functions of the step, the optimizer state comes back bitwise)."""
+def test_launch_end_to_end_and_exact_resume(tmp_path, tiny_llama, capsys):
+    """The tiny recipe for 3 steps in a subprocess, a checkpoint each step; then the last checkpoint is removed
+    and the launch script's main() resumes (resume=auto) from step 2: its step 3 equals the uninterrupted one
+    (the step's prompts and sampling seeds are functions of the step; the optimizer state comes back bitwise).
+    A user mistake is one `error:` line and exit 2."""
     out = tmp_path / "run"
-    cmd = [sys.executable, "launch/online_dpo.py", "--config", "recipes/tiny/online_dpo.yaml", f"output_dir={out}",
-           "max_steps=3", "save_every=1", "batch_size=8", "max_completion_length=4", "report_to=[jsonl]"]
-    p = run_cmd(cmd, timeout=300)
+    args = ["--config", "recipes/tiny/online_dpo.yaml", f"output_dir={out}", "max_steps=3", "save_every=1",
+            "batch_size=8", "max_completion_length=4", "report_to=[jsonl]"]
+    p = run_cmd([sys.executable, "launch/online_dpo.py", *args], timeout=300)
     assert "online_dpo done: 3 steps" in p.stdout and (out / "model.safetensors").exists()
-    rows = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
-    first = [r for r in rows if "loss" in r]
+    first = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+    first = [r for r in first if "loss" in r]
     assert [r["step"] for r in first] == [1, 2, 3] and "online_dpo/ties" in first[0]
+
     shutil.rmtree(out / "checkpoints" / "checkpoint-3")
-    p = run_cmd(cmd + ["resume=auto"], timeout=300)
-    assert f"resumed from {out / 'checkpoints' / 'checkpoint-2'}" in p.stdout + p.stderr
-    rows = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
-    again = [r for r in rows if "loss" in r][-1]
+    main = _launch_main()
+    main([*args, "resume=auto"])
+    assert f"resumed from {out / 'checkpoints' / 'checkpoint-2'}" in capsys.readouterr().out
+    again = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+    again = [r for r in again if "loss" in r][-1]
     assert again["step"] == 3
     for k in ("loss", "objective/scores", "rewards/margins", "grad_norm"):
         assert again[k] == pytest.approx(first[-1][k], abs=1e-6), k
-    # a user mistake is one line and exit 2, before any model is built
-    r = subprocess.run([sys.executable, "launch/online_dpo.py", "--config", "recipes/tiny/online_dpo.yaml",
-                        f"output_dir={tmp_path / 'x'}", "loss_type=orpo"], cwd=ROOT, capture_output=True, text=True,
-                       timeout=120)
-    assert r.returncode == 2 and r.stderr.strip().splitlines()[-1].startswith("error: ") and "Traceback" not in r.stderr
+
+    with pytest.raises(SystemExit) as e:
+        main([*args[:2], f"output_dir={tmp_path / 'x'}", "loss_type=orpo"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert e.value.code == 2 and len(err) == 1 and err[0].startswith("error: ") and "loss_type" in err[0]
