@@ -181,7 +181,8 @@ class OnlineDPOTrainer(Trainer):
         if from_rows and len(self.train_prompts) < per_step:
             raise ConfigError(f"{len(self.train_prompts)} training prompts are fewer than one step's {per_step} "
                               f"(batch_size {cfg.batch_size} x gradient_accumulation_steps "
-                              f"{cfg.gradient_accumulation_steps} x {self.world} processes); add prompts or lower batch_size")
+                              f"{cfg.gradient_accumulation_steps} x {self.world} processes); add prompts or "
+                              f"lower batch_size")
         if cfg.max_steps:
             total = cfg.max_steps
         elif from_rows:
@@ -218,7 +219,8 @@ class OnlineDPOTrainer(Trainer):
         scheduler = build_scheduler(optimizer, cfg.lr_scheduler, plan["total_steps"], cfg.warmup_ratio)
         self.pipeline = ForwardBackwardPipeline(
             self._model, gradient_accumulation_steps=cfg.gradient_accumulation_steps, optimizer=optimizer,
-            scheduler=scheduler, accelerator=acc, checkpoint_dir=checkpoint_dir(out), micro_batch_size=2 * cfg.batch_size)
+            scheduler=scheduler, accelerator=acc, checkpoint_dir=checkpoint_dir(out),
+            micro_batch_size=2 * cfg.batch_size)  # sequences: two per prompt
         self.reference.place(acc)
         if acc.is_main_process:
             save_config(cfg, out)
