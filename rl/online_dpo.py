@@ -26,7 +26,7 @@ Deviations and choices:
   max_completion_length before its end-of-sequence token.
 
 Metrics: loss, rewards/{chosen,rejected,margins,accuracies}, logps/{chosen,rejected} (TRL's names, over
-untied pairs); objective/scores (mean reward of all completions), objective/scores_margin (mean reward of
+untied pairs; 0 on a step whose pairs all tie); objective/scores (mean reward of all completions), objective/scores_margin (mean reward of
 the chosen minus the rejected answer), objective/kl (mean of log pi - log ref over the trained answers);
 online_dpo/ties; completions/mean_length, completions/clipped_ratio; eval/* with eval_env_config.
 """
