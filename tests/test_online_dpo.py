@@ -15,6 +15,7 @@ import pytest
 import torch
 
 import rl.online_dpo
+import rl.tracking
 from rl.algos.preference import preference_loss
 from rl.config import ConfigError, build
 from rl.dpo import collate_pairs, concatenated_logps
@@ -72,14 +73,22 @@ def _fixed_rollout(tok, table: dict):
     return fake_generate
 
 
-def _perturbed(path):
-    """The tiny model with seeded noise on every weight: a policy that differs from its reference."""
-    model = load_causal_lm(path, dtype="float32")
+@pytest.fixture(scope="module")
+def perturbed(tiny_llama):
+    """The tiny model with seeded noise on every weight: a policy that differs from its reference
+    (each test trains a deep copy)."""
+    model = load_causal_lm(tiny_llama, dtype="float32")
     g = torch.Generator().manual_seed(1)
     with torch.no_grad():
         for p in model.parameters():
             p.add_(0.05 * torch.randn(p.shape, generator=g))
     return model
+
+
+@pytest.fixture
+def no_plot(monkeypatch):
+    """The runs' metrics.png is not what these tests check (matplotlib costs seconds per run)."""
+    monkeypatch.setattr(rl.tracking, "plot_history", lambda *a, **k: None)
 
 
 def _pairs(tok, prompts):
@@ -95,7 +104,8 @@ def _pairs(tok, prompts):
 
 
 @pytest.mark.parametrize("loss_type", ["sigmoid", "ipo", "hinge"])
-def test_loss_on_fixed_pairs_equals_offline_dpo(loss_type, tiny_llama, tiny_tokenizer, tmp_path, monkeypatch):
+def test_loss_on_fixed_pairs_equals_offline_dpo(loss_type, tiny_llama, tiny_tokenizer, perturbed, tmp_path,
+                                                monkeypatch, no_plot):
     """One step on 4 prompts in 2 micro-batches of 2, one pair a tie: the logged loss and TRL-named metrics
     equal rl.dpo's collate_pairs + concatenated_logps + preference_loss on the 3 untied pairs (1e-6, relative
     for values above 1: the logps/* sums are ~35, the IPO loss ~3, in fp32), so the
@@ -111,7 +121,7 @@ def test_loss_on_fixed_pairs_equals_offline_dpo(loss_type, tiny_llama, tiny_toke
         return [score[c] for c in completions]
 
     monkeypatch.setattr(rl.online_dpo, "generate", _fixed_rollout(tok, table))
-    policy = _perturbed(tiny_llama)
+    policy = perturbed
     cfg = build(OnlineDPOConfig, dict(model_name=tiny_llama, ref_model_name=tiny_llama, output_dir=str(tmp_path),
                                       report_to=["none"], batch_size=2, gradient_accumulation_steps=2, max_steps=1,
                                       loss_type=loss_type, beta=0.3, max_length=72, max_completion_length=8,
@@ -141,7 +151,8 @@ def test_loss_on_fixed_pairs_equals_offline_dpo(loss_type, tiny_llama, tiny_toke
     assert row["objective/kl"] == pytest.approx(float(torch.cat([c - rc, r - rr]).mean()), abs=1e-5)
 
 
-def test_step_equals_trl_online_dpo_training_step(tiny_llama, tiny_tokenizer, tmp_path, monkeypatch):
+def test_step_equals_trl_online_dpo_training_step(tiny_llama, tiny_tokenizer, perturbed, tmp_path, monkeypatch,
+                                                  no_plot):
     """TRL 1.16's experimental OnlineDPOTrainer.training_step and ours on the same 4 prompts, the same two
     completions each (its _generate replaced by the same fixed tokens) and the same reward: equal loss and
     rewards/* (1e-6). Prompts of one length: TRL's forward passes no position ids, so left padding would
@@ -161,7 +172,7 @@ def test_step_equals_trl_online_dpo_training_step(tiny_llama, tiny_tokenizer, tm
     def reward(prompts, completions, **kw):
         return [score[c] for c in completions]
 
-    policy, beta = _perturbed(tiny_llama), 0.2
+    policy, beta = perturbed, 0.2
     ordered = list(table)  # prompt ids in prompt order
     args = TRLConfig(output_dir=str(tmp_path / "trl"), per_device_train_batch_size=4, beta=beta, loss_type="sigmoid",
                      bf16=False, use_cpu=True, report_to="none", max_new_tokens=8, max_length=72, seed=0,
@@ -198,7 +209,7 @@ def test_step_equals_trl_online_dpo_training_step(tiny_llama, tiny_tokenizer, tm
 
 # ------------------------------------------------------------------------------- it learns
 
-def test_it_learns_a_printable_fraction(tiny_llama, tmp_path):
+def test_it_learns_a_printable_fraction(tiny_llama, tmp_path, no_plot):
     """Reward: the fraction of max_completion_length filled with printable ASCII characters (optimum 1.0; a
     random byte-level model starts near 95/259 per token). Two samples per prompt, the better one chosen:
     the mean score of the last 3 steps exceeds that of the first 3 by 0.15."""
@@ -230,26 +241,26 @@ def _launch_main():
 
 @pytest.mark.slow
 def test_launch_end_to_end_and_exact_resume(tmp_path, tiny_llama, capsys):
-    """The tiny recipe for 3 steps in a subprocess, a checkpoint each step; then the last checkpoint is removed
-    and the launch script's main() resumes (resume=auto) from step 2: its step 3 equals the uninterrupted one
+    """The tiny recipe for 2 steps in a subprocess, a checkpoint each step; then the last checkpoint is removed
+    and the launch script's main() resumes (resume=auto) from step 1: its step 2 equals the uninterrupted one
     (the step's prompts and sampling seeds are functions of the step; the optimizer state comes back bitwise).
     A user mistake is one `error:` line and exit 2."""
     out = tmp_path / "run"
-    args = ["--config", "recipes/tiny/online_dpo.yaml", f"output_dir={out}", "max_steps=3", "save_every=1",
+    args = ["--config", "recipes/tiny/online_dpo.yaml", f"output_dir={out}", "max_steps=2", "save_every=1",
             "batch_size=8", "max_completion_length=4", "report_to=[jsonl]"]
     p = run_cmd([sys.executable, "launch/online_dpo.py", *args], timeout=300)
-    assert "online_dpo done: 3 steps" in p.stdout and (out / "model.safetensors").exists()
+    assert "online_dpo done: 2 steps" in p.stdout and (out / "model.safetensors").exists()
     first = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
     first = [r for r in first if "loss" in r]
-    assert [r["step"] for r in first] == [1, 2, 3] and "online_dpo/ties" in first[0]
+    assert [r["step"] for r in first] == [1, 2] and "online_dpo/ties" in first[0]
 
-    shutil.rmtree(out / "checkpoints" / "checkpoint-3")
+    shutil.rmtree(out / "checkpoints" / "checkpoint-2")
     main = _launch_main()
     main([*args, "resume=auto"])
-    assert f"resumed from {out / 'checkpoints' / 'checkpoint-2'}" in capsys.readouterr().out
+    assert f"resumed from {out / 'checkpoints' / 'checkpoint-1'}" in capsys.readouterr().out
     again = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
     again = [r for r in again if "loss" in r][-1]
-    assert again["step"] == 3
+    assert again["step"] == 2
     for k in ("loss", "objective/scores", "rewards/margins", "grad_norm"):
         assert again[k] == pytest.approx(first[-1][k], abs=1e-6), k
 
