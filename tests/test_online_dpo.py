@@ -156,8 +156,9 @@ def test_step_equals_trl_online_dpo_training_step(tiny_llama, tiny_tokenizer, pe
     """TRL 1.16's experimental OnlineDPOTrainer.training_step and ours on the same 4 prompts, the same two
     completions each (its _generate replaced by the same fixed tokens) and the same reward: equal loss and
     rewards/* (1e-6). Prompts of one length: TRL's forward passes no position ids, so left padding would
-    shift its positions (ours count from the first real token). Sigmoid only: TRL's online IPO sums the
-    log-ratios where ours (and TRL's offline DPOTrainer) averages them per token."""
+    shift its positions (ours count from the first real token). One completion lacks its EOS and
+    missing_eos_penalty turns its pair around in both. Sigmoid only: TRL's online IPO sums the log-ratios
+    where ours (and TRL's offline DPOTrainer) averages them per token."""
     pytest.importorskip("trl")
     from datasets import Dataset
     from trl.experimental.online_dpo import OnlineDPOConfig as TRLConfig
@@ -168,6 +169,9 @@ def test_step_equals_trl_online_dpo_training_step(tiny_llama, tiny_tokenizer, pe
     table, texts = _pairs(tok, prompts)
     score = {x: float(i) for i, x in enumerate(sorted({x for ab in texts.values() for x in ab}))}
     assert all(score[a] != score[b] for a, b in texts.values())  # no ties: TRL keeps them, we skip them
+    winner = list(table)[1]
+    table[winner][1] = table[winner][1][:-1]  # the higher-scored answer of prompt 2 without EOS: penalised
+    assert score[texts[prompts[1]][1]] > score[texts[prompts[1]][0]]
 
     def reward(prompts, completions, **kw):
         return [score[c] for c in completions]
@@ -176,7 +180,7 @@ def test_step_equals_trl_online_dpo_training_step(tiny_llama, tiny_tokenizer, pe
     ordered = list(table)  # prompt ids in prompt order
     args = TRLConfig(output_dir=str(tmp_path / "trl"), per_device_train_batch_size=4, beta=beta, loss_type="sigmoid",
                      bf16=False, use_cpu=True, report_to="none", max_new_tokens=8, max_length=72, seed=0,
-                     disable_dropout=True, learning_rate=1e-3)
+                     disable_dropout=True, learning_rate=1e-3, missing_eos_penalty=10.5)
     theirs = TRLTrainer(model=copy.deepcopy(policy), ref_model=load_causal_lm(tiny_llama, dtype="float32"),
                         reward_funcs=[reward], args=args, processing_class=tok,
                         train_dataset=Dataset.from_dict({"prompt": prompts}))
@@ -196,7 +200,8 @@ def test_step_equals_trl_online_dpo_training_step(tiny_llama, tiny_tokenizer, pe
     monkeypatch.setattr(rl.online_dpo, "generate", _fixed_rollout(tok, table))
     cfg = build(OnlineDPOConfig, dict(model_name=tiny_llama, ref_model_name=tiny_llama, output_dir=str(tmp_path / "o"),
                                       report_to=["none"], batch_size=4, max_steps=1, beta=beta, max_length=72,
-                                      max_completion_length=8, learning_rate=1e-3, dtype="float32"))
+                                      max_completion_length=8, learning_rate=1e-3, dtype="float32",
+                                      missing_eos_penalty=10.5))
     row = OnlineDPOTrainer(cfg, model=copy.deepcopy(policy), tokenizer=tok, reward_funcs=[reward],
                            train_prompts=[{"prompt": p} for p in prompts]).train()[0]
     assert row["online_dpo/ties"] == 0.0
