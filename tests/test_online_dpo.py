@@ -217,7 +217,9 @@ def test_step_equals_trl_online_dpo_training_step(tiny_llama, tiny_tokenizer, pe
 def test_it_learns_a_printable_fraction(tiny_llama, tmp_path, no_plot):
     """Reward: the fraction of max_completion_length filled with printable ASCII characters (optimum 1.0; a
     random byte-level model starts near 95/259 per token). Two samples per prompt, the better one chosen:
-    the mean score of the last 3 steps exceeds that of the first 3 by 0.15."""
+    the mean score of the last 3 steps exceeds that of the first 3 by 0.15. Measured (RL_TEST_SEED 0-3, default
+    threads; seeds 1-2 also with 1 thread and with AVX2 kernels, bench/learning_spread.py's variants): gain
+    0.264 to 0.285 (the same value under every variant of a seed), so the bar has a margin of 0.11."""
     L = 4
 
     def printable(prompts, completions, **kw):
