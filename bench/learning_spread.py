@@ -32,11 +32,13 @@ TESTS = [
     "tests/test_grpo.py::test_beta_zero_loads_no_reference_and_learns",
     "tests/test_ppo_e2e.py::test_ppo_learns_char_fraction_with_bounded_kl",
     "tests/test_pipeline.py::test_tiny_pipeline_raises_heldout_accuracy",
+    "tests/test_online_dpo.py::test_it_learns_a_printable_fraction",
 ]
 # name -> (threshold, direction): the bound each test asserts
 THRESHOLDS = {"sft_loss_ratio": (0.5, "<"), "reward_heldout_accuracy": (0.95, ">="),
               "dpo_heldout_accuracy": (0.9, ">="), "grpo_reward_gain": (0.2, ">"),
-              "ppo_reward_ratio": (2.0, ">="), "ppo_reward_end": (0.03, ">"), "ppo_max_kl": (50.0, "<"), "pipeline_gain": (0.10, ">=")}
+              "ppo_reward_ratio": (2.0, ">="), "ppo_reward_end": (0.03, ">"), "ppo_max_kl": (50.0, "<"), "pipeline_gain": (0.10, ">="),
+              "online_dpo_score_gain": (0.15, ">")}
 AVX2 = {"ATEN_CPU_CAPABILITY": "avx2", "MKL_ENABLE_INSTRUCTIONS": "AVX2", "ONEDNN_MAX_CPU_ISA": "AVX2"}
 VARIANTS = {"native": {}, "native1": {"OMP_NUM_THREADS": "1"}, "avx2": {"OMP_NUM_THREADS": "1", **AVX2}}
 

@@ -33,6 +33,9 @@ _EXPORTS = {
     # GRPO
     "GRPOConfig": "rl.grpo",
     "GRPOTrainer": "rl.grpo",
+    # online DPO
+    "OnlineDPOConfig": "rl.online_dpo",
+    "OnlineDPOTrainer": "rl.online_dpo",
     # SFT
     "SFTConfig": "rl.sft",
     "SFTTrainer": "rl.sft",

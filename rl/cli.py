@@ -26,6 +26,7 @@ TRAINERS = {
     "dpo": ("dpo.py", "rl.dpo:DPOConfig"),
     "ppo": ("ppo.py", "rl.ppo:PPOConfig"),
     "grpo": ("grpo.py", "rl.grpo:GRPOConfig"),
+    "online_dpo": ("online_dpo.py", "rl.online_dpo:OnlineDPOConfig"),
 }
 
 # reference flag (dashes as underscores) -> our recipe key; a tuple lists candidates, the first key the
@@ -41,7 +42,7 @@ FLAG_KEYS: dict[str, object] = {
     # In the reference, --text-column is the text for SFT and the prompts for PPO, but the chosen answer
     # for reward and DPO pairs (with --rejected-text-column as the other one).
     "text_column": {"sft": "data.text_column", "ppo": "data.text_column", "grpo": "data.text_column",
-                    "reward": "data.chosen_column", "dpo": "data.chosen_column"},
+                    "online_dpo": "data.text_column", "reward": "data.chosen_column", "dpo": "data.chosen_column"},
     "rejected_text_column": "data.rejected_column",
     "dpo_beta": "beta",
     "model_ref": ("ref_model_name", "ref_model"),

@@ -22,8 +22,8 @@ import torch
 from rl.config import ConfigError
 from tests.conftest import ROOT
 
-SCRIPTS = ("sft", "reward", "dpo", "ppo", "grpo", "pipeline")
-TRAINERS = ("sft", "reward", "dpo", "ppo", "grpo")  # the scripts with deepspeed/resume keys
+SCRIPTS = ("sft", "reward", "dpo", "ppo", "grpo", "online_dpo", "pipeline")
+TRAINERS = ("sft", "reward", "dpo", "ppo", "grpo", "online_dpo")  # the scripts with deepspeed/resume keys
 WITH_DATA = ("sft", "reward", "dpo", "ppo")          # data.path read as the recipe's main input
 SENTINEL = {"keep.txt": "written by an earlier run\n"}
 
@@ -264,7 +264,7 @@ def _bad_utf8(tmp_path: Path, row: dict) -> Path:
 
 ROWS = {"sft": {"text": "1+1=2"}, "reward": {"prompt": "1+1=", "chosen": "2", "rejected": "3"},
         "dpo": {"prompt": "1+1=", "chosen": "2", "rejected": "3"}, "ppo": {"text": "1+1="},
-        "grpo": {"prompt": "1+1="}}
+        "grpo": {"prompt": "1+1="}, "online_dpo": {"prompt": "1+1="}}
 
 
 @pytest.mark.parametrize("script", TRAINERS)
