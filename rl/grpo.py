@@ -463,9 +463,9 @@ def _nanmean(x: torch.Tensor) -> float:
 def load_prompt_rows(path: str, cfg: GRPOConfig) -> list[dict]:
     """Rows of a data file with a prompt column (data.prompt_column, else data.text_column); the other
     columns are passed to the reward functions as keyword arguments (TRL's convention)."""
-    from rl.data import DataError, read_records
+    from rl.data import DataError, read_records, source_options
 
-    rows = read_records(path)
+    rows = read_records(path, **source_options(cfg.data))
     if cfg.data.max_examples:
         rows = rows[:cfg.data.max_examples]
     if not rows:
