@@ -2,6 +2,7 @@
 
     python launch/eval.py --model tiny:llama --data heldout.jsonl           # before training
     python launch/eval.py --model runs/grpo  --data heldout.jsonl --out runs/grpo/eval.json   # after
+    python launch/eval.py --model runs/sft --model runs/grpo --data heldout.jsonl   # both, one line each
 
 Each row of --data needs a prompt (column 'prompt', or 'problem' as in the math environment's files)
 and an answer ('answer': a number or a string, e.g. LaTeX). The model answers every prompt (greedy by
@@ -32,8 +33,9 @@ from rl.launch_utils import fail  # noqa: E402
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="launch/eval.py", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", required=True,
-                   help="a run's output directory (full model or PEFT adapter), a hub id, or tiny:llama")
+    p.add_argument("--model", required=True, action="append",
+                   help="a run's output directory (full model or PEFT adapter), a hub id, or tiny:llama; "
+                        "repeat it to compare models (before/after) on the same rows")
     p.add_argument("--data", required=True,
                    help="prompt/answer rows: a .jsonl/.json/.csv/.parquet file, a dataset folder or a Hub id")
     p.add_argument("--name", default=None, help="config (subset) of a dataset folder or Hub id")
@@ -60,7 +62,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--trust-remote-code", action="store_true",
                    help="allow the model's own Python code (only for models you trust)")
     p.add_argument("--out", default=None,
-                   help="write a JSON with the summary and every example (prompt, answer, completion, reward)")
+                   help="write a JSON {\"runs\": [one per --model: summary and every example (prompt, "
+                        "answer, completion, reward)]}")
     a = p.parse_args(argv)
     for key in ("max_new_tokens", "batch_size", "max_examples"):
         value = getattr(a, key)
@@ -112,19 +115,15 @@ def score(reward_fn, examples: list[dict], completions: list[str], threshold: fl
             "mean_reward": sum(rewards) / len(rewards), "examples": per_example}
 
 
-def main(argv=None) -> None:
-    a = parse_args(argv)
+def evaluate(a, model_name: str, reward_fn, examples: list[dict]) -> dict:
+    """One model's summary and per-example results on `examples`."""
+    from rl.inference import chat_setting, complete, encode, load_for_inference
+
     try:
-        from rl.rewards import get_reward_fn
-
-        reward_fn = get_reward_fn(a.reward)
-        examples = load_examples(a)  # the data is checked before any model is loaded
-        from rl.inference import chat_setting, complete, encode, load_for_inference
-
-        model, tok = load_for_inference(a.model, a.dtype, a.trust_remote_code)
-        chat = chat_setting(a.model, a.chat_template, default=False)
+        model, tok = load_for_inference(model_name, a.dtype, a.trust_remote_code)
+        chat = chat_setting(model_name, a.chat_template, default=False)
         if chat and not getattr(tok, "chat_template", None):
-            raise ConfigError(f"{a.model}'s tokenizer has no chat template; use --chat-template no")
+            raise ConfigError(f"{model_name}'s tokenizer has no chat template; use --chat-template no")
         prompt_ids = [encode(tok, e["prompt"], chat) for e in examples]
     except (ConfigError, DataError, OSError, ValueError, ImportError) as e:
         fail(str(e).splitlines()[0] if str(e) else type(e).__name__)
@@ -134,13 +133,28 @@ def main(argv=None) -> None:
         result = score(reward_fn, examples, completions, a.threshold)
     except ValueError as e:  # a reward that rejects the rows (e.g. correctness without answers)
         fail(f"--reward {a.reward}: {e}", code=1)
-    summary = {"model": a.model, "data": a.data, "reward": a.reward, "threshold": a.threshold,
-               "chat_template": chat, **result}
-    print(f"accuracy {result['accuracy']:.3f} ({result['correct']}/{result['n']})  mean reward "
-          f"{result['mean_reward']:.3f}  model {a.model}  data {a.data}")
+    return {"model": model_name, "data": a.data, "reward": a.reward, "threshold": a.threshold,
+            "chat_template": chat, **result}
+
+
+def main(argv=None) -> None:
+    a = parse_args(argv)
+    try:
+        from rl.rewards import get_reward_fn
+
+        reward_fn = get_reward_fn(a.reward)
+        examples = load_examples(a)  # the data is checked before any model is loaded
+    except (ConfigError, DataError, OSError, ValueError, ImportError) as e:
+        fail(str(e).splitlines()[0] if str(e) else type(e).__name__)
+    runs = []
+    for model_name in a.model:  # one at a time: only one model is in memory
+        run = evaluate(a, model_name, reward_fn, examples)
+        print(f"accuracy {run['accuracy']:.3f} ({run['correct']}/{run['n']})  mean reward "
+              f"{run['mean_reward']:.3f}  model {model_name}  data {a.data}", flush=True)
+        runs.append(run)
     if a.out:
         Path(a.out).parent.mkdir(parents=True, exist_ok=True)
-        Path(a.out).write_text(json.dumps(summary, indent=1, default=str))
+        Path(a.out).write_text(json.dumps({"runs": runs}, indent=1, default=str))
         print(f"wrote {a.out}")
 
 

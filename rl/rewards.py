@@ -268,11 +268,15 @@ def math_verifier() -> MathVerifier:
 
 
 def has_answer_format(text: str, style: str = "answer") -> bool:
-    """Formatting check: 'answer' (an `Answer: <number>` line), 'boxed' (\\boxed{<number>}),
-    or 'plain' (the stripped completion is exactly one number)."""
+    """Formatting check: 'answer' (an `Answer: <number>` line), 'boxed' (\\boxed{<number>} or a LaTeX
+    expression with a number or \\pi in it, which `answers_match` hands to math-verify), or 'plain'
+    (the stripped completion is exactly one number)."""
     if style == "boxed":
         boxed = _last_boxed(text or "")
-        return boxed is not None and answer_value(boxed) is not None
+        if boxed is None:
+            return False
+        latex = bool(_LATEX_RE.search(boxed)) and bool(re.search(r"\d|\\pi|\u03c0", boxed))
+        return answer_value(boxed) is not None or latex
     if style == "answer":
         return re.search(r"answer\s*:\s*[-+\u2212]?[\d.$\\]", text or "", re.IGNORECASE) is not None
     if style == "plain":

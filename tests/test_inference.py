@@ -41,6 +41,12 @@ def test_encode_matches_training_and_greedy_matches_transformers(loaded, tiny_ll
         assert encode(tok, "12+7=", chat) == encode_prompt(tok, "12+7=", 10_000, chat)
     ids = encode(tok, "12+7=", False)
     assert ids[0] == tok.bos_token_id and ids.count(tok.bos_token_id) == 1
+    # the saved tiny tokenizer adds BOS itself (its post-processor), so a plain `tok(prompt)` is the
+    # training prompt, and code that also adds BOS (with_bos) does not double it
+    from rl.data import with_bos
+
+    assert tok("12+7=")["input_ids"] == ids == with_bos(tok, tok("12+7=")["input_ids"])
+    assert tok("12+7=", add_special_tokens=False)["input_ids"] == ids[1:]
     prompts = [encode(tok, p, False) for p in ("12+7=", "hello there, ")]
     got = complete(model, tok, prompts, max_new_tokens=6, temperature=0.0, batch_size=1)
     want = []
@@ -99,15 +105,17 @@ def test_eval_scores_and_writes_per_example_json(tmp_path, tiny_llama, capsys):
     data.write_text('{"prompt": "12+7=", "answer": 19}\n{"problem": "x", "prompt": "3+4=", "answer": "7"}\n'
                     '{"prompt": "1+1=", "answer": "2"}\n')
     out = tmp_path / "eval.json"
-    _launch("eval").main(["--model", tiny_llama, "--data", str(data), "--max-new-tokens", "4",
-                          "--out", str(out), "--batch-size", "2"])
-    printed = capsys.readouterr().out
-    res = json.loads(out.read_text())
-    assert res["n"] == 3 and [e["line"] for e in res["examples"]] == [1, 2, 3]
-    for e in res["examples"]:  # the reward is the trainers' checker on this completion
-        assert e["reward"] == float(R.answers_match(e["completion"], e["answer"]))
-    assert res["accuracy"] == sum(e["correct"] for e in res["examples"]) / 3
-    assert printed.startswith(f"accuracy {res['accuracy']:.3f} ({res['correct']}/3)")
+    _launch("eval").main(["--model", tiny_llama, "--model", "tiny:qwen2", "--data", str(data),
+                          "--max-new-tokens", "4", "--out", str(out), "--batch-size", "2"])
+    printed = capsys.readouterr().out.splitlines()
+    runs = json.loads(out.read_text())["runs"]
+    assert [r["model"] for r in runs] == [tiny_llama, "tiny:qwen2"]
+    for res, line in zip(runs, printed):
+        assert res["n"] == 3 and [e["line"] for e in res["examples"]] == [1, 2, 3]
+        for e in res["examples"]:  # the reward is the trainers' checker on this completion
+            assert e["reward"] == float(R.answers_match(e["completion"], e["answer"]))
+        assert res["accuracy"] == sum(e["correct"] for e in res["examples"]) / 3
+        assert line.startswith(f"accuracy {res['accuracy']:.3f} ({res['correct']}/3)")
 
 
 def test_eval_score_hand_computed():

@@ -148,6 +148,8 @@ def test_relative_tolerance():
     ("19", "plain", True), (" 19 ", "plain", True), ("19 apples", "plain", False), ("", "plain", False),
     ("Answer: 19", "answer", True), ("answer: -3", "answer", True), ("19", "answer", False),
     ("The answer: none", "answer", False), ("\\boxed{19}", "boxed", True), ("\\boxed{}", "boxed", False),
+    ("\\boxed{\\frac{\\pi}{2}}", "boxed", True), ("\\boxed{2\\sqrt{2}}", "boxed", True),
+    ("\\boxed{\\text{none}}", "boxed", False), ("\\boxed{x}", "boxed", False),
 ])
 def test_has_answer_format(text, style, ok):
     assert R.has_answer_format(text, style) is ok
