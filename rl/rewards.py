@@ -26,6 +26,7 @@ import importlib
 import importlib.util
 import json
 import logging
+import os
 import re
 import select
 import subprocess
@@ -200,6 +201,7 @@ class MathVerifier:
     def __init__(self, deadline_s: float = 15.0, start_timeout_s: float = 120.0):
         self.deadline_s, self.start_timeout_s = deadline_s, start_timeout_s
         self._proc: subprocess.Popen | None = None
+        self._owner = os.getpid()
         self._lock = threading.Lock()
         self._warned = False
 
@@ -207,8 +209,14 @@ class MathVerifier:
         """True when math-verify judges `pred` equal to `gold` (both LaTeX or plain math, no `$`)."""
         with self._lock:
             proc = self._start()
-            proc.stdin.write(json.dumps({"gold": gold, "pred": pred}) + "\n")
-            proc.stdin.flush()
+            try:
+                proc.stdin.write(json.dumps({"gold": gold, "pred": pred}) + "\n")
+                proc.stdin.flush()
+            except (BrokenPipeError, OSError):  # the child died since the last call: start another
+                self.close()
+                proc = self._start()
+                proc.stdin.write(json.dumps({"gold": gold, "pred": pred}) + "\n")
+                proc.stdin.flush()
             reply = self._readline(proc, self.deadline_s)
             if reply is None:
                 self.close()
@@ -220,21 +228,26 @@ class MathVerifier:
             return reply == "1"
 
     def _start(self) -> subprocess.Popen:
+        if self._proc is not None and self._owner != os.getpid():
+            self._proc = None  # a forked copy of this object: the child's pipes belong to the parent
         if self._proc is not None and self._proc.poll() is None:
             return self._proc
         if importlib.util.find_spec("math_verify") is None:
             raise ImportError("math-verify is not installed (it checks LaTeX answers): "
                               "pip install 'math-verify>=0.9,<1'")
         err = tempfile.TemporaryFile()  # a file, not a pipe: a full pipe would block the child
+        # its own session: a Ctrl-C meant for the trainer's lifecycle does not kill it mid-answer; it
+        # ends when this process closes its stdin (even when killed: the pipe closes) or at exit
         proc = subprocess.Popen([sys.executable, str(self.WORKER)], stdin=subprocess.PIPE,
-                                stdout=subprocess.PIPE, stderr=err, text=True, bufsize=1)
+                                stdout=subprocess.PIPE, stderr=err, text=True, bufsize=1,
+                                start_new_session=True)
         if self._readline(proc, self.start_timeout_s) != "ready":
             proc.kill()
             proc.wait()
             err.seek(0)
             tail = err.read().decode(errors="replace").strip().splitlines()[-1:] or ["no output"]
             raise RuntimeError(f"the math-verify worker did not start: {tail[0]}")
-        self._proc = proc
+        self._proc, self._owner = proc, os.getpid()
         return proc
 
     @staticmethod
@@ -245,7 +258,7 @@ class MathVerifier:
         return line.strip() if line else None
 
     def close(self) -> None:
-        if self._proc is not None:
+        if self._proc is not None and self._owner == os.getpid():
             self._proc.kill()
             self._proc.wait()
             for f in (self._proc.stdin, self._proc.stdout):

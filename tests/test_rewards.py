@@ -109,6 +109,9 @@ def test_math_verify_deadline_kills_a_hung_check():
         assert v.equivalent("2^{2^{2^{2^{2^{10}}}}}", "3") is False
         assert time.monotonic() - t0 < 5
         assert v.equivalent("\\sqrt{4}", "2") is True  # a fresh child
+        v._proc.kill()  # a child that died between calls (e.g. killed by the user) is replaced too
+        v._proc.wait()
+        assert v.equivalent("\\sqrt{9}", "3") is True
     finally:
         v.close()
 
