@@ -145,7 +145,12 @@ def main(argv=None) -> None:
         reward_fn = get_reward_fn(a.reward)
         examples = load_examples(a)  # the data is checked before any model is loaded
     except (ConfigError, DataError, OSError, ValueError, ImportError) as e:
-        fail(str(e).splitlines()[0] if str(e) else type(e).__name__)
+        msg = str(e).splitlines()[0] if str(e) else type(e).__name__
+        # the loader speaks of recipe keys; here they are this command's options
+        for key, option in (("data.split (or data.eval_split)", "--split"), ("data.name", "--name"),
+                            ("data.path", "--data")):
+            msg = msg.replace(key, option)
+        fail(msg)
     runs = []
     for model_name in a.model:  # one at a time: only one model is in memory
         run = evaluate(a, model_name, reward_fn, examples)

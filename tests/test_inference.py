@@ -137,6 +137,10 @@ def test_eval_and_chat_bad_input_exit_2(tmp_path, tiny_llama, capsys):
              (ev, ["--model", tiny_llama, "--data", str(data), "--max-new-tokens", "0"], "must be >= 1"),
              (chat, ["--model", str(tmp_path), "--prompt", "hi"], "no model here"),
              (chat, ["--model", tiny_llama, "--prompts-file", str(tmp_path / "none.txt")], "prompts file not found")]
+    from test_data import _hub_layout_repo
+
+    repo = _hub_layout_repo(tmp_path / "repo")
+    cases.append((ev, ["--model", tiny_llama, "--data", str(repo), "--split", "dev"], "(set --split)"))
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"prompt": "ok"}\n{"prompt": 3}\n')
     cases.append((chat, ["--model", tiny_llama, "--prompts-file", str(bad)], "bad.jsonl:2: a JSONL row needs"))
