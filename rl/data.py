@@ -119,8 +119,6 @@ def _read_repository(path: str, name: str | None, split: str) -> list[dict]:
     except ValueError as e:  # an unknown config or split, a missing config name: datasets names them
         key = "data.split (or data.eval_split)" if "split" in str(e).lower() else "data.name"
         raise DataError(f"{path}: {str(e).splitlines()[0].rstrip('.')} (set {key})") from None
-    if isinstance(ds, (datasets.IterableDataset, datasets.IterableDatasetDict)):  # pragma: no cover
-        raise DataError(f"{path}: streaming datasets are not supported; load a split into memory")
     return _numbered(ds, f"{split} row ")
 
 
