@@ -25,13 +25,15 @@ from rl.launch_utils import dry_run_report, fail, preflight, run_training  # noq
 from rl.trainers.base import RunError, check_output_dir  # noqa: E402
 
 
-def load_pairs(path, cfg) -> list[dict]:
-    """Validated preference rows; a bad row fails with its file and line."""
-    from rl.data import load_records, where
+def load_pairs(path, cfg, for_eval: bool = False) -> list[dict]:
+    """Validated preference rows; a bad row fails with its file and line. `for_eval`: path is
+    data.eval_path (its split is data.eval_split)."""
+    from rl.data import load_records, source_options, where
 
     d = cfg.data
     cols = [d.prompt_column, d.chosen_column, d.rejected_column]
-    records = load_records(path, cols, chat_columns=cols, max_examples=d.max_examples)
+    records = load_records(path, cols, chat_columns=cols, max_examples=d.max_examples,
+                           **source_options(d, for_eval))
     for r in records:
         if r[d.chosen_column] == r[d.rejected_column]:
             raise DataError(f"{where(path, r)}: chosen and rejected are identical; such a pair teaches nothing")
@@ -50,7 +52,7 @@ def main(argv=None) -> None:
     try:
         # 2. setup: data is validated before any model is built, so a bad file fails in seconds
         records = load_pairs(cfg.data.path, cfg)
-        eval_records = load_pairs(cfg.data.eval_path, cfg) if cfg.data.eval_path else None
+        eval_records = load_pairs(cfg.data.eval_path, cfg, for_eval=True) if cfg.data.eval_path else None
         if eval_records is None:
             records, eval_records = split_eval(records, cfg.data.eval_fraction, cfg.seed)
         if cfg.dry_run:

@@ -29,13 +29,16 @@ from rl.launch_utils import dry_run_report, fail, preflight, run_training  # noq
 from rl.trainers.base import RunError, check_output_dir  # noqa: E402
 
 
-def load_prompts(path: str, cfg) -> tuple[list[str], list[dict]]:
-    """Prompt strings and, per prompt, the row's other columns as metadata."""
-    from rl.data import load_records, read_records
+def load_prompts(path: str, cfg, for_eval: bool = False) -> tuple[list[str], list[dict]]:
+    """Prompt strings and, per prompt, the row's other columns as metadata. `for_eval`: path is
+    data.eval_path (its split is data.eval_split)."""
+    from rl.data import load_records, read_records, source_options
 
     d = cfg.data
-    load_records(path, columns=[d.text_column], max_examples=d.max_examples)  # validates, names file:line
-    rows = read_records(path)[:d.max_examples] if d.max_examples else read_records(path)
+    source = source_options(d, for_eval)
+    load_records(path, columns=[d.text_column], max_examples=d.max_examples, **source)  # names file:line
+    rows = read_records(path, **source)
+    rows = rows[:d.max_examples] if d.max_examples else rows
     return ([r[d.text_column] for r in rows],
             [{k: v for k, v in r.items() if k not in (d.text_column, "_line")} for r in rows])
 
@@ -52,7 +55,7 @@ def main(argv=None) -> None:
             raise ConfigError("data.path is not set: pass --data.path prompts.jsonl (rows {\"text\": ...}) "
                               "or set data: {path: ...} in the recipe")
         prompts, metadata = load_prompts(cfg.data.path, cfg) if cfg.data.path else (None, None)
-        eval_prompts = load_prompts(cfg.data.eval_path, cfg)[0] if cfg.data.eval_path else None
+        eval_prompts = load_prompts(cfg.data.eval_path, cfg, for_eval=True)[0] if cfg.data.eval_path else None
         if cfg.dry_run:
             from rl.ppo import ppo_plan
 

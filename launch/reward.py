@@ -20,7 +20,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a check
 os.environ.setdefault("WANDB_MODE", "offline")
 
 from rl.config import ConfigError, cli_config, save_config, to_dict  # noqa: E402
-from rl.data import DataError  # noqa: E402
+from rl.data import DataError, source_options  # noqa: E402
 from rl.launch_utils import dry_run_report, fail, preflight, run_training  # noqa: E402
 from rl.trainers.base import RunError, check_output_dir  # noqa: E402
 
@@ -37,8 +37,8 @@ def main(argv=None) -> None:
     try:
         cols = dict(prompt_column=d.prompt_column, chosen_column=d.chosen_column,
                     rejected_column=d.rejected_column, margin_column=cfg.margin_column)
-        train = load_preference_pairs(d.path, max_examples=d.max_examples, **cols)
-        evals = load_preference_pairs(d.eval_path, **cols) if d.eval_path else None
+        train = load_preference_pairs(d.path, max_examples=d.max_examples, **cols, **source_options(d))
+        evals = load_preference_pairs(d.eval_path, **cols, **source_options(d, True)) if d.eval_path else None
         model_cfg = cfg.model_config()
         if not cfg.dry_run:
             check_output_dir(cfg)

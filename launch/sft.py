@@ -32,7 +32,7 @@ def main(argv=None) -> None:
     try:
         # 2. setup: data is validated before any model is built, so a bad file fails in seconds
         records = load_sft_records(cfg.data.path, cfg)
-        eval_records = load_sft_records(cfg.data.eval_path, cfg) if cfg.data.eval_path else None
+        eval_records = load_sft_records(cfg.data.eval_path, cfg, for_eval=True) if cfg.data.eval_path else None
         if eval_records is None:
             records, eval_records = split_eval(records, cfg.data.eval_fraction, cfg.seed)
         if cfg.dry_run:

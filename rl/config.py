@@ -511,8 +511,12 @@ class LoraSection:
 
 @dataclasses.dataclass
 class DataSection:
-    path: str | None = opt(None, "training data: a .jsonl/.json/.csv/.parquet file or a saved datasets dir")
-    eval_path: str | None = opt(None, "optional evaluation data in the same format")
+    path: str | None = opt(None, "training data: a .jsonl/.json/.csv/.parquet file, a saved datasets dir, a "
+                           "dataset folder laid out as on the Hub, or a Hub dataset id (trl-lib/Capybara)")
+    name: str | None = opt(None, "config (subset) of a dataset folder or Hub dataset, as load_dataset's name")
+    split: str = opt("train", "split of data.path to train on (dataset folders, Hub ids, saved DatasetDicts)")
+    eval_path: str | None = opt(None, "optional evaluation data in the same forms (the same Hub id is fine)")
+    eval_split: str = opt("test", "split of eval_path to evaluate on (dataset folders, Hub ids, DatasetDicts)")
     eval_fraction: float = opt(0.0, "fraction of the training data held out for evaluation when no eval_path")
     text_column: str = opt("text", "column with the full text (SFT) or the prompt text (PPO/GRPO)")
     prompt_column: str = opt("prompt", "column with the prompt")

@@ -1,4 +1,7 @@
-"""Loading and validating training data: JSONL/JSON/CSV/Parquet files and saved `datasets` dirs.
+"""Loading and validating training data: JSONL/JSON/CSV/Parquet files, saved `datasets` dirs, and
+dataset repositories (a Hugging Face Hub id such as `trl-lib/Capybara`, or a local folder laid out like
+one: data files and/or a README.md with YAML `configs`), read through `datasets.load_dataset` with a
+config name (`data.name`) and a split (`data.split`).
 
 Every problem is reported before training starts, as a `DataError` whose message names the file, the
 line (for JSONL/JSON/CSV) and the column, and says how to fix it. Records keep their source line in
@@ -9,6 +12,7 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterable
@@ -16,6 +20,7 @@ from typing import Any, Iterable
 logger = logging.getLogger(__name__)
 
 SUFFIXES = (".jsonl", ".json", ".csv", ".parquet")
+HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*(/[A-Za-z0-9][\w.-]*)?")  # `name` or `owner/name`
 
 
 class DataError(ValueError):
@@ -63,19 +68,63 @@ def _read_json(path: Path) -> list[dict]:
     return [{**r, "_line": f"record {i}"} for i, r in enumerate(data, start=1)]
 
 
-def _read_with_datasets(path: Path) -> list[dict]:
+def _is_saved_dataset(path: Path) -> bool:
+    """True for a directory written by `Dataset.save_to_disk` / `DatasetDict.save_to_disk`."""
+    return (path / "state.json").exists() or (path / "dataset_dict.json").exists()
+
+
+def _looks_like_hub_id(path: str) -> bool:
+    """`name` or `owner/name` without a data-file suffix: what the Hub accepts as a dataset id."""
+    return bool(HUB_ID.fullmatch(path)) and not path.lower().endswith(SUFFIXES)
+
+
+def _numbered(ds, label: str) -> list[dict]:
+    return [{**r, "_line": f"{label}{i}"} for i, r in enumerate(ds, start=1)]
+
+
+def _read_saved(path: Path, split: str) -> list[dict]:
     import datasets
 
-    if path.is_dir():
-        try:
-            ds = datasets.load_from_disk(str(path))
-        except Exception as e:  # noqa: BLE001 - datasets raises several types here
-            raise DataError(f"{path}: not a saved datasets directory ({e})") from None
-        if isinstance(ds, datasets.DatasetDict):
-            if "train" not in ds:
-                raise DataError(f"{path}: a DatasetDict without a 'train' split (splits: {', '.join(ds)})")
-            ds = ds["train"]
-        return [{**r, "_line": f"row {i}"} for i, r in enumerate(ds, start=1)]
+    try:
+        ds = datasets.load_from_disk(str(path))
+    except Exception as e:  # noqa: BLE001 - datasets raises several types here
+        raise DataError(f"{path}: not a saved datasets directory ({e})") from None
+    if isinstance(ds, datasets.DatasetDict):
+        if split not in ds:
+            raise DataError(f"{path}: a DatasetDict without a '{split}' split (splits: {', '.join(ds)}); "
+                            f"set data.split (or data.eval_split for eval_path)")
+        ds = ds[split]
+    return _numbered(ds, "row ")
+
+
+def _read_repository(path: str, name: str | None, split: str) -> list[dict]:
+    """One split of a dataset repository (a Hub id or a local folder) through `datasets.load_dataset`.
+
+    Every failure is one DataError line: offline or unreachable Hub, unknown dataset, config or split."""
+    import datasets
+    from datasets.exceptions import DatasetNotFoundError
+
+    local = Path(path).is_dir()
+    try:
+        ds = datasets.load_dataset(path, name, split=split)
+    except ConnectionError:
+        raise DataError(f"{path}: not a local file or folder, and the Hugging Face Hub could not be reached to "
+                        f"load it as a hub dataset (offline: HF_DATASETS_OFFLINE/HF_HUB_OFFLINE is set, or no "
+                        f"network); fix data.path, or download the dataset where there is network (`hf download "
+                        f"{path} --repo-type dataset --local-dir DIR`) and set data.path to DIR") from None
+    except (DatasetNotFoundError, FileNotFoundError) as e:
+        what = "data files in the folder" if local else "a local file or folder, and not a dataset on the Hub"
+        raise DataError(f"{path}: no {what} ({str(e).splitlines()[0]}); set data.path to a "
+                        f".jsonl/.json/.csv/.parquet file, a dataset folder or a hub id") from None
+    except ValueError as e:  # an unknown config or split, a missing config name: datasets names them
+        key = "data.split (or data.eval_split)" if "split" in str(e).lower() else "data.name"
+        raise DataError(f"{path}: {str(e).splitlines()[0].rstrip('.')} (set {key})") from None
+    return _numbered(ds, f"{split} row ")
+
+
+def _read_file_with_datasets(path: Path) -> list[dict]:
+    import datasets
+
     kind = path.suffix.lstrip(".")
     try:
         ds = datasets.load_dataset(kind, data_files=str(path), split="train")
@@ -86,32 +135,49 @@ def _read_with_datasets(path: Path) -> list[dict]:
     return [{**r, "_line": f"{label}{i}" if label else i} for i, r in enumerate(ds, start=first)]
 
 
-def read_records(path: str | Path) -> list[dict]:
-    """All rows of a data file as dicts (with `_line`), without column checks."""
+def read_records(path: str | Path, *, name: str | None = None, split: str | None = None) -> list[dict]:
+    """All rows of a data source as dicts (with `_line`), without column checks.
+
+    `path` is a data file, a saved `datasets` directory, a local dataset folder (data files and/or a
+    README.md with YAML `configs`, as on the Hub) or a Hub dataset id. `name` (the config, data.name)
+    and `split` (default "train") apply to the last three; a single file is its only split."""
+    split = split or "train"
     p = Path(path)
     if not p.exists():
-        raise DataError(f"data file not found: {path} (set data.path to a .jsonl/.json/.csv/.parquet file)")
+        if _looks_like_hub_id(str(path)):
+            return _read_repository(str(path), name, split)
+        raise DataError(f"data file not found: {path} (set data.path to a .jsonl/.json/.csv/.parquet file, "
+                        f"a dataset folder or a hub id such as trl-lib/Capybara)")
     if p.is_dir():
-        return _read_with_datasets(p)
+        return _read_saved(p, split) if _is_saved_dataset(p) else _read_repository(str(p), name, split)
     suffix = p.suffix.lower()
     if suffix == ".jsonl":
         return _read_jsonl(p)
     if suffix == ".json":
         return _read_json(p)
     if suffix in (".csv", ".parquet"):
-        return _read_with_datasets(p)
-    raise DataError(f"{path}: unsupported file type '{suffix}' (use one of {', '.join(SUFFIXES)} "
-                    f"or a directory written by datasets' save_to_disk)")
+        return _read_file_with_datasets(p)
+    raise DataError(f"{path}: unsupported file type '{suffix}' (use one of {', '.join(SUFFIXES)}, "
+                    f"a directory written by datasets' save_to_disk, a dataset folder or a hub id)")
+
+
+def source_options(data_section: Any, for_eval: bool = False) -> dict:
+    """`read_records` keywords for data.path (or, with `for_eval`, data.eval_path) of a DataSection:
+    the config name and the split (data.split / data.eval_split)."""
+    d = data_section
+    return {"name": d.name, "split": d.eval_split if for_eval else d.split}
 
 
 def load_records(path: str | Path, columns: Iterable[str], *, optional: Iterable[str] = (),
-                 chat_columns: Iterable[str] = (), max_examples: int | None = None) -> list[dict]:
+                 chat_columns: Iterable[str] = (), max_examples: int | None = None,
+                 name: str | None = None, split: str | None = None) -> list[dict]:
     """Rows of `path` restricted to `columns` (required) and `optional` ones, validated.
 
     Required columns must exist in the data and hold non-empty strings; a column listed in
-    `chat_columns` may instead hold a list of {"role", "content"} messages."""
+    `chat_columns` may instead hold a list of {"role", "content"} messages. `name`/`split`: see
+    `read_records`."""
     columns, optional, chat = list(columns), list(optional), set(chat_columns)
-    rows = read_records(path)
+    rows = read_records(path, name=name, split=split)
     if not rows:
         raise DataError(f"{path}: no examples (the file is empty)")
     present = sorted({k for r in rows[:1000] for k in r if k != "_line"})

@@ -15,7 +15,7 @@ from __future__ import annotations
 import torch
 
 from rl.algos.advantages import nanstd
-from rl.data import DataError, read_records, render_chat, with_bos
+from rl.data import DataError, read_records, render_chat, source_options, with_bos
 from rl.generation import Rollout, left_pad
 
 
@@ -30,7 +30,7 @@ def encode_prompt(tokenizer, prompt: str, budget: int, chat: bool = False) -> li
 def load_prompt_rows(path: str, cfg) -> list[dict]:
     """Rows of a data file with a prompt column (data.prompt_column, else data.text_column); the other
     columns are passed to the reward functions as keyword arguments (TRL's convention)."""
-    rows = read_records(path)
+    rows = read_records(path, **source_options(cfg.data))
     if cfg.data.max_examples:
         rows = rows[:cfg.data.max_examples]
     if not rows:

@@ -904,15 +904,17 @@ class PreferencePairs:
 
 def load_preference_pairs(path: str | Path, prompt_column: str = "prompt", chosen_column: str = "chosen",
                           rejected_column: str = "rejected", margin_column: str | None = None,
-                          max_examples: int | None = None, max_report: int = 5) -> PreferencePairs:
+                          max_examples: int | None = None, max_report: int = 5, name: str | None = None,
+                          split: str | None = None) -> PreferencePairs:
     """`{"prompt", "chosen", "rejected"[, margin]}` rows of a JSONL/JSON/CSV/Parquet file, validated.
 
     The prompt column is optional for the whole file (absent everywhere: no prompts). Every bad row
     (missing or non-string field, empty text, chosen identical to rejected, non-numeric margin) is
-    collected and reported together with its line number in one DataError."""
+    collected and reported together with its line number in one DataError. `name`/`split`: the
+    config and split of a dataset folder or Hub id (see rl.data.read_records)."""
     from rl.data import DataError, read_records, where
 
-    rows = read_records(path)
+    rows = read_records(path, name=name, split=split)
     if max_examples:
         rows = rows[:max_examples]
     if not rows:

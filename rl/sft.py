@@ -75,12 +75,14 @@ def tokenize_examples(records: list[dict], tokenizer, cfg: SFTConfig, source: st
     return out
 
 
-def load_sft_records(path, cfg: SFTConfig) -> list[dict]:
-    """Pick the data format from the columns present: messages, prompt/completion or text."""
-    from rl.data import read_records
+def load_sft_records(path, cfg: SFTConfig, for_eval: bool = False) -> list[dict]:
+    """Pick the data format from the columns present: messages, prompt/completion or text.
+    `for_eval`: `path` is data.eval_path (read its data.eval_split)."""
+    from rl.data import read_records, source_options
 
     d = cfg.data
-    first = read_records(path)[:1]
+    source = source_options(d, for_eval)
+    first = read_records(path, **source)[:1]
     cols = set(first[0]) if first else set()
     if d.messages_column in cols:
         spec = dict(columns=[d.messages_column], chat_columns=[d.messages_column])
@@ -88,7 +90,7 @@ def load_sft_records(path, cfg: SFTConfig) -> list[dict]:
         spec = dict(columns=[d.prompt_column, d.completion_column])
     else:
         spec = dict(columns=[d.text_column])
-    records = load_records(path, max_examples=d.max_examples, **spec)
+    records = load_records(path, max_examples=d.max_examples, **spec, **source)
     for row in records:
         msgs = row.get(d.messages_column)
         if msgs is not None and not isinstance(msgs, list):  # a string here is not chat data

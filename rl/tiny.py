@@ -21,6 +21,7 @@ from pathlib import Path
 FAMILIES = ("llama", "qwen2", "gemma", "gpt2")
 TASKS = ("causal-lm", "classifier")
 SPECIAL_TOKENS = {"pad_token": "<pad>", "bos_token": "<s>", "eos_token": "</s>"}
+TOKENIZER_VERSION = 2
 
 # A minimal chat template so chat-format data ({"messages": [...]}) renders with the tokenizer's
 # own `apply_chat_template`, exactly as it would with a real instruct model.
@@ -31,8 +32,12 @@ CHAT_TEMPLATE = (
 
 
 def build_tokenizer():
-    """Byte-level BPE tokenizer with no merges: one token per byte, plus pad/bos/eos (259 ids)."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    """Byte-level BPE tokenizer with no merges: one token per byte, plus pad/bos/eos (259 ids).
+
+    Its post-processor puts BOS first, as Llama's tokenizer does, so `tok(prompt)` gives the ids the
+    trainers build (`rl.data.with_bos` over `add_special_tokens=False`) and `tok(prompt)` + `generate`
+    on a saved tiny model behaves as in training (without it, "41+2=" was a prompt never seen)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors
     from transformers import PreTrainedTokenizerFast
 
     alphabet = pre_tokenizers.ByteLevel.alphabet()  # the 256 printable stand-ins for bytes
@@ -42,6 +47,9 @@ def build_tokenizer():
     core = Tokenizer(models.BPE(vocab=vocab, merges=[]))
     core.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
     core.decoder = decoders.ByteLevel()
+    bos = SPECIAL_TOKENS["bos_token"]
+    core.post_processor = processors.TemplateProcessing(single=f"{bos} $A", pair=f"{bos} $A $B:1",
+                                                         special_tokens=[(bos, vocab[bos])])
     tok = PreTrainedTokenizerFast(tokenizer_object=core, **SPECIAL_TOKENS)
     tok.chat_template = CHAT_TEMPLATE
     return tok
@@ -82,7 +90,10 @@ def write_tiny_model(out: str | os.PathLike, family: str = "llama", task: str = 
     if family not in FAMILIES:  # before anything is written: no half-built directory is left behind
         raise ValueError(f"unknown tiny model family {family!r}; choose one of {', '.join(FAMILIES)}")
     out = Path(out)
-    spec = dict(family=family, task=task, hidden=hidden, layers=layers, heads=heads, seed=seed)
+    # `tokenizer` versions the tokenizer's build, so a cached model from before a change is rebuilt
+    # (2: the post-processor adds BOS); the weights depend only on the other fields.
+    spec = dict(family=family, task=task, hidden=hidden, layers=layers, heads=heads, seed=seed,
+                tokenizer=TOKENIZER_VERSION)
     marker = out / "tiny_spec.json"
     if marker.exists() and json.loads(marker.read_text()) == spec:
         return out

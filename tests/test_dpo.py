@@ -97,20 +97,21 @@ def test_dataset_masks_per_example_prompt_lengths(tiny_tokenizer):
     tok = tiny_tokenizer
     ds = PreferenceDataset(["ab", "abcdef"], ["XY", "Z"], ["Q", "RST"], tok, max_length=64, max_prompt_length=32)
     ex = ds.examples
-    assert [len(e["prompt_ids"]) for e in ex] == [2, 6]  # byte tokenizer: one token per character
+    # byte tokenizer: BOS (its post-processor adds it, as Llama's does) + one token per character
+    assert [len(e["prompt_ids"]) for e in ex] == [3, 7] and ex[0]["prompt_ids"][0] == tok.bos_token_id
     eos = tok.eos_token_id
-    assert ex[0]["chosen_ids"] == tok("XY")["input_ids"] + [eos]
-    assert ex[1]["rejected_ids"] == tok("RST")["input_ids"] + [eos]
+    assert ex[0]["chosen_ids"] == tok("XY", add_special_tokens=False)["input_ids"] + [eos]
+    assert ex[1]["rejected_ids"] == tok("RST", add_special_tokens=False)["input_ids"] + [eos]
     b = collate_pairs([ds[0], ds[1]], ds.pad_token_id)
-    assert b["input_ids"].shape == (4, 10)  # width = longest of the batch (6 + 3 + eos), not max_length
-    # row 0 = chosen of pair 0: 2 prompt tokens, 3 answer tokens, then padding
-    assert b["labels"][0].tolist() == [-100, -100] + ex[0]["chosen_ids"] + [-100] * 5
-    # row 3 = rejected of pair 1: 6 prompt tokens (its own length, not pair 0's), 4 answer tokens
-    assert b["labels"][3].tolist() == [-100] * 6 + ex[1]["rejected_ids"]
-    assert b["attention_mask"][0].tolist() == [1] * 5 + [0] * 5
+    assert b["input_ids"].shape == (4, 11)  # width = longest of the batch (7 + 3 + eos), not max_length
+    # row 0 = chosen of pair 0: 3 prompt tokens, 3 answer tokens, then padding
+    assert b["labels"][0].tolist() == [-100] * 3 + ex[0]["chosen_ids"] + [-100] * 5
+    # row 3 = rejected of pair 1: 7 prompt tokens (its own length, not pair 0's), 4 answer tokens
+    assert b["labels"][3].tolist() == [-100] * 7 + ex[1]["rejected_ids"]
+    assert b["attention_mask"][0].tolist() == [1] * 6 + [0] * 5
     left = collate_pairs([ds[0], ds[1]], ds.pad_token_id, padding_side="left")
-    assert left["labels"][0].tolist() == [-100] * 5 + [-100, -100] + ex[0]["chosen_ids"]
-    assert left["position_ids"][0, 5:].tolist() == list(range(5))
+    assert left["labels"][0].tolist() == [-100] * 5 + [-100] * 3 + ex[0]["chosen_ids"]
+    assert left["position_ids"][0, 5:].tolist() == list(range(6))
 
 
 def test_dataset_truncation_left_prompt_and_answers(tiny_tokenizer, caplog):
@@ -119,10 +120,11 @@ def test_dataset_truncation_left_prompt_and_answers(tiny_tokenizer, caplog):
         ds = PreferenceDataset(["abcdefghij", "ok"], ["12345678", "y"], ["n", "no"], tok, max_length=8,
                                max_prompt_length=4)
     e = ds.examples[0]
-    assert e["prompt_ids"] == tok("ghij")["input_ids"]  # the END of the prompt is kept
-    assert e["chosen_ids"] == tok("1234")["input_ids"]  # answers keep their start, cut to fit 8 tokens
-    assert e["rejected_ids"] == tok("n")["input_ids"] + [tok.eos_token_id]
-    assert ds.examples[1]["prompt_ids"] == tok("ok")["input_ids"]
+    raw = lambda t: tok(t, add_special_tokens=False)["input_ids"]  # noqa: E731
+    assert e["prompt_ids"] == raw("ghij")  # the END of the prompt is kept (BOS included in the cut)
+    assert e["chosen_ids"] == raw("1234")  # answers keep their start, cut to fit 8 tokens
+    assert e["rejected_ids"] == raw("n") + [tok.eos_token_id]
+    assert ds.examples[1]["prompt_ids"] == tok("ok")["input_ids"]  # BOS + "ok": it fits
     assert ds.truncation == {"pairs": 2, "prompts_truncated": 1, "answers_truncated": 1}
     assert "1 of 2 prompts" in caplog.text and "1 pairs had answers cut" in caplog.text
 

@@ -179,8 +179,7 @@ def test_response_logprobs_align_with_sampled_tokens(tiny_llama, tiny_tokenizer)
     model = PPOModel(load_causal_lm(tiny_llama, dtype="float32")).eval()
     torch.nn.init.normal_(model.value_head.out.weight, std=0.5)
     tok = tiny_tokenizer
-    prompts = [[tok.bos_token_id] + tok("a much longer prompt here: ")["input_ids"],
-               [tok.bos_token_id] + tok("hi: ")["input_ids"]]
+    prompts = [tok("a much longer prompt here: ")["input_ids"], tok("hi: ")["input_ids"]]  # BOS first
     ro = generate(model, tok, prompts, max_new_tokens=12, temperature=1.0, top_k=0, top_p=1.0, seed=3)
     P = ro.prompt_ids.shape[1]
     ids = torch.cat([ro.prompt_ids, ro.tokens], 1)

@@ -48,9 +48,72 @@ MATCH_TABLE = [
 ]
 
 
-@pytest.mark.parametrize("completion,expected,ok", MATCH_TABLE)
+# LaTeX answers the exact-number path cannot read, judged by math-verify (hand-written; the NOT-match rows
+# are near misses a lenient checker would pass). The 2\sqrt{2} vs 2 row was a match before math-verify:
+# the old path read the one number "2" out of it.
+LATEX_TABLE = [
+    ("\\boxed{2\\sqrt{2}}", "\\sqrt{8}", True),
+    ("\\boxed{\\sqrt{2}}", "2^{1/2}", True),
+    ("\\boxed{2\\sqrt{2}}", "2", False),
+    ("\\boxed{\\sqrt{3}}", "\\sqrt{2}", False),
+    ("Answer: \\frac{\\pi}{2}", "\\frac{\\pi}{2}", True),
+    ("\\boxed{\\pi/2}", "\\frac{\\pi}{2}", True),
+    ("\\boxed{\\pi}", "\\frac{\\pi}{2}", False),
+    ("\\boxed{\\frac{3}{4}}", "\\frac{6}{8}", True),
+    ("\\boxed{\\frac{4}{3}}", "\\frac{3}{4}", False),
+    ("\\boxed{(x+1)^2}", "x^2+2x+1", True),
+    ("\\boxed{x^2-1}", "x^2+1", False),
+    ("\\boxed{\\{3,2,1\\}}", "\\{1,2,3\\}", True),
+    ("\\boxed{\\{1,2\\}}", "\\{1,2,3\\}", False),
+    ("\\boxed{10\\%}", "10\\%", True),
+    ("\\boxed{0.1}", "10\\%", True),
+    ("\\boxed{0.2}", "10\\%", False),
+    ("\\boxed{19 \\text{ or } 20}", "19", False),    # hedging in LaTeX earns nothing either
+    ("Sirap", "Paris", False),                     # plain words stay text (math-verify: p*a*r*i*s)
+]
+
+
+@pytest.mark.parametrize("completion,expected,ok", MATCH_TABLE + LATEX_TABLE)
 def test_answers_match_table(completion, expected, ok):
     assert R.answers_match(completion, expected) is ok
+
+
+def test_math_verify_in_a_worker_thread_and_the_env():
+    """Rewards are scored on worker threads, where math-verify's signal alarms cannot run: the child
+    process answers there too; the math environment's correctness uses the same check."""
+    import threading
+
+    from rl.environments import create_math_problem_env
+
+    out = []
+    t = threading.Thread(target=lambda: out.append([R.answers_match("\\boxed{2^{1/2}}", "\\sqrt{2}"),
+                                                    R.answers_match("\\boxed{2^{1/3}}", "\\sqrt{2}")]))
+    t.start()
+    t.join(60)
+    assert out == [[True, False]]
+    env = create_math_problem_env(None, num_problems=2, answer_format="boxed")
+    metas = [{"problem": "x", "answer": "\\frac{\\pi}{2}"}] * 3
+    scores = env.reward_components["correctness"](["x"] * 3, ["\\boxed{\\pi/2}", "\\boxed{\\pi}", "\\boxed{1.5708}"], metas)
+    assert list(scores) == [1.0, 0.0, 0.0]
+
+
+def test_math_verify_deadline_kills_a_hung_check():
+    """A tower of powers keeps sympy busy far past any deadline (one big-integer operation, which even
+    a signal cannot interrupt): the check returns False at the deadline, and the next check works."""
+    import time
+
+    v = R.MathVerifier(deadline_s=1.0)
+    try:
+        v.equivalent("1", "1")  # start the child first, so the deadline below times only the check
+        t0 = time.monotonic()
+        assert v.equivalent("2^{2^{2^{2^{2^{10}}}}}", "3") is False
+        assert time.monotonic() - t0 < 5
+        assert v.equivalent("\\sqrt{4}", "2") is True  # a fresh child
+        v._proc.kill()  # a child that died between calls (e.g. killed by the user) is replaced too
+        v._proc.wait()
+        assert v.equivalent("\\sqrt{9}", "3") is True
+    finally:
+        v.close()
 
 
 @pytest.mark.parametrize("text,value", [
@@ -88,6 +151,8 @@ def test_relative_tolerance():
     ("19", "plain", True), (" 19 ", "plain", True), ("19 apples", "plain", False), ("", "plain", False),
     ("Answer: 19", "answer", True), ("answer: -3", "answer", True), ("19", "answer", False),
     ("The answer: none", "answer", False), ("\\boxed{19}", "boxed", True), ("\\boxed{}", "boxed", False),
+    ("\\boxed{\\frac{\\pi}{2}}", "boxed", True), ("\\boxed{2\\sqrt{2}}", "boxed", True),
+    ("\\boxed{\\text{none}}", "boxed", False), ("\\boxed{x}", "boxed", False),
 ])
 def test_has_answer_format(text, style, ok):
     assert R.has_answer_format(text, style) is ok

@@ -1,0 +1,170 @@
+"""Trying a result: rl/inference.py and the launch/chat.py, launch/eval.py commands, on tiny models.
+
+Nothing here asserts which tokens a random tiny model writes: completions are cross-checked against
+transformers' own greedy `generate` on the same ids, and rewards against `answers_match` recomputed."""
+
+from __future__ import annotations
+
+import importlib.util
+import io
+import json
+
+import pytest
+import torch
+
+from conftest import ROOT
+from rl import rewards as R
+
+
+def _launch(name: str):
+    spec = importlib.util.spec_from_file_location(f"launch_{name}_test", ROOT / "launch" / f"{name}.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+@pytest.fixture(scope="module")
+def loaded(tiny_llama):
+    from rl.inference import load_for_inference
+
+    return load_for_inference(tiny_llama, dtype="float32")
+
+
+def test_encode_matches_training_and_greedy_matches_transformers(loaded, tiny_llama):
+    """`encode` gives the ids GRPO trains on (plain and chat), and `complete` decodes what HF's greedy
+    `generate` writes for those ids (left-padded batch included)."""
+    from rl.grpo import encode_prompt
+    from rl.inference import complete, encode
+
+    model, tok = loaded
+    for chat in (False, True):
+        assert encode(tok, "12+7=", chat) == encode_prompt(tok, "12+7=", 10_000, chat)
+    ids = encode(tok, "12+7=", False)
+    assert ids[0] == tok.bos_token_id and ids.count(tok.bos_token_id) == 1
+    # the saved tiny tokenizer adds BOS itself (its post-processor), so a plain `tok(prompt)` is the
+    # training prompt, and code that also adds BOS (with_bos) does not double it
+    from rl.data import with_bos
+
+    assert tok("12+7=")["input_ids"] == ids == with_bos(tok, tok("12+7=")["input_ids"])
+    assert tok("12+7=", add_special_tokens=False)["input_ids"] == ids[1:]
+    prompts = [encode(tok, p, False) for p in ("12+7=", "hello there, ")]
+    got = complete(model, tok, prompts, max_new_tokens=6, temperature=0.0, batch_size=1)
+    want = []
+    for p in prompts:
+        out = model.generate(torch.tensor([p]), max_new_tokens=6, do_sample=False, pad_token_id=tok.pad_token_id)
+        want.append(tok.decode(out[0, len(p):], skip_special_tokens=True))
+    assert got == want
+    assert complete(model, tok, prompts, max_new_tokens=6, batch_size=2) == got  # batching changes nothing
+
+
+def test_adapter_directory_loads_as_base_plus_merged_adapter(tmp_path, loaded, tiny_llama):
+    from peft import LoraConfig, get_peft_model
+
+    from rl.inference import load_for_inference
+    from rl.models import load_causal_lm
+
+    base = load_causal_lm(tiny_llama, dtype="float32")
+    torch.manual_seed(0)
+    peft_model = get_peft_model(base, LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"],
+                                                 init_lora_weights=False))  # random B: the adapter matters
+    adapter_dir = tmp_path / "adapter"
+    peft_model.save_pretrained(adapter_dir)
+    assert (adapter_dir / "adapter_config.json").exists() and not (adapter_dir / "config.json").exists()
+    model, tok = load_for_inference(str(adapter_dir), dtype="float32")
+    x = torch.tensor([[tok.bos_token_id, 49, 50, 43]])
+    with torch.no_grad():
+        want = peft_model(x).logits
+        got = model(x).logits
+        plain = loaded[0](x).logits
+    assert torch.allclose(got, want, atol=1e-5)
+    assert not torch.allclose(got, plain, atol=1e-3)  # not silently the base model
+
+
+def test_load_errors_are_one_line(tmp_path):
+    from rl.config import ConfigError
+    from rl.inference import load_for_inference
+
+    with pytest.raises(ConfigError, match="no model here"):
+        load_for_inference(str(tmp_path))
+    (tmp_path / "adapter_config.json").write_text("{}")
+    with pytest.raises(ConfigError, match="not a PEFT adapter config"):
+        load_for_inference(str(tmp_path))
+
+
+def test_chat_setting_follows_the_run(tmp_path):
+    from rl.inference import chat_setting
+
+    assert chat_setting(str(tmp_path), "auto", default=True) is True  # no config.yaml: the caller's default
+    (tmp_path / "config.yaml").write_text("chat_template: false\n")
+    assert chat_setting(str(tmp_path), "auto", default=True) is False
+    assert chat_setting(str(tmp_path), "yes", default=False) is True
+
+
+def test_eval_scores_and_writes_per_example_json(tmp_path, tiny_llama, capsys):
+    data = tmp_path / "heldout.jsonl"
+    data.write_text('{"prompt": "12+7=", "answer": 19}\n{"problem": "x", "prompt": "3+4=", "answer": "7"}\n'
+                    '{"prompt": "1+1=", "answer": "2"}\n')
+    out = tmp_path / "eval.json"
+    _launch("eval").main(["--model", tiny_llama, "--model", "tiny:qwen2", "--data", str(data),
+                          "--max-new-tokens", "4", "--out", str(out), "--batch-size", "2"])
+    printed = capsys.readouterr().out.splitlines()
+    runs = json.loads(out.read_text())["runs"]
+    assert [r["model"] for r in runs] == [tiny_llama, "tiny:qwen2"]
+    for res, line in zip(runs, printed):
+        assert res["n"] == 3 and [e["line"] for e in res["examples"]] == [1, 2, 3]
+        for e in res["examples"]:  # the reward is the trainers' checker on this completion
+            assert e["reward"] == float(R.answers_match(e["completion"], e["answer"]))
+        assert res["accuracy"] == sum(e["correct"] for e in res["examples"]) / 3
+        assert line.startswith(f"accuracy {res['accuracy']:.3f} ({res['correct']}/3)")
+
+
+def test_eval_score_hand_computed():
+    ev = _launch("eval")
+    examples = [{"prompt": p, "answer": a, "meta": {"answer": a}, "_line": i}
+                for i, (p, a) in enumerate([("q", "19"), ("q", "\\frac{\\pi}{2}"), ("q", "3"), ("q", "4")], 1)]
+    completions = ["Answer: 19", "\\boxed{\\pi/2}", "Answer: 3 or 4", "5"]
+    res = ev.score(R.get_reward_fn("correctness"), examples, completions, threshold=1.0)
+    assert [e["correct"] for e in res["examples"]] == [True, True, False, False]
+    assert (res["accuracy"], res["correct"], res["mean_reward"]) == (0.5, 2, 0.5)
+
+
+def test_eval_and_chat_bad_input_exit_2(tmp_path, tiny_llama, capsys):
+    ev, chat = _launch("eval"), _launch("chat")
+    data = tmp_path / "d.jsonl"
+    data.write_text('{"prompt": "1+1=", "solution": "2"}\n')
+    cases = [(ev, ["--model", tiny_llama, "--data", str(data)], "missing column 'answer'"),
+             (ev, ["--model", tiny_llama, "--data", str(tmp_path / "nope.jsonl")], "data file not found"),
+             (ev, ["--model", tiny_llama, "--data", str(data), "--max-new-tokens", "0"], "must be >= 1"),
+             (chat, ["--model", str(tmp_path), "--prompt", "hi"], "no model here"),
+             (chat, ["--model", tiny_llama, "--prompts-file", str(tmp_path / "none.txt")], "prompts file not found")]
+    from test_data import _hub_layout_repo
+
+    repo = _hub_layout_repo(tmp_path / "repo")
+    cases.append((ev, ["--model", tiny_llama, "--data", str(repo), "--split", "dev"], "(set --split)"))
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"prompt": "ok"}\n{"prompt": 3}\n')
+    cases.append((chat, ["--model", tiny_llama, "--prompts-file", str(bad)], "bad.jsonl:2: a JSONL row needs"))
+    for mod, argv, msg in cases:
+        with pytest.raises(SystemExit) as e:
+            mod.main(argv)
+        err = capsys.readouterr().err.strip().splitlines()
+        assert e.value.code == 2 and msg in err[-1], (argv, err)
+
+
+def test_chat_prompts_file_and_stdin(tmp_path, tiny_llama, loaded, capsys, monkeypatch):
+    from rl.inference import complete, encode
+
+    model, tok = loaded
+    chat = _launch("chat")
+    prompts = tmp_path / "p.txt"
+    prompts.write_text('12+7=\n{"prompt": "3+4="}\n{"messages": [{"role": "user", "content": "hi"}]}\n')
+    chat.main(["--model", tiny_llama, "--prompts-file", str(prompts), "--chat-template", "no",
+               "--max-new-tokens", "4"])
+    printed = capsys.readouterr().out
+    msgs = [{"role": "user", "content": "hi"}]
+    replies = complete(model, tok, [encode(tok, "12+7=", False), encode(tok, "3+4=", False), encode(tok, msgs, False)],
+                       max_new_tokens=4)
+    assert printed == "".join(f">>> {p}\n{r}\n\n" for p, r in zip(["12+7=", "3+4=", "hi"], replies))
+    monkeypatch.setattr("sys.stdin", io.StringIO("12+7=\n\n3+4=\n"))  # not a terminal: one prompt per line
+    chat.main(["--model", tiny_llama, "--chat-template", "no", "--max-new-tokens", "4"])
+    assert capsys.readouterr().out == f"{replies[0]}\n{replies[1]}\n"
