@@ -51,7 +51,7 @@ from rl.algos.kl import k3_kl  # noqa: F401
 from rl.algos.policy_losses import LOSS_AGGREGATIONS, grpo_loss  # noqa: F401
 from rl.checkpoint import checkpoint_dir
 from rl.config import ConfigError, TrainConfig, opt, save_config, to_dict
-from rl.data import render_chat, with_bos
+from rl.data import DataError, read_records, render_chat, with_bos
 from rl.environments import make_env
 from rl.forward_backward import ForwardBackwardPipeline, build_accelerator, zero_stage
 from rl.generation import generate, position_ids_from_mask, sequence_logprobs
@@ -463,8 +463,6 @@ def _nanmean(x: torch.Tensor) -> float:
 def load_prompt_rows(path: str, cfg: GRPOConfig) -> list[dict]:
     """Rows of a data file with a prompt column (data.prompt_column, else data.text_column); the other
     columns are passed to the reward functions as keyword arguments (TRL's convention)."""
-    from rl.data import DataError, read_records
-
     rows = read_records(path)
     if cfg.data.max_examples:
         rows = rows[:cfg.data.max_examples]
