@@ -19,19 +19,16 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
 os.environ.setdefault("WANDB_MODE", "offline")
 
-from rl.config import ConfigError, cli_config  # noqa: E402
+from rl.config import ConfigError  # noqa: E402
 from rl.data import DataError  # noqa: E402
 from rl.dpo import DPOConfig, DPOTrainer, PreferenceDataset  # noqa: E402
-from rl.launch_utils import dry_run_report, fail, preflight, run_training  # noqa: E402
+from rl.launch_utils import dry_run_report, fail, parse_recipe, run_training  # noqa: E402
 from rl.trainers.base import RunError, check_output_dir  # noqa: E402
 
 
 def main(argv=None) -> None:
     # 1. parse
-    cfg = cli_config(DPOConfig, argv, prog="launch/dpo.py", description=__doc__)
-    preflight(cfg)  # model names, deepspeed file, resume path, output_dir: before any model
-    if cfg.data.path is None:
-        fail("data.path is not set: pass --data.path FILE.jsonl or set data: {path: ...} in the recipe")
+    cfg = parse_recipe(DPOConfig, argv, "launch/dpo.py", __doc__, require_data=True)
     try:
         # 2. setup: data is validated before any model is built, so a bad file fails in seconds
         records, eval_records = DPOTrainer.load_data(cfg)

@@ -23,17 +23,16 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
 os.environ.setdefault("WANDB_MODE", "offline")
 
-from rl.config import ConfigError, cli_config  # noqa: E402
+from rl.config import ConfigError  # noqa: E402
 from rl.data import DataError  # noqa: E402
-from rl.launch_utils import dry_run_report, fail, preflight, run_training  # noqa: E402
+from rl.launch_utils import dry_run_report, fail, parse_recipe, run_training  # noqa: E402
 from rl.ppo import PPOConfig, PPOTrainer, check_reward_source, ppo_plan  # noqa: E402
 from rl.trainers.base import RunError, check_output_dir  # noqa: E402
 
 
 def main(argv=None) -> None:
     # 1. parse; reward source and data are checked before any model is built
-    cfg = cli_config(PPOConfig, argv, prog="launch/ppo.py", description=__doc__)
-    preflight(cfg)  # model names, deepspeed file, resume path, output_dir: before any model
+    cfg = parse_recipe(PPOConfig, argv, "launch/ppo.py", __doc__)
     try:
         check_reward_source(cfg)
         prompts, metadata, eval_prompts = PPOTrainer.load_data(cfg)

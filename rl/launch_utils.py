@@ -31,7 +31,7 @@ from pathlib import Path
 
 import yaml
 
-from rl.config import ConfigError, to_dict
+from rl.config import ConfigError, cli_config, to_dict
 from rl.data import DataError
 from rl.reward_io import reward_model_problem
 from rl.tiny import FAMILIES, TINY_PREFIX, resolve_model_path
@@ -167,6 +167,19 @@ def preflight(cfg) -> None:
     problems = preflight_problems(cfg)
     if problems:
         fail(problems[0])
+
+
+NO_DATA_ERROR = "data.path is not set: pass --data.path FILE.jsonl or set data: {path: ...} in the recipe"
+
+
+def parse_recipe(cls, argv, prog: str, description: str, require_data: bool = False):
+    """Step 1 of a launch script: the recipe + overrides as `cls`, then `preflight`; with `require_data`
+    a missing data.path is one `error:` line and exit 2 as well."""
+    cfg = cli_config(cls, argv, prog=prog, description=description)
+    preflight(cfg)  # model names, deepspeed file, resume path, output_dir: before any model
+    if require_data and cfg.data.path is None:
+        fail(NO_DATA_ERROR)
+    return cfg
 
 
 # ------------------------------------------------------------------------------ model configs

@@ -48,7 +48,7 @@ from rl.forward_backward import ForwardBackwardPipeline, build_accelerator, is_d
 from rl.generation import generate
 from rl.models import (apply_lora, build_optimizer, build_scheduler, load_tokenizer, load_trainable_policy,
                        release_device_cache, resolve_dtype, trainable_fraction)
-from rl.ppo_config import (NO_REWARD_ERROR, PPOConfig, check_reward_source, dry_run_models,  # noqa: F401
+from rl.ppo_config import (NO_REWARD_ERROR, PPOConfig, check_reward_source, ppo_dry_run_models,  # noqa: F401
                            encode_prompts, load_prompt_data, load_prompts, ppo_plan, prompt_order)
 from rl.ppo_model import (Critic, PPOModel, PPOModelOutput, ValueHead, critic_loss,  # noqa: F401
                           explained_variance, parameter_counts, policy_loss, ppo_advantages, response_logits,
@@ -203,7 +203,7 @@ class PPOTrainer(Trainer):
                         r = pipe.forward_backward_custom(fn, ids[micro], attn[micro], **kw).result()
                     else:
                         fn = partial(policy_loss, **{k: v for k, v in common.items()
-                                                           if k not in ("value_clip", "value_coef")})
+                                                     if k not in ("value_clip", "value_coef")})
                         pk = {k: v for k, v in kw.items() if k not in ("old_values", "returns")}
                         r = pipe.forward_backward_custom(fn, ids[micro], attn[micro], **pk).result()
                         cfn = partial(critic_loss, P=P, value_clip=cfg.value_clip, value_coef=cfg.value_coef)
@@ -245,7 +245,7 @@ class PPOTrainer(Trainer):
         return encode_prompts(self.tokenizer, prompts, self.cfg)
 
     load_data = staticmethod(load_prompt_data)  # (prompts, metadata, eval_prompts) of a recipe
-    dry_run_models = staticmethod(dry_run_models)  # the models a run holds, for the dry-run plan
+    dry_run_models = staticmethod(ppo_dry_run_models)  # the models a run holds, for the dry-run plan
 
     # ------------------------------------------------------------------ the loop
     def train(self, prompts: Sequence[str] | None = None, num_iterations: int | None = None,

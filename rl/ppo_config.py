@@ -175,7 +175,7 @@ def check_reward_source(cfg: PPOConfig, reward_fn=None, reward_model=None) -> No
     raise ConfigError(NO_REWARD_ERROR)
 
 
-def dry_run_models(cfg: PPOConfig) -> dict:
+def ppo_dry_run_models(cfg: PPOConfig) -> dict:
     """The models a PPO run holds, for the dry-run memory plan (the reference as ReferencePolicy decides)."""
     models = {"policy (trainable)": cfg.model_name,
               "reference (frozen)": cfg.ref_model or ("policy without adapters" if cfg.lora.enabled

@@ -22,14 +22,16 @@ import torch
 
 from rl.algos.preference import bradley_terry_loss
 from rl.algos.reduce import masked_mse  # noqa: F401  (re-exported)
-from rl.config import ConfigError, TrainConfig, opt
+from rl.config import ConfigError, to_dict
 from rl.forward_backward import ForwardBackwardPipeline, _inner, build_accelerator
-from rl.models import build_optimizer, build_scheduler
+from rl.models import build_optimizer, build_scheduler, load_tokenizer, trainable_fraction
 from rl.reward_io import (ADAPTER_FILE, CONFIG_FILE, FORMAT, HEAD_FILE, HF_WEIGHTS_FILE,  # noqa: F401
                           EncodedPairs, PreferencePairs, encode_pairs, encode_texts, load_preference_pairs,
                           load_reward_weights, pad_batch, pair_batch, reward_model_problem, save_reward_model)
 from rl.reward_model import (MultiObjectiveRewardModel, PairwiseRewardModel, RewardModel,  # noqa: F401
                              RewardModelConfig, RewardOutput, load_reward_model, pool_hidden)
+from rl.reward_config import RewardTrainConfig
+from rl.tracking import Tracker
 from rl.trainers.base import CallbackTracker, Trainer
 
 
@@ -72,9 +74,36 @@ class RewardModelTrainer(Trainer):
         self.history: list[dict] = []
         self.eval_split: EncodedPairs | None = None
 
+    @classmethod
+    def from_recipe(cls, cfg: RewardTrainConfig) -> "RewardModelTrainer":
+        """The trainer a launch/reward.py recipe describes: seeded, with the recipe's accelerator
+        (DeepSpeed config included), tokenizer and model; `train_recipe` then runs it."""
+        torch.manual_seed(cfg.seed)
+        accelerator = build_accelerator(cfg.gradient_accumulation_steps, micro_batch_size=2 * cfg.batch_size,
+                                        max_grad_norm=cfg.max_grad_norm, deepspeed_config=cfg.deepspeed)
+        tokenizer = load_tokenizer(cfg.model_name, cfg.trust_remote_code)
+        model_cfg = cfg.model_config()
+        return cls(model_cfg, model=RewardModel(model_cfg, tokenizer=tokenizer), tokenizer=tokenizer,
+                   accelerator=accelerator, output_dir=cfg.output_dir)
+
+    def train_recipe(self, cfg: RewardTrainConfig, train: PreferencePairs, evals: PreferencePairs | None) -> dict:
+        """`train_on_preferences` as the recipe says (epochs, batch size, eval split), logged by a Tracker."""
+        tracker = Tracker(cfg.output_dir, cfg.report_to, cfg.run_name, to_dict(cfg),
+                          is_main=self.accelerator.is_main_process, desc="reward",
+                          plot_keys=["loss", "accuracy", "margin", "eval/accuracy", "learning_rate"])
+        n_train, n_all = trainable_fraction(self.model)
+        tracker.write(f"reward model: {n_train:,} of {n_all:,} parameters trainable ({100 * n_train / n_all:.2f}%), "
+                      f"{len(train)} pairs, {self.accelerator.num_processes} process(es)")
+        eval_data = ({"chosen": evals.chosen, "rejected": evals.rejected, "prompts": evals.prompts,
+                      "margins": evals.margins} if evals is not None else None)
+        return self.train_on_preferences(
+            train.chosen, train.rejected, prompts=train.prompts, margins=train.margins, num_epochs=cfg.num_epochs,
+            batch_size=cfg.batch_size, eval_fraction=0.0 if evals is not None else cfg.data.eval_fraction,
+            eval_data=eval_data, tracker=tracker)
+
     # ------------------------------------------------------------------ data
     @staticmethod
-    def load_data(cfg: "RewardTrainConfig") -> tuple[PreferencePairs, PreferencePairs | None]:
+    def load_data(cfg: RewardTrainConfig) -> tuple[PreferencePairs, PreferencePairs | None]:
         """The recipe's training pairs and its eval pairs (None without data.eval_path), validated."""
         d = cfg.data
         cols = dict(prompt_column=d.prompt_column, chosen_column=d.chosen_column,
@@ -83,7 +112,7 @@ class RewardModelTrainer(Trainer):
         return train, load_preference_pairs(d.eval_path, **cols) if d.eval_path else None
 
     @staticmethod
-    def dry_run_models(cfg: "RewardTrainConfig") -> dict:
+    def dry_run_models(cfg: RewardTrainConfig) -> dict:
         """The models a run holds, for the dry-run memory plan."""
         return {"reward model (trainable)": cfg.model_name}
 
@@ -297,66 +326,3 @@ class RewardModelTrainer(Trainer):
     def load_model(self, path: str | Path) -> None:
         """Load weights saved by `save_model` into this trainer's model (before or after training)."""
         self.model.load_weights(path)
-
-
-
-# ==================================================================================================
-
-@dataclass
-class RewardTrainConfig(TrainConfig):
-    """Recipe schema of launch/reward.py: the shared TrainConfig plus the reward-model fields.
-
-    LoRA is the shared `lora:` section (lora.enabled, lora.rank, ...). The reference CLI's column
-    flags are accepted: --prompt-text-column, --text-column (the chosen answer) and
-    --rejected-text-column set data.prompt_column, data.chosen_column and data.rejected_column."""
-
-    pooling_strategy: Literal["last", "mean", "cls"] = opt("last", "hidden state read by the head: last real token, masked mean, first token")
-    dropout_prob: float = opt(0.0, "dropout on the pooled state during training")
-    temperature: float = opt(1.0, "rewards are divided by this")
-    load_in_4bit: bool = opt(False, "NF4 backbone via bitsandbytes (QLoRA); needs lora.enabled=true")
-    load_in_8bit: bool = opt(False, "int8 backbone via bitsandbytes; needs lora.enabled=true")
-    warmup_steps: int | None = opt(None, "linear warmup steps; null: use warmup_ratio")
-    center_rewards_coefficient: float | None = opt(None, "weight of mean((r_chosen + r_rejected)^2), keeps rewards centred (TRL name)")
-    margin_column: str | None = opt(None, "optional numeric column: required reward gap per pair")
-    append_eos: bool = opt(True, "end every text with EOS (TRL's format)")
-    prompt_text_column: str | None = opt(None, "reference CLI name for data.prompt_column")
-    text_column: str | None = opt(None, "reference CLI name for data.chosen_column (the preferred text)")
-    rejected_text_column: str | None = opt(None, "reference CLI name for data.rejected_column")
-
-    def __post_init__(self):
-        super().__post_init__()
-        defaults = {"prompt_column": "prompt", "chosen_column": "chosen", "rejected_column": "rejected"}
-        for alias, target in (("prompt_text_column", "prompt_column"), ("text_column", "chosen_column"),
-                              ("rejected_text_column", "rejected_column")):
-            value = getattr(self, alias)
-            if value is None:
-                continue
-            current = getattr(self.data, target)
-            if current != defaults[target] and current != value:
-                raise ConfigError(f"{alias}={value!r} and data.{target}={current!r} disagree; set only one")
-            setattr(self.data, target, value)
-        if (self.load_in_4bit or self.load_in_8bit) and not self.lora.enabled:
-            raise ConfigError("load_in_4bit/load_in_8bit train LoRA adapters on a quantized backbone: "
-                              "set lora.enabled=true")
-        if self.load_in_4bit and self.load_in_8bit:
-            raise ConfigError("load_in_4bit and load_in_8bit are both true; choose one")
-        if not self.temperature > 0:
-            raise ConfigError(f"key 'temperature' must be > 0, got {self.temperature}")
-
-    def model_config(self) -> RewardModelConfig:
-        """The library-level RewardModelConfig this recipe describes."""
-        return RewardModelConfig(
-            model_name=self.model_name, num_labels=1, pooling_strategy=self.pooling_strategy,
-            dropout_prob=self.dropout_prob, temperature=self.temperature, use_lora=self.lora.enabled,
-            lora_rank=self.lora.rank, lora_alpha=self.lora.alpha, lora_dropout=self.lora.dropout,
-            lora_target_modules=self.lora.target_modules, load_in_4bit=self.load_in_4bit,
-            load_in_8bit=self.load_in_8bit, learning_rate=self.learning_rate, weight_decay=self.weight_decay,
-            warmup_steps=self.warmup_steps if self.warmup_steps is not None else 0,
-            warmup_ratio=None if self.warmup_steps is not None else self.warmup_ratio,
-            lr_scheduler=self.lr_scheduler, gradient_accumulation_steps=self.gradient_accumulation_steps,
-            max_grad_norm=self.max_grad_norm, max_length=self.max_length, max_steps=self.max_steps,
-            center_rewards_coefficient=self.center_rewards_coefficient, append_eos=self.append_eos,
-            dtype=self.dtype, gradient_checkpointing=self.gradient_checkpointing,
-            trust_remote_code=self.trust_remote_code, seed=self.seed, eval_every=self.eval_every,
-            log_every=self.log_every, save_every=self.save_every, save_total_limit=self.save_total_limit,
-            resume=self.resume)
