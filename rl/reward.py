@@ -14,9 +14,8 @@ preference files in rl.reward_io; their public names are importable from here to
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Literal, Sequence
+from typing import Callable, Sequence
 
 import torch
 
@@ -25,12 +24,12 @@ from rl.algos.reduce import masked_mse  # noqa: F401  (re-exported)
 from rl.config import ConfigError, to_dict
 from rl.forward_backward import ForwardBackwardPipeline, _inner, build_accelerator
 from rl.models import build_optimizer, build_scheduler, load_tokenizer, trainable_fraction
+from rl.reward_config import RewardTrainConfig
 from rl.reward_io import (ADAPTER_FILE, CONFIG_FILE, FORMAT, HEAD_FILE, HF_WEIGHTS_FILE,  # noqa: F401
                           EncodedPairs, PreferencePairs, encode_pairs, encode_texts, load_preference_pairs,
                           load_reward_weights, pad_batch, pair_batch, reward_model_problem, save_reward_model)
 from rl.reward_model import (MultiObjectiveRewardModel, PairwiseRewardModel, RewardModel,  # noqa: F401
                              RewardModelConfig, RewardOutput, load_reward_model, pool_hidden)
-from rl.reward_config import RewardTrainConfig
 from rl.tracking import Tracker
 from rl.trainers.base import CallbackTracker, Trainer
 

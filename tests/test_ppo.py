@@ -7,7 +7,7 @@ import sys
 import pytest
 import torch
 
-from rl.ppo import (AdaptiveKLController, FixedKLController, PPOConfig, PPOModel, PPOTrainer, ValueHead,
+from rl.ppo import (AdaptiveKLController, FixedKLController, PPOConfig, PPOModel, ValueHead,
                     check_reward_source, explained_variance, gae, kl_penalized_rewards, per_token_kl,
                     policy_loss, response_logprobs, whiten)
 from tests.conftest import ROOT
