@@ -260,7 +260,7 @@ class PPOTrainer(Trainer):
         env = getattr(self.reward, "env", None)
         if prompts is None and env is not None:
             prompts, metadata = list(env.prompts), list(env.metadata)
-        prompts = [prompts] if isinstance(prompts, str) else list(prompts)
+        prompts = [prompts] if isinstance(prompts, str) else list(prompts or [])
         if not prompts:
             raise ConfigError("train() got no prompts")
         if metadata is not None and len(metadata) != len(prompts):

@@ -206,10 +206,9 @@ def load_prompt_data(cfg: PPOConfig) -> tuple[list[str] | None, list[dict] | Non
     return prompts, metadata, eval_prompts
 
 
-def encode_prompts(tokenizer, prompts: Sequence[str], cfg: PPOConfig) -> list[list[int]]:
-    """Token ids of each prompt (BOS first when the tokenizer has one), keeping the LAST
+def encode_prompts(tok, prompts: Sequence[str], cfg: PPOConfig) -> list[list[int]]:
+    """Token ids of each prompt (BOS first when the tokenizer `tok` has one), keeping the LAST
     max_length - max_new_tokens tokens of a prompt that is too long."""
-    tok = tokenizer
     room = cfg.max_length - cfg.max_new_tokens
     bos = [tok.bos_token_id] if getattr(tok, "bos_token_id", None) is not None else []
     out, cut = [], 0

@@ -255,6 +255,9 @@ def test_every_trainer_takes_config_then_model_and_tokenizer(tmp_path, tiny_llam
         trainer = cls(cfg, model=model, tokenizer=tok, **extra)
         held = trainer.policy.base_model if name == "ppo" else trainer._model
         assert (held is model, trainer.tokenizer is tok, trainer.cfg is cfg) == (True, True, True), name
+        if name == "ppo":  # train() without prompts takes an environment's; with none it is one clear error
+            with pytest.raises(ConfigError, match="got no prompts"):
+                trainer.train()
     rm_cfg = RewardModelConfig(model_name=tiny_llama, use_lora=False, dropout_prob=0.0)
     rm, tok = RewardModel(rm_cfg), load_tokenizer(tiny_llama)
     trainer = RewardModelTrainer(rm_cfg, model=rm, tokenizer=tok, output_dir=tmp_path / "rm")
