@@ -47,11 +47,10 @@ from rl.algos import names
 from rl.algos.preference import (hinge_loss, ipo_loss, log_odds, orpo_loss, preference_loss,  # noqa: F401
                                  sigmoid_loss)
 from rl.config import ConfigError, TrainConfig, epoch_plan, opt, save_config, to_dict
-from rl.dpo_data import (PreferenceDataset, _shards, collate_pairs, load_pair_records,  # noqa: F401
-                         load_pairs)
+from rl.dpo_data import (PreferenceDataset, _shards, collate_pairs, concatenated_logps,  # noqa: F401
+                         load_pair_records, load_pairs, sequence_logps)
 from rl.checkpoint import checkpoint_dir
 from rl.forward_backward import ForwardBackwardPipeline, build_accelerator, zero_stage
-from rl.generation import sequence_logprobs
 from rl.models import (apply_lora, build_optimizer, build_scheduler, load_tokenizer, load_trainable_policy,
                        resolve_dtype, save_pretrained, trainable_fraction)
 from rl.reference import ReferencePolicy
@@ -63,17 +62,7 @@ logger = logging.getLogger(__name__)
 
 # ============================================================================== pure loss functions
 # The per-pair losses (sigmoid, ipo, hinge, orpo) and preference_loss are in rl.algos.preference (names
-# kept importable from here).
-
-def sequence_logps(logits: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Sum of answer-token log-probs and number of answer tokens per sequence.
-
-    logits (N, T, V), labels (N, T) with -100 on prompt and padding (HF convention, shifted inside).
-    Returns (logps (N,), lengths (N,)) in fp32.
-    """
-    logp, mask = losses.token_logprobs(logits, labels)
-    return logp.sum(-1), mask.sum(-1)
-
+# kept importable from here); the per-sequence log-probs of a collated batch are in rl.dpo_data.
 
 def dpo_batch_loss(logits, labels, attention_mask, *, loss_type: str, beta: float, label_smoothing: float = 0.0,
                    ref_chosen_logps=None, ref_rejected_logps=None, pair_weight=None):
@@ -144,26 +133,6 @@ class DPOConfig(TrainConfig):
     @property
     def uses_no_reference(self) -> bool:
         return self.reference_free or self.loss_type == "orpo"
-
-
-@torch.no_grad()
-def concatenated_logps(model, batch: dict[str, torch.Tensor], chunk_size: int | None = None,
-                       ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """No-grad forward of a collated batch -> (chosen_logps, rejected_logps, chosen_lengths,
-    rejected_lengths), each (B,). Passes position_ids, so it is exact for either padding side. With
-    `chunk_size` the LM head runs over that many positions at a time (no (2B, T, V) logits)."""
-    device = next(iter(batch.values())).device
-    ids, mask, pos = (batch[k].to(device) for k in ("input_ids", "attention_mask", "position_ids"))
-    labels = batch["labels"].to(device)
-    if chunk_size:
-        logp, m = sequence_logprobs(model, ids, mask, labels, chunk_size=chunk_size, position_ids=pos)
-        logps, lengths = logp.sum(-1), m.sum(-1)
-    else:
-        logits = model(input_ids=ids, attention_mask=mask, position_ids=pos, use_cache=False).logits
-        logps, lengths = sequence_logps(logits, labels)
-    c, r = logps.chunk(2)
-    cl, rl = lengths.chunk(2)
-    return c, r, cl, rl
 
 
 # ===================================================================================== trainer

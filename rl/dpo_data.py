@@ -1,5 +1,6 @@
 """DPO data: preference pairs from a file, tokenised (TRL's prompt/answer split), collated into one
-concatenated batch [chosen..., rejected...], and sharded across processes."""
+concatenated batch [chosen..., rejected...] and sharded across processes, and the per-sequence
+answer log-probs of such a batch (prompt and padding never count)."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ import torch
 
 from rl import losses
 from rl.data import DataError, load_records, where
+from rl.generation import sequence_logprobs
 from rl.sft import split_eval
 
 if TYPE_CHECKING:  # annotations only: rl.dpo imports this module
@@ -170,6 +172,36 @@ def collate_pairs(examples: list[dict], pad_token_id: int, padding_side: str = "
         out["ref_chosen_logps"] = torch.tensor([e["ref_chosen_logps"] for e in examples], dtype=torch.float32)
         out["ref_rejected_logps"] = torch.tensor([e["ref_rejected_logps"] for e in examples], dtype=torch.float32)
     return out
+
+
+def sequence_logps(logits: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Sum of answer-token log-probs and number of answer tokens per sequence.
+
+    logits (N, T, V), labels (N, T) with -100 on prompt and padding (HF convention, shifted inside).
+    Returns (logps (N,), lengths (N,)) in fp32.
+    """
+    logp, mask = losses.token_logprobs(logits, labels)
+    return logp.sum(-1), mask.sum(-1)
+
+
+@torch.no_grad()
+def concatenated_logps(model, batch: dict[str, torch.Tensor], chunk_size: int | None = None,
+                       ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """No-grad forward of a collated batch -> (chosen_logps, rejected_logps, chosen_lengths,
+    rejected_lengths), each (B,). Passes position_ids, so it is exact for either padding side. With
+    `chunk_size` the LM head runs over that many positions at a time (no (2B, T, V) logits)."""
+    device = next(iter(batch.values())).device
+    ids, mask, pos = (batch[k].to(device) for k in ("input_ids", "attention_mask", "position_ids"))
+    labels = batch["labels"].to(device)
+    if chunk_size:
+        logp, m = sequence_logprobs(model, ids, mask, labels, chunk_size=chunk_size, position_ids=pos)
+        logps, lengths = logp.sum(-1), m.sum(-1)
+    else:
+        logits = model(input_ids=ids, attention_mask=mask, position_ids=pos, use_cache=False).logits
+        logps, lengths = sequence_logps(logits, labels)
+    c, r = logps.chunk(2)
+    cl, rl = lengths.chunk(2)
+    return c, r, cl, rl
 
 
 def _shards(n: int, batch_size: int, world: int, rank: int):
