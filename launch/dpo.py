@@ -19,48 +19,21 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
 os.environ.setdefault("WANDB_MODE", "offline")
 
-from rl.config import ConfigError, cli_config  # noqa: E402
+from rl.config import ConfigError  # noqa: E402
 from rl.data import DataError  # noqa: E402
-from rl.launch_utils import dry_run_report, fail, preflight, run_training  # noqa: E402
+from rl.dpo import DPOConfig, DPOTrainer, PreferenceDataset  # noqa: E402
+from rl.launch_utils import dry_run_report, fail, parse_recipe, run_training  # noqa: E402
 from rl.trainers.base import RunError, check_output_dir  # noqa: E402
 
 
-def load_pairs(path, cfg, for_eval: bool = False) -> list[dict]:
-    """Validated preference rows; a bad row fails with its file and line. `for_eval`: path is
-    data.eval_path (its split is data.eval_split)."""
-    from rl.data import load_records, source_options, where
-
-    d = cfg.data
-    cols = [d.prompt_column, d.chosen_column, d.rejected_column]
-    records = load_records(path, cols, chat_columns=cols, max_examples=d.max_examples,
-                           **source_options(d, for_eval))
-    for r in records:
-        if r[d.chosen_column] == r[d.rejected_column]:
-            raise DataError(f"{where(path, r)}: chosen and rejected are identical; such a pair teaches nothing")
-    return records
-
-
 def main(argv=None) -> None:
-    from rl.dpo import DPOConfig, DPOTrainer, PreferenceDataset
-    from rl.sft import split_eval
-
     # 1. parse
-    cfg = cli_config(DPOConfig, argv, prog="launch/dpo.py", description=__doc__)
-    preflight(cfg)  # model names, deepspeed file, resume path, output_dir: before any model
-    if cfg.data.path is None:
-        fail("data.path is not set: pass --data.path FILE.jsonl or set data: {path: ...} in the recipe")
+    cfg = parse_recipe(DPOConfig, argv, "launch/dpo.py", __doc__, require_data=True)
     try:
         # 2. setup: data is validated before any model is built, so a bad file fails in seconds
-        records = load_pairs(cfg.data.path, cfg)
-        eval_records = load_pairs(cfg.data.eval_path, cfg, for_eval=True) if cfg.data.eval_path else None
-        if eval_records is None:
-            records, eval_records = split_eval(records, cfg.data.eval_fraction, cfg.seed)
+        records, eval_records = DPOTrainer.load_data(cfg)
         if cfg.dry_run:
-            models = {"policy (trainable)": cfg.model_name}
-            if not cfg.uses_no_reference:
-                models["reference (frozen)"] = ("precomputed log-probs of " if cfg.precompute_ref_logps else "") + \
-                    (cfg.ref_model_name or ("policy with LoRA disabled" if cfg.lora.enabled else cfg.model_name))
-            dry_run_report(cfg, n_examples=len(records), models=models)
+            dry_run_report(cfg, n_examples=len(records), models=DPOTrainer.dry_run_models(cfg))
             return
         check_output_dir(cfg)
         trainer = DPOTrainer(cfg)

@@ -23,63 +23,31 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
 os.environ.setdefault("WANDB_MODE", "offline")
 
-from rl.config import ConfigError, cli_config  # noqa: E402
+from rl.config import ConfigError  # noqa: E402
 from rl.data import DataError  # noqa: E402
-from rl.launch_utils import dry_run_report, fail, preflight, run_training  # noqa: E402
+from rl.launch_utils import dry_run_report, fail, parse_recipe, run_training  # noqa: E402
+from rl.ppo import PPOConfig, PPOTrainer, check_reward_source, ppo_plan  # noqa: E402
 from rl.trainers.base import RunError, check_output_dir  # noqa: E402
 
 
-def load_prompts(path: str, cfg, for_eval: bool = False) -> tuple[list[str], list[dict]]:
-    """Prompt strings and, per prompt, the row's other columns as metadata. `for_eval`: path is
-    data.eval_path (its split is data.eval_split)."""
-    from rl.data import load_records, read_records, source_options
-
-    d = cfg.data
-    source = source_options(d, for_eval)
-    load_records(path, columns=[d.text_column], max_examples=d.max_examples, **source)  # names file:line
-    rows = read_records(path, **source)
-    rows = rows[:d.max_examples] if d.max_examples else rows
-    return ([r[d.text_column] for r in rows],
-            [{k: v for k, v in r.items() if k not in (d.text_column, "_line")} for r in rows])
-
-
 def main(argv=None) -> None:
-    from rl.ppo import PPOConfig, check_reward_source
-
     # 1. parse; reward source and data are checked before any model is built
-    cfg = cli_config(PPOConfig, argv, prog="launch/ppo.py", description=__doc__)
-    preflight(cfg)  # model names, deepspeed file, resume path, output_dir: before any model
+    cfg = parse_recipe(PPOConfig, argv, "launch/ppo.py", __doc__)
     try:
         check_reward_source(cfg)
-        if cfg.data.path is None and not (cfg.env_type or cfg.multi_objective):
-            raise ConfigError("data.path is not set: pass --data.path prompts.jsonl (rows {\"text\": ...}) "
-                              "or set data: {path: ...} in the recipe")
-        prompts, metadata = load_prompts(cfg.data.path, cfg) if cfg.data.path else (None, None)
-        eval_prompts = load_prompts(cfg.data.eval_path, cfg, for_eval=True)[0] if cfg.data.eval_path else None
+        prompts, metadata, eval_prompts = PPOTrainer.load_data(cfg)
         if cfg.dry_run:
-            from rl.ppo import ppo_plan
-
-            models = {"policy (trainable)": cfg.model_name,
-                      "reference (frozen)": cfg.ref_model or ("policy without adapters" if cfg.lora.enabled
-                                                              else cfg.model_name),
-                      "reward model (frozen)": cfg.reward_model_path or cfg.reward_fn or f"env:{cfg.env_type or 'multi_objective'}"}
-            if cfg.value_model == "critic":
-                models["value (trainable)"] = {"name": cfg.critic_model_path or cfg.reward_model_path or cfg.model_name,
-                                               "trainable": True, "task": "classifier"}
-            plan = ppo_plan(cfg, len(prompts) if prompts else None, int(os.environ.get("WORLD_SIZE", "1")))
-            dry_run_report(cfg, n_examples=len(prompts) if prompts else None, models=models, extra=plan)
+            n = len(prompts) if prompts else None
+            plan = ppo_plan(cfg, n, int(os.environ.get("WORLD_SIZE", "1")))
+            dry_run_report(cfg, n_examples=n, models=PPOTrainer.dry_run_models(cfg), extra=plan)
             return
         # 2. setup
-        from rl.ppo import PPOTrainer
-
         check_output_dir(cfg)
         trainer = PPOTrainer(cfg)
-        if prompts is None:  # the environment supplies the prompts
-            env = trainer.reward.env
-            prompts, metadata = list(env.prompts), list(env.metadata)
     except (ConfigError, DataError, FileNotFoundError, RunError) as e:
         fail(str(e))
-    # 3. train (a stop on a signal exits here, after its checkpoint)
+    # 3. train (a stop on a signal exits here, after its checkpoint; without data.path the environment
+    # supplies the prompts)
     history = run_training(trainer, trainer.train, prompts, metadata=metadata, eval_prompts=eval_prompts)
     # 4. save (every process takes part: ZeRO-3 gathers the weights)
     out = trainer.save()

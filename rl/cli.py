@@ -19,6 +19,8 @@ import os
 import sys
 from pathlib import Path
 
+from rl.config import _field_type
+
 # trainer -> (launch script, "module:Schema")
 TRAINERS = {
     "sft": ("sft.py", "rl.sft:SFTConfig"),
@@ -66,8 +68,6 @@ def _schema(trainer: str):
 
 
 def _knows(schema, key: str) -> bool:
-    from rl.config import _field_type
-
     return schema is None or _field_type(schema, key) is not None
 
 

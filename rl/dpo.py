@@ -35,11 +35,10 @@ from __future__ import annotations
 import dataclasses
 import gc
 import logging
-import math
 import time
 from functools import partial
 from pathlib import Path
-from typing import Literal, Sequence
+from typing import Literal
 
 import torch
 
@@ -48,9 +47,10 @@ from rl.algos import names
 from rl.algos.preference import (hinge_loss, ipo_loss, log_odds, orpo_loss, preference_loss,  # noqa: F401
                                  sigmoid_loss)
 from rl.config import ConfigError, TrainConfig, epoch_plan, opt, save_config, to_dict
+from rl.dpo_data import (PreferenceDataset, _shards, collate_pairs, concatenated_logps,  # noqa: F401
+                         load_pair_records, load_pairs, sequence_logps)
 from rl.checkpoint import checkpoint_dir
 from rl.forward_backward import ForwardBackwardPipeline, build_accelerator, zero_stage
-from rl.generation import sequence_logprobs
 from rl.models import (apply_lora, build_optimizer, build_scheduler, load_tokenizer, load_trainable_policy,
                        resolve_dtype, save_pretrained, trainable_fraction)
 from rl.reference import ReferencePolicy
@@ -62,17 +62,7 @@ logger = logging.getLogger(__name__)
 
 # ============================================================================== pure loss functions
 # The per-pair losses (sigmoid, ipo, hinge, orpo) and preference_loss are in rl.algos.preference (names
-# kept importable from here).
-
-def sequence_logps(logits: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Sum of answer-token log-probs and number of answer tokens per sequence.
-
-    logits (N, T, V), labels (N, T) with -100 on prompt and padding (HF convention, shifted inside).
-    Returns (logps (N,), lengths (N,)) in fp32.
-    """
-    logp, mask = losses.token_logprobs(logits, labels)
-    return logp.sum(-1), mask.sum(-1)
-
+# kept importable from here); the per-sequence log-probs of a collated batch are in rl.dpo_data.
 
 def dpo_batch_loss(logits, labels, attention_mask, *, loss_type: str, beta: float, label_smoothing: float = 0.0,
                    ref_chosen_logps=None, ref_rejected_logps=None, pair_weight=None):
@@ -145,174 +135,18 @@ class DPOConfig(TrainConfig):
         return self.reference_free or self.loss_type == "orpo"
 
 
-# ======================================================================================= data
-
-class PreferenceDataset(torch.utils.data.Dataset):
-    """Tokenised preference pairs: per-example prompt ids and chosen/rejected answer ids.
-
-    Prompts longer than `max_prompt_length` keep their LAST tokens (the part next to the answer); answers
-    are then cut (keeping their start) so that prompt + answer fits `max_length`. How many of each were
-    cut is logged and kept in `.truncation`. Prompts/answers given as message lists ({"role", "content"})
-    are rendered with the tokenizer's chat template, as are strings when `chat_template=True`.
-
-    Tokenisation follows TRL: the prompt alone and prompt+answer are tokenised, and the answer starts
-    where the two token lists diverge (tokens can merge across the boundary, and some chat templates
-    render a prompt differently when an answer follows).
-    """
-
-    def __init__(self, prompts: Sequence, chosen: Sequence, rejected: Sequence, tokenizer, max_length: int = 512,
-                 max_prompt_length: int = 256, chat_template: bool = False, add_eos: bool = True,
-                 sources: Sequence[str] | None = None):
-        if not (len(prompts) == len(chosen) == len(rejected)):
-            raise ValueError(f"prompts, chosen and rejected must have the same length, got "
-                             f"{len(prompts)}, {len(chosen)}, {len(rejected)}")
-        if max_prompt_length >= max_length:
-            raise ValueError(f"max_prompt_length={max_prompt_length} must be below max_length={max_length}")
-        self.max_length, self.max_prompt_length = max_length, max_prompt_length
-        self.pad_token_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-        self.examples: list[dict] = []
-        self.truncation = {"pairs": len(prompts), "prompts_truncated": 0, "answers_truncated": 0}
-        self.ref_logps: torch.Tensor | None = None  # (N, 2) chosen/rejected, set by precomputation
-        for i, (p, c, r) in enumerate(zip(prompts, chosen, rejected)):
-            where = sources[i] if sources else f"pair {i}"
-            p_ids, c_ids, r_ids = _tokenize_pair(tokenizer, p, c, r, chat_template, add_eos)
-            if not c_ids or not r_ids:
-                raise ValueError(f"{where}: the chosen or rejected answer is empty after tokenisation")
-            if len(p_ids) > max_prompt_length:
-                p_ids = p_ids[-max_prompt_length:]
-                self.truncation["prompts_truncated"] += 1
-            room = max_length - len(p_ids)
-            if len(c_ids) > room or len(r_ids) > room:
-                c_ids, r_ids = c_ids[:room], r_ids[:room]
-                self.truncation["answers_truncated"] += 1
-            self.examples.append({"prompt_ids": p_ids, "chosen_ids": c_ids, "rejected_ids": r_ids})
-        t = self.truncation
-        if t["prompts_truncated"] or t["answers_truncated"]:
-            logger.warning("preference data: %d of %d prompts cut to their last max_prompt_length=%d tokens; "
-                           "%d pairs had answers cut to fit max_length=%d", t["prompts_truncated"], t["pairs"],
-                           max_prompt_length, t["answers_truncated"], max_length)
-
-    @classmethod
-    def from_records(cls, records: list[dict], tokenizer, cfg: "DPOConfig", source: str = "data"):
-        """Rows with prompt/chosen/rejected columns (names from cfg.data) -> dataset."""
-        d = cfg.data
-        srcs = [f"{source}:{r['_line']}" if "_line" in r else f"{source} row {i}" for i, r in enumerate(records)]
-        return cls([r[d.prompt_column] for r in records], [r[d.chosen_column] for r in records],
-                   [r[d.rejected_column] for r in records], tokenizer, cfg.max_length, cfg.max_prompt_length,
-                   chat_template=cfg.chat_template, add_eos=cfg.add_eos, sources=srcs)
-
-    def __len__(self) -> int:
-        return len(self.examples)
-
-    def __getitem__(self, i: int) -> dict:
-        ex = dict(self.examples[i])
-        if self.ref_logps is not None:
-            ex["ref_chosen_logps"], ex["ref_rejected_logps"] = self.ref_logps[i].tolist()
-        return ex
-
-
-def _as_messages(x, role: str) -> list[dict]:
-    return x if isinstance(x, list) else [{"role": role, "content": x}]
-
-
-def _tokenize_pair(tokenizer, prompt, chosen, rejected, chat_template: bool, add_eos: bool):
-    """-> (prompt_ids, chosen_ids, rejected_ids) as lists of ints."""
-    chat = chat_template or any(isinstance(x, list) for x in (prompt, chosen, rejected))
-    if chat:
-        if not getattr(tokenizer, "chat_template", None):
-            raise ValueError("chat-format preference data needs a tokenizer with a chat template")
-        pm = _as_messages(prompt, "user")
-
-        def enc(msgs, gen):
-            out = tokenizer.apply_chat_template(msgs, tokenize=True, add_generation_prompt=gen, return_dict=True)
-            return list(out["input_ids"])
-
-        p_ids = enc(pm, True)
-        pc_ids = enc(pm + _as_messages(chosen, "assistant"), False)
-        pr_ids = enc(pm + _as_messages(rejected, "assistant"), False)
-    else:
-        eos = tokenizer.eos_token or ""
-        if add_eos:
-            chosen = chosen if chosen.endswith(eos) else chosen + eos
-            rejected = rejected if rejected.endswith(eos) else rejected + eos
-        p_ids = list(tokenizer(prompt)["input_ids"])
-        pc_ids = list(tokenizer(prompt + chosen)["input_ids"])
-        pr_ids = list(tokenizer(prompt + rejected)["input_ids"])
-    n = min(_common_prefix(p_ids, pc_ids), _common_prefix(p_ids, pr_ids))
-    return p_ids[:n], pc_ids[n:], pr_ids[n:]
-
-
-def _common_prefix(a: list[int], b: list[int]) -> int:
-    n = 0
-    for x, y in zip(a, b):
-        if x != y:
-            break
-        n += 1
-    return n
-
-
-def collate_pairs(examples: list[dict], pad_token_id: int, padding_side: str = "right") -> dict[str, torch.Tensor]:
-    """B pairs -> one concatenated batch of 2B sequences [chosen..., rejected...].
-
-    Padded to the longest sequence of THIS batch (no padding to max_length). Returns input_ids,
-    attention_mask, labels (-100 on prompt and padding), position_ids (count only real tokens, so left
-    padding gives the same positions as right padding), all (2B, T), and ref_*_logps (B,) when present.
-    """
-    if padding_side not in ("left", "right"):
-        raise ValueError(f"padding_side must be 'left' or 'right', got {padding_side!r}")
-    seqs = [(e["prompt_ids"], e["chosen_ids"]) for e in examples] + \
-           [(e["prompt_ids"], e["rejected_ids"]) for e in examples]
-    width = max(len(p) + len(a) for p, a in seqs)
-    n = len(seqs)
-    ids = torch.full((n, width), pad_token_id, dtype=torch.long)
-    labels = torch.full((n, width), losses.IGNORE_INDEX, dtype=torch.long)
-    mask = torch.zeros((n, width), dtype=torch.long)
-    for i, (p, a) in enumerate(seqs):
-        length = len(p) + len(a)
-        start = 0 if padding_side == "right" else width - length
-        ids[i, start:start + length] = torch.tensor(p + a, dtype=torch.long)
-        labels[i, start + len(p):start + length] = torch.tensor(a, dtype=torch.long)
-        mask[i, start:start + length] = 1
-    out = {"input_ids": ids, "attention_mask": mask, "labels": labels,
-           "position_ids": (mask.cumsum(-1) - 1).clamp(min=0)}
-    if "ref_chosen_logps" in examples[0]:
-        out["ref_chosen_logps"] = torch.tensor([e["ref_chosen_logps"] for e in examples], dtype=torch.float32)
-        out["ref_rejected_logps"] = torch.tensor([e["ref_rejected_logps"] for e in examples], dtype=torch.float32)
-    return out
-
-
-@torch.no_grad()
-def concatenated_logps(model, batch: dict[str, torch.Tensor], chunk_size: int | None = None,
-                       ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """No-grad forward of a collated batch -> (chosen_logps, rejected_logps, chosen_lengths,
-    rejected_lengths), each (B,). Passes position_ids, so it is exact for either padding side. With
-    `chunk_size` the LM head runs over that many positions at a time (no (2B, T, V) logits)."""
-    device = next(iter(batch.values())).device
-    ids, mask, pos = (batch[k].to(device) for k in ("input_ids", "attention_mask", "position_ids"))
-    labels = batch["labels"].to(device)
-    if chunk_size:
-        logp, m = sequence_logprobs(model, ids, mask, labels, chunk_size=chunk_size, position_ids=pos)
-        logps, lengths = logp.sum(-1), m.sum(-1)
-    else:
-        logits = model(input_ids=ids, attention_mask=mask, position_ids=pos, use_cache=False).logits
-        logps, lengths = sequence_logps(logits, labels)
-    c, r = logps.chunk(2)
-    cl, rl = lengths.chunk(2)
-    return c, r, cl, rl
-
-
 # ===================================================================================== trainer
 
 class DPOTrainer(EpochTrainer):
     """DPO-family training on one ForwardBackwardPipeline (single process, DDP or DeepSpeed ZeRO-2/3).
 
-    `DPOTrainer(config, tokenizer=None, model=None, ref_model=None)`: missing pieces are loaded from
+    `DPOTrainer(config, *, model=None, tokenizer=None, ref_model=None)`: missing pieces are loaded from
     `config.model_name`. `.train(dataset, eval_dataset=None)` returns the metric history, a list with
     one dict per optimizer step (`step`, `loss`, `rewards/*`, `logps/*`, `grad_norm`, `lr`, and the
     `eval_*` metrics on evaluation steps).
     """
 
-    def __init__(self, config: DPOConfig, tokenizer=None, model=None, ref_model=None):
+    def __init__(self, config: DPOConfig, *, model=None, tokenizer=None, ref_model=None):
         cfg = self.cfg = self.config = config
         torch.manual_seed(cfg.seed)
         train_dtype = resolve_dtype(cfg.dtype)
@@ -336,6 +170,21 @@ class DPOTrainer(EpochTrainer):
     @property
     def ref_mode(self) -> str:
         return self.reference.mode
+
+    # ------------------------------------------------------------------------------------ data
+    @staticmethod
+    def load_data(cfg: DPOConfig) -> tuple[list[dict], list[dict] | None]:
+        """The recipe's validated training rows and eval rows (data.eval_path or data.eval_fraction)."""
+        return load_pair_records(cfg)
+
+    @staticmethod
+    def dry_run_models(cfg: DPOConfig) -> dict:
+        """The models a run holds, for the dry-run memory plan: the reference as `ReferencePolicy` decides."""
+        models = {"policy (trainable)": cfg.model_name}
+        if not cfg.uses_no_reference:
+            models["reference (frozen)"] = ("precomputed log-probs of " if cfg.precompute_ref_logps else "") + \
+                (cfg.ref_model_name or ("policy with LoRA disabled" if cfg.lora.enabled else cfg.model_name))
+        return models
 
     # ----------------------------------------------------------------------------------- sizes
     def plan(self, n_pairs: int) -> dict:
@@ -476,20 +325,6 @@ class DPOTrainer(EpochTrainer):
         save_pretrained(self.pipeline.model, self.tokenizer, out, self.accelerator)
         self.accelerator.wait_for_everyone()
         return out
-
-
-# ===================================================================================== helpers
-
-def _shards(n: int, batch_size: int, world: int, rank: int):
-    """Yield (indices, weights) micro-batches of this rank's share of range(n); every rank gets the same
-    number of batches of the same size, padding with index 0 at weight 0."""
-    per_rank = math.ceil(n / world)
-    per_rank = math.ceil(per_rank / batch_size) * batch_size
-    idx = list(range(n)) + [0] * (per_rank * world - n)
-    w = [1.0] * n + [0.0] * (per_rank * world - n)
-    mine, wmine = idx[rank * per_rank:(rank + 1) * per_rank], w[rank * per_rank:(rank + 1) * per_rank]
-    for s in range(0, per_rank, batch_size):
-        yield mine[s:s + batch_size], torch.tensor(wmine[s:s + batch_size])
 
 
 def _dev(t, acc):

@@ -51,6 +51,8 @@ import torch
 from rl import rewards as R
 from rl import sandbox
 from rl.config import ConfigError
+from rl.data import DataError, read_records
+from rl.models import load_causal_lm, load_tokenizer
 
 logger = logging.getLogger(__name__)
 
@@ -621,8 +623,6 @@ class MathProblemEnv(MultiObjectiveRewardEnv):
 
 def load_math_problems(path: str, max_examples: int | None = None) -> list[dict]:
     """{"problem", "answer"} rows of a JSONL/JSON/CSV/parquet file; answers may be numbers or strings."""
-    from rl.data import DataError, read_records
-
     rows = read_records(path)
     out = []
     for row in rows[:max_examples] if max_examples else rows:
@@ -984,8 +984,6 @@ def create_code_generation_env(tokenizer, problems_path: str | None = None, run_
     Unit tests run only with run_tests=True, each completion in its own sandboxed subprocess
     (`timeout` s, `memory_mb` MiB), under a private root unless sandbox='unisolated'."""
     if problems_path:
-        from rl.data import DataError, read_records
-
         problems = []
         rows = read_records(problems_path)
         for row in rows[:max_examples] if max_examples else rows:
@@ -1046,8 +1044,6 @@ def _prompts_from(config: dict) -> tuple[list[str], list[dict] | None]:
     if path is None:
         raise ValueError("environment config needs 'prompts' (a list) or 'prompts_path' (a data file with a "
                          "'text' or 'prompt' column)")
-    from rl.data import DataError, read_records
-
     rows = read_records(path)
     col = "prompt" if rows and "prompt" in rows[0] else "text"
     prompts, metas = [], []
@@ -1104,8 +1100,6 @@ def make_env(env_type: str, tokenizer, config: dict | str | None = None) -> Text
         # preference_comparison
         path = config.pop("reward_model_path", None)
         if path is not None and config.get("preference_model") is None:
-            from rl.models import load_causal_lm, load_tokenizer
-
             config["preference_model"] = load_causal_lm(path, dtype="float32", task="classifier",
                                                         trust_remote_code=config.pop("trust_remote_code", False))
             config.setdefault("reward_tokenizer", load_tokenizer(path))

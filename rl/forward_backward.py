@@ -49,6 +49,7 @@ import numpy as np
 import torch
 
 from rl import losses
+from rl.generation import generate, sequence_logprobs
 
 COMPLETE_MARKER = "COMPLETE"
 
@@ -478,8 +479,6 @@ class ForwardBackwardPipeline:
         return self.submit(self._rollout, prompts, tokenizer=tokenizer, **generate_kwargs)
 
     def _rollout(self, prompts, tokenizer=None, **kw):
-        from rl.generation import generate
-
         tokenizer = tokenizer if tokenizer is not None else getattr(self, "tokenizer", None)
         if tokenizer is not None:
             tok_or_pad = tokenizer
@@ -819,8 +818,6 @@ class AsyncTrainingClient:
 
     @torch.no_grad()
     def _forward(self, model_in: dict, use_reference: bool):
-        from rl.generation import sequence_logprobs
-
         if use_reference and self.reference_model is None:
             raise ValueError("forward(use_reference=True) needs AsyncTrainingClient(reference_model=...)")
         model = self.reference_model if use_reference else self.pipeline.model

@@ -31,7 +31,11 @@ from pathlib import Path
 
 import yaml
 
-from rl.config import to_dict
+from rl.config import ConfigError, cli_config, to_dict
+from rl.data import DataError
+from rl.reward_io import reward_model_problem
+from rl.tiny import FAMILIES, TINY_PREFIX, resolve_model_path
+from rl.trainers.base import RunError
 
 
 def fail(message: str, code: int = 2):
@@ -45,10 +49,6 @@ def run_training(trainer, train, *args, **kwargs):
     disk, an unreadable checkpoint, a mistake found only now) is one `error:` line and exit 1 (2 for
     input mistakes); a stop on a signal exits 128 + signal after its checkpoint, so that a scheduler
     tells it from success. Returns the history otherwise."""
-    from rl.config import ConfigError
-    from rl.data import DataError
-    from rl.trainers.base import RunError
-
     try:
         history = train(*args, **kwargs)
     except (ConfigError, DataError, FileNotFoundError) as e:
@@ -78,8 +78,6 @@ def _looks_like_path(name: str) -> bool:
 def model_problem(key: str, name: str, role: str = "model") -> str | None:
     """Why `name` (the value of config key `key`) cannot be loaded, without loading it; None when it
     looks fine or is a hub id left to the loader (offline, which then fails with one line of its own)."""
-    from rl.tiny import FAMILIES, TINY_PREFIX
-
     if name.startswith(TINY_PREFIX):
         family, _, task = name[len(TINY_PREFIX):].partition("-")
         if family not in FAMILIES or task not in ("", "classifier"):
@@ -99,8 +97,6 @@ def model_problem(key: str, name: str, role: str = "model") -> str | None:
     if not path.is_dir():
         return f"key '{key}': {name} is a file; give the model's directory (with config.json)"
     if role == "reward":
-        from rl.reward import reward_model_problem
-
         problem = reward_model_problem(path)
         if problem:
             return f"key '{key}': {problem}"
@@ -173,6 +169,19 @@ def preflight(cfg) -> None:
         fail(problems[0])
 
 
+NO_DATA_ERROR = "data.path is not set: pass --data.path FILE.jsonl or set data: {path: ...} in the recipe"
+
+
+def parse_recipe(cls, argv, prog: str, description: str, require_data: bool = False):
+    """Step 1 of a launch script: the recipe + overrides as `cls`, then `preflight`; with `require_data`
+    a missing data.path is one `error:` line and exit 2 as well."""
+    cfg = cli_config(cls, argv, prog=prog, description=description)
+    preflight(cfg)  # model names, deepspeed file, resume path, output_dir: before any model
+    if require_data and cfg.data.path is None:
+        fail(NO_DATA_ERROR)
+    return cfg
+
+
 # ------------------------------------------------------------------------------ model configs
 
 # config.json fields (the ones that decide the parameter count) of the real models our recipes name,
@@ -214,8 +223,6 @@ def load_model_config(name: str, trust_remote_code: bool = False):
     from transformers import AutoConfig
 
     if name.startswith("tiny:"):
-        from rl.tiny import resolve_model_path
-
         name = resolve_model_path(name)
     if Path(name).is_dir():
         return AutoConfig.from_pretrained(name, trust_remote_code=trust_remote_code)

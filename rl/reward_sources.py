@@ -40,6 +40,7 @@ import torch
 from rl import rewards as named_rewards
 from rl.config import ConfigError
 from rl.environments import make_env
+from rl.reward_model import load_reward_model
 from rl.trainers.base import RunError
 
 DEFAULT_REWARD_TIMEOUT = 300.0
@@ -285,8 +286,6 @@ def resolve_reward_func(spec: str | Callable, timeout: float | None = DEFAULT_RE
 
 def load_reward_model_source(path: str, trust_remote_code: bool, timeout: float | None) -> RewardModelReward:
     """The reward model directory `path` (launch/reward.py's output_dir) as a source named reward_model."""
-    from rl.reward import load_reward_model  # torch model code: loaded only when a reward model is used
-
     if not Path(path).exists() and not str(path).startswith("tiny:"):
         raise ConfigError(f"reward_model_path {path} does not exist; train one with launch/reward.py first "
                           f"(its output_dir)")

@@ -23,7 +23,7 @@ import torch
 from rl import losses
 from rl.checkpoint import checkpoint_dir
 from rl.config import ConfigError, TrainConfig, epoch_plan, opt, save_config, to_dict
-from rl.data import DataError, LengthReport, load_records, render_chat, where, with_bos
+from rl.data import DataError, LengthReport, load_records, read_records, render_chat, source_options, where, with_bos
 from rl.forward_backward import ForwardBackwardPipeline, build_accelerator, zero_stage
 from rl.models import (apply_lora, build_optimizer, build_scheduler, load_tokenizer, load_trainable_policy,
                        resolve_dtype, save_pretrained, trainable_fraction)
@@ -78,8 +78,6 @@ def tokenize_examples(records: list[dict], tokenizer, cfg: SFTConfig, source: st
 def load_sft_records(path, cfg: SFTConfig, for_eval: bool = False) -> list[dict]:
     """Pick the data format from the columns present: messages, prompt/completion or text.
     `for_eval`: `path` is data.eval_path (read its data.eval_split)."""
-    from rl.data import read_records, source_options
-
     d = cfg.data
     source = source_options(d, for_eval)
     first = read_records(path, **source)[:1]

@@ -224,3 +224,43 @@ def test_disk_full_during_a_checkpoint_keeps_the_previous_one(tmp_path, tiny_lla
     assert [d.name for d in complete_checkpoints(tmp_path / "run")] == ["checkpoint-1"]
     assert not (root / ".tmp-checkpoint-2").exists()
     assert set(safetensors.torch.load_file(str(root / "checkpoint-1" / "model.safetensors")))
+
+
+def test_every_trainer_takes_config_then_model_and_tokenizer(tmp_path, tiny_llama):
+    """One constructor shape, `XTrainer(config, model=..., tokenizer=...)`, for all five trainers: the
+    given model and tokenizer are the ones the trainer holds (no second load from model_name)."""
+    from rl.dpo import DPOConfig, DPOTrainer
+    from rl.grpo import GRPOConfig, GRPOTrainer
+    from rl.models import load_causal_lm, load_tokenizer
+    from rl.ppo import PPOConfig, PPOTrainer
+    from rl.reward import RewardModel, RewardModelConfig, RewardModelTrainer
+    from rl.sft import SFTTrainer
+
+    def reward_fn(prompts, completions, **kw):
+        return [0.0] * len(completions)
+
+    base = {"model_name": tiny_llama, "report_to": ["none"], "max_length": 32}
+    cases = {
+        "sft": (SFTTrainer, build(SFTConfig, {**base, "output_dir": str(tmp_path / "sft")}), {}),
+        "dpo": (DPOTrainer, build(DPOConfig, {**base, "output_dir": str(tmp_path / "dpo"), "max_prompt_length": 16}),
+                {}),
+        "grpo": (GRPOTrainer, build(GRPOConfig, {**base, "output_dir": str(tmp_path / "grpo"), "batch_size": 2,
+                                                 "num_generations": 2, "max_completion_length": 4}),
+                 {"reward_funcs": [reward_fn], "train_prompts": [{"prompt": "1+1="}]}),
+        "ppo": (PPOTrainer, build(PPOConfig, {**base, "output_dir": str(tmp_path / "ppo"), "batch_size": 2,
+                                              "max_new_tokens": 4}), {"reward_fn": reward_fn}),
+    }
+    for name, (cls, cfg, extra) in cases.items():
+        model, tok = load_causal_lm(tiny_llama, dtype="float32"), load_tokenizer(tiny_llama)
+        trainer = cls(cfg, model=model, tokenizer=tok, **extra)
+        held = trainer.policy.base_model if name == "ppo" else trainer._model
+        assert (held is model, trainer.tokenizer is tok, trainer.cfg is cfg) == (True, True, True), name
+        if name == "ppo":  # train() without prompts takes an environment's; with none it is one clear error
+            with pytest.raises(ConfigError, match="got no prompts"):
+                trainer.train()
+    rm_cfg = RewardModelConfig(model_name=tiny_llama, use_lora=False, dropout_prob=0.0)
+    rm, tok = RewardModel(rm_cfg), load_tokenizer(tiny_llama)
+    trainer = RewardModelTrainer(rm_cfg, model=rm, tokenizer=tok, output_dir=tmp_path / "rm")
+    assert (trainer.model is rm, trainer.tokenizer is tok, trainer.cfg is rm_cfg) == (True, True, True)
+    # the reference docs' keyword shape builds the model from the config
+    assert isinstance(RewardModelTrainer(config=rm_cfg, tokenizer=tok).model, RewardModel)

@@ -7,9 +7,9 @@ import sys
 import pytest
 import torch
 
-from rl.ppo import (AdaptiveKLController, FixedKLController, PPOConfig, PPOModel, PPOTrainer, ValueHead,
+from rl.ppo import (AdaptiveKLController, FixedKLController, PPOConfig, PPOModel, ValueHead,
                     check_reward_source, explained_variance, gae, kl_penalized_rewards, per_token_kl,
-                    response_logprobs, whiten)
+                    policy_loss, response_logprobs, whiten)
 from tests.conftest import ROOT
 
 
@@ -146,7 +146,7 @@ def test_policy_value_entropy_loss_pieces():
     out.logits, out.value = logits, values_full
     kw = dict(P=P, tokens=tokens, mask=mask, old_logprobs=old_logp, advantages=adv, old_values=old_v,
               returns=ret, clip_ratio=0.2, value_clip=0.3, value_coef=0.5, entropy_coef=0.01, temperature=0.7)
-    loss, metrics = PPOTrainer._policy_loss(None, None, out, **kw)
+    loss, metrics = policy_loss(None, None, out, **kw)
     # independently: log-probs of the response tokens from the logits one position earlier
     lg = logits[:, P - 1:P - 1 + N] / 0.7
     logp = torch.log_softmax(lg, -1).gather(-1, tokens[..., None]).squeeze(-1)
@@ -163,7 +163,7 @@ def test_policy_value_entropy_loss_pieces():
     values2 = values_full.clone()
     values2[:, :P - 1] = 123.0
     out.logits, out.value = logits2, values2
-    loss2, _ = PPOTrainer._policy_loss(None, None, out, **kw)
+    loss2, _ = policy_loss(None, None, out, **kw)
     torch.testing.assert_close(loss2, loss, atol=1e-6, rtol=0)
 
 

@@ -235,14 +235,14 @@ def test_lora_save_load_round_trip_via_trainer(tiny_cache, tmp_path):
             if "lora_B" in n or n.startswith("head."):
                 p.normal_(std=0.1)  # LoRA B starts at zero; give the adapters an effect
     before = m.score(TEXTS)
-    trainer = RewardModelTrainer(m, m.get_tokenizer(), m.config, device="cpu")
+    trainer = RewardModelTrainer(m.config, model=m, tokenizer=m.get_tokenizer(), device="cpu")
     trainer.save_model(tmp_path / "lora")
     _no_pickles(tmp_path / "lora")
     assert (tmp_path / "lora" / "adapter.safetensors").exists()
     assert torch.equal(load_reward_model(tmp_path / "lora").score(TEXTS), before)
     fresh = make(model_name="tiny:gpt2", use_lora=True, seed=1).eval()
     assert not torch.equal(fresh.score(TEXTS), before)
-    RewardModelTrainer(fresh, fresh.get_tokenizer(), fresh.config, device="cpu").load_model(tmp_path / "lora")
+    RewardModelTrainer(fresh.config, model=fresh, tokenizer=fresh.get_tokenizer(), device="cpu").load_model(tmp_path / "lora")
     assert torch.equal(fresh.score(TEXTS), before)
 
 
@@ -267,7 +267,7 @@ def test_accumulation_matches_one_big_batch(tiny_cache):
     for accum, bs in ((1, 8), (2, 4)):
         m = make(gradient_accumulation_steps=accum, learning_rate=1e-2, warmup_steps=0, lr_scheduler="constant",
                  max_grad_norm=None)
-        trainer = RewardModelTrainer(m, m.get_tokenizer(), m.config, device="cpu")
+        trainer = RewardModelTrainer(m.config, model=m, tokenizer=m.get_tokenizer(), device="cpu")
         trainer.train_on_preferences(chosen, rejected, prompts=prompts, batch_size=bs)
         assert len(trainer.history) == 1
         steps.append(trainer.history[0])
@@ -281,7 +281,7 @@ def test_it_learns_held_out_accuracy(tiny_cache):
     over seeds 0-3 x {2 threads, 1 thread, AVX2 kernels}: 1.000 in all 12 runs."""
     prompts, chosen, rejected = synthetic_pairs(200, seed=LEARN_SEED)
     m = make(seed=LEARN_SEED, learning_rate=3e-3, warmup_steps=3, max_length=64)
-    trainer = RewardModelTrainer(m, m.get_tokenizer(), m.config, device="cpu")
+    trainer = RewardModelTrainer(m.config, model=m, tokenizer=m.get_tokenizer(), device="cpu")
     before = trainer.evaluate(chosen[:40], rejected[:40], prompts[:40])
     out = trainer.train_on_preferences(chosen, rejected, prompts=prompts, num_epochs=2, batch_size=16,
                                        eval_fraction=0.2)
@@ -310,7 +310,7 @@ def test_qlora_4bit_trains_on_cpu(tiny_cache, tmp_path):
     assert any(isinstance(mod, bnb.nn.Linear4bit) for mod in m.modules())
     n_train, n_all = trainable_fraction(m)
     assert 0 < n_train < n_all
-    trainer = RewardModelTrainer(m, m.get_tokenizer(), m.config, device="cpu")
+    trainer = RewardModelTrainer(m.config, model=m, tokenizer=m.get_tokenizer(), device="cpu")
     trainer.train_on_preferences(chosen, rejected, prompts=prompts, num_epochs=2, batch_size=8)
     losses = [h["loss"] for h in trainer.history]
     print(f"QLoRA: {n_train} of {n_all} parameters trainable; loss {losses[0]:.3f} -> {losses[-1]:.3f}")

@@ -1,4 +1,5 @@
-"""Masked reductions shared by every loss: `masked_mean` and the token aggregation of a policy loss.
+"""Masked reductions shared by every loss: `masked_mean`, `masked_mse` (multi-objective reward
+regression) and the token aggregation of a policy loss.
 
 Aggregation of a (B, N) per-token loss over its mask (`normalization`, the GRPO config calls it
 `loss_aggregation`):
@@ -48,3 +49,35 @@ def aggregate(per_token: torch.Tensor, mask: torch.Tensor, normalization: str = 
             raise ValueError("normalization 'constant' needs max_length (the completion length budget)")
         return total / (per_token.shape[0] * max_length)
     raise ValueError(f"normalization must be one of {', '.join(NORMALIZATIONS)}; got {normalization!r}")
+
+
+def masked_mse(pred: torch.Tensor, target: torch.Tensor, mask: torch.Tensor | None = None,
+               ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Mean squared error over the unmasked entries of a (B, K) regression.
+
+    Args:
+        pred, target: (B, K). Masked entries of `target` may hold anything, NaN included.
+        mask: None (all entries), (K,) per objective, or (B, K) per entry; nonzero = trained.
+    Returns:
+        (loss, per_objective): the mean over all unmasked entries (a zero that still has a grad_fn
+        when everything is masked) and the (K,) mean per objective (0 where none is unmasked).
+    """
+    if mask is None:
+        mask = torch.ones_like(pred, dtype=torch.bool)
+    mask = mask.to(pred.device).bool()
+    if mask.dim() == 1:
+        if mask.shape[0] != pred.shape[1]:
+            raise ValueError(f"objective_mask has {mask.shape[0]} entries but there are {pred.shape[1]} objectives")
+        mask = mask.unsqueeze(0).expand_as(pred)
+    elif mask.shape != pred.shape:
+        raise ValueError(f"objective_mask shape {tuple(mask.shape)} must be (K,) or (B, K) = {tuple(pred.shape)}")
+    if target.shape != pred.shape:
+        raise ValueError(f"target_rewards shape {tuple(target.shape)} must be (B, K) = {tuple(pred.shape)}")
+    # Masked targets are replaced before the subtraction: a NaN there would otherwise reach the
+    # gradient (0 * NaN) even through where().
+    target = torch.where(mask, target.to(pred.dtype), pred.detach())
+    sq = torch.where(mask, (pred - target) ** 2, torch.zeros_like(pred))
+    count = mask.sum()
+    loss = sq.sum() / count.clamp(min=1)  # all masked: 0 * pred, connected to the graph
+    per_objective = sq.sum(0) / mask.sum(0).clamp(min=1)
+    return loss, per_objective

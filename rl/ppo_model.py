@@ -1,0 +1,286 @@
+"""PPO's models and the math on their outputs: the policy with a value head, a separate critic, the
+response-space log-probs, the engine losses, and the no-grad scoring forward of a rollout.
+
+Alignment, the part the reference got wrong: for a batch laid out as [left-padded prompt (P) | response (N)],
+response token j sits at input position P + j and is predicted by the logits (and valued by the hidden
+state) at position P - 1 + j. Every per-token tensor here is (B, N) in that "response space": log-probs,
+values, KL, rewards, advantages, returns, mask. Position ids are counted from each row's first real token,
+exactly as during sampling, so the recomputed log-probs equal the sampler's (checked in tests/test_ppo.py).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import inspect
+import json
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn as nn
+from safetensors.torch import save_file
+from transformers.utils import ModelOutput
+
+from rl.algos.advantages import gae, whiten
+from rl.algos.kl import kl_penalized_rewards, per_token_kl
+from rl.algos.policy_losses import ppo_policy_loss, ppo_value_loss
+from rl.algos.reduce import masked_mean
+from rl.generation import position_ids_from_mask, sequence_logprobs
+from rl.models import write_pretrained
+
+
+def explained_variance(values: torch.Tensor, returns: torch.Tensor, mask: torch.Tensor) -> float:
+    """1 - Var[returns - values] / Var[returns] over masked entries: 1 is a perfect critic, 0 one that
+    predicts the mean, negative worse than that."""
+    m = mask.to(torch.float64)
+    n = m.sum().clamp(min=1)
+
+    def var(x):
+        x = x.to(torch.float64)
+        mu = (x * m).sum() / n
+        return (((x - mu) * m) ** 2).sum() / n
+
+    vr = var(returns)
+    if vr <= 0:
+        return float("nan")
+    return float(1.0 - var(returns - values) / vr)
+
+
+def response_logits(logits: torch.Tensor, prompt_width: int) -> torch.Tensor:
+    """(B, P+N, V) logits -> (B, N, V) logits that predict the N response tokens (positions P-1 .. P+N-2)."""
+    return logits[:, prompt_width - 1:-1]
+
+
+def response_logprobs(logits: torch.Tensor, tokens: torch.Tensor, prompt_width: int, temperature: float = 1.0,
+                      with_entropy: bool = False):
+    """Log-probs (B, N) of the response tokens `tokens` (B, N) under softmax(logits / temperature),
+    and optionally the per-token entropy (B, N) of that distribution."""
+    lg = response_logits(logits, prompt_width).float()
+    if temperature != 1.0:
+        lg = lg / temperature
+    logz = torch.logsumexp(lg, dim=-1)
+    logp = lg.gather(-1, tokens[..., None]).squeeze(-1) - logz
+    if not with_entropy:
+        return logp
+    p = torch.softmax(lg, dim=-1)
+    entropy = logz - (p * lg).sum(-1)
+    return logp, entropy
+
+
+@dataclasses.dataclass
+class PPOModelOutput(ModelOutput):
+    """A transformers ModelOutput (attribute and key access), so that DeepSpeed's ZeRO-3 hooks and
+    accelerate treat it like any model's output instead of warning about an unknown type."""
+
+    logits: torch.Tensor | None = None  # (B, T, V)
+    value: torch.Tensor | None = None  # (B, T): V of the state after reading tokens 0..t
+    cache: Any = None  # the KV cache (transformers 5 renamed past_key_values to cache)
+
+
+class ValueHead(nn.Module):
+    """hidden -> Linear -> ReLU -> Linear -> one value per token, (B, T, H) -> (B, T), fp32 output.
+
+    The output layer starts at zero, so the first values are 0 and the first advantages are the
+    rewards themselves rather than noise from a random head."""
+
+    def __init__(self, hidden_size: int, dropout: float = 0.0):
+        super().__init__()
+        self.dropout = nn.Dropout(dropout)
+        self.dense = nn.Linear(hidden_size, hidden_size)
+        self.act = nn.ReLU()
+        self.out = nn.Linear(hidden_size, 1)
+        nn.init.zeros_(self.out.weight)
+        nn.init.zeros_(self.out.bias)
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        h = hidden.to(self.dense.weight.dtype)
+        return self.out(self.act(self.dense(self.dropout(h)))).squeeze(-1).float()
+
+
+class PPOModel(nn.Module):
+    """A causal LM plus a `ValueHead` on its last hidden state: logits and one value per token.
+
+    `forward` takes what the HF model takes. Without a KV cache it also returns `value` (B, T); with
+    one (sampling) the head is skipped. Position ids default to counting from each row's first
+    attended token, so left padding changes nothing (as in `rl.generation`). `value_head=False` makes
+    a policy without a head (when a separate critic is used)."""
+
+    def __init__(self, base_model: nn.Module, value_head: bool | ValueHead = True):
+        super().__init__()
+        self.base_model = base_model
+        # the KV-cache keyword of this transformers version ("cache" replaced "past_key_values")
+        params = inspect.signature(getattr(base_model, "get_base_model", lambda: base_model)().forward).parameters
+        self._cache_kw = "cache" if "cache" in params else "past_key_values"
+        hidden = base_model.config.get_text_config().hidden_size
+        if value_head is True:
+            value_head = ValueHead(hidden)
+        self.value_head = value_head or None
+
+    @property
+    def config(self):
+        return self.base_model.config
+
+    def forward(self, input_ids=None, attention_mask=None, position_ids=None, cache=None, past_key_values=None,
+                use_cache=None, **kwargs) -> PPOModelOutput:
+        cache = cache if cache is not None else past_key_values
+        if position_ids is None and attention_mask is not None and cache is None:
+            position_ids = position_ids_from_mask(attention_mask)
+        want_value = self.value_head is not None and cache is None
+        if cache is not None:
+            kwargs[self._cache_kw] = cache
+        out = self.base_model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                              use_cache=use_cache, output_hidden_states=want_value, **kwargs)
+        value = self.value_head(out.hidden_states[-1]) if want_value else None
+        return PPOModelOutput(logits=out.logits, value=value, cache=getattr(out, "cache", None))
+
+
+class Critic(nn.Module):
+    """A separate value model: a reward model's backbone and head applied at every position (the
+    value model TRL's PPO initialises from the reward model). (B, T) values, fp32."""
+
+    def __init__(self, reward_model: nn.Module):
+        super().__init__()
+        self.backbone = reward_model.backbone
+        self.head = reward_model.head
+        self.scale = 1.0 / float(getattr(reward_model.config, "temperature", 1.0))
+
+    def forward(self, input_ids=None, attention_mask=None, position_ids=None, **kwargs) -> PPOModelOutput:
+        if attention_mask is None:
+            attention_mask = torch.ones_like(input_ids)
+        if position_ids is None:
+            position_ids = position_ids_from_mask(attention_mask)
+        out = self.backbone(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                            use_cache=False)
+        hidden = out.last_hidden_state if hasattr(out, "last_hidden_state") else out[0]
+        value = self.head(hidden.to(self.head.weight.dtype)).squeeze(-1).float() * self.scale
+        return PPOModelOutput(value=value)
+
+
+def policy_loss(model, inputs, outputs, *, P, tokens, mask, old_logprobs, advantages, old_values=None,
+                 returns=None, clip_ratio=0.2, value_clip=0.2, value_coef=1.0, entropy_coef=0.0,
+                 temperature=1.0):
+    """The engine loss of the policy on rows [prompt P | response N]: the clipped surrogate
+    (rl.algos.policy_losses.ppo_policy_loss) - entropy_coef * mean entropy, plus value_coef times the
+    clipped value loss when the policy carries the value head (`returns` given)."""
+    logp, entropy = response_logprobs(outputs.logits, tokens, P, temperature, with_entropy=True)
+    loss, metrics = ppo_policy_loss(logp, old_logprobs, advantages, mask, clip_ratio, clip_ratio)
+    ent = masked_mean(entropy, mask)
+    loss = loss - entropy_coef * ent
+    metrics["policy/entropy"] = ent.detach()
+    if returns is not None and outputs.value is not None:
+        v = outputs.value[:, P - 1:-1]
+        v_loss, v_metrics = ppo_value_loss(v, old_values, returns, mask, value_clip)
+        loss = loss + value_coef * v_loss
+        metrics.update(v_metrics)
+    metrics["loss/total"] = loss.detach()
+    return loss, metrics
+
+
+def critic_loss(model, inputs, outputs, *, P, mask, old_values, returns, value_clip=0.2, value_coef=1.0):
+    """The engine loss of a separate critic: value_coef times the clipped value loss."""
+    v_loss, metrics = ppo_value_loss(outputs.value[:, P - 1:-1], old_values, returns, mask, value_clip)
+    return value_coef * v_loss, metrics
+
+
+@torch.no_grad()
+def score_forward(model, reference, critic, batch: dict, P: int, *, device, micro_batch_size: int,
+                  temperature: float = 1.0, logprob_chunk_size: int | None = None,
+                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Old log-probs, old values and reference log-probs of a rollout, (B, N) each, in micro-batches.
+
+    `model` is the (wrapped) policy, `reference()` a context manager giving the reference model
+    (`functools.partial(ReferencePolicy.use, pipeline)`), `critic` the separate value model or None
+    (values then come from the policy's head). `batch` holds input_ids / attention_mask (B, P+N) and
+    tokens (B, N)."""
+    ids, mask = batch["input_ids"].to(device), batch["attention_mask"].to(device)
+    toks = batch["tokens"].to(device)
+    pos = position_ids_from_mask(mask)
+    old_lp, old_v, ref_lp = [], [], []
+    model.eval()
+    try:
+        for s in range(0, ids.shape[0], micro_batch_size):
+            sl = slice(s, s + micro_batch_size)
+            out = model(input_ids=ids[sl], attention_mask=mask[sl], position_ids=pos[sl], use_cache=False)
+            old_lp.append(response_logprobs(out.logits, toks[sl], P, temperature))
+            if out.value is not None:
+                old_v.append(out.value[:, P - 1:-1].float())
+            del out
+            with reference() as ref:
+                if logprob_chunk_size:  # the LM head over chunks of positions: no (B, T, V) logits
+                    labels = torch.cat([torch.full_like(ids[sl][:, :P], -100), toks[sl]], 1)
+                    lp, _ = sequence_logprobs(ref, ids[sl], mask[sl], labels, chunk_size=logprob_chunk_size,
+                                              position_ids=pos[sl], temperature=temperature)
+                    ref_lp.append(lp[:, P - 1:])
+                else:
+                    ref_lp.append(response_logprobs(ref(input_ids=ids[sl], attention_mask=mask[sl],
+                                                        position_ids=pos[sl], use_cache=False).logits,
+                                                    toks[sl], P, temperature))
+            if critic is not None:
+                critic.eval()
+                old_v.append(critic(input_ids=ids[sl], attention_mask=mask[sl], position_ids=pos[sl]).value[:, P - 1:-1])
+                critic.train()
+    finally:
+        model.train()
+    return torch.cat(old_lp), torch.cat(old_v), torch.cat(ref_lp)
+
+
+def parameter_counts(params) -> tuple[int, int]:
+    """(parameters held by this process, all parameters); under ZeRO-3 the first is a shard."""
+    params = list(params)
+    local = sum(p.ds_tensor.numel() if hasattr(p, "ds_tensor") else p.numel() for p in params)
+    return local, sum(getattr(p, "ds_numel", None) or p.numel() for p in params)
+
+
+def ppo_advantages(cfg, scores: torch.Tensor, eos_missing: torch.Tensor, old_logp: torch.Tensor,
+                   ref_logp: torch.Tensor, old_values: torch.Tensor, mask: torch.Tensor, kl_coef: float) -> dict:
+    """Per-token rewards and GAE advantages of one rollout batch, all (B, N) fp32 in response space.
+
+    scores (B,) lose `missing_eos_penalty` where no EOS came and are clipped to +-reward_clip;
+    r_t = -kl_coef * KL_t plus the score at the last response token (`kl_penalized_rewards`);
+    advantages and returns by GAE(gamma, lam), whitened over the mask when `whiten_advantages`.
+    Returns the masked old/ref log-probs and values too, as the update and the metrics use them."""
+    if cfg.missing_eos_penalty:
+        scores = scores - cfg.missing_eos_penalty * eos_missing.float()
+    if cfg.reward_clip:
+        scores = scores.clamp(-cfg.reward_clip, cfg.reward_clip)
+    old_logp, ref_logp = old_logp * mask, ref_logp * mask
+    kl = per_token_kl(old_logp, ref_logp, cfg.kl_estimator) * mask
+    rewards, non_score = kl_penalized_rewards(scores, kl, mask, kl_coef)
+    old_values = old_values.float() * mask
+    adv, returns = gae(rewards, old_values, mask, cfg.gamma, cfg.lam)
+    if cfg.whiten_advantages:
+        adv = whiten(adv, mask)
+    return {"scores": scores, "kl": kl, "non_score": non_score, "advantages": adv, "returns": returns,
+            "old_logp": old_logp, "ref_logp": ref_logp, "old_values": old_values}
+
+
+def rollout_stats(exp: dict, raw_scores: torch.Tensor, eos_missing: torch.Tensor, mask: torch.Tensor) -> dict:
+    """This process's rollout metrics (TRL's names), scalar tensors, from `ppo_advantages`' result."""
+    scores, non_score, returns = exp["scores"], exp["non_score"].sum(-1), exp["returns"]
+    return {
+        "objective/scores": scores.mean(), "objective/scores_raw": raw_scores.mean(),
+        "objective/kl": exp["kl"].sum(-1).mean(), "objective/entropy": (-exp["old_logp"]).sum(-1).mean(),
+        "objective/non_score_reward": non_score.mean(), "objective/rlhf_reward": (scores + non_score).mean(),
+        "val/explained_variance": torch.tensor(explained_variance(exp["old_values"], returns, mask),
+                                               device=scores.device),
+        "response_length": mask.sum(-1).mean(), "eos_fraction": 1.0 - eos_missing.float().mean(),
+        "val/returns_mean": (returns * mask).sum() / mask.sum().clamp(min=1),
+    }
+
+
+def save_policy(acc, pipeline, tokenizer, out: Path, summary: dict) -> None:
+    """Write a PPOModel as an HF model directory (LoRA merged, no value head) plus
+    `value_head.safetensors` and `ppo_summary.json`; every process must call it (ZeRO-3 gathers)."""
+    state = acc.get_state_dict(pipeline.model)
+    if acc.is_main_process:
+        out.mkdir(parents=True, exist_ok=True)
+        base = pipeline.unwrapped_model.base_model
+        prefix = "base_model."
+        base_sd = {k[len(prefix):]: v for k, v in state.items() if k.startswith(prefix)}
+        head_sd = {k[len("value_head."):]: v.contiguous() for k, v in state.items() if k.startswith("value_head.")}
+        # LoRA is merged from the gathered state dict (a copy of ZeRO-3 shards would be empty)
+        write_pretrained(base, base_sd, tokenizer, out)
+        if head_sd:
+            save_file(head_sd, str(out / "value_head.safetensors"))
+        (out / "ppo_summary.json").write_text(json.dumps(summary, indent=2))
+    acc.wait_for_everyone()

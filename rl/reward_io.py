@@ -1,0 +1,303 @@
+"""The reward model's files and tokens: the checkpoint format (safetensors + JSON, never pickles),
+text encoding and padding, and the preference-pair files of launch/reward.py.
+
+Kept apart from the model classes (rl.reward_model) so that this module needs no model: every
+function takes the model it writes or fills as an argument.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Sequence
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from safetensors.torch import load_file, save_file
+
+from rl.data import DataError, read_records, where
+
+FORMAT = "rl-reward-model"
+CONFIG_FILE = "reward_config.json"
+HEAD_FILE = "reward_head.safetensors"
+ADAPTER_FILE = "adapter.safetensors"
+HF_WEIGHTS_FILE = "model.safetensors"
+
+
+def encode_texts(tokenizer, texts: Sequence[str], max_length: int, append_eos: bool = True) -> list[list[int]]:
+    """Token ids per text (+ EOS), keeping the last `max_length` tokens when too long."""
+    enc = tokenizer(list(texts), add_special_tokens=True, truncation=False)["input_ids"]
+    eos = tokenizer.eos_token_id
+    out = []
+    for ids in enc:
+        ids = list(ids)
+        if append_eos and eos is not None and (not ids or ids[-1] != eos):
+            ids.append(eos)
+        out.append(ids[-max_length:])
+    return out
+
+
+def pad_batch(seqs: Sequence[Sequence[int]], pad_id: int, side: str = "right") -> tuple[torch.Tensor, torch.Tensor]:
+    """(B, T) ids and 0/1 mask from lists of ids."""
+    T = max(len(s) for s in seqs)
+    ids = torch.full((len(seqs), T), pad_id, dtype=torch.long)
+    mask = torch.zeros((len(seqs), T), dtype=torch.long)
+    for i, s in enumerate(seqs):
+        sl = slice(T - len(s), T) if side == "left" else slice(0, len(s))
+        ids[i, sl] = torch.tensor(list(s), dtype=torch.long)
+        mask[i, sl] = 1
+    return ids, mask
+
+
+def _stack_pair(ids_a, mask_a, ids_b, mask_b, pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Concatenate two (B, Ta) / (B, Tb) batches along the batch, right-padding the shorter."""
+    if mask_a is None:
+        mask_a = torch.ones_like(ids_a)
+    if mask_b is None:
+        mask_b = torch.ones_like(ids_b)
+    if ids_a.dim() == 1:  # a single unbatched pair
+        ids_a, mask_a, ids_b, mask_b = (t.unsqueeze(0) for t in (ids_a, mask_a, ids_b, mask_b))
+    if ids_a.shape[0] != ids_b.shape[0]:
+        raise ValueError(f"A and B must have the same batch size, got {ids_a.shape[0]} and {ids_b.shape[0]}")
+    T = max(ids_a.shape[1], ids_b.shape[1])
+
+    def pad(t, value):
+        return F.pad(t, (0, T - t.shape[1]), value=value)
+
+    return (torch.cat([pad(ids_a, pad_id), pad(ids_b.to(ids_a.device), pad_id)]),
+            torch.cat([pad(mask_a, 0), pad(mask_b.to(mask_a.device), 0)]))
+
+
+@dataclass
+class EncodedPairs:
+    """Token ids of preference pairs (chosen and rejected texts, prompts already prepended)."""
+
+    chosen: list[list[int]]
+    rejected: list[list[int]]
+    margin: list[float] | None
+
+    def __len__(self):
+        return len(self.chosen)
+
+    def take(self, idx: Sequence[int]) -> "EncodedPairs":
+        return EncodedPairs([self.chosen[i] for i in idx], [self.rejected[i] for i in idx],
+                            [self.margin[i] for i in idx] if self.margin is not None else None)
+
+
+def encode_pairs(encode, chosen, rejected, prompts=None, margins=None) -> EncodedPairs:
+    """`encode(texts) -> ids` applied to `prompt + chosen` and `prompt + rejected`; lengths checked."""
+    chosen, rejected = list(chosen), list(rejected)
+    if len(chosen) != len(rejected):
+        raise ValueError(f"chosen_texts has {len(chosen)} texts but rejected_texts has {len(rejected)}")
+    if prompts is not None:
+        prompts = list(prompts)
+        if len(prompts) != len(chosen):
+            raise ValueError(f"prompts has {len(prompts)} entries but there are {len(chosen)} pairs")
+        chosen = [p + c for p, c in zip(prompts, chosen)]
+        rejected = [p + r for p, r in zip(prompts, rejected)]
+    if margins is not None:
+        margins = [float(m) for m in margins]
+        if len(margins) != len(chosen):
+            raise ValueError(f"margins has {len(margins)} entries but there are {len(chosen)} pairs")
+    return EncodedPairs(encode(chosen), encode(rejected), margins)
+
+
+def pair_batch(pairs: EncodedPairs, idx: Sequence[int], pad_id: int, side: str = "right"):
+    """(2B, T) ids and mask, rows [0, B) chosen and [B, 2B) rejected, and the (B,) margins or None."""
+    part = pairs.take(idx)
+    ids, mask = pad_batch(part.chosen + part.rejected, pad_id, side=side)
+    margin = torch.tensor(part.margin, dtype=torch.float32) if part.margin is not None else None
+    return ids, mask, margin
+
+
+def _is_zero3_param(p) -> bool:
+    return hasattr(p, "ds_id")
+
+
+def _load_partial(model: nn.Module, sd: dict) -> None:
+    """Load `sd` into `model` (keys relative to it); every key must exist. ZeRO-3 aware."""
+    own = dict(model.named_parameters())
+    own.update(dict(model.named_buffers()))
+    unknown = [k for k in sd if k not in own]
+    if unknown:
+        raise KeyError(f"checkpoint has weights this model lacks (different base model or LoRA "
+                       f"settings?): {unknown[:3]}")
+    params = [own[k] for k in sd if isinstance(own[k], nn.Parameter)]
+    ctx = _gathered(params, modifier_rank=0) if any(_is_zero3_param(p) for p in params) else _null()
+    with ctx, torch.no_grad():
+        for k, v in sd.items():
+            own[k].data.copy_(v.to(own[k].device, own[k].dtype).reshape(own[k].shape))
+
+
+
+def _gathered(params, modifier_rank=None):
+    import deepspeed  # heavy and optional: only under ZeRO-3
+
+    return deepspeed.zero.GatheredParameters(params, modifier_rank=modifier_rank)
+
+
+class _null:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *a):
+        return False
+
+
+def save_reward_model(model: nn.Module, path: str | Path, state_dict: dict | None = None) -> Path:
+    """Write `model` to directory `path`: safetensors + JSON only.
+
+    * `reward_config.json`: kind, RewardModelConfig, objective weights, what else is in the dir.
+    * `reward_head.safetensors`: the head, exactly.
+    * LoRA (incl. QLoRA): `adapter.safetensors`, the adapter weights only; the base model is
+      reloaded from `config.model_name` (quantized again if it was).
+    * full fine-tune: `config.json` + `model.safetensors` in the layout of
+      `AutoModelForSequenceClassification` (head / temperature in `score.weight`) + tokenizer.
+
+    `state_dict` (the model's full state dict, e.g. gathered under ZeRO-3) defaults to the model's.
+    """
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    sd = state_dict if state_dict is not None else model.state_dict()
+    sd = {k: v.detach().cpu().contiguous() for k, v in sd.items()}
+    meta = model._meta()
+    head = {k[len("head."):]: v.clone() for k, v in sd.items() if k.startswith("head.")}
+    save_file(head, str(path / HEAD_FILE))
+    if model.config.use_lora:
+        adapter = {k[len("backbone."):]: v.clone() for k, v in sd.items()
+                   if k.startswith("backbone.") and "lora_" in k}
+        save_file(adapter, str(path / ADAPTER_FILE))
+        meta.update(weights="lora", hf_compatible=False)
+    else:
+        prefix = model.hf_prefix
+        hf_sd = {f"{prefix}.{k[len('backbone.'):]}": v.clone() for k, v in sd.items() if k.startswith("backbone.")}
+        w = head["weight"]
+        hf_sd["score.weight"] = (w.float() / model.config.temperature).to(w.dtype)
+        save_file(hf_sd, str(path / HF_WEIGHTS_FILE), metadata={"format": "pt"})
+        hf_cfg = model.hf_config
+        hf_cfg.num_labels = model.config.num_labels
+        hf_cfg.save_pretrained(str(path))
+        # HF's classifier reads the last token that is not the pad id, with a bias-free head: our
+        # rewards exactly when pooling is `last`, the head has no bias, and the EOS ending each text
+        # is not the pad id (with pad == eos, as in SmolLM2, HF reads the token before that EOS).
+        eos = hf_cfg.eos_token_id if isinstance(hf_cfg.eos_token_id, list) else [hf_cfg.eos_token_id]
+        pad_ends_texts = model.config.append_eos and model.pad_token_id in eos
+        meta.update(weights="full", hf_prefix=prefix,
+                    hf_compatible=model.config.pooling_strategy == "last" and "bias" not in head
+                    and not pad_ends_texts)
+    if model.tokenizer is not None:
+        model.tokenizer.save_pretrained(str(path))
+    (path / CONFIG_FILE).write_text(json.dumps(meta, indent=2))
+    return path
+
+
+def reward_model_problem(path: str | Path) -> str | None:
+    """Why directory `path` is not a reward model, or None: it must hold a reward_config.json (written by
+    launch/reward.py) or be a `*ForSequenceClassification` checkpoint. A causal LM would get a randomly
+    initialised score head and train the policy against noise, so it is refused."""
+    p = Path(path)
+    if (p / CONFIG_FILE).exists():
+        return None
+    if not (p / "config.json").exists():
+        return (f"{path} has no {CONFIG_FILE} or config.json; pass the directory written by launch/reward.py "
+                f"(or RewardModelTrainer.save_model)")
+    try:
+        archs = json.loads((p / "config.json").read_text()).get("architectures") or []
+    except (ValueError, UnicodeDecodeError) as e:
+        return f"{p / 'config.json'} is not valid JSON ({e})"
+    if not any(str(a).endswith("ForSequenceClassification") for a in archs):
+        return (f"{path} is not a reward model (architectures {archs or 'unknown'}, no {CONFIG_FILE}): its score "
+                f"head would be random; train one with launch/reward.py or give a *ForSequenceClassification "
+                f"checkpoint")
+    return None
+
+
+def load_reward_weights(model: nn.Module, path: str | Path) -> None:
+    """Load head and adapters (LoRA) or all weights (full) written by `save_reward_model` into `model`."""
+    path = Path(path)
+    meta = json.loads((path / CONFIG_FILE).read_text())
+    sd = {f"head.{k}": v for k, v in load_file(str(path / HEAD_FILE)).items()}
+    if meta["weights"] == "lora":
+        if not model.config.use_lora:
+            raise ValueError(f"{path} holds LoRA adapters but this model has use_lora=false")
+        sd.update({f"backbone.{k}": v for k, v in load_file(str(path / ADAPTER_FILE)).items()})
+    else:
+        if model.config.use_lora:
+            raise ValueError(f"{path} holds a full model but this model has use_lora=true; "
+                             f"load it with load_reward_model({str(path)!r})")
+        prefix = meta["hf_prefix"] + "."
+        sd.update({"backbone." + k[len(prefix):]: v for k, v in load_file(str(path / HF_WEIGHTS_FILE)).items()
+                   if k.startswith(prefix)})
+    _load_partial(model, sd)
+
+
+@dataclass
+class PreferencePairs:
+    """Texts of a preference file: prompts (None when the file has no prompt column), answers, margins."""
+
+    prompts: list[str] | None
+    chosen: list[str]
+    rejected: list[str]
+    margins: list[float] | None
+
+    def __len__(self):
+        return len(self.chosen)
+
+
+def load_preference_pairs(path: str | Path, prompt_column: str = "prompt", chosen_column: str = "chosen",
+                          rejected_column: str = "rejected", margin_column: str | None = None,
+                          max_examples: int | None = None, max_report: int = 5, name: str | None = None,
+                          split: str | None = None) -> PreferencePairs:
+    """`{"prompt", "chosen", "rejected"[, margin]}` rows of a JSONL/JSON/CSV/Parquet file, validated.
+
+    The prompt column is optional for the whole file (absent everywhere: no prompts). Every bad row
+    (missing or non-string field, empty text, chosen identical to rejected, non-numeric margin) is
+    collected and reported together with its line number in one DataError. `name`/`split`: the
+    config and split of a dataset folder or Hub id (see rl.data.read_records)."""
+    rows = read_records(path, name=name, split=split)
+    if max_examples:
+        rows = rows[:max_examples]
+    if not rows:
+        raise DataError(f"{path}: no examples (the file is empty)")
+    has_prompt = any(prompt_column in r for r in rows)
+    text_cols = ([prompt_column] if has_prompt else []) + [chosen_column, rejected_column]
+    problems: list[str] = []
+    prompts, chosen, rejected, margins = [], [], [], []
+    for row in rows:
+        here = where(path, row)
+        bad = []
+        for col in text_cols:
+            v = row.get(col)
+            if v is None:
+                bad.append(f"missing field '{col}'")
+            elif not isinstance(v, str):
+                bad.append(f"field '{col}' must be a string, got {type(v).__name__}")
+            elif col != prompt_column and not v.strip():
+                bad.append(f"field '{col}' is empty")
+        if not bad and row[chosen_column] == row[rejected_column]:
+            bad.append(f"'{chosen_column}' and '{rejected_column}' are identical (no preference to learn)")
+        m = 0.0
+        if margin_column is not None:
+            try:
+                m = float(row[margin_column])
+                if not math.isfinite(m):
+                    raise ValueError
+            except (KeyError, TypeError, ValueError):
+                bad.append(f"field '{margin_column}' must be a finite number, got {row.get(margin_column)!r}")
+        if bad:
+            problems.append(f"{here}: {'; '.join(bad)}")
+            continue
+        if has_prompt:
+            prompts.append(row[prompt_column])
+        chosen.append(row[chosen_column])
+        rejected.append(row[rejected_column])
+        margins.append(m)
+    if problems:
+        more = f" (and {len(problems) - max_report} more bad rows)" if len(problems) > max_report else ""
+        raise DataError(f"{len(problems)} bad preference rows; fix or remove them: "
+                        + " | ".join(problems[:max_report]) + more)
+    return PreferencePairs(prompts if has_prompt else None, chosen, rejected,
+                           margins if margin_column is not None else None)
