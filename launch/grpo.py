@@ -15,33 +15,23 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
 os.environ.setdefault("WANDB_MODE", "offline")
 
-from rl.config import ConfigError, cli_config  # noqa: E402
+from rl.config import ConfigError  # noqa: E402
 from rl.data import DataError  # noqa: E402
-from rl.launch_utils import dry_run_report, fail, preflight, run_training  # noqa: E402
+from rl.grpo import GRPOConfig, GRPOTrainer, grpo_sizes  # noqa: E402
+from rl.launch_utils import dry_run_report, fail, parse_recipe, run_training  # noqa: E402
 from rl.trainers.base import RunError, check_output_dir  # noqa: E402
 
 
 def main(argv=None) -> None:
-    from rl.grpo import GRPOConfig, GRPOTrainer, grpo_sizes, load_prompt_rows
-
     # 1. parse
-    cfg = cli_config(GRPOConfig, argv, prog="launch/grpo.py", description=__doc__)
-    preflight(cfg)  # model names, deepspeed file, resume path, output_dir: before any model
-    if cfg.env_type is None and cfg.data.path is None:
-        fail("no prompts: set env_type (e.g. env_type=math) or data.path (rows with a 'prompt' column)")
+    cfg = parse_recipe(GRPOConfig, argv, "launch/grpo.py", __doc__)
     try:
         # 2. setup: prompts and reward functions are validated before any model is built
-        rows = load_prompt_rows(cfg.data.path, cfg) if cfg.env_type is None else None
+        rows = GRPOTrainer.load_data(cfg)
         if cfg.dry_run:
-            models = {"policy (trainable)": cfg.model_name}
-            if cfg.beta > 0:  # beta = 0 loads no reference model
-                # LoRA: the reference is the policy with the adapters off (GRPOTrainer loads no copy)
-                models["reference (frozen)"] = "policy without adapters" if cfg.lora.enabled else cfg.model_name
-            if cfg.reward_model_path:
-                models["reward model (frozen)"] = cfg.reward_model_path
-            world = int(os.environ.get("WORLD_SIZE", "1"))
-            dry_run_report(cfg, n_examples=len(rows) if rows else None, models=models,
-                           extra=grpo_sizes(cfg, world, len(rows) if rows else None))
+            n = len(rows) if rows else None
+            dry_run_report(cfg, n_examples=n, models=GRPOTrainer.dry_run_models(cfg),
+                           extra=grpo_sizes(cfg, int(os.environ.get("WORLD_SIZE", "1")), n))
             return
         check_output_dir(cfg)
         trainer = GRPOTrainer(cfg, train_prompts=rows)

@@ -91,14 +91,14 @@ def grpo_loss_fn(logits, labels, attention_mask=None, *, advantages, old_logprob
 class GRPOTrainer(Trainer):
     """GRPO-family trainer on the shared engine.
 
-    `GRPOTrainer(cfg, model=None, tokenizer=None, reward_funcs=None, train_prompts=None)`:
+    `GRPOTrainer(config, *, model=None, tokenizer=None, reward_funcs=None, train_prompts=None)`:
     reward_funcs are extra callables in TRL's signature (added after the config's); train_prompts is a
     list of {"prompt": str, <column>: value, ...} rows when no environment is configured (the launch
     script reads them from data.path)."""
 
-    def __init__(self, cfg: GRPOConfig, model=None, tokenizer=None, reward_funcs: Sequence[Callable] | None = None,
-                 train_prompts: list[dict] | None = None):
-        self.cfg = cfg
+    def __init__(self, config: GRPOConfig, *, model=None, tokenizer=None,
+                 reward_funcs: Sequence[Callable] | None = None, train_prompts: list[dict] | None = None):
+        self.cfg = cfg = config
         torch.manual_seed(cfg.seed)
         self.tokenizer = tokenizer or load_tokenizer(cfg.model_name, cfg.trust_remote_code)
         # reward sources (rl.reward_sources): the environment, the reward model, the configured names, then
@@ -134,6 +134,27 @@ class GRPOTrainer(Trainer):
         self.trainable, self.total_params = trainable_fraction(model)
         self._model = model
         self.pipeline = None
+
+    @staticmethod
+    def load_data(cfg: GRPOConfig) -> list[dict] | None:
+        """The recipe's prompt rows (data.path), or None when the environment supplies the prompts."""
+        if cfg.env_type is not None:
+            return None
+        if cfg.data.path is None:
+            raise ConfigError("no prompts: set env_type (e.g. env_type=math) or data.path "
+                              "(rows with a 'prompt' column)")
+        return load_prompt_rows(cfg.data.path, cfg)
+
+    @staticmethod
+    def dry_run_models(cfg: GRPOConfig) -> dict:
+        """The models a run holds, for the dry-run memory plan: the reference as `ReferencePolicy` decides."""
+        models = {"policy (trainable)": cfg.model_name}
+        if cfg.beta > 0:  # beta = 0 loads no reference model
+            # LoRA: the reference is the policy with the adapters off (no copy is loaded)
+            models["reference (frozen)"] = "policy without adapters" if cfg.lora.enabled else cfg.model_name
+        if cfg.reward_model_path:
+            models["reward model (frozen)"] = cfg.reward_model_path
+        return models
 
     def plan(self) -> dict:
         """Derived sizes, computed once: completions and prompts per step (global and per process)."""

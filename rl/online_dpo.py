@@ -135,12 +135,12 @@ def pair_weights(tie: torch.Tensor, untied_in_step: int, units: int) -> torch.Te
 # ============================================================================ trainer
 
 class OnlineDPOTrainer(Trainer):
-    """Online DPO on the shared engine. `OnlineDPOTrainer(cfg, model=None, tokenizer=None,
+    """Online DPO on the shared engine. `OnlineDPOTrainer(config, *, model=None, tokenizer=None,
     reward_funcs=None, train_prompts=None)`, arguments as `rl.grpo.GRPOTrainer`'s."""
 
-    def __init__(self, cfg: OnlineDPOConfig, model=None, tokenizer=None,
+    def __init__(self, config: OnlineDPOConfig, *, model=None, tokenizer=None,
                  reward_funcs: Sequence[Callable] | None = None, train_prompts: list[dict] | None = None):
-        self.cfg = cfg
+        self.cfg = cfg = config
         torch.manual_seed(cfg.seed)
         self.tokenizer = tokenizer or load_tokenizer(cfg.model_name, cfg.trust_remote_code)
         self.env = self.eval_env = None

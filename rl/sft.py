@@ -131,8 +131,8 @@ def sum_normalised_nll(logits, labels, attention_mask, scale: float):
 class SFTTrainer(EpochTrainer):
     """SFT on the shared lifecycle (rl.trainers.base): one `train_step` is one optimizer step."""
 
-    def __init__(self, cfg: SFTConfig, model=None, tokenizer=None):
-        self.cfg = cfg
+    def __init__(self, config: SFTConfig, *, model=None, tokenizer=None):
+        self.cfg = cfg = config
         torch.manual_seed(cfg.seed)
         train_dtype = resolve_dtype(cfg.dtype)
         self.accelerator = build_accelerator(
