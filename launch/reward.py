@@ -22,6 +22,7 @@ os.environ.setdefault("WANDB_MODE", "offline")
 from rl.config import ConfigError, cli_config, save_config, to_dict  # noqa: E402
 from rl.data import DataError  # noqa: E402
 from rl.launch_utils import dry_run_report, fail, preflight, run_training  # noqa: E402
+from rl.model_card import write_model_card  # noqa: E402
 from rl.trainers.base import RunError, check_output_dir  # noqa: E402
 
 
@@ -83,6 +84,7 @@ def main(argv=None) -> None:
     out = trainer.save_model(cfg.output_dir)
     if accelerator.is_main_process:
         save_config(cfg, cfg.output_dir, "recipe.yaml")
+        write_model_card(out, cfg, trainer.history, "reward")
     if accelerator.is_main_process:
         first = trainer.history[0]["loss"] if trainer.history else float("nan")
         ev = f", eval accuracy {metrics['eval/accuracy']:.3f}" if "eval/accuracy" in metrics else ""

@@ -32,6 +32,7 @@ from pathlib import Path
 import yaml
 
 from rl.config import to_dict
+from rl.tracking import quiet_third_party
 
 
 def fail(message: str, code: int = 2):
@@ -104,8 +105,8 @@ def model_problem(key: str, name: str, role: str = "model") -> str | None:
         problem = reward_model_problem(path)
         if problem:
             return f"key '{key}': {problem}"
-    elif not (path / "config.json").exists():
-        return (f"key '{key}': {name} has no config.json, so it is not a model directory (a finished run "
+    elif not (path / "config.json").exists() and not (path / "adapter_config.json").exists():
+        return (f"key '{key}': {name} has no config.json (nor adapter_config.json), so it is not a model directory (a finished run "
                 f"writes its model to output_dir; a checkpoint goes to resume=, not model_name)")
     return safetensors_problem(key, path)
 
@@ -167,7 +168,9 @@ def preflight_problems(cfg) -> list[str]:
 
 def preflight(cfg) -> None:
     """`preflight_problems` for a launch script, right after parsing: the first problem is one
-    `error:` line and exit 2, before any model is built."""
+    `error:` line and exit 2, before any model is built. Also hides third-party noise unless
+    `verbose: true` (`rl.tracking.quiet_third_party`)."""
+    quiet_third_party(getattr(cfg, "verbose", False))  # first: before the libraries load
     problems = preflight_problems(cfg)
     if problems:
         fail(problems[0])
@@ -217,6 +220,11 @@ def load_model_config(name: str, trust_remote_code: bool = False):
         from rl.tiny import resolve_model_path
 
         name = resolve_model_path(name)
+    from rl.models import adapter_base
+
+    base = adapter_base(name)
+    if base is not None:  # a LoRA run's output: the base model's architecture
+        return load_model_config(base, trust_remote_code)
     if Path(name).is_dir():
         return AutoConfig.from_pretrained(name, trust_remote_code=trust_remote_code)
     fields = known_config(name)

@@ -652,7 +652,7 @@ class PPOTrainer(Trainer):
             vec = acc.reduce(vec, "mean")
         metrics = {k: float(x) for k, x in zip(keys, vec.tolist())}
         self.kl_ctl.update(metrics["objective/kl"], cfg.batch_size * self.world)
-        metrics.update({"kl_coef": kl_coef, "lr": lr, "grad_norm": sum(grad_norms) / max(1, len(grad_norms)),
+        metrics.update({"kl_coef": kl_coef, "learning_rate": lr, "grad_norm": sum(grad_norms) / max(1, len(grad_norms)),
                         "time/generation": t_gen, "time/scoring": t_score, "time/training": t_train,
                         "time/iteration": time.time() - t0})
         self.last_rollout = {"prompts": prompt_texts, "responses": responses, "scores": raw_scores.tolist()}
@@ -816,7 +816,7 @@ class PPOTrainer(Trainer):
             base_sd = {k[len(prefix):]: v for k, v in state.items() if k.startswith(prefix)}
             head_sd = {k[len("value_head."):]: v.contiguous() for k, v in state.items() if k.startswith("value_head.")}
             # LoRA is merged from the gathered state dict (a copy of ZeRO-3 shards would be empty)
-            write_pretrained(base, base_sd, self.tokenizer, out)
+            write_pretrained(base, base_sd, self.tokenizer, out, merged=self.cfg.save_merged)
             if head_sd:
                 save_file(head_sd, str(out / "value_head.safetensors"))
             (out / "ppo_summary.json").write_text(json.dumps(self.history[-1] if self.history else {}, indent=2))
