@@ -13,7 +13,7 @@ from pathlib import Path
 import torch
 
 from rl.config import ConfigError
-from rl.tiny import resolve_model_path
+from rl.tiny import _without_zero3_init, resolve_model_path
 
 
 def resolve_dtype(name: str | None) -> torch.dtype:
@@ -63,9 +63,12 @@ def load_causal_lm(name: str, dtype: str | torch.dtype | None = "auto", trust_re
     if base is not None:  # a LoRA run's output: its base with the adapter merged in, a plain model again
         from peft import PeftModel
 
-        model = load_causal_lm(base, dtype, trust_remote_code, attn_implementation, gradient_checkpointing,
-                               quantization, task, num_labels)
-        return PeftModel.from_pretrained(model, path).merge_and_unload()
+        # Merged on whole tensors: under a ZeRO-3 launch, zero.Init would leave each process a shard to
+        # merge into; DeepSpeed partitions the merged model when the engine is built instead.
+        with _without_zero3_init():
+            model = load_causal_lm(base, dtype, trust_remote_code, attn_implementation, gradient_checkpointing,
+                                   quantization, task, num_labels)
+            return PeftModel.from_pretrained(model, path).merge_and_unload()
     torch_dtype = dtype if isinstance(dtype, torch.dtype) else resolve_dtype(dtype)
     kwargs = dict(dtype=torch_dtype, trust_remote_code=trust_remote_code)
     if attn_implementation:
