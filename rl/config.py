@@ -588,3 +588,6 @@ class TrainConfig:
         problem = report_to_problem(self.report_to)
         if problem:
             raise ConfigError(problem)
+        if self.save_merged and not self.lora.enabled:
+            raise ConfigError("key 'save_merged': only a LoRA run has an adapter to merge (lora.enabled is false; "
+                              "a full fine-tune is saved whole already); drop save_merged or set lora.enabled=true")

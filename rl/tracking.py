@@ -139,14 +139,23 @@ class Tracker:
         if "jsonl" in report_to:
             self._file = (self.output_dir / "metrics.jsonl").open("a", encoding="utf-8")
         self._trackers = build_trackers(report_to, self.output_dir, run_name or self.output_dir.name, config or {})
+        self._desc = desc
+        if total_steps is not None:  # else the bar starts when its total is known (set_total) or at the first log
+            self._start_bar(total_steps)
+
+    def _start_bar(self, total_steps: int | None) -> None:
         from tqdm.auto import tqdm
 
-        self._bar = tqdm(total=total_steps, desc=desc, dynamic_ncols=True,
+        self._bar = tqdm(total=total_steps, desc=self._desc, dynamic_ncols=True,
                          disable=os.environ.get("RL_NO_PROGRESS") == "1")
 
     def set_total(self, total_steps: int) -> None:
         """The bar's total, when only the training loop knows it (the lifecycle calls this)."""
-        if self._bar is not None and self._bar.total != total_steps:
+        if not self.is_main:
+            return
+        if self._bar is None:
+            self._start_bar(total_steps)
+        elif self._bar.total != total_steps:
             self._bar.total = total_steps
             self._bar.refresh()
 
@@ -164,6 +173,8 @@ class Tracker:
             numeric = {k: v for k, v in row.items() if k != "step" and isinstance(v, (int, float))}
             for t in self._trackers:
                 t.log(numeric, step=step)
+        if self._bar is None:
+            self._start_bar(None)
         if self._bar is not None:
             shown = {k.split("/")[-1] if k.count("/") else k: f"{row[k]:.4g}" for k in BAR_KEYS
                      if isinstance(row.get(k), (int, float))}

@@ -11,7 +11,9 @@ import warnings
 import pytest
 import torch
 
+from rl import tracking
 from rl.config import ConfigError, build
+from rl.sft import SFTConfig
 from rl.tracking import Tracker, flat_config, quiet_third_party, report_to_problem, y_label
 
 
@@ -49,12 +51,14 @@ def test_flat_config_and_y_labels():
 def test_report_to_names_unknown_and_missing_sinks(monkeypatch):
     assert report_to_problem(["jsonl", "none"]) is None
     assert "unknown sink 'tensorbored'" in report_to_problem(["tensorbored"])
-    monkeypatch.setitem(__import__("rl.tracking").tracking.SINKS, "mlflow", "surely_not_installed_pkg")
+    monkeypatch.setitem(tracking.SINKS, "mlflow", "surely_not_installed_pkg")
     problem = report_to_problem(["jsonl", "mlflow"])
     assert problem == ("key 'report_to': mlflow needs the surely_not_installed_pkg package; pip install "
                        "surely_not_installed_pkg, or drop mlflow")
     with pytest.raises(ConfigError, match="unknown sink"):
-        build(__import__("rl.sft").sft.SFTConfig, {"model_name": "m", "report_to": ["tensorbored"]})
+        build(SFTConfig, {"model_name": "m", "report_to": ["tensorbored"]})
+    with pytest.raises(ConfigError, match="key 'save_merged': only a LoRA run"):
+        build(SFTConfig, {"model_name": "m", "save_merged": True})
 
 
 def test_quiet_third_party_hides_future_warnings_unless_verbose(monkeypatch):
