@@ -105,14 +105,15 @@ def test_lora_outputs_card_tensorboard_quiet_and_bad_data_path(tmp_path):
 def test_zero3_lora_saves_adapter_and_merged_model(tmp_path):
     """LoRA under ZeRO-3: the live modules hold shards, so adapter and merge come from the gathered
     state; save_merged=true adds the merged model in merged/, which loads without peft and computes
-    what the adapter does."""
+    what the adapter does (dropout only acts in training). Two processes, and no FutureWarning line."""
     import torch
     from peft import AutoPeftModelForCausalLM
     from transformers import AutoModelForCausalLM
 
     out = tmp_path / "z3lora"
-    run_cmd(accelerate_cmd("launch/sft.py", "--config", RECIPE, "max_steps=3", "batch_size=8", "save_merged=true",
-                           "lora.enabled=true", "lora.rank=4", "lora.dropout=0", f"output_dir={out}", zero3=True))
+    proc = run_cmd(accelerate_cmd("launch/sft.py", "--config", RECIPE, "max_steps=3", "batch_size=8", "save_merged=true",
+                                  "lora.enabled=true", "lora.rank=4", f"output_dir={out}", zero3=True))
+    assert "FutureWarning" not in proc.stderr, proc.stderr[-2000:]  # DeepSpeed printed thousands (quiet_third_party)
     merged = AutoModelForCausalLM.from_pretrained(out / "merged").eval()
     assert not any("lora" in n for n, _ in merged.named_parameters())
     adapter = AutoPeftModelForCausalLM.from_pretrained(out).eval()
