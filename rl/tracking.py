@@ -62,8 +62,10 @@ def build_trackers(report_to, output_dir: Path, run_name: str, config: dict) -> 
     """Started accelerate trackers for the sinks in `report_to` (jsonl is ours, not accelerate's).
     TensorBoard writes `<output_dir>/runs/<run_name>` (where TRL's logging_dir puts it), MLflow
     `<output_dir>/mlruns`, wandb `<output_dir>/wandb`."""
-    from accelerate import tracking
+    from accelerate import PartialState, tracking
 
+    if report_to and any(SINKS.get(s) for s in report_to):
+        PartialState()  # accelerate's trackers log through its state; the run's Accelerator made it already
     trackers = []
     for sink in report_to:
         if sink == "tensorboard":
