@@ -100,6 +100,14 @@ def _loading(contents: str, out: str) -> list[str]:
         text = ["A PEFT LoRA adapter (`adapter_config.json`, `adapter_model.safetensors`) and the tokenizer:",
                 "", "```python", "from peft import AutoPeftModelForCausalLM",
                 f"model = AutoPeftModelForCausalLM.from_pretrained({out!r})", "```"]
+        from rl.models import adapter_base
+
+        base = adapter_base(out)
+        if base is not None and adapter_base(base) is not None:
+            text += ["", f"**Stacked adapter**: its base `{base}` is itself an adapter. PEFT's loaders would "
+                         f"apply this one to that adapter's base without it (wrong weights); load it with "
+                         f"`rl.models.load_causal_lm({out!r})`, which merges the chain, or use `merged/` "
+                         f"(`save_merged: true`)."]
         if contents.endswith("merged"):
             text += ["", f"`merged/` holds the adapter merged into the base model: "
                          f"`AutoModelForCausalLM.from_pretrained({str(Path(out) / 'merged')!r})`."]

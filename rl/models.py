@@ -68,7 +68,11 @@ def load_causal_lm(name: str, dtype: str | torch.dtype | None = "auto", trust_re
         with _without_zero3_init():
             model = load_causal_lm(base, dtype, trust_remote_code, attn_implementation, gradient_checkpointing,
                                    quantization, task, num_labels)
-            return PeftModel.from_pretrained(model, path).merge_and_unload()
+            model = PeftModel.from_pretrained(model, path).merge_and_unload()
+        # named after the adapter, so that a LoRA run on top records this directory as its base
+        # (adapter_config.json's base_model_name_or_path), not the model under it
+        model.name_or_path = model.config._name_or_path = str(path)
+        return model
     torch_dtype = dtype if isinstance(dtype, torch.dtype) else resolve_dtype(dtype)
     kwargs = dict(dtype=torch_dtype, trust_remote_code=trust_remote_code)
     if attn_implementation:

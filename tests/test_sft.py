@@ -157,3 +157,20 @@ def test_lora_adapter_and_merged_saves_equal_peft_forward(tiny_llama, tmp_path):
         # the adapter directory is a valid model_name for the next stage (preflight, dry-run sizes)
         assert model_problem("model_name", str(out)) is None
         assert load_model_config(str(out)).model_type == merged.config.model_type
+    # LoRA on top of that output: the new adapter names the first as its base, and our loader applies both
+    torch.manual_seed(1)
+    second = apply_lora(load_causal_lm(str(out), dtype="float32"), 4, 8, 0.0)
+    for name, p in second.named_parameters():
+        if "lora_B" in name:
+            torch.nn.init.normal_(p, std=0.5)
+    expected = second.eval()(input_ids=ids).logits
+    save_pretrained(second, None, str(tmp_path / "stacked"))
+    assert json.loads((tmp_path / "stacked" / "adapter_config.json").read_text())["base_model_name_or_path"] == str(out)
+    assert (load_causal_lm(str(tmp_path / "stacked"), dtype="float32")(input_ids=ids).logits - expected).abs().max() < 1e-4
+    # PEFT's loaders would drop the first adapter: the card says how to load it instead
+    from rl.config import build
+    from rl.model_card import write_model_card
+    from rl.sft import SFTConfig
+
+    cfg = build(SFTConfig, {"model_name": str(out), "output_dir": str(tmp_path / "stacked"), "lora": {"enabled": True}})
+    assert "**Stacked adapter**" in write_model_card(tmp_path / "stacked", cfg, [], "sft", argv=[]).read_text()
