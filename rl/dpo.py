@@ -471,7 +471,7 @@ class DPOTrainer(EpochTrainer):
         return {f"eval/{k}": float(v / n) for k, v in zip(keys, vec) if k != "_n"}
 
     def save(self, out_dir: str | None = None) -> str:
-        """Write the final model (HF format, LoRA merged) and tokenizer; every process must call it."""
+        """Write the final model and tokenizer (LoRA: the PEFT adapter); every process must call it."""
         out = out_dir or self.config.output_dir
         save_pretrained(self.pipeline.model, self.tokenizer, out, self.accelerator, merged=self.config.save_merged)
         self.accelerator.wait_for_everyone()

@@ -439,7 +439,7 @@ class GRPOTrainer(Trainer):
                            self.cfg.prompt_budget, chat=self.cfg.chat_template)
 
     def save(self, out_dir: str | None = None) -> str:
-        """Write the final model (HF format, LoRA merged) and tokenizer; all processes must call it."""
+        """Write the final model and tokenizer (LoRA: the PEFT adapter); every process must call it."""
         out = out_dir or self.cfg.output_dir
         save_pretrained(self.pipeline.model, self.tokenizer, out, self.accelerator, merged=self.cfg.save_merged)
         self.accelerator.wait_for_everyone()

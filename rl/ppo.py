@@ -804,7 +804,7 @@ class PPOTrainer(Trainer):
 
     # ------------------------------------------------------------------ saving
     def save(self, out_dir: str | None = None) -> str:
-        """Write the policy as an HF model directory (LoRA merged, no value head) plus
+        """Write the policy as an HF model directory (LoRA: the adapter; no value head) plus
         `value_head.safetensors`; every process must call it (ZeRO-3 gathers the weights)."""
         acc = self.accelerator
         out = Path(out_dir or self.cfg.output_dir)

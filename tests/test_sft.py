@@ -111,8 +111,9 @@ def test_zero3_lora_saves_adapter_and_merged_model(tmp_path):
     from transformers import AutoModelForCausalLM
 
     out = tmp_path / "z3lora"
-    proc = run_cmd(accelerate_cmd("launch/sft.py", "--config", RECIPE, "max_steps=3", "batch_size=8", "save_merged=true",
-                                  "lora.enabled=true", "lora.rank=4", f"output_dir={out}", zero3=True))
+    proc = run_cmd(accelerate_cmd("launch/sft.py", "--config", RECIPE, "max_steps=3", "batch_size=8",
+                                  "lora.enabled=true", "lora.rank=4", "save_merged=true", f"output_dir={out}",
+                                  zero3=True))
     assert "FutureWarning" not in proc.stderr, proc.stderr[-2000:]  # DeepSpeed printed thousands (quiet_third_party)
     merged = AutoModelForCausalLM.from_pretrained(out / "merged").eval()
     assert not any("lora" in n for n, _ in merged.named_parameters())
@@ -166,7 +167,8 @@ def test_lora_adapter_and_merged_saves_equal_peft_forward(tiny_llama, tmp_path):
     expected = second.eval()(input_ids=ids).logits
     save_pretrained(second, None, str(tmp_path / "stacked"))
     assert json.loads((tmp_path / "stacked" / "adapter_config.json").read_text())["base_model_name_or_path"] == str(out)
-    assert (load_causal_lm(str(tmp_path / "stacked"), dtype="float32")(input_ids=ids).logits - expected).abs().max() < 1e-4
+    chained = load_causal_lm(str(tmp_path / "stacked"), dtype="float32")
+    assert (chained(input_ids=ids).logits - expected).abs().max() < 1e-4
     # PEFT's loaders would drop the first adapter: the card says how to load it instead
     from rl.config import build
     from rl.model_card import write_model_card
