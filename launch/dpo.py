@@ -23,6 +23,7 @@ from rl.config import ConfigError  # noqa: E402
 from rl.data import DataError  # noqa: E402
 from rl.dpo import DPOConfig, DPOTrainer, PreferenceDataset  # noqa: E402
 from rl.launch_utils import dry_run_report, fail, parse_recipe, run_training  # noqa: E402
+from rl.model_card import write_model_card  # noqa: E402
 from rl.trainers.base import RunError, check_output_dir  # noqa: E402
 
 
@@ -47,9 +48,11 @@ def main(argv=None) -> None:
     history = run_training(trainer, trainer.train, train, evals)
     # 4. save (every process takes part: ZeRO-3 gathers the weights)
     out = trainer.save()
+    if trainer.accelerator.is_main_process:
+        write_model_card(out, cfg, history, "dpo")
     if trainer.accelerator.is_main_process and history:
         first, last = history[0], history[-1]
-        acc = last.get("eval_rewards/accuracies", last["rewards/accuracies"])
+        acc = last.get("eval/rewards/accuracies", last["rewards/accuracies"])
         print(f"dpo done: loss {first['loss']:.4f} -> {last['loss']:.4f}, reward accuracy {acc:.3f} over "
               f"{len(history)} steps; model saved to {out}")
 

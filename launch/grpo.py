@@ -19,6 +19,7 @@ from rl.config import ConfigError  # noqa: E402
 from rl.data import DataError  # noqa: E402
 from rl.grpo import GRPOConfig, GRPOTrainer, grpo_sizes  # noqa: E402
 from rl.launch_utils import dry_run_report, fail, parse_recipe, run_training  # noqa: E402
+from rl.model_card import write_model_card  # noqa: E402
 from rl.trainers.base import RunError, check_output_dir  # noqa: E402
 
 
@@ -42,6 +43,8 @@ def main(argv=None) -> None:
     history = run_training(trainer, trainer.train)
     # 4. save (every process takes part: ZeRO-3 gathers the weights)
     out = trainer.save()
+    if trainer.accelerator.is_main_process:
+        write_model_card(out, cfg, history, "grpo")
     if trainer.accelerator.is_main_process:
         train_rows = [r for r in history if "reward" in r]
         evals = [r["eval/accuracy"] for r in history if "eval/accuracy" in r]

@@ -16,31 +16,22 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
 os.environ.setdefault("WANDB_MODE", "offline")
 
-from rl.config import ConfigError, cli_config  # noqa: E402
+from rl.config import ConfigError  # noqa: E402
 from rl.data import DataError  # noqa: E402
-from rl.launch_utils import dry_run_report, fail, preflight, run_training  # noqa: E402
+from rl.launch_utils import dry_run_report, fail, parse_recipe, run_training  # noqa: E402
+from rl.model_card import write_model_card  # noqa: E402
+from rl.online_dpo import OnlineDPOConfig, OnlineDPOTrainer  # noqa: E402
 from rl.trainers.base import RunError, check_output_dir  # noqa: E402
 
 
 def main(argv=None) -> None:
-    from rl.grpo import load_prompt_rows
-    from rl.online_dpo import OnlineDPOConfig, OnlineDPOTrainer
-
     # 1. parse
-    cfg = cli_config(OnlineDPOConfig, argv, prog="launch/online_dpo.py", description=__doc__)
-    preflight(cfg)  # model names, deepspeed file, resume path, output_dir: before any model
-    if cfg.env_type is None and cfg.data.path is None:
-        fail("no prompts: set env_type (e.g. env_type=math) or data.path (rows with a 'prompt' column)")
+    cfg = parse_recipe(OnlineDPOConfig, argv, "launch/online_dpo.py", __doc__)
     try:
         # 2. setup: prompts and reward functions are validated before any model is built
-        rows = load_prompt_rows(cfg.data.path, cfg) if cfg.env_type is None else None
+        rows = OnlineDPOTrainer.load_data(cfg)
         if cfg.dry_run:
-            models = {"policy (trainable)": cfg.model_name,
-                      "reference (frozen)": cfg.ref_model_name or ("policy without adapters" if cfg.lora.enabled
-                                                                   else cfg.model_name)}
-            if cfg.reward_model_path:
-                models["reward model (frozen)"] = cfg.reward_model_path
-            dry_run_report(cfg, n_examples=len(rows) if rows else None, models=models)
+            dry_run_report(cfg, n_examples=len(rows) if rows else None, models=OnlineDPOTrainer.dry_run_models(cfg))
             return
         check_output_dir(cfg)
         trainer = OnlineDPOTrainer(cfg, train_prompts=rows)
@@ -52,6 +43,7 @@ def main(argv=None) -> None:
     # 4. save (every process takes part: ZeRO-3 gathers the weights)
     out = trainer.save()
     if trainer.accelerator.is_main_process:
+        write_model_card(out, cfg, history, "online_dpo")
         train_rows = [r for r in history if "objective/scores" in r]
         evals = [r["eval/accuracy"] for r in history if "eval/accuracy" in r]
         msg = f"online_dpo done: {plan['total_steps']} steps"

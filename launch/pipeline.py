@@ -26,6 +26,7 @@ os.environ.setdefault("WANDB_MODE", "offline")
 from rl.config import ConfigError, build, cli_config, opt, save_config  # noqa: E402
 from rl.data import DataError  # noqa: E402
 from rl.launch_utils import fail, preflight  # noqa: E402
+from rl.model_card import write_model_card  # noqa: E402
 from rl.tiny import FAMILIES  # noqa: E402
 from rl.trainers.base import RunError, check_output_dir  # noqa: E402
 
@@ -150,14 +151,18 @@ def main(argv=None) -> None:
                                  {"role": "assistant", "content": r["completion"]}]} for r in records]
     if not cfg.skip_sft:
         sft = SFTTrainer(sft_cfg)
-        sft.train(tokenize_examples(records, sft.tokenizer, sft_cfg, "math environment (train split)"))
+        sft_history = sft.train(tokenize_examples(records, sft.tokenizer, sft_cfg, "math environment (train split)"))
         sft.save()
+        if sft.accelerator.is_main_process:
+            write_model_card(sft_cfg.output_dir, sft_cfg, sft_history, "sft")
     t_sft = time.time() - t0
     # 4. GRPO on the math environment; it evaluates the held-out split before its first step (= the SFT
     #    model's accuracy) and after its last one
     grpo = GRPOTrainer(grpo_cfg)
     history = grpo.train()
     grpo.save()
+    if grpo.accelerator.is_main_process:
+        write_model_card(grpo_cfg.output_dir, grpo_cfg, history, "grpo")
     evals = [r for r in history if "eval/accuracy" in r]
     before, after = evals[0]["eval/accuracy"], evals[-1]["eval/accuracy"]
     if grpo.accelerator.is_main_process:

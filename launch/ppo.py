@@ -27,6 +27,7 @@ from rl.config import ConfigError  # noqa: E402
 from rl.data import DataError  # noqa: E402
 from rl.launch_utils import dry_run_report, fail, parse_recipe, run_training  # noqa: E402
 from rl.ppo import PPOConfig, PPOTrainer, check_reward_source, ppo_plan  # noqa: E402
+from rl.model_card import write_model_card  # noqa: E402
 from rl.trainers.base import RunError, check_output_dir  # noqa: E402
 
 
@@ -51,6 +52,8 @@ def main(argv=None) -> None:
     history = run_training(trainer, trainer.train, prompts, metadata=metadata, eval_prompts=eval_prompts)
     # 4. save (every process takes part: ZeRO-3 gathers the weights)
     out = trainer.save()
+    if trainer.accelerator.is_main_process:
+        write_model_card(out, cfg, history, "ppo")
     if trainer.accelerator.is_main_process and history:
         first, last = history[0], history[-1]
         print(f"ppo done: objective/scores {first['objective/scores']:.4f} -> {last['objective/scores']:.4f}, "

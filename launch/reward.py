@@ -23,6 +23,7 @@ from rl.config import ConfigError, save_config  # noqa: E402
 from rl.data import DataError  # noqa: E402
 from rl.launch_utils import dry_run_report, fail, parse_recipe, run_training  # noqa: E402
 from rl.reward import RewardModelTrainer, RewardTrainConfig  # noqa: E402
+from rl.model_card import write_model_card  # noqa: E402
 from rl.trainers.base import RunError, check_output_dir  # noqa: E402
 
 
@@ -52,6 +53,7 @@ def main(argv=None) -> None:
     out = trainer.save_model(cfg.output_dir)
     if trainer.accelerator.is_main_process:
         save_config(cfg, cfg.output_dir, "recipe.yaml")
+        write_model_card(out, cfg, trainer.history, "reward")
         first = trainer.history[0]["loss"] if trainer.history else float("nan")
         ev = f", eval accuracy {metrics['eval/accuracy']:.3f}" if "eval/accuracy" in metrics else ""
         print(f"reward done: loss {first:.4f} -> {metrics.get('loss', float('nan')):.4f}, "

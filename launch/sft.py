@@ -18,6 +18,7 @@ os.environ.setdefault("WANDB_MODE", "offline")
 from rl.config import ConfigError, cli_config  # noqa: E402
 from rl.data import DataError  # noqa: E402
 from rl.launch_utils import dry_run_report, fail, preflight, run_training  # noqa: E402
+from rl.model_card import write_model_card  # noqa: E402
 from rl.trainers.base import RunError, check_output_dir  # noqa: E402
 
 
@@ -48,6 +49,8 @@ def main(argv=None) -> None:
     history = run_training(trainer, trainer.train, train, evals or None)
     # 4. save (every process takes part: ZeRO-3 gathers the weights)
     out = trainer.save()
+    if trainer.accelerator.is_main_process:
+        write_model_card(out, cfg, history, "sft")
     if trainer.accelerator.is_main_process and history:
         first, last = history[0]["loss"], history[-1]["loss"]
         print(f"sft done: loss {first:.4f} -> {last:.4f} over {len(history)} steps; model saved to {out}")

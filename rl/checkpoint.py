@@ -85,3 +85,31 @@ class StopSignal:
     def restore(self) -> None:
         for s, h in self._previous.items():
             signal.signal(s, h)
+
+
+def make_loadable(ckpt: str | Path, model, tokenizer=None) -> bool:
+    """Write what `from_pretrained` needs beside a checkpoint's `model.safetensors`, as TRL's
+    `checkpoint-N/` hold it: for a plain causal LM its `config.json` (+ generation config), for a LoRA
+    model the PEFT adapter (`adapter_config.json` + `adapter_model.safetensors`, its tensors read from
+    the checkpoint file, so ZeRO-3 needs no second gather), and the tokenizer. Models of our own
+    (PPO's policy with a value head, reward models) are skipped: returns False. Call it on one process."""
+    from transformers import PreTrainedModel
+
+    from rl.models import is_lora
+
+    ckpt = Path(ckpt)
+    if is_lora(model):
+        from safetensors import safe_open
+
+        with safe_open(str(ckpt / "model.safetensors"), "pt") as f:
+            adapter = {k: f.get_tensor(k) for k in f.keys() if ".lora_" in k or ".modules_to_save." in k}
+        model.save_pretrained(str(ckpt), state_dict=adapter, safe_serialization=True)
+    elif isinstance(model, PreTrainedModel):
+        model.config.save_pretrained(ckpt)
+        if getattr(model, "generation_config", None) is not None:
+            model.generation_config.save_pretrained(ckpt)
+    else:
+        return False
+    if tokenizer is not None:
+        tokenizer.save_pretrained(ckpt)
+    return True

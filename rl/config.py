@@ -23,6 +23,8 @@ from typing import Any, Literal, Union, get_args, get_origin
 
 import yaml
 
+from rl.tracking import report_to_problem
+
 REQUIRED = dataclasses.MISSING
 
 
@@ -563,7 +565,11 @@ class TrainConfig:
     resume: str | None = opt(None, "'auto' resumes from the newest complete checkpoint, or a checkpoint path")
     overwrite: bool = opt(False, "start a new run in an output_dir that holds a previous run (its metrics and "
                           "checkpoints are deleted); without it such a run is refused")
-    report_to: list[str] = opt(["jsonl"], "metric sinks: jsonl, wandb (offline unless configured)")
+    save_merged: bool = opt(False, "LoRA runs: besides the adapter in output_dir, write the merged full "
+                            "model to output_dir/merged")
+    report_to: list[str] = opt(["jsonl"], "metric sinks: jsonl, tensorboard, wandb (offline unless configured), "
+                               "trackio, mlflow, or none; each but jsonl needs its package installed")
+    verbose: bool = opt(False, "show third-party warnings and loading bars (DeepSpeed, transformers)")
     run_name: str | None = opt(None, "name of the run in wandb and the plots (default: output_dir name)")
     dry_run: bool = opt(False, "print the resolved config and sizes, then exit without training")
     lora: LoraSection = section(LoraSection, "LoRA adapters")
@@ -583,6 +589,9 @@ class TrainConfig:
             raise ConfigError(f"key 'save_total_limit' must be at least 1 or null, got {self.save_total_limit}")
         if self.max_steps is not None and self.max_steps < 1:
             raise ConfigError(f"key 'max_steps' must be at least 1 or null, got {self.max_steps}")
-        bad = [r for r in self.report_to if r not in ("jsonl", "wandb", "none")]
-        if bad:
-            raise ConfigError(f"key 'report_to' has unknown sink {bad[0]!r}; use jsonl, wandb or none")
+        problem = report_to_problem(self.report_to)
+        if problem:
+            raise ConfigError(problem)
+        if self.save_merged and not self.lora.enabled:
+            raise ConfigError("key 'save_merged': only a LoRA run has an adapter to merge (lora.enabled is false; "
+                              "a full fine-tune is saved whole already); drop save_merged or set lora.enabled=true")

@@ -284,7 +284,7 @@ class DPOTrainer(EpochTrainer):
                 sums[k] = sums.get(k, 0.0) + v / N
         o = pipe.optim_step(max_grad_norm=cfg.max_grad_norm).result()
         row = _mean_across(acc, sums)
-        row.update({"grad_norm": o.grad_norm, "lr": o.learning_rate, "epoch": self.epoch_progress,
+        row.update({"grad_norm": o.grad_norm, "learning_rate": o.learning_rate, "epoch": self.epoch_progress,
                     "step_time": time.time() - t0})
         return [{"step": pipe.step, **row}]
 
@@ -317,12 +317,12 @@ class DPOTrainer(EpochTrainer):
         if acc.num_processes > 1:
             vec = acc.reduce(vec, "sum")
         n = vec[keys.index("_n")].clamp(min=1)
-        return {f"eval_{k}": float(v / n) for k, v in zip(keys, vec) if k != "_n"}
+        return {f"eval/{k}": float(v / n) for k, v in zip(keys, vec) if k != "_n"}
 
     def save(self, out_dir: str | None = None) -> str:
-        """Write the final model (HF format, LoRA merged) and tokenizer; every process must call it."""
+        """Write the final model and tokenizer (LoRA: the PEFT adapter); every process must call it."""
         out = out_dir or self.config.output_dir
-        save_pretrained(self.pipeline.model, self.tokenizer, out, self.accelerator)
+        save_pretrained(self.pipeline.model, self.tokenizer, out, self.accelerator, merged=self.config.save_merged)
         self.accelerator.wait_for_everyone()
         return out
 

@@ -336,7 +336,7 @@ class GRPOTrainer(Trainer):
             if self.world > 1:
                 vals = acc.reduce(vals, "mean")
             row = {"step": pipe.step, **metrics, **{key: float(v) for key, v in zip(keys, vals)},
-                   "grad_norm": o.grad_norm, "lr": o.learning_rate}
+                   "grad_norm": o.grad_norm, "learning_rate": o.learning_rate}
             completion_tokens = float(g["lengths"].sum())
             row["step_time"] = time.time() - t0
             row["time/generation"] = g["t_gen"]
@@ -353,9 +353,9 @@ class GRPOTrainer(Trainer):
                            self.cfg.prompt_budget, chat=self.cfg.chat_template)
 
     def save(self, out_dir: str | None = None) -> str:
-        """Write the final model (HF format, LoRA merged) and tokenizer; all processes must call it."""
+        """Write the final model and tokenizer (LoRA: the PEFT adapter); every process must call it."""
         out = out_dir or self.cfg.output_dir
-        save_pretrained(self.pipeline.model, self.tokenizer, out, self.accelerator)
+        save_pretrained(self.pipeline.model, self.tokenizer, out, self.accelerator, merged=self.cfg.save_merged)
         self.accelerator.wait_for_everyone()
         return out
 

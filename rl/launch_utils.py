@@ -33,9 +33,11 @@ import yaml
 
 from rl.config import ConfigError, cli_config, to_dict
 from rl.data import DataError
+from rl.models import adapter_base
 from rl.reward_io import reward_model_problem
 from rl.tiny import FAMILIES, TINY_PREFIX, resolve_model_path
 from rl.trainers.base import RunError
+from rl.tracking import quiet_third_party
 
 
 def fail(message: str, code: int = 2):
@@ -100,8 +102,8 @@ def model_problem(key: str, name: str, role: str = "model") -> str | None:
         problem = reward_model_problem(path)
         if problem:
             return f"key '{key}': {problem}"
-    elif not (path / "config.json").exists():
-        return (f"key '{key}': {name} has no config.json, so it is not a model directory (a finished run "
+    elif not (path / "config.json").exists() and not (path / "adapter_config.json").exists():
+        return (f"key '{key}': {name} has no config.json (nor adapter_config.json), so it is not a model directory (a finished run "
                 f"writes its model to output_dir; a checkpoint goes to resume=, not model_name)")
     return safetensors_problem(key, path)
 
@@ -163,7 +165,9 @@ def preflight_problems(cfg) -> list[str]:
 
 def preflight(cfg) -> None:
     """`preflight_problems` for a launch script, right after parsing: the first problem is one
-    `error:` line and exit 2, before any model is built."""
+    `error:` line and exit 2, before any model is built. Also hides third-party noise unless
+    `verbose: true` (`rl.tracking.quiet_third_party`)."""
+    quiet_third_party(getattr(cfg, "verbose", False))  # first: before the libraries load
     problems = preflight_problems(cfg)
     if problems:
         fail(problems[0])
@@ -224,6 +228,9 @@ def load_model_config(name: str, trust_remote_code: bool = False):
 
     if name.startswith("tiny:"):
         name = resolve_model_path(name)
+    base = adapter_base(name)
+    if base is not None:  # a LoRA run's output: the base model's architecture
+        return load_model_config(base, trust_remote_code)
     if Path(name).is_dir():
         return AutoConfig.from_pretrained(name, trust_remote_code=trust_remote_code)
     fields = known_config(name)

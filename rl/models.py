@@ -6,12 +6,14 @@ user asks), attention kernels and LoRA targets behave the same everywhere.
 
 from __future__ import annotations
 
+import json
 import math
+from pathlib import Path
 
 import torch
 
 from rl.config import ConfigError
-from rl.tiny import resolve_model_path
+from rl.tiny import _without_zero3_init, resolve_model_path
 
 
 def resolve_dtype(name: str | None) -> torch.dtype:
@@ -50,11 +52,27 @@ def load_causal_lm(name: str, dtype: str | torch.dtype | None = "auto", trust_re
                    quantization: str | None = None, task: str = "causal-lm", num_labels: int = 1):
     """Load a causal LM (or, with task='classifier', a sequence classifier) by id, path or tiny:name.
 
-    `quantization` = '4bit' | '8bit' loads the weights through bitsandbytes (QLoRA)."""
+    `quantization` = '4bit' | '8bit' loads the weights through bitsandbytes (QLoRA). A PEFT adapter
+    directory (a LoRA run's output) loads as its base model with the adapter merged, so one stage's
+    output is the next stage's `model_name` whether or not it trained LoRA."""
     from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
 
     # A causal-LM checkpoint loads as a classifier too (new score head): how reward models start.
     path = resolve_model_path(name)
+    base = adapter_base(path)
+    if base is not None:  # a LoRA run's output: its base with the adapter merged in, a plain model again
+        from peft import PeftModel
+
+        # Merged on whole tensors: under a ZeRO-3 launch, zero.Init would leave each process a shard to
+        # merge into; DeepSpeed partitions the merged model when the engine is built instead.
+        with _without_zero3_init():
+            model = load_causal_lm(base, dtype, trust_remote_code, attn_implementation, gradient_checkpointing,
+                                   quantization, task, num_labels)
+            model = PeftModel.from_pretrained(model, path).merge_and_unload()
+        # named after the adapter, so that a LoRA run on top records this directory as its base
+        # (adapter_config.json's base_model_name_or_path), not the model under it
+        model.name_or_path = model.config._name_or_path = str(path)
+        return model
     torch_dtype = dtype if isinstance(dtype, torch.dtype) else resolve_dtype(dtype)
     kwargs = dict(dtype=torch_dtype, trust_remote_code=trust_remote_code)
     if attn_implementation:
@@ -179,11 +197,31 @@ def merge_lora_state_dict(state_dict: dict, scaling: float, fan_in_fan_out: bool
     return out
 
 
-def save_pretrained(model, tokenizer, out_dir: str, accelerator=None) -> None:
-    """Save an HF-format model directory (safetensors) that `from_pretrained` loads.
+MERGED_DIR = "merged"  # where `save_merged: true` puts a LoRA run's merged model, under the output dir
 
-    Under ZeRO-3 every process must call this (the weights are gathered); only the main one writes.
-    LoRA models are merged into their base and the output loads without peft."""
+
+def is_lora(model) -> bool:
+    """True for a PEFT model whose (default) adapter is LoRA."""
+    cfg = getattr(model, "peft_config", {}).get("default") if hasattr(model, "peft_config") else None
+    return cfg is not None and str(getattr(cfg, "peft_type", "")).endswith("LORA")
+
+
+def adapter_base(path: str | Path) -> str | None:
+    """The base model a PEFT adapter directory names (`base_model_name_or_path` of its
+    `adapter_config.json`), or None when `path` is not an adapter directory."""
+    f = Path(path) / "adapter_config.json"
+    if not f.is_file() or (Path(path) / "config.json").exists():
+        return None
+    try:
+        return json.loads(f.read_text()).get("base_model_name_or_path") or None
+    except (OSError, ValueError):
+        return None
+
+
+def save_pretrained(model, tokenizer, out_dir: str, accelerator=None, merged: bool = False) -> None:
+    """Save the final model where `from_pretrained` finds it (see `write_pretrained` for the layout).
+
+    Under ZeRO-3 every process must call this (the weights are gathered); only the main one writes."""
     if accelerator is not None:
         state_dict = accelerator.get_state_dict(model)
         if not accelerator.is_main_process:
@@ -191,32 +229,48 @@ def save_pretrained(model, tokenizer, out_dir: str, accelerator=None) -> None:
         model = accelerator.unwrap_model(model)
     else:
         state_dict = None
-    write_pretrained(model, state_dict, tokenizer, out_dir)
+    write_pretrained(model, state_dict, tokenizer, out_dir, merged=merged)
 
 
-def write_pretrained(model, state_dict: dict | None, tokenizer, out_dir) -> None:
-    """Write `model` (with `state_dict` if given, e.g. gathered from ZeRO-3 shards) as an HF model
-    directory. A LoRA model is merged from the state dict, not with `merge_and_unload`, so this works
-    when the live parameters are only shards. Call it on one process."""
-    if hasattr(model, "peft_config"):
-        cfg = model.peft_config["default"]
-        if getattr(cfg, "peft_type", None) is not None and str(cfg.peft_type).endswith("LORA"):
-            from huggingface_hub import save_torch_state_dict
+def write_pretrained(model, state_dict: dict | None, tokenizer, out_dir, merged: bool = False) -> None:
+    """Write `model` (with `state_dict` if given, e.g. gathered from ZeRO-3 shards) under `out_dir`.
 
-            scaling = cfg.lora_alpha / (cfg.r ** 0.5 if getattr(cfg, "use_rslora", False) else cfg.r)
-            merged = merge_lora_state_dict(state_dict if state_dict is not None else model.state_dict(),
-                                           scaling, bool(getattr(cfg, "fan_in_fan_out", False)))
-            base = model.get_base_model()
-            base.config.save_pretrained(out_dir)
-            if getattr(base, "generation_config", None) is not None:
-                base.generation_config.save_pretrained(out_dir)
-            save_torch_state_dict({k: v.detach().cpu().contiguous() for k, v in merged.items()}, out_dir)
-            if tokenizer is not None:
-                tokenizer.save_pretrained(out_dir)
-            return
+    A full model: an HF model directory (config.json + model.safetensors + tokenizer). A LoRA model: the
+    PEFT adapter (adapter_config.json + adapter_model.safetensors + tokenizer), as TRL writes it, which
+    `PeftModel.from_pretrained(base, out_dir)`, `AutoPeftModelForCausalLM.from_pretrained(out_dir)` and our
+    own loader (`load_causal_lm`, which merges it) read; with `merged=True` also the merged full model in
+    `out_dir/merged`. Both are written from the state dict, not from the live modules, so this works
+    when those hold only ZeRO-3 shards. Call it on one process."""
+    if is_lora(model):
+        sd = state_dict if state_dict is not None else model.state_dict()
+        # PEFT picks the adapter's tensors out of the full state dict it is given
+        model.save_pretrained(str(out_dir), state_dict=sd, safe_serialization=True)
+        if tokenizer is not None:
+            tokenizer.save_pretrained(out_dir)
+        if merged:
+            write_merged_lora(model, sd, tokenizer, Path(out_dir) / MERGED_DIR)
+        return
+    if hasattr(model, "peft_config"):  # another PEFT method: merged by PEFT on the live modules
         model = model.merge_and_unload()
         state_dict = None
     model.save_pretrained(out_dir, state_dict=state_dict, safe_serialization=True)
+    if tokenizer is not None:
+        tokenizer.save_pretrained(out_dir)
+
+
+def write_merged_lora(model, state_dict: dict, tokenizer, out_dir) -> None:
+    """The LoRA model `model` merged into its base (W' = W + scaling * B @ A, from `state_dict`) as a
+    plain HF model directory that loads without peft."""
+    from huggingface_hub import save_torch_state_dict
+
+    cfg = model.peft_config["default"]
+    scaling = cfg.lora_alpha / (cfg.r ** 0.5 if getattr(cfg, "use_rslora", False) else cfg.r)
+    merged = merge_lora_state_dict(state_dict, scaling, bool(getattr(cfg, "fan_in_fan_out", False)))
+    base = model.get_base_model()
+    base.config.save_pretrained(out_dir)
+    if getattr(base, "generation_config", None) is not None:
+        base.generation_config.save_pretrained(out_dir)
+    save_torch_state_dict({k: v.detach().cpu().contiguous() for k, v in merged.items()}, out_dir)
     if tokenizer is not None:
         tokenizer.save_pretrained(out_dir)
 

@@ -47,7 +47,7 @@ from rl.dpo import dpo_batch_loss
 from rl.environments import make_env
 from rl.forward_backward import ForwardBackwardPipeline, build_accelerator, zero_stage
 from rl.generation import generate, position_ids_from_mask, sequence_logprobs
-from rl.grpo import encode_prompt, greedy_eval, unique_eval_set
+from rl.grpo import GRPOTrainer, encode_prompt, greedy_eval, unique_eval_set
 from rl.models import (apply_lora, build_optimizer, build_scheduler, load_tokenizer, load_trainable_policy,
                        release_device_cache, resolve_dtype, save_pretrained, trainable_fraction)
 from rl.reference import ReferencePolicy
@@ -171,6 +171,18 @@ class OnlineDPOTrainer(Trainer):
             model = apply_lora(model, cfg.lora.rank, cfg.lora.alpha, cfg.lora.dropout, cfg.lora.target_modules)
         self.trainable, self.total_params = trainable_fraction(model)
         self._model, self.pipeline = model, None
+
+    load_data = staticmethod(GRPOTrainer.load_data)  # prompt rows of data.path, or None with an environment
+
+    @staticmethod
+    def dry_run_models(cfg: OnlineDPOConfig) -> dict:
+        """The models a run holds, for the dry-run memory plan: the reference as `ReferencePolicy` decides."""
+        models = {"policy (trainable)": cfg.model_name,
+                  "reference (frozen)": cfg.ref_model_name or ("policy without adapters" if cfg.lora.enabled
+                                                               else cfg.model_name)}
+        if cfg.reward_model_path:
+            models["reward model (frozen)"] = cfg.reward_model_path
+        return models
 
     def plan(self) -> dict:
         """Derived sizes, computed once: prompts (= pairs) per step, per process and in all; total steps."""
@@ -304,7 +316,7 @@ class OnlineDPOTrainer(Trainer):
             # mean over the trained answers of log pi - log ref (rewards/* are beta times it)
             "objective/kl": (row["rewards/chosen"] + row["rewards/rejected"]) / (2 * cfg.beta),
             "online_dpo/ties": float(all_tie.mean()), "completions/mean_length": float(lengths.mean()),
-            "completions/clipped_ratio": float(clip_all.mean()), "grad_norm": o.grad_norm, "lr": o.learning_rate,
+            "completions/clipped_ratio": float(clip_all.mean()), "grad_norm": o.grad_norm, "learning_rate": o.learning_rate,
             "step_time": time.time() - t0, "time/generation": t_gen,
         })
         for j, name in enumerate(self.reward.names):
@@ -313,8 +325,8 @@ class OnlineDPOTrainer(Trainer):
         return [{"step": pipe.step, **row}]
 
     def save(self, out_dir: str | None = None) -> str:
-        """Write the final model (HF format, LoRA merged) and tokenizer; all processes must call it."""
+        """Write the final model and tokenizer (LoRA: the PEFT adapter); every process must call it."""
         out = out_dir or self.cfg.output_dir
-        save_pretrained(self.pipeline.model, self.tokenizer, out, self.accelerator)
+        save_pretrained(self.pipeline.model, self.tokenizer, out, self.accelerator, merged=self.cfg.save_merged)
         self.accelerator.wait_for_everyone()
         return out

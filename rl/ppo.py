@@ -233,7 +233,7 @@ class PPOTrainer(Trainer):
             vec = acc.reduce(vec, "mean")
         metrics = {k: float(x) for k, x in zip(keys, vec.tolist())}
         self.kl_ctl.update(metrics["objective/kl"], cfg.batch_size * self.world)
-        metrics.update({"kl_coef": kl_coef, "lr": lr, "grad_norm": sum(grad_norms) / max(1, len(grad_norms)),
+        metrics.update({"kl_coef": kl_coef, "learning_rate": lr, "grad_norm": sum(grad_norms) / max(1, len(grad_norms)),
                         "time/generation": t_gen, "time/scoring": t_score, "time/training": t_train,
                         "time/iteration": time.time() - t0})
         self.last_rollout = {"prompts": prompt_texts, "responses": responses, "scores": raw_scores.tolist()}
@@ -359,8 +359,9 @@ class PPOTrainer(Trainer):
 
     # ------------------------------------------------------------------ saving
     def save(self, out_dir: str | None = None) -> str:
-        """Write the policy as an HF model directory (LoRA merged, no value head) plus
+        """Write the policy as an HF model directory (LoRA: the adapter; no value head) plus
         `value_head.safetensors`; every process must call it (ZeRO-3 gathers the weights)."""
         out = Path(out_dir or self.cfg.output_dir)
-        save_policy(self.accelerator, self.pipeline, self.tokenizer, out, self.history[-1] if self.history else {})
+        save_policy(self.accelerator, self.pipeline, self.tokenizer, out, self.history[-1] if self.history else {},
+                    merged=self.cfg.save_merged)
         return str(out)

@@ -268,9 +268,10 @@ def rollout_stats(exp: dict, raw_scores: torch.Tensor, eos_missing: torch.Tensor
     }
 
 
-def save_policy(acc, pipeline, tokenizer, out: Path, summary: dict) -> None:
-    """Write a PPOModel as an HF model directory (LoRA merged, no value head) plus
-    `value_head.safetensors` and `ppo_summary.json`; every process must call it (ZeRO-3 gathers)."""
+def save_policy(acc, pipeline, tokenizer, out: Path, summary: dict, merged: bool = False) -> None:
+    """Write a PPOModel as an HF model directory (LoRA: the PEFT adapter, plus the merged model in
+    `merged/` with `merged`; no value head) plus `value_head.safetensors` and `ppo_summary.json`;
+    every process must call it (ZeRO-3 gathers)."""
     state = acc.get_state_dict(pipeline.model)
     if acc.is_main_process:
         out.mkdir(parents=True, exist_ok=True)
@@ -279,7 +280,7 @@ def save_policy(acc, pipeline, tokenizer, out: Path, summary: dict) -> None:
         base_sd = {k[len(prefix):]: v for k, v in state.items() if k.startswith(prefix)}
         head_sd = {k[len("value_head."):]: v.contiguous() for k, v in state.items() if k.startswith("value_head.")}
         # LoRA is merged from the gathered state dict (a copy of ZeRO-3 shards would be empty)
-        write_pretrained(base, base_sd, tokenizer, out)
+        write_pretrained(base, base_sd, tokenizer, out, merged=merged)
         if head_sd:
             save_file(head_sd, str(out / "value_head.safetensors"))
         (out / "ppo_summary.json").write_text(json.dumps(summary, indent=2))

@@ -123,7 +123,15 @@ def sum_normalised_nll(logits, labels, attention_mask, scale: float):
     logp, mask = losses.token_logprobs(logits, labels)
     nll_sum = -(logp * mask).sum()
     n = mask.sum().clamp(min=1)
-    return nll_sum * scale, {"nll": nll_sum.detach() / n}
+    return nll_sum * scale, {"nll": nll_sum.detach() / n, "correct": correct_tokens(logits, labels)}
+
+
+def correct_tokens(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """How many counted label tokens (labels != -100, shifted as in the loss) are the argmax of the
+    logits before them: logits (B, T, V), labels (B, T) -> a scalar. Divided by the counted tokens it
+    is TRL's `mean_token_accuracy`."""
+    target, pred = labels[:, 1:], logits[:, :-1].argmax(-1)
+    return ((pred == target) & (target != -100)).sum().detach()
 
 
 # ------------------------------------------------------------------------------------------ trainer
@@ -168,7 +176,7 @@ class SFTTrainer(EpochTrainer):
                       f"trainable {self.trainable:,}/{self.total_params:,} parameters")
         if plan["warning"]:
             tracker.write(plan["warning"])
-        self._train = train_examples
+        self._train, self._num_tokens = train_examples, 0
         self.start_epochs(len(train_examples), eval_examples)
         return self.fit(plan["total_steps"], tracker)
 
@@ -177,7 +185,7 @@ class SFTTrainer(EpochTrainer):
         t0 = time.time()
         batch = [self._train[i] for i in self.next_global_batch()]
         scale = self.world * cfg.gradient_accumulation_steps / max(1, counted_tokens(batch))
-        nll_sum, n_tok = 0.0, 0
+        nll_sum, n_tok, correct = 0.0, 0, 0.0
         for micro in _split(batch[acc.process_index::self.world], cfg.gradient_accumulation_steps):
             # a short last step can leave this process an empty micro-batch: it still runs one
             # forward/backward (ZeRO-3 needs every rank in every forward) on an example with no
@@ -188,11 +196,20 @@ class SFTTrainer(EpochTrainer):
                                       loss_fn=partial(sum_normalised_nll, scale=scale)).result()
             nll_sum += r.metrics["nll"] * r.num_tokens
             n_tok += r.num_tokens
+            correct += r.metrics["correct"]
         o = pipe.optim_step(max_grad_norm=cfg.max_grad_norm).result()
-        totals = acc.reduce(torch.tensor([nll_sum, n_tok], device=acc.device, dtype=torch.float64), "sum")
+        totals = acc.reduce(torch.tensor([nll_sum, n_tok, correct], device=acc.device, dtype=torch.float64), "sum")
+        self._num_tokens += sum(len(ex["input_ids"]) for ex in batch)  # input tokens so far, as TRL counts them
         return [{"step": pipe.step, "loss": float(totals[0] / totals[1].clamp(min=1)), "grad_norm": o.grad_norm,
-                 "lr": o.learning_rate, "epoch": self.epoch_progress,
-                 "num_tokens": int(totals[1]), "step_time": time.time() - t0}]
+                 "learning_rate": o.learning_rate, "epoch": self.epoch_progress, "num_tokens": self._num_tokens,
+                 "mean_token_accuracy": float(totals[2] / totals[1].clamp(min=1)), "step_time": time.time() - t0}]
+
+    def checkpoint_extra(self) -> dict:
+        return {**super().checkpoint_extra(), "num_tokens": self._num_tokens}
+
+    def restore(self, extra: dict) -> None:
+        super().restore(extra)
+        self._num_tokens = int(extra.get("num_tokens", 0))
 
     @torch.no_grad()
     def evaluate(self, examples: list[dict]) -> dict:
@@ -208,9 +225,9 @@ class SFTTrainer(EpochTrainer):
         return {"eval/loss": nll / max(n, 1)}
 
     def save(self, out_dir: str | None = None) -> str:
-        """Write the final model (HF format, LoRA merged) and tokenizer; all processes must call it."""
+        """Write the final model and tokenizer (LoRA: the PEFT adapter); every process must call it."""
         out = out_dir or self.cfg.output_dir
-        save_pretrained(self.pipeline.model, self.tokenizer, out, self.accelerator)
+        save_pretrained(self.pipeline.model, self.tokenizer, out, self.accelerator, merged=self.cfg.save_merged)
         self.accelerator.wait_for_everyone()
         return out
 

@@ -1,21 +1,126 @@
-"""Metrics: a live progress bar, a JSONL file, wandb (offline unless configured) and a PNG plot.
+"""Metrics: a live progress bar, a JSONL file, accelerate's trackers (TensorBoard, wandb, trackio,
+MLflow) and a PNG plot.
 
 Only the main process writes; the others get a Tracker that does nothing, so trainers call it
-unconditionally. Metric names follow TRL (`loss`, `rewards/chosen`, `objective/kl`, ...).
+unconditionally. Metric names are the ones TRL users read (`loss`, `learning_rate`, `num_tokens`,
+`rewards/chosen`, `objective/kl`, held-out metrics under `eval/`).
+
+The sinks other than jsonl are accelerate's own tracker classes (`accelerate.tracking`), the ones
+`Accelerator(log_with=...)` builds, used directly because our Accelerator is built before the
+output directory and run name are known. wandb runs offline unless the user set WANDB_MODE.
 """
 
 from __future__ import annotations
 
+import importlib.util
 import json
+import logging
 import math
 import os
+import sys
 import time
+import warnings
 from pathlib import Path
 from typing import Any
 
 # Shown in the progress bar when present, in this order.
 BAR_KEYS = ("loss", "objective/scores", "reward", "rewards/accuracies", "accuracy", "objective/kl",
-            "eval/loss", "eval/accuracy", "lr")
+            "eval/loss", "eval/accuracy", "learning_rate")
+
+# report_to values -> the package each needs (jsonl needs none)
+SINKS = {"jsonl": None, "tensorboard": "tensorboard", "wandb": "wandb", "trackio": "trackio", "mlflow": "mlflow",
+         "none": None}
+
+
+def report_to_problem(report_to) -> str | None:
+    """Why `report_to` cannot be honoured (an unknown sink, a sink whose package is not installed), or None."""
+    for sink in report_to:
+        if sink not in SINKS:
+            return f"key 'report_to' has unknown sink {sink!r}; use any of {', '.join(SINKS)}"
+        package = SINKS[sink]
+        if package and importlib.util.find_spec(package) is None:
+            return f"key 'report_to': {sink} needs the {package} package; pip install {package}, or drop {sink}"
+    return None
+
+
+def flat_config(config: dict, prefix: str = "") -> dict[str, Any]:
+    """Nested sections -> dotted keys (`lora.rank`); lists and None -> strings. TensorBoard's hparams
+    take only scalars and strings."""
+    out: dict[str, Any] = {}
+    for key, value in config.items():
+        name = f"{prefix}{key}"
+        if isinstance(value, dict):
+            out.update(flat_config(value, f"{name}."))
+        elif isinstance(value, (bool, int, float, str)):
+            out[name] = value
+        else:
+            out[name] = str(value)
+    return out
+
+
+def build_trackers(report_to, output_dir: Path, run_name: str, config: dict) -> list:
+    """Started accelerate trackers for the sinks in `report_to` (jsonl is ours, not accelerate's).
+    TensorBoard writes `<output_dir>/runs/<run_name>` (where TRL's logging_dir puts it), MLflow
+    `<output_dir>/mlruns`, wandb `<output_dir>/wandb`."""
+    from accelerate import PartialState, tracking
+
+    if report_to and any(SINKS.get(s) for s in report_to):
+        PartialState()  # accelerate's trackers log through its state; the run's Accelerator made it already
+    trackers = []
+    for sink in report_to:
+        if sink == "tensorboard":
+            trackers.append(tracking.TensorBoardTracker(run_name, output_dir / "runs"))
+        elif sink == "wandb":
+            # Offline unless the user configured wandb; never prompt for a login.
+            os.environ.setdefault("WANDB_MODE", "offline")
+            os.environ.setdefault("WANDB_SILENT", "true")
+            trackers.append(tracking.WandBTracker(os.environ.get("WANDB_PROJECT", "rl"), name=run_name,
+                                                  dir=str(output_dir), reinit="finish_previous"))
+        elif sink == "trackio":
+            trackers.append(tracking.TrackioTracker(os.environ.get("TRACKIO_PROJECT", "rl"), name=run_name))
+        elif sink == "mlflow":
+            trackers.append(tracking.MLflowTracker(run_name, logging_dir=str(output_dir / "mlruns"),
+                                                   run_name=run_name))
+    for t in trackers:
+        t.start()
+        t.store_init_configuration(flat_config(config) if t.name == "tensorboard" else config)
+    return trackers
+
+
+def quiet_third_party(verbose: bool = False) -> None:
+    """Hide other libraries' noise unless `verbose`: FutureWarning / DeprecationWarning (a 2-process
+    ZeRO-3 run printed 2,315 DeepSpeed FutureWarnings; transformers' deprecated `past_key_values`
+    keyword is one too), transformers' and the hub's loading bars (they interleave with our bar), and
+    DeepSpeed's log below ERROR. Call it once per process, first thing (the launch scripts do, in
+    `preflight`); errors and our own output are untouched."""
+    if verbose:
+        return
+    for category in (FutureWarning, DeprecationWarning):
+        warnings.filterwarnings("ignore", category=category)
+    # read by these libraries when they are imported (here or in a child process) ...
+    for key, value in (("TRANSFORMERS_VERBOSITY", "error"), ("HF_HUB_DISABLE_PROGRESS_BARS", "1"),
+                       ("HF_DATASETS_DISABLE_PROGRESS_BARS", "1"),
+                       ("PYTHONWARNINGS", "ignore::FutureWarning,ignore::DeprecationWarning")):
+        os.environ.setdefault(key, value)
+    # ... and applied directly when they already are
+    if "transformers" in sys.modules:
+        from transformers.utils import logging as hf_logging
+
+        hf_logging.set_verbosity_error()
+        hf_logging.disable_progress_bar()
+    if "huggingface_hub" in sys.modules:
+        from huggingface_hub.utils import disable_progress_bars
+
+        disable_progress_bars()
+    # DeepSpeed sets its logger's level when it is imported; a filter on the logger stays
+    ds = logging.getLogger("DeepSpeed")
+    if not any(isinstance(f, _ErrorsOnly) for f in ds.filters):
+        ds.addFilter(_ErrorsOnly())
+
+
+class _ErrorsOnly(logging.Filter):
+    def filter(self, record: logging.LogRecord) -> bool:
+        return record.levelno >= logging.ERROR
 
 
 class Tracker:
@@ -27,7 +132,7 @@ class Tracker:
         self.history: list[dict[str, Any]] = []
         self.plot_keys = plot_keys
         self._bar = None
-        self._wandb = None
+        self._trackers: list = []
         self._file = None
         self._start = time.time()
         if not is_main:
@@ -35,19 +140,26 @@ class Tracker:
         self.output_dir.mkdir(parents=True, exist_ok=True)
         if "jsonl" in report_to:
             self._file = (self.output_dir / "metrics.jsonl").open("a", encoding="utf-8")
-        if "wandb" in report_to:
-            # Offline unless the user configured wandb; never prompt for a login.
-            os.environ.setdefault("WANDB_MODE", "offline")
-            os.environ.setdefault("WANDB_SILENT", "true")
-            import wandb
+        self._trackers = build_trackers(report_to, self.output_dir, run_name or self.output_dir.name, config or {})
+        self._desc = desc
+        if total_steps is not None:  # else the bar starts when its total is known (set_total) or at the first log
+            self._start_bar(total_steps)
 
-            self._wandb = wandb.init(project=os.environ.get("WANDB_PROJECT", "rl"),
-                                     name=run_name or self.output_dir.name, config=config or {},
-                                     dir=str(self.output_dir), reinit="finish_previous")
+    def _start_bar(self, total_steps: int | None) -> None:
         from tqdm.auto import tqdm
 
-        self._bar = tqdm(total=total_steps, desc=desc, dynamic_ncols=True,
+        self._bar = tqdm(total=total_steps, desc=self._desc, dynamic_ncols=True,
                          disable=os.environ.get("RL_NO_PROGRESS") == "1")
+
+    def set_total(self, total_steps: int) -> None:
+        """The bar's total, when only the training loop knows it (the lifecycle calls this)."""
+        if not self.is_main:
+            return
+        if self._bar is None:
+            self._start_bar(total_steps)
+        elif self._bar.total != total_steps:
+            self._bar.total = total_steps
+            self._bar.refresh()
 
     def log(self, step: int, metrics: dict[str, Any]) -> None:
         """Record `metrics` at optimizer step `step`; the bar moves to `step`."""
@@ -59,8 +171,12 @@ class Tracker:
         if self._file:
             self._file.write(json.dumps(row) + "\n")
             self._file.flush()
-        if self._wandb is not None:
-            self._wandb.log({k: v for k, v in row.items() if k != "step"}, step=step)
+        if self._trackers:
+            numeric = {k: v for k, v in row.items() if k != "step" and isinstance(v, (int, float))}
+            for t in self._trackers:
+                t.log(numeric, step=step)
+        if self._bar is None:
+            self._start_bar(None)
         if self._bar is not None:
             shown = {k.split("/")[-1] if k.count("/") else k: f"{row[k]:.4g}" for k in BAR_KEYS
                      if isinstance(row.get(k), (int, float))}
@@ -84,8 +200,8 @@ class Tracker:
             self._bar.close()
         if self._file:
             self._file.close()
-        if self._wandb is not None:
-            self._wandb.finish()
+        for t in self._trackers:
+            t.finish()
         return plot_history(self.history, self.output_dir / "metrics.png", self.plot_keys)
 
 
@@ -121,6 +237,7 @@ def plot_history(history: list[dict], path: Path, keys: list[str] | None = None,
         ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="." if len(pts) < 30 else None)
         ax.set_title(key, fontsize=9)
         ax.set_xlabel("step", fontsize=8)
+        ax.set_ylabel(y_label(key), fontsize=8)
         ax.tick_params(labelsize=7)
     for ax in list(axes.flat)[len(numeric):]:
         ax.axis("off")
@@ -129,3 +246,9 @@ def plot_history(history: list[dict], path: Path, keys: list[str] | None = None,
     fig.savefig(path, dpi=90)
     plt.close(fig)
     return path
+
+
+def y_label(key: str) -> str:
+    """A panel's y-axis label: the metric's last name part in words (`eval/rewards/accuracies` ->
+    `accuracies`, `learning_rate` -> `learning rate`); the title keeps the full key."""
+    return key.rsplit("/", 1)[-1].replace("_", " ")

@@ -245,9 +245,9 @@ def test_it_learns_heldout_reward_accuracy(tiny_tokenizer, tmp_path):
                         lr_scheduler="constant", precompute_ref_logps=True, beta=0.1), tokenizer=tok)
     history = t.train(train, eval_dataset=held)
     after = history[-1]
-    assert learned("dpo_heldout_accuracy", after["eval_rewards/accuracies"]) >= 0.9, after
+    assert learned("dpo_heldout_accuracy", after["eval/rewards/accuracies"]) >= 0.9, after
     assert history[0]["loss"] == pytest.approx(math.log(2), abs=1e-5)  # policy == reference at step 1
-    assert after["eval_loss"] < 0.5
+    assert after["eval/loss"] < 0.5
 
 
 @pytest.mark.parametrize("recipe", ["recipes/tiny/dpo.yaml", "recipes/gemma/270m_dpo.yaml"])

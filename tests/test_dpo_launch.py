@@ -20,8 +20,8 @@ def test_launch_tiny_recipe_orpo_with_eval_and_checkpoint(tmp_path, tiny_llama):
     run_cmd([sys.executable, "launch/dpo.py", "--config", "recipes/tiny/dpo.yaml", f"output_dir={out}",
              "num_epochs=1", "loss_type=orpo", "save_every=7", "eval_every=7"], timeout=300)
     rows = _metrics(out)
-    assert any("eval_rewards/accuracies" in r for r in rows)
-    assert all("nll_loss" in r for r in rows if "loss" in r and "eval_loss" not in r)
+    assert any("eval/rewards/accuracies" in r for r in rows)
+    assert all("nll_loss" in r for r in rows if "loss" in r and "eval/loss" not in r)
     assert (out / "checkpoints" / "checkpoint-7" / "COMPLETE").exists()
     assert (out / "model.safetensors").exists() and (out / "config.yaml").exists()
 
@@ -58,5 +58,5 @@ def test_launch_two_process_zero3_with_frozen_reference(tmp_path, tiny_llama):
             assert got[k] == pytest.approx(ref[k], abs=1e-4), (got["step"], k)
     # a fraction of 8 held-out pairs: allow one pair whose chosen/rejected rewards are a near-tie
     # (within the 1e-4 the two code paths may differ by) to fall the other way
-    assert rows[-1]["eval_rewards/accuracies"] == pytest.approx(want[-1]["eval_rewards/accuracies"], abs=0.13)
+    assert rows[-1]["eval/rewards/accuracies"] == pytest.approx(want[-1]["eval/rewards/accuracies"], abs=0.13)
     assert (z3 / "model.safetensors").exists()

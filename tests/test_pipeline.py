@@ -32,6 +32,9 @@ def test_tiny_pipeline_raises_heldout_accuracy(tmp_path):
     for plot in ("accuracy.png", "sft/metrics.png", "grpo/metrics.png"):
         assert (out / plot).stat().st_size > 0
     assert (out / "grpo" / "model.safetensors").exists()
+    for stage in ("sft", "grpo"):  # each stage's model card names its trainer and final metrics
+        card = (out / stage / "README.md").read_text()
+        assert f"**{stage}** trainer" in card and "## Final metrics" in card
 
 
 def test_pipeline_bad_key_fails_fast(tmp_path):

@@ -152,8 +152,8 @@ def test_sft_messages_loss_only_on_the_last_assistant_span(tok):
 
 
 def test_sft_lora_step_saves_a_merged_model_that_generates_the_same(smollm, tok, tmp_path):
-    """One LoRA SFT step in Python, then: the merged save reloads with plain `from_pretrained` and its
-    greedy tokens equal the trained (PEFT-wrapped) model's."""
+    """One LoRA SFT step in Python with save_merged, then: the merged save (`merged/`) reloads with plain
+    `from_pretrained` and its greedy tokens equal the trained (PEFT-wrapped) model's."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from rl.config import build
@@ -163,14 +163,14 @@ def test_sft_lora_step_saves_a_merged_model_that_generates_the_same(smollm, tok,
     records = [{"messages": m, "_line": i} for i, m in enumerate(CONVERSATIONS, 1)]
     cfg = build(SFTConfig, dict(model_name=NAME, output_dir=str(tmp_path / "out"), max_steps=1, batch_size=3,
                                 learning_rate=1e-3, dtype="float32", max_length=96, report_to=["none"],
-                                lora=dict(enabled=True, rank=4, alpha=8, dropout=0.0)))
+                                lora=dict(enabled=True, rank=4, alpha=8, dropout=0.0), save_merged=True))
     trainer = SFTTrainer(cfg, tokenizer=tok)
     history = trainer.train(tokenize_examples(records, tok, cfg))
     assert len(history) == 1 and torch.isfinite(torch.tensor(history[0]["loss"]))
     assert trainer.trainable < trainer.total_params // 50
     prompts = [chat_prompt(tok, q) for q in QUESTIONS]
     trained = generate(trainer.pipeline.model, tok, prompts, max_new_tokens=12, temperature=0.0)
-    out = trainer.save()
+    out = Path(trainer.save()) / "merged"
     reloaded = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32)
     assert not any("lora" in k for k in reloaded.state_dict())
     again = generate(reloaded, AutoTokenizer.from_pretrained(out), prompts, max_new_tokens=12, temperature=0.0)
@@ -320,7 +320,7 @@ def test_dpo_launch_lora(smollm, tmp_path):
     out = tmp_path / "dpo"
     _, rows = launch("dpo", "dpo", out, "max_steps=1", "batch_size=2", "lora.enabled=true")
     assert any("loss" in r for r in rows)
-    assert (out / "config.json").exists()
+    assert (out / "adapter_config.json").exists() and (out / "README.md").exists()  # the PEFT adapter, as TRL
 
 
 @pytest.mark.slow

@@ -52,13 +52,48 @@ def test_two_processes_match_one(tmp_path, zero3):
 
 
 @pytest.mark.slow
-def test_lora_and_bad_data_path(tmp_path):
-    out = tmp_path / "lora"
-    run_cmd([sys.executable, "launch/sft.py", "--config", RECIPE, f"output_dir={out}", "max_steps=5",
-             "lora.enabled=true", "lora.rank=4", "learning_rate=1e-2"])
-    from transformers import AutoModelForCausalLM
+def test_lora_outputs_card_tensorboard_quiet_and_bad_data_path(tmp_path):
+    """One LoRA run checks what a TRL user finds: the PEFT adapter at output_dir (what TRL writes) and
+    nothing merged unless asked; a checkpoint AutoPeftModelForCausalLM loads, equal to the adapter
+    saved there; the model card; TensorBoard event files; TRL's SFT metric names; and a stderr
+    without third-party FutureWarnings (quiet_third_party: without it PEFT's gradient-checkpointing
+    deprecation is printed in this run)."""
+    import torch
+    from huggingface_hub import ModelCard
+    from peft import AutoPeftModelForCausalLM
+    from safetensors.torch import load_file
 
-    AutoModelForCausalLM.from_pretrained(out)  # merged: loads without peft
+    out = tmp_path / "lora"
+    proc = run_cmd([sys.executable, "launch/sft.py", "--config", RECIPE, f"output_dir={out}", "max_steps=5",
+                    "lora.enabled=true", "lora.rank=4", "learning_rate=1e-2", "save_every=2", "log_every=1",
+                    "report_to=[jsonl,tensorboard]"])
+    assert "FutureWarning" not in proc.stderr and "Loading weights" not in proc.stderr, proc.stderr[-2000:]
+    assert (out / "adapter_config.json").exists() and (out / "adapter_model.safetensors").exists()
+    assert not (out / "config.json").exists() and not (out / "merged").exists()
+    # checkpoint-4: the adapter of step 4, read from the checkpoint's full state dict
+    ckpt = out / "checkpoints" / "checkpoint-4"
+    peft_ckpt = AutoPeftModelForCausalLM.from_pretrained(ckpt)
+    full = load_file(str(ckpt / "model.safetensors"))
+    lora_keys = [k for k in full if ".lora_B." in k]
+    assert lora_keys and all(torch.equal(peft_ckpt.state_dict()[k], full[k]) for k in lora_keys)
+    final = AutoPeftModelForCausalLM.from_pretrained(out)
+    assert any(not torch.equal(final.state_dict()[k], full[k]) for k in lora_keys)  # step 5 moved on
+    card = ModelCard.load(out / "README.md")
+    assert card.data.library_name == "peft" and "sft" in card.data.tags
+    for text in ("tiny:llama", "data/tiny/sft_arith.jsonl", "launch/sft.py --config", "| transformers |",
+                 "| mean_token_accuracy |", "AutoPeftModelForCausalLM"):
+        assert text in card.text, text
+    rows = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [1, 2, 3, 4, 5] and all("lr" not in r for r in rows)
+    tokens = [r["num_tokens"] for r in rows]
+    assert all(b > a for a, b in zip(tokens, tokens[1:]))  # cumulative
+    assert all(0.0 <= r["mean_token_accuracy"] <= 1.0 and r["learning_rate"] > 0 for r in rows)
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    acc = EventAccumulator(str(out / "runs" / "lora"))  # <output_dir>/runs/<run_name>, as TRL's logging_dir
+    acc.Reload()
+    loss = [(e.step, e.value) for e in acc.Scalars("loss")]
+    assert loss == [(r["step"], pytest.approx(r["loss"], rel=1e-6)) for r in rows]
     import subprocess
 
     bad = subprocess.run([sys.executable, "launch/sft.py", "--config", RECIPE, "data.path=missing.jsonl"],
@@ -67,22 +102,37 @@ def test_lora_and_bad_data_path(tmp_path):
 
 
 @pytest.mark.slow
-def test_zero3_lora_saves_a_merged_model(tmp_path):
-    """LoRA under ZeRO-3: the live modules hold shards, so the merge works on the gathered state."""
-    out = tmp_path / "z3lora"
-    run_cmd(accelerate_cmd("launch/sft.py", "--config", RECIPE, "max_steps=3", "batch_size=8",
-                           "lora.enabled=true", "lora.rank=4", f"output_dir={out}", zero3=True))
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(out)
-    assert not any("lora" in n for n, _ in model.named_parameters())
-
-
-def test_merge_lora_state_dict_equals_peft_forward(tiny_llama, tmp_path):
+def test_zero3_lora_saves_adapter_and_merged_model(tmp_path):
+    """LoRA under ZeRO-3: the live modules hold shards, so adapter and merge come from the gathered
+    state; save_merged=true adds the merged model in merged/, which loads without peft and computes
+    what the adapter does (dropout only acts in training). Two processes, and no FutureWarning line."""
     import torch
+    from peft import AutoPeftModelForCausalLM
     from transformers import AutoModelForCausalLM
 
-    from rl.models import apply_lora, load_causal_lm, load_tokenizer, save_pretrained
+    out = tmp_path / "z3lora"
+    proc = run_cmd(accelerate_cmd("launch/sft.py", "--config", RECIPE, "max_steps=3", "batch_size=8",
+                                  "lora.enabled=true", "lora.rank=4", "save_merged=true", f"output_dir={out}",
+                                  zero3=True))
+    assert "FutureWarning" not in proc.stderr, proc.stderr[-2000:]  # DeepSpeed printed thousands (quiet_third_party)
+    merged = AutoModelForCausalLM.from_pretrained(out / "merged").eval()
+    assert not any("lora" in n for n, _ in merged.named_parameters())
+    adapter = AutoPeftModelForCausalLM.from_pretrained(out).eval()
+    ids = torch.randint(0, 256, (2, 12))
+    assert (adapter(input_ids=ids).logits - merged(input_ids=ids).logits).abs().max() < 1e-4
+    assert (out / "merged" / "README.md").exists() and (out / "README.md").exists()
+
+
+def test_lora_adapter_and_merged_saves_equal_peft_forward(tiny_llama, tmp_path):
+    """save_pretrained of a LoRA model: the adapter at the output dir (PEFT's own loaders and ours read
+    it) and, with merged=True, the merged model in merged/ (plain transformers); all compute the trained
+    model's logits, which differ from the base model's."""
+    import torch
+    from peft import AutoPeftModelForCausalLM, PeftModel
+    from transformers import AutoModelForCausalLM
+
+    from rl.launch_utils import load_model_config, model_problem
+    from rl.models import MERGED_DIR, apply_lora, load_causal_lm, load_tokenizer, save_pretrained
 
     for family in ("llama", "gpt2"):  # gpt2: Conv1D stores W transposed
         torch.manual_seed(0)
@@ -93,7 +143,36 @@ def test_merge_lora_state_dict_equals_peft_forward(tiny_llama, tmp_path):
         ids = torch.randint(0, 256, (2, 10))
         model.eval()
         expected = model(input_ids=ids).logits
-        save_pretrained(model, load_tokenizer(f"tiny:{family}"), str(tmp_path / family))
-        merged = AutoModelForCausalLM.from_pretrained(tmp_path / family).eval()
-        assert (merged(input_ids=ids).logits - expected).abs().max() < 1e-4
+        out = tmp_path / family
+        save_pretrained(model, load_tokenizer(f"tiny:{family}"), str(out), merged=True)
+        merged = AutoModelForCausalLM.from_pretrained(out / MERGED_DIR).eval()
+        assert not any("lora" in n for n, _ in merged.named_parameters())
+        base = load_causal_lm(f"tiny:{family}", dtype="float32")
+        loaded = {"merged": merged, "PeftModel": PeftModel.from_pretrained(base, out),
+                  "AutoPeftModelForCausalLM": AutoPeftModelForCausalLM.from_pretrained(out),
+                  "load_causal_lm": load_causal_lm(str(out), dtype="float32")}
+        for how, m in loaded.items():
+            assert (m.eval()(input_ids=ids).logits - expected).abs().max() < 1e-4, how
+        assert type(loaded["load_causal_lm"]).__name__ == type(merged).__name__  # merged on load: a plain model
         assert (expected - load_causal_lm(f"tiny:{family}", dtype="float32")(input_ids=ids).logits).abs().max() > 1e-2
+        # the adapter directory is a valid model_name for the next stage (preflight, dry-run sizes)
+        assert model_problem("model_name", str(out)) is None
+        assert load_model_config(str(out)).model_type == merged.config.model_type
+    # LoRA on top of that output: the new adapter names the first as its base, and our loader applies both
+    torch.manual_seed(1)
+    second = apply_lora(load_causal_lm(str(out), dtype="float32"), 4, 8, 0.0)
+    for name, p in second.named_parameters():
+        if "lora_B" in name:
+            torch.nn.init.normal_(p, std=0.5)
+    expected = second.eval()(input_ids=ids).logits
+    save_pretrained(second, None, str(tmp_path / "stacked"))
+    assert json.loads((tmp_path / "stacked" / "adapter_config.json").read_text())["base_model_name_or_path"] == str(out)
+    chained = load_causal_lm(str(tmp_path / "stacked"), dtype="float32")
+    assert (chained(input_ids=ids).logits - expected).abs().max() < 1e-4
+    # PEFT's loaders would drop the first adapter: the card says how to load it instead
+    from rl.config import build
+    from rl.model_card import write_model_card
+    from rl.sft import SFTConfig
+
+    cfg = build(SFTConfig, {"model_name": str(out), "output_dir": str(tmp_path / "stacked"), "lora": {"enabled": True}})
+    assert "**Stacked adapter**" in write_model_card(tmp_path / "stacked", cfg, [], "sft", argv=[]).read_text()

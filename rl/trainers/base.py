@@ -37,7 +37,7 @@ from pathlib import Path
 
 import torch
 
-from rl.checkpoint import StopSignal, checkpoint_dir, checkpoint_name, resolve_resume
+from rl.checkpoint import StopSignal, checkpoint_dir, checkpoint_name, make_loadable, resolve_resume
 from rl.forward_backward import COMPLETE_MARKER
 
 logger = logging.getLogger(__name__)
@@ -194,6 +194,7 @@ class Trainer:
         history: list[dict] = []
         self.stopped_by = None
         self._resume(tracker)
+        getattr(tracker, "set_total", lambda n: None)(total_steps)  # a bar with a total, for every trainer
         stopper = _Stop()
         try:
             if eval_at_start and self.current_step == 0:
@@ -256,6 +257,8 @@ class Trainer:
             raise RunError(f"no space left on {root} while writing {name}; the previous checkpoint is kept "
                            f"(free space or lower save_total_limit, then resume=auto)") from None
         if self.accelerator.is_main_process:
+            make_loadable(checkpoint_dir(self.run_dir) / name, self.pipeline.unwrapped_model,
+                          getattr(self, "tokenizer", None))
             prune_checkpoints(self.run_dir, getattr(self.cfg, "save_total_limit", None))
         self.accelerator.wait_for_everyone()
 

@@ -1,0 +1,139 @@
+"""What a run leaves for a TRL user: trackers (TensorBoard read back), metric names, model cards,
+checkpoints that `from_pretrained` loads, and quiet third-party logs. Fast, in-process; the end-to-end
+checks ride on the SFT LoRA runs in tests/test_sft.py."""
+
+from __future__ import annotations
+
+import json
+import os
+import warnings
+
+import pytest
+import torch
+
+from rl import tracking
+from rl.config import ConfigError, build
+from rl.sft import SFTConfig
+from rl.tracking import Tracker, flat_config, quiet_third_party, report_to_problem, y_label
+
+
+def test_tensorboard_holds_what_jsonl_holds(tmp_path):
+    """Three logged steps reach TensorBoard (through accelerate's tracker) with the same values and
+    steps as metrics.jsonl; strings stay out of the scalars; the bar total is settable later."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    rows = [{"loss": 2.0, "learning_rate": 1e-3, "eval/loss": 2.5}, {"loss": 1.5, "learning_rate": 5e-4},
+            {"loss": 1.25, "learning_rate": 0.0, "note": "text"}]
+    t = Tracker(tmp_path, ["jsonl", "tensorboard"], run_name="run", config={"lora": {"rank": 4}, "report_to": ["x"]},
+                desc="t")
+    t.set_total(3)
+    assert t._bar.total == 3
+    for step, row in enumerate(rows, 1):
+        t.log(step, row)
+    t.close()
+    acc = EventAccumulator(str(tmp_path / "runs" / "run"))
+    acc.Reload()
+    assert [(e.step, e.value) for e in acc.Scalars("loss")] == [(1, 2.0), (2, 1.5), (3, 1.25)]
+    assert [(e.step, e.value) for e in acc.Scalars("eval/loss")] == [(1, 2.5)]
+    assert [e.value for e in acc.Scalars("learning_rate")] == pytest.approx([1e-3, 5e-4, 0.0])
+    assert "note" not in acc.Tags()["scalars"]
+    logged = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [r["loss"] for r in logged] == [2.0, 1.5, 1.25] and logged[2]["note"] == "text"
+    assert (tmp_path / "metrics.png").stat().st_size > 1000
+
+
+def test_flat_config_and_y_labels():
+    assert flat_config({"a": 1, "lora": {"rank": 4, "alpha": None}, "report_to": ["jsonl"]}) == \
+        {"a": 1, "lora.rank": 4, "lora.alpha": "None", "report_to": "['jsonl']"}
+    assert y_label("eval/rewards/accuracies") == "accuracies" and y_label("learning_rate") == "learning rate"
+
+
+def test_report_to_names_unknown_and_missing_sinks(monkeypatch):
+    assert report_to_problem(["jsonl", "none"]) is None
+    assert "unknown sink 'tensorbored'" in report_to_problem(["tensorbored"])
+    monkeypatch.setitem(tracking.SINKS, "mlflow", "surely_not_installed_pkg")
+    problem = report_to_problem(["jsonl", "mlflow"])
+    assert problem == ("key 'report_to': mlflow needs the surely_not_installed_pkg package; pip install "
+                       "surely_not_installed_pkg, or drop mlflow")
+    with pytest.raises(ConfigError, match="unknown sink"):
+        build(SFTConfig, {"model_name": "m", "report_to": ["tensorbored"]})
+    with pytest.raises(ConfigError, match="key 'save_merged': only a LoRA run"):
+        build(SFTConfig, {"model_name": "m", "save_merged": True})
+
+
+def test_quiet_third_party_hides_future_warnings_unless_verbose(monkeypatch):
+    for key in ("PYTHONWARNINGS", "HF_HUB_DISABLE_PROGRESS_BARS", "HF_DATASETS_DISABLE_PROGRESS_BARS"):
+        monkeypatch.delenv(key, raising=False)
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        quiet_third_party(verbose=True)
+        warnings.warn("shown", FutureWarning)
+        quiet_third_party(verbose=False)
+        warnings.warn("hidden", FutureWarning)
+        warnings.warn("kept", UserWarning)
+    assert [str(w.message) for w in seen] == ["shown", "kept"]
+    assert os.environ["HF_HUB_DISABLE_PROGRESS_BARS"] == "1" and "FutureWarning" in os.environ["PYTHONWARNINGS"]
+    import logging
+
+    ds = logging.getLogger("DeepSpeed")
+    assert not ds.filters[-1].filter(logging.makeLogRecord({"levelno": logging.WARNING}))
+    assert ds.filters[-1].filter(logging.makeLogRecord({"levelno": logging.ERROR}))
+
+
+def test_correct_tokens_by_hand():
+    """Labels shift by one: position t's logits predict label t+1; -100 labels are not counted."""
+    from rl.sft import correct_tokens
+
+    logits = torch.zeros(1, 4, 5)
+    logits[0, 0, 2] = logits[0, 1, 3] = logits[0, 2, 1] = 1.0  # argmax 2, 3, 1 (and 0 at the last position)
+    labels = torch.tensor([[-100, 2, 4, 1]])  # predicted: 2 right, 4 wrong, 1 right
+    assert int(correct_tokens(logits, labels)) == 2
+    assert int(correct_tokens(logits, torch.tensor([[-100, -100, -100, 1]]))) == 1
+
+
+def test_model_card_lists_what_the_run_was(tmp_path):
+    from huggingface_hub import ModelCard
+
+    from rl.dpo import DPOConfig
+    from rl.model_card import card_text, final_metrics, write_model_card
+
+    cfg = build(DPOConfig, {"model_name": "Qwen/Qwen2.5-0.5B-Instruct", "output_dir": str(tmp_path),
+                            "loss_type": "ipo", "data": {"path": "data/pairs.jsonl"}})
+    history = [{"step": 1, "loss": 0.7, "time": 3.0}, {"step": 2, "loss": 0.5, "eval/rewards/accuracies": 0.75}]
+    assert final_metrics(history) == {"loss": 0.5, "eval/rewards/accuracies": 0.75}
+    (tmp_path / "config.json").write_text("{}")
+    (tmp_path / "config.yaml").write_text("loss_type: ipo\n")
+    path = write_model_card(tmp_path, cfg, history, "dpo", argv=["launch/dpo.py", "--config", "r.yaml", "beta=0.2"])
+    card = ModelCard.load(path)
+    assert card.data.base_model == "Qwen/Qwen2.5-0.5B-Instruct" and card.data.library_name == "transformers"
+    for text in ("loss_type=ipo", "`data/pairs.jsonl`", "launch/dpo.py --config r.yaml beta=0.2",
+                 "| loss | 0.5 |", "| eval/rewards/accuracies | 0.75 |", "`config.yaml`",
+                 f"| torch | {torch.__version__} |", "AutoModelForCausalLM.from_pretrained"):
+        assert text in card.text, text
+    # a local or tiny base model is named in the text, not as the hub's base_model
+    local = build(DPOConfig, {"model_name": "tiny:llama", "output_dir": str(tmp_path)})
+    assert "base_model" not in card_text(local, [], "dpo", argv=[]).split("---")[1]
+
+
+def test_checkpoint_of_a_full_model_loads_with_from_pretrained(tiny_llama, tiny_tokenizer, tmp_path):
+    """make_loadable beside a checkpoint's model.safetensors (written as the engine writes it, shared
+    tensors once): `from_pretrained(checkpoint)` computes the saved model's logits; our own model
+    types (here a plain nn.Module) are left alone."""
+    from safetensors.torch import save_file
+    from transformers import AutoModelForCausalLM
+
+    from rl.checkpoint import make_loadable
+    from rl.forward_backward import _dedupe_shared
+
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_pretrained(tiny_llama).eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(0.01 * torch.randn_like(p))  # not the base weights
+    save_file(_dedupe_shared(model.state_dict()), str(tmp_path / "model.safetensors"))
+    assert make_loadable(tmp_path, model, tiny_tokenizer)
+    again = AutoModelForCausalLM.from_pretrained(tmp_path).eval()
+    ids = torch.randint(0, 256, (2, 9))
+    assert torch.allclose(again(input_ids=ids).logits, model(input_ids=ids).logits, atol=1e-6)
+    assert (tmp_path / "tokenizer.json").exists()
+    assert make_loadable(tmp_path / "x", torch.nn.Linear(2, 2)) is False
