@@ -49,6 +49,7 @@ import numpy as np
 import torch
 
 from rl import losses
+from rl.chunked import auto_chunk_size, capture_head, head_vocab, output_head
 
 COMPLETE_MARKER = "COMPLETE"
 
@@ -163,13 +164,18 @@ class ForwardBackwardPipeline:
             first `optim_step` instead.
         accelerator: an existing Accelerator (its accumulation steps must match).
         checkpoint_dir: where `save_state(name)` writes `<checkpoint_dir>/<name>`.
+        logprob_chunk_size: positions per chunk of the LM head in the training forward (see
+            `rl.chunked`): the loss gets a `HeadLogits` instead of (B, T, V) logits, and
+            `rl.losses.token_logprobs` computes the log-probs chunk by chunk, recomputing each
+            chunk's logits in backward. None: automatic, chunked once B*T*V exceeds
+            `rl.chunked.AUTO_MIN_ELEMENTS`; 0: never.
     """
 
     def __init__(self, model, device: str | None = None, max_workers: int = 1,
                  gradient_accumulation_steps: int = 1, *, optimizer=None, scheduler=None,
                  accelerator=None, checkpoint_dir: str | os.PathLike = "checkpoints",
                  micro_batch_size: int | None = None, max_grad_norm: float | None = None,
-                 asynchronous: bool = False):
+                 asynchronous: bool = False, logprob_chunk_size: int | None = None):
         if gradient_accumulation_steps < 1:
             raise ValueError(f"gradient_accumulation_steps must be >= 1, got {gradient_accumulation_steps}")
         if accelerator is None:
@@ -183,6 +189,7 @@ class ForwardBackwardPipeline:
                 ds["train_batch_size"] = micro_batch_size * gradient_accumulation_steps * accelerator.num_processes
         self.accelerator = accelerator
         self.gradient_accumulation_steps = gradient_accumulation_steps
+        self.logprob_chunk_size = logprob_chunk_size
         self.checkpoint_dir = Path(checkpoint_dir)
         self.max_workers = max_workers
         self.optimizer = None
@@ -311,7 +318,8 @@ class ForwardBackwardPipeline:
         model_kw = {"position_ids": kwargs.pop("position_ids")} if kwargs.get("position_ids") is not None else {}
         kwargs.pop("position_ids", None)
         self.model.train()
-        outputs = self.model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False, **model_kw)
+        with self._head_capture(input_ids):
+            outputs = self.model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False, **model_kw)
         loss, metrics = fn(outputs.logits, labels, attention_mask, **kwargs)
         self._backward(loss)
         n = int((labels[:, 1:] != -100).sum())
@@ -331,7 +339,8 @@ class ForwardBackwardPipeline:
         attention_mask = self._to_device(attention_mask) if attention_mask is not None else torch.ones_like(input_ids)
         inputs = {"input_ids": input_ids, "attention_mask": attention_mask}
         self.model.train()
-        outputs = self.model(**inputs, use_cache=False)
+        with self._head_capture(input_ids):
+            outputs = self.model(**inputs, use_cache=False)
         out = custom_loss_fn(self.model, inputs, outputs, **kwargs)
         loss, metrics = out if isinstance(out, tuple) else (out, {})
         if not torch.is_tensor(loss) or loss.dim() != 0:
@@ -339,6 +348,15 @@ class ForwardBackwardPipeline:
         self._backward(loss)
         return ForwardBackwardResult(loss=float(loss.detach()), metrics=_floats(metrics),
                                      num_tokens=int(attention_mask.sum()))
+
+    def _head_capture(self, input_ids: torch.Tensor):
+        """The context of a training forward: the LM head deferred to the loss, chunk by chunk
+        (`rl.chunked.capture_head`), when `logprob_chunk_size` is set or the logits would be large."""
+        head = output_head(self.model) if self.logprob_chunk_size != 0 else None
+        if head is None:
+            return nullcontext()
+        chunk = auto_chunk_size(input_ids.shape[0], input_ids.shape[1], head_vocab(head), self.logprob_chunk_size)
+        return capture_head(self.model, chunk) if chunk else nullcontext()
 
     def _check_accumulation_room(self) -> None:
         if self.micro_step >= self.gradient_accumulation_steps:
