@@ -40,10 +40,11 @@ AUTO_MIN_ELEMENTS = 2 ** 26
 
 
 def auto_chunk_size(batch: int, length: int, vocab: int, chunk_size: int | None = None) -> int | None:
-    """Positions per chunk for (batch, length, vocab) logits: `chunk_size` when given, else None
-    (the full path) up to AUTO_MIN_ELEMENTS logits and ~CHUNK_ELEMENTS // (batch * vocab) above."""
-    if chunk_size:
-        return int(chunk_size)
+    """Positions per chunk for (batch, length, vocab) logits: `chunk_size` when given (0: None, never
+    chunk), else None (the full path) up to AUTO_MIN_ELEMENTS logits and ~CHUNK_ELEMENTS // (batch *
+    vocab) above."""
+    if chunk_size is not None:
+        return int(chunk_size) or None
     if batch * length * vocab <= AUTO_MIN_ELEMENTS:
         return None
     return max(1, CHUNK_ELEMENTS // max(1, batch * vocab))

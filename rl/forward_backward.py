@@ -318,7 +318,7 @@ class ForwardBackwardPipeline:
         model_kw = {"position_ids": kwargs.pop("position_ids")} if kwargs.get("position_ids") is not None else {}
         kwargs.pop("position_ids", None)
         self.model.train()
-        with self._head_capture(input_ids):
+        with self.head_capture(input_ids):
             outputs = self.model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False, **model_kw)
         loss, metrics = fn(outputs.logits, labels, attention_mask, **kwargs)
         self._backward(loss)
@@ -339,7 +339,7 @@ class ForwardBackwardPipeline:
         attention_mask = self._to_device(attention_mask) if attention_mask is not None else torch.ones_like(input_ids)
         inputs = {"input_ids": input_ids, "attention_mask": attention_mask}
         self.model.train()
-        with self._head_capture(input_ids):
+        with self.head_capture(input_ids):
             outputs = self.model(**inputs, use_cache=False)
         out = custom_loss_fn(self.model, inputs, outputs, **kwargs)
         loss, metrics = out if isinstance(out, tuple) else (out, {})
@@ -349,10 +349,11 @@ class ForwardBackwardPipeline:
         return ForwardBackwardResult(loss=float(loss.detach()), metrics=_floats(metrics),
                                      num_tokens=int(attention_mask.sum()))
 
-    def _head_capture(self, input_ids: torch.Tensor):
-        """The context of a training forward: the LM head deferred to the loss, chunk by chunk
-        (`rl.chunked.capture_head`), when `logprob_chunk_size` is set or the logits would be large."""
-        head = output_head(self.model) if self.logprob_chunk_size != 0 else None
+    def head_capture(self, input_ids: torch.Tensor):
+        """The context of a forward of this model: the LM head deferred to the loss, chunk by chunk
+        (`rl.chunked.capture_head`), when `logprob_chunk_size` is set or the logits would be large.
+        The engine's training forwards use it; a trainer's own scoring forward may too."""
+        head = output_head(self.model)
         if head is None:
             return nullcontext()
         chunk = auto_chunk_size(input_ids.shape[0], input_ids.shape[1], head_vocab(head), self.logprob_chunk_size)
@@ -762,8 +763,8 @@ class AsyncTrainingClient:
         device, gradient_accumulation_steps, **pipeline_kwargs: as `ForwardBackwardPipeline`
             (optimizer=, scheduler=, accelerator=, checkpoint_dir=, micro_batch_size=, ...).
         tokenizer: optional; gives pad/EOS ids and enables stop strings in `sample`.
-        logprob_chunk_size: if set, `forward` computes log-probs `chunk_size` positions at a time
-            (no (B, T, V) logits; see `rl.generation.sequence_logprobs`).
+        logprob_chunk_size: positions per chunk of the LM head in `forward` and `forward_backward`
+            (no (B, T, V) logits; see `rl.chunked`); None: automatic above a size threshold, 0: never.
 
     A batch is a dict with `input_ids` and optionally `attention_mask`, `labels`; any other keys
     (advantages, old_logprobs, returns, weights, ...) are passed to the loss function.
@@ -775,7 +776,7 @@ class AsyncTrainingClient:
         pipeline_kwargs.setdefault("asynchronous", True)
         self.pipeline = ForwardBackwardPipeline(model, device=device,
                                                 gradient_accumulation_steps=gradient_accumulation_steps,
-                                                **pipeline_kwargs)
+                                                logprob_chunk_size=logprob_chunk_size, **pipeline_kwargs)
         self.pipeline.tokenizer = tokenizer
         self.tokenizer = tokenizer
         self.logprob_chunk_size = logprob_chunk_size

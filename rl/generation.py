@@ -416,6 +416,7 @@ def sequence_logprobs(model, input_ids: torch.Tensor, attention_mask: torch.Tens
     head = output_head(lm)
     if head is not None:
         chunk_size = auto_chunk_size(input_ids.shape[0], input_ids.shape[1], head_vocab(head), chunk_size)
+    chunk_size = chunk_size or None  # 0: never chunk
     with capture_head(lm, chunk_size) if (chunk_size and head is not None) else nullcontext():
         logits = lm(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
                        use_cache=False).logits

@@ -54,6 +54,7 @@ from rl.algos.kl import AdaptiveKLController, FixedKLController, kl_penalized_re
 from rl.algos.policy_losses import ppo_policy_loss, ppo_value_loss
 from rl.algos.reduce import masked_mean
 from rl.checkpoint import checkpoint_dir
+from rl.chunked import HeadLogits
 from rl.config import ConfigError, TrainConfig, opt, save_config, to_dict
 from rl.data import render_chat
 from rl.forward_backward import ForwardBackwardPipeline, build_accelerator, is_deepspeed, zero_stage
@@ -99,7 +100,10 @@ def response_logits(logits: torch.Tensor, prompt_width: int) -> torch.Tensor:
 def response_logprobs(logits: torch.Tensor, tokens: torch.Tensor, prompt_width: int, temperature: float = 1.0,
                       with_entropy: bool = False):
     """Log-probs (B, N) of the response tokens `tokens` (B, N) under softmax(logits / temperature),
-    and optionally the per-token entropy (B, N) of that distribution."""
+    and optionally the per-token entropy (B, N) of that distribution. `logits` may be a
+    `rl.chunked.HeadLogits` (the engine's chunked LM head): then no (B, N, V) tensor is built."""
+    if isinstance(logits, HeadLogits):
+        return (response_logits(logits, prompt_width) / temperature).logprobs(tokens, with_entropy)
     lg = response_logits(logits, prompt_width).float()
     if temperature != 1.0:
         lg = lg / temperature
@@ -463,7 +467,7 @@ class PPOTrainer(Trainer):
         self.pipeline = ForwardBackwardPipeline(
             self.policy, gradient_accumulation_steps=cfg.gradient_accumulation_steps, optimizer=optimizer,
             scheduler=scheduler, accelerator=acc, checkpoint_dir=checkpoint_dir(out),
-            micro_batch_size=cfg.micro_batch_size)
+            micro_batch_size=cfg.micro_batch_size, logprob_chunk_size=cfg.logprob_chunk_size)
         self.critic_pipeline = None
         if self.critic is not None:
             c_opt = build_optimizer(self.critic, cfg.critic_learning_rate or cfg.learning_rate, cfg.weight_decay)
@@ -490,7 +494,8 @@ class PPOTrainer(Trainer):
         try:
             for s in range(0, ids.shape[0], step):
                 sl = slice(s, s + step)
-                out = model(input_ids=ids[sl], attention_mask=mask[sl], position_ids=pos[sl], use_cache=False)
+                with pipe.head_capture(ids[sl]):  # the LM head chunk by chunk when the logits would be large
+                    out = model(input_ids=ids[sl], attention_mask=mask[sl], position_ids=pos[sl], use_cache=False)
                 old_lp.append(response_logprobs(out.logits, toks[sl], P, cfg.temperature))
                 if out.value is not None:
                     old_v.append(out.value[:, P - 1:-1].float())

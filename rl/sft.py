@@ -158,7 +158,8 @@ class SFTTrainer(EpochTrainer):
         scheduler = build_scheduler(optimizer, cfg.lr_scheduler, plan["total_steps"], cfg.warmup_ratio)
         self.pipeline = ForwardBackwardPipeline(
             self._model, gradient_accumulation_steps=cfg.gradient_accumulation_steps, optimizer=optimizer,
-            scheduler=scheduler, accelerator=acc, checkpoint_dir=checkpoint_dir(out), micro_batch_size=cfg.batch_size)
+            scheduler=scheduler, accelerator=acc, checkpoint_dir=checkpoint_dir(out), micro_batch_size=cfg.batch_size,
+            logprob_chunk_size=cfg.logprob_chunk_size)
         if acc.is_main_process:
             save_config(cfg, out)
         tracker = Tracker(out, cfg.report_to, cfg.run_name, to_dict(cfg), plan["total_steps"],

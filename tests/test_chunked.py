@@ -133,6 +133,7 @@ def test_head_logits_replays_the_model_steps_and_falls_back_to_the_full_tensor()
 def test_auto_chunk_size_threshold():
     assert auto_chunk_size(2, 10, 300) is None  # small: the full path
     assert auto_chunk_size(2, 10, 300, 4) == 4  # set: always
+    assert auto_chunk_size(8, 2048, 152_064, 0) is None  # 0: never
     n = chunked.AUTO_MIN_ELEMENTS
     assert auto_chunk_size(1, n // 1000, 1000) is None
     c = auto_chunk_size(8, 2048, 152_064)
@@ -190,3 +191,35 @@ def test_pipeline_training_forward_chunks_and_equals_the_full_path():
     assert grads[0][0] == pytest.approx(grads[3][0], abs=1e-6)
     for n, g in grads[0][1].items():
         torch.testing.assert_close(grads[3][1][n], g, atol=1e-5, rtol=1e-5, msg=n)
+
+
+def test_ppo_policy_loss_through_the_engine_chunked_equals_full(monkeypatch):
+    """PPO's custom loss (log-probs and entropy of the response, value head on the same forward):
+    the same loss, metrics and gradients with the LM head chunked."""
+    from rl.forward_backward import ForwardBackwardPipeline
+    from rl import ppo
+    from rl.ppo import PPOModel, PPOTrainer
+
+    seen = []
+    real = ppo.response_logprobs
+    monkeypatch.setattr(ppo, "response_logprobs", lambda logits, *a, **k: seen.append(type(logits)) or real(logits, *a, **k))
+    base = PPOModel(_model("llama"))
+    torch.nn.init.normal_(base.value_head.out.weight, std=0.1)  # a value head that has gradients
+    ids, mask, _, _ = _batch()
+    P, N = 5, ids.shape[1] - 5
+    g = torch.Generator().manual_seed(2)
+    kw = dict(P=P, tokens=ids[:, P:], mask=torch.ones(3, N), old_logprobs=-torch.rand(3, N, generator=g) * 5,
+              advantages=torch.randn(3, N, generator=g), old_values=torch.randn(3, N, generator=g),
+              returns=torch.randn(3, N, generator=g), entropy_coef=0.1, temperature=0.7)
+    results = {}
+    for chunk in (0, 2):
+        pipe = ForwardBackwardPipeline(copy.deepcopy(base), device="cpu", logprob_chunk_size=chunk)
+        r = pipe.forward_backward_custom(PPOTrainer._policy_loss, ids, mask, **kw).result()
+        results[chunk] = (r, {n: p.grad.clone() for n, p in pipe.unwrapped_model.named_parameters()})
+    assert seen == [torch.Tensor, HeadLogits]
+    (full, gf), (chunked, gc) = results[0], results[2]
+    assert full.metrics.keys() == chunked.metrics.keys() and "policy/entropy" in full.metrics
+    for k, v in full.metrics.items():
+        assert chunked.metrics[k] == pytest.approx(v, abs=1e-5), k
+    for n, v in gf.items():
+        torch.testing.assert_close(gc[n], v, atol=1e-5, rtol=1e-5, msg=n)
