@@ -231,7 +231,8 @@ class PPOConfig(TrainConfig):
     lam: float = opt(0.95, "GAE lambda (0.9-0.99)")
     clip_ratio: float = opt(0.2, "PPO policy clip range epsilon")
     value_clip: float | None = opt(0.2, "value clip range around the rollout's values (null: no clipping)")
-    kl_penalty_coef: float = opt(0.1, "initial KL penalty coefficient beta (per-token reward -beta*KL)")
+    kl_penalty_coef: float = opt(0.1, "initial KL penalty coefficient beta (per-token reward -beta*KL); 0: no "
+                                 "penalty and no reference model (objective/kl then reads 0)")
     adaptive_kl: bool = opt(True, "adapt the KL coefficient towards kl_target (Ziegler et al. 2019)")
     kl_target: float = opt(6.0, "target KL per sequence in nats (summed over response tokens), adaptive_kl only")
     kl_horizon: int = opt(10000, "adaptive KL horizon in samples")
@@ -441,7 +442,9 @@ class PPOTrainer(Trainer):
         if model is None:
             model = load_trainable_policy(cfg)
         # decided before LoRA: with LoRA and no explicit ref_model the policy without adapters is the reference
-        self.reference = ReferencePolicy.build(cfg, model, self.accelerator, name=cfg.ref_model)
+        # kl_penalty_coef = 0 stays 0 (adaptive KL multiplies it): no KL penalty, so no reference at all
+        self.reference = ReferencePolicy.build(cfg, model, self.accelerator, name=cfg.ref_model,
+                                               needed=cfg.kl_penalty_coef > 0)
         if cfg.lora.enabled:
             model = apply_lora(model, cfg.lora.rank, cfg.lora.alpha, cfg.lora.dropout, cfg.lora.target_modules)
         self.policy = PPOModel(model, value_head=cfg.value_model == "shared")
@@ -500,16 +503,14 @@ class PPOTrainer(Trainer):
                 if out.value is not None:
                     old_v.append(out.value[:, P - 1:-1].float())
                 del out
-                with self.reference.use(pipe) as ref:
-                    if cfg.logprob_chunk_size:  # the LM head over chunks of positions: no (B, T, V) logits
-                        labels = torch.cat([torch.full_like(ids[sl][:, :P], -100), toks[sl]], 1)
+                if self.reference.exists:  # the LM head chunk by chunk when the logits would be large
+                    labels = torch.cat([torch.full_like(ids[sl][:, :P], -100), toks[sl]], 1)
+                    with self.reference.use(pipe) as ref:
                         lp, _ = sequence_logprobs(ref, ids[sl], mask[sl], labels, chunk_size=cfg.logprob_chunk_size,
                                                   position_ids=pos[sl], temperature=cfg.temperature)
-                        ref_lp.append(lp[:, P - 1:])
-                    else:
-                        ref_lp.append(response_logprobs(ref(input_ids=ids[sl], attention_mask=mask[sl],
-                                                            position_ids=pos[sl], use_cache=False).logits,
-                                                        toks[sl], P, cfg.temperature))
+                    ref_lp.append(lp[:, P - 1:])
+                else:  # kl_penalty_coef = 0: no KL penalty, no reference forward (the KL then reads 0)
+                    ref_lp.append(old_lp[-1])
                 if self.critic_pipeline is not None:
                     cm = self.critic_pipeline.model
                     cm.eval()
