@@ -301,6 +301,8 @@ class ForwardBackwardPipeline:
         `loss_fn` names a built-in loss (see `rl.losses.LOSS_FNS`) or is a callable
         `(logits, labels, attention_mask, **loss_kwargs) -> (loss, metrics)`. `labels` follow the
         HF convention (same length as `input_ids`, -100 = ignored; the shift happens inside).
+        `position_ids=` (a keyword) goes to the model; with it and no `attention_mask` the row is a
+        packed one (`rl.packing.pack_examples`) and the model gets no mask either.
         """
         return self.submit(self._forward_backward, input_ids, attention_mask, labels, loss_fn, loss_kwargs)
 
@@ -310,6 +312,9 @@ class ForwardBackwardPipeline:
         fn = self.loss_fns[loss_fn] if isinstance(loss_fn, str) else loss_fn
         self._check_accumulation_room()
         input_ids = self._to_device(input_ids)
+        # position_ids without a mask: a packed row (rl.packing); the model gets no mask, so that it
+        # builds the block-diagonal causal mask from the position ids
+        packed = attention_mask is None and loss_kwargs.get("position_ids") is not None
         attention_mask = self._to_device(attention_mask) if attention_mask is not None else torch.ones_like(input_ids)
         labels = self._to_device(labels) if labels is not None else input_ids.masked_fill(attention_mask == 0, -100)
         kwargs = {k: self._to_device(v) if torch.is_tensor(v) else v for k, v in loss_kwargs.items()}
@@ -319,7 +324,8 @@ class ForwardBackwardPipeline:
         kwargs.pop("position_ids", None)
         self.model.train()
         with self.head_capture(input_ids):
-            outputs = self.model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False, **model_kw)
+            outputs = self.model(input_ids=input_ids, attention_mask=None if packed else attention_mask,
+                                 use_cache=False, **model_kw)
         loss, metrics = fn(outputs.logits, labels, attention_mask, **kwargs)
         self._backward(loss)
         n = int((labels[:, 1:] != -100).sum())
