@@ -118,6 +118,11 @@ def side_ours(spec: dict, precompute: bool, chunk: int | None = None) -> dict:
         return out
 
     ForwardBackwardPipeline._optim_step = timed_optim_step
+    import rl.forward_backward as engine
+
+    chunked = []  # training forwards that ran the LM head chunk by chunk (rl.chunked)
+    real_capture = engine.capture_head
+    engine.capture_head = lambda *a, **k: chunked.append(1) or real_capture(*a, **k)
     trainer = DPOTrainer(cfg)
     ds = PreferenceDataset(P, C, R, trainer.tokenizer, cfg.max_length, cfg.max_prompt_length)
     assert ds.truncation["prompts_truncated"] == ds.truncation["answers_truncated"] == 0
@@ -131,7 +136,7 @@ def side_ours(spec: dict, precompute: bool, chunk: int | None = None) -> dict:
     inner = [h["step_time"] for h in history]  # the trainer's own per-step clock, for comparison
     return {"step_times": [b - a for a, b in zip(wall, wall[1:])],
             "step_cpu_times": [b - a for a, b in zip(cpu, cpu[1:])], "x_trainer_step_time_s": inner,
-            "x_train_wall_s": total, "x_first_loss": history[0]["loss"]}
+            "x_train_wall_s": total, "x_first_loss": history[0]["loss"], "x_chunked_training_forwards": len(chunked)}
 
 
 def side_trl(spec: dict, precompute: bool) -> dict:

@@ -91,6 +91,10 @@ class HeadLogits:
     def shape(self) -> torch.Size:
         return torch.Size((*self.hidden.shape[:-1], head_vocab(self.head)))
 
+    @property
+    def device(self) -> torch.device:
+        return self.hidden.device
+
     def dim(self) -> int:
         return self.hidden.dim()
 
@@ -128,7 +132,7 @@ class HeadLogits:
 
     def __getattr__(self, name):
         # any other tensor attribute or method: on the full logits (the old path, same numbers)
-        if name.startswith("_") or name in ("hidden", "head", "chunk_size", "ops", "autocast"):
+        if name.startswith("_") or name in ("hidden", "head", "chunk_size", "ops", "autocast"):  # not set yet
             raise AttributeError(name)
         return getattr(self.materialize(), name)
 
@@ -173,6 +177,20 @@ class HeadLogits:
             return (logp,)
         entropy = logz - (torch.softmax(z, dim=-1) * z).sum(-1)
         return logp, entropy
+
+
+def _on_full(name):
+    def op(self, *args):
+        return getattr(self.materialize(), name)(*args)
+    op.__name__ = name
+    return op
+
+
+# the other operators also work, on the full logits
+for _name in ("__add__", "__radd__", "__sub__", "__rsub__", "__rtruediv__", "__neg__", "__pow__", "__matmul__",
+              "__lt__", "__le__", "__gt__", "__ge__", "__eq__", "__ne__"):
+    setattr(HeadLogits, _name, _on_full(_name))
+HeadLogits.__hash__ = object.__hash__
 
 
 class _Div:

@@ -119,6 +119,8 @@ def test_head_logits_replays_the_model_steps_and_falls_back_to_the_full_tensor()
     # anything else is the full tensor: a torch function, a tensor method
     torch.testing.assert_close(torch.log_softmax(lazy, -1), torch.log_softmax(full, -1))
     torch.testing.assert_close(lazy.softmax(-1), full.softmax(-1))
+    torch.testing.assert_close(1 - lazy, 1 - full)
+    torch.testing.assert_close(-lazy + 2, -full + 2)
     # log-probs and entropy, by hand from the full logits: log p = z_y - logsumexp z, H = -sum p log p
     y = torch.randint(0, 50, (2, 7))
     logp, ent = lazy.logprobs(y, with_entropy=True)
