@@ -173,26 +173,41 @@ def test_no_tensor_grows_with_length_times_vocabulary():
 
 
 def test_pipeline_training_forward_chunks_and_equals_the_full_path():
+    """Through the engine, with the trainers' loss callables (SFT, DPO, GRPO with a temperature) and a
+    plain token loss: the same losses and accumulated gradients chunked and full."""
+    from functools import partial
+
+    from rl.dpo import dpo_batch_loss
     from rl.forward_backward import ForwardBackwardPipeline
+    from rl.grpo import grpo_loss_fn
+    from rl.sft import sum_normalised_nll
 
     base = _model("llama")
-    ids, mask, labels, _ = _batch()
-    grads = {}
-    for chunk in (0, 3):
-        pipe = ForwardBackwardPipeline(copy.deepcopy(base), device="cpu", logprob_chunk_size=chunk)
-        seen = []
+    ids, mask, labels, _ = _batch(B=4)
+    seen = []
 
-        def loss(logits, labels, attention_mask):
+    def spy(fn):
+        def wrapped(logits, *a, **k):
             seen.append(type(logits))
-            logp, m = token_logprobs(logits, labels)
-            return -(logp.sum() / m.sum()), {}
+            return fn(logits, *a, **k)
+        return wrapped
 
-        r = pipe.forward_backward(ids, mask, labels, loss_fn=loss).result()
-        grads[chunk] = (r.loss, {n: p.grad.clone() for n, p in pipe.unwrapped_model.named_parameters()})
-        assert seen == [HeadLogits if chunk else torch.Tensor]
-    assert grads[0][0] == pytest.approx(grads[3][0], abs=1e-6)
-    for n, g in grads[0][1].items():
-        torch.testing.assert_close(grads[3][1][n], g, atol=1e-5, rtol=1e-5, msg=n)
+    loss_fns = [spy(partial(sum_normalised_nll, scale=0.1)),
+                spy(partial(dpo_batch_loss, loss_type="sigmoid", beta=0.1, ref_chosen_logps=torch.tensor([-30.0, -20.0]),
+                            ref_rejected_logps=torch.tensor([-25.0, -31.0]))),
+                spy(partial(grpo_loss_fn, advantages=torch.tensor([1.0, -1.0, 0.5, 0.25]), temperature=0.7)),
+                spy(lambda logits, labels, attention_mask: (-token_logprobs(logits, labels)[0].sum(), {}))]
+    results = {}
+    for chunk in (0, 3):
+        pipe = ForwardBackwardPipeline(copy.deepcopy(base), device="cpu", logprob_chunk_size=chunk,
+                                       gradient_accumulation_steps=len(loss_fns))
+        seen.clear()
+        values = [pipe.forward_backward(ids, mask, labels, loss_fn=fn).result().loss for fn in loss_fns]
+        assert seen == [HeadLogits if chunk else torch.Tensor] * len(loss_fns)
+        results[chunk] = (values, {n: p.grad.clone() for n, p in pipe.unwrapped_model.named_parameters()})
+    assert results[0][0] == pytest.approx(results[3][0], abs=1e-5) and all(v != 0 for v in results[0][0])
+    for n, g in results[0][1].items():
+        torch.testing.assert_close(results[3][1][n], g, atol=1e-5, rtol=1e-5, msg=n)
 
 
 def test_ppo_policy_loss_through_the_engine_chunked_equals_full(monkeypatch):
