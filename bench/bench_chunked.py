@@ -75,7 +75,7 @@ def main(argv=None) -> None:
             print(f"{mode:<8} T={T:<6} peak RSS growth {r['growth_mib']:8.0f} MiB  {r['seconds']:6.2f} s  "
                   f"checksum {r['checksum']:.4f}", flush=True)
     logits_mib = {T: a.batch * T * a.vocab * 4 / 2**20 for T in {r["T"] for r in rows}}
-    print(f"(B, T, V) fp32 logits: " + ", ".join(f"T={T}: {m:.0f} MiB" for T, m in sorted(logits_mib.items())))
+    print("(B, T, V) fp32 logits: " + ", ".join(f"T={T}: {m:.0f} MiB" for T, m in sorted(logits_mib.items())))
     out = ROOT / "bench" / "results"
     out.mkdir(parents=True, exist_ok=True)
     path = out / f"chunked-{time.strftime('%Y%m%d-%H%M%S')}.json"

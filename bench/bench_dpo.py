@@ -74,7 +74,8 @@ def _data(spec):
     """The pairs of a run: `pairs` x steps fixed-length pairs, or the same `pairs` long-tailed pairs
     every step (a dataset of exactly one batch)."""
     n = 1 if spec.get("lengths", "fixed") == "longtail" else _n_steps(spec)
-    return make_pairs(spec["pairs"] * n, spec["prompt_len"], spec["answer_len"], spec["seed"], spec.get("lengths", "fixed"))
+    return make_pairs(spec["pairs"] * n, spec["prompt_len"], spec["answer_len"], spec["seed"],
+                      spec.get("lengths", "fixed"))
 
 
 def _max_length(spec) -> int:

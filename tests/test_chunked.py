@@ -193,7 +193,8 @@ def test_pipeline_training_forward_chunks_and_equals_the_full_path():
         return wrapped
 
     loss_fns = [spy(partial(sum_normalised_nll, scale=0.1)),
-                spy(partial(dpo_batch_loss, loss_type="sigmoid", beta=0.1, ref_chosen_logps=torch.tensor([-30.0, -20.0]),
+                spy(partial(dpo_batch_loss, loss_type="sigmoid", beta=0.1,
+                            ref_chosen_logps=torch.tensor([-30.0, -20.0]),
                             ref_rejected_logps=torch.tensor([-25.0, -31.0]))),
                 spy(partial(grpo_loss_fn, advantages=torch.tensor([1.0, -1.0, 0.5, 0.25]), temperature=0.7)),
                 spy(lambda logits, labels, attention_mask: (-token_logprobs(logits, labels)[0].sum(), {}))]
@@ -219,7 +220,8 @@ def test_ppo_policy_loss_through_the_engine_chunked_equals_full(monkeypatch):
 
     seen = []
     real = ppo.response_logprobs
-    monkeypatch.setattr(ppo, "response_logprobs", lambda logits, *a, **k: seen.append(type(logits)) or real(logits, *a, **k))
+    monkeypatch.setattr(ppo, "response_logprobs",
+                        lambda logits, *a, **k: seen.append(type(logits)) or real(logits, *a, **k))
     base = PPOModel(_model("llama"))
     torch.nn.init.normal_(base.value_head.out.weight, std=0.1)  # a value head that has gradients
     ids, mask, _, _ = _batch()
