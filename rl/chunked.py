@@ -233,13 +233,26 @@ def _materialize_all(x):
 def chunked_token_logprobs(logits: HeadLogits, labels: torch.Tensor, with_entropy: bool = False):
     """`rl.losses.token_logprobs` for `HeadLogits`: (logp (B, T-1) zero where masked, mask (B, T-1)
     float) of `labels` (B, T) (HF convention, -100 ignored, shifted here), plus the entropy (B, T-1)
-    with `with_entropy`."""
+    with `with_entropy`.
+
+    Only the n counted positions go through the head (prompts and padding have no target, so their
+    logits cannot change the result): their hidden states are gathered into one (1, n, H) row and
+    run `chunk_size * B` positions at a time, the same block size as B rows of `chunk_size`."""
     target = labels[:, 1:]
     mask = target != IGNORE_INDEX
-    out = logits[:, :-1].logprobs(target.masked_fill(~mask, 0), with_entropy)
+    hidden = logits.hidden[:, :-1]
+    B = hidden.shape[0]
+    sel = mask.clone()
+    if not bool(sel.any()):  # nothing counted: one position anyway, so the head stays in the graph (DDP
+        sel.view(-1)[0] = True  # expects a gradient, zero here, for every parameter)
+    counted = HeadLogits(hidden[sel][None], logits.head, logits.chunk_size * B, logits.ops, logits.autocast)
+    out = counted.logprobs(target.masked_fill(~mask, 0)[sel][None], with_entropy)
+    out = out if with_entropy else (out,)
+    # back to (B, T-1), zero where masked; the scatter's backward routes each gradient to its position
+    full = [hidden.new_zeros(mask.shape, dtype=o.dtype).masked_scatter(sel, o[0]) * mask for o in out]
     if with_entropy:
-        return out[0] * mask, mask.float(), out[1] * mask
-    return out * mask, mask.float()
+        return full[0], mask.float(), full[1]
+    return full[0], mask.float()
 
 
 @contextlib.contextmanager

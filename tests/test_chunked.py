@@ -242,3 +242,17 @@ def test_ppo_policy_loss_through_the_engine_chunked_equals_full(monkeypatch):
         assert chunked.metrics[k] == pytest.approx(v, abs=1e-5), k
     for n, v in gf.items():
         torch.testing.assert_close(gc[n], v, atol=1e-5, rtol=1e-5, msg=n)
+
+
+def test_nothing_counted_still_gives_the_head_a_zero_gradient():
+    """Only counted positions go through the head; with none (a padding micro-batch) one still does,
+    so that every parameter gets a (zero) gradient, as DDP expects."""
+    model = _model("llama")
+    ids = torch.randint(3, V, (2, 6))
+    labels = torch.full_like(ids, -100)
+    with capture_head(model, 2):
+        logits = model(input_ids=ids, use_cache=False).logits
+    logp, m = token_logprobs(logits, labels)
+    assert m.sum() == 0 and torch.equal(logp, torch.zeros(2, 5))
+    logp.sum().backward()
+    assert all(p.grad is not None and p.grad.abs().sum() == 0 for p in model.parameters())
