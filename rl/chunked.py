@@ -7,7 +7,8 @@ H_t = logsumexp(z_t) - sum_v softmax(z_t)_v z_t,v. Both depend only on position 
 they can be computed over C positions at a time, each chunk under `torch.utils.checkpoint`: the
 forward keeps only the chunk's inputs (a view of the hidden states), the backward recomputes that
 chunk's logits, so at most one (B, C, V) chunk of logits (and its gradient) exists, forward or
-backward. Peak memory: ~3 x B*C*V floats instead of ~2-3 x B*T*V.
+backward. Peak memory: ~3 x B*C*V floats instead of ~2-3 x B*T*V. Only positions that have a
+target (labels != -100) go through the head at all: prompts and padding cost nothing there.
 
 How the trainers get it without changing their losses: `capture_head(model)` makes the model's LM
 head, for one forward call, return a `HeadLogits` instead of computing its output. That is the
