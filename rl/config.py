@@ -550,9 +550,10 @@ class TrainConfig:
     dtype: Literal["float32", "bfloat16", "float16", "auto"] = opt(
         "auto", "weights/compute dtype; auto = bfloat16 on GPUs that support it, else float32")
     gradient_checkpointing: bool = opt(False, "recompute activations in backward to save memory")
-    logprob_chunk_size: int | None = opt(None, "no-grad scoring forwards (reference, old policy) run the LM head "
-                                         "and log-softmax over this many positions at a time, so the (B, T, V) "
-                                         "logits never exist at once (null: all at once)")
+    logprob_chunk_size: int | None = opt(None, "the LM head and log-softmax run over this many positions at a time "
+                                         "in training (recomputed in backward) and scoring forwards, so the "
+                                         "(B, T, V) logits never exist at once (null: automatic, chunked once "
+                                         "B*T*V > 2**26; 0: never)")
     optimize_device_cache: bool = opt(False, "free the accelerator's cached memory between generation and "
                                       "training (lower peak memory, a little slower)")
     attn_implementation: str | None = opt(None, "attention kernel: sdpa, eager, flash_attention_2 (null: default)")
@@ -583,8 +584,9 @@ class TrainConfig:
             raise ConfigError(f"key 'warmup_ratio' must be in [0, 1), got {self.warmup_ratio}")
         if not (math.isfinite(self.learning_rate) and self.learning_rate > 0):
             raise ConfigError(f"key 'learning_rate' must be a positive number, got {self.learning_rate}")
-        if self.logprob_chunk_size is not None and self.logprob_chunk_size < 1:
-            raise ConfigError(f"key 'logprob_chunk_size' must be at least 1 or null, got {self.logprob_chunk_size}")
+        if self.logprob_chunk_size is not None and self.logprob_chunk_size < 0:
+            raise ConfigError(f"key 'logprob_chunk_size' must be at least 1, 0 (never chunk) or null (automatic), "
+                              f"got {self.logprob_chunk_size}")
         if self.save_total_limit is not None and self.save_total_limit < 1:
             raise ConfigError(f"key 'save_total_limit' must be at least 1 or null, got {self.save_total_limit}")
         if self.max_steps is not None and self.max_steps < 1:

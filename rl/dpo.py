@@ -199,7 +199,7 @@ class DPOTrainer(EpochTrainer):
         self.pipeline = ForwardBackwardPipeline(
             self._model, gradient_accumulation_steps=cfg.gradient_accumulation_steps, optimizer=optimizer,
             scheduler=scheduler, accelerator=self.accelerator, checkpoint_dir=checkpoint_dir(cfg.output_dir),
-            micro_batch_size=cfg.batch_size)
+            micro_batch_size=cfg.batch_size, logprob_chunk_size=cfg.logprob_chunk_size)
         self.reference.place(self.accelerator)
 
     def _reference_logps(self, batch: dict) -> tuple[torch.Tensor | None, torch.Tensor | None]:

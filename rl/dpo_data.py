@@ -190,17 +190,14 @@ def sequence_logps(logits: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Te
 def concatenated_logps(model, batch: dict[str, torch.Tensor], chunk_size: int | None = None,
                        ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """No-grad forward of a collated batch -> (chosen_logps, rejected_logps, chosen_lengths,
-    rejected_lengths), each (B,). Passes position_ids, so it is exact for either padding side. With
-    `chunk_size` the LM head runs over that many positions at a time (no (2B, T, V) logits)."""
+    rejected_lengths), each (B,). Passes position_ids, so it is exact for either padding side. The LM
+    head runs over `chunk_size` positions at a time (automatically when the logits would be large;
+    see `rl.generation.sequence_logprobs`), so no (2B, T, V) logits."""
     device = next(iter(batch.values())).device
     ids, mask, pos = (batch[k].to(device) for k in ("input_ids", "attention_mask", "position_ids"))
     labels = batch["labels"].to(device)
-    if chunk_size:
-        logp, m = sequence_logprobs(model, ids, mask, labels, chunk_size=chunk_size, position_ids=pos)
-        logps, lengths = logp.sum(-1), m.sum(-1)
-    else:
-        logits = model(input_ids=ids, attention_mask=mask, position_ids=pos, use_cache=False).logits
-        logps, lengths = sequence_logps(logits, labels)
+    logp, m = sequence_logprobs(model, ids, mask, labels, chunk_size=chunk_size, position_ids=pos)
+    logps, lengths = logp.sum(-1), m.sum(-1)
     c, r = logps.chunk(2)
     cl, rl = lengths.chunk(2)
     return c, r, cl, rl

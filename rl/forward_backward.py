@@ -49,6 +49,7 @@ import numpy as np
 import torch
 
 from rl import losses
+from rl.chunked import auto_chunk_size, capture_head, head_vocab, output_head
 from rl.generation import generate, sequence_logprobs
 
 COMPLETE_MARKER = "COMPLETE"
@@ -164,13 +165,18 @@ class ForwardBackwardPipeline:
             first `optim_step` instead.
         accelerator: an existing Accelerator (its accumulation steps must match).
         checkpoint_dir: where `save_state(name)` writes `<checkpoint_dir>/<name>`.
+        logprob_chunk_size: positions per chunk of the LM head in the training forward (see
+            `rl.chunked`): the loss gets a `HeadLogits` instead of (B, T, V) logits, and
+            `rl.losses.token_logprobs` computes the log-probs chunk by chunk, recomputing each
+            chunk's logits in backward. None: automatic, chunked once B*T*V exceeds
+            `rl.chunked.AUTO_MIN_ELEMENTS`; 0: never.
     """
 
     def __init__(self, model, device: str | None = None, max_workers: int = 1,
                  gradient_accumulation_steps: int = 1, *, optimizer=None, scheduler=None,
                  accelerator=None, checkpoint_dir: str | os.PathLike = "checkpoints",
                  micro_batch_size: int | None = None, max_grad_norm: float | None = None,
-                 asynchronous: bool = False):
+                 asynchronous: bool = False, logprob_chunk_size: int | None = None):
         if gradient_accumulation_steps < 1:
             raise ValueError(f"gradient_accumulation_steps must be >= 1, got {gradient_accumulation_steps}")
         if accelerator is None:
@@ -184,6 +190,7 @@ class ForwardBackwardPipeline:
                 ds["train_batch_size"] = micro_batch_size * gradient_accumulation_steps * accelerator.num_processes
         self.accelerator = accelerator
         self.gradient_accumulation_steps = gradient_accumulation_steps
+        self.logprob_chunk_size = logprob_chunk_size
         self.checkpoint_dir = Path(checkpoint_dir)
         self.max_workers = max_workers
         self.optimizer = None
@@ -295,6 +302,8 @@ class ForwardBackwardPipeline:
         `loss_fn` names a built-in loss (see `rl.losses.LOSS_FNS`) or is a callable
         `(logits, labels, attention_mask, **loss_kwargs) -> (loss, metrics)`. `labels` follow the
         HF convention (same length as `input_ids`, -100 = ignored; the shift happens inside).
+        `position_ids=` (a keyword) goes to the model; with it and no `attention_mask` the row is a
+        packed one (`rl.packing.pack_examples`) and the model gets no mask either.
         """
         return self.submit(self._forward_backward, input_ids, attention_mask, labels, loss_fn, loss_kwargs)
 
@@ -304,6 +313,9 @@ class ForwardBackwardPipeline:
         fn = self.loss_fns[loss_fn] if isinstance(loss_fn, str) else loss_fn
         self._check_accumulation_room()
         input_ids = self._to_device(input_ids)
+        # position_ids without a mask: a packed row (rl.packing); the model gets no mask, so that it
+        # builds the block-diagonal causal mask from the position ids
+        packed = attention_mask is None and loss_kwargs.get("position_ids") is not None
         attention_mask = self._to_device(attention_mask) if attention_mask is not None else torch.ones_like(input_ids)
         labels = self._to_device(labels) if labels is not None else input_ids.masked_fill(attention_mask == 0, -100)
         kwargs = {k: self._to_device(v) if torch.is_tensor(v) else v for k, v in loss_kwargs.items()}
@@ -312,7 +324,9 @@ class ForwardBackwardPipeline:
         model_kw = {"position_ids": kwargs.pop("position_ids")} if kwargs.get("position_ids") is not None else {}
         kwargs.pop("position_ids", None)
         self.model.train()
-        outputs = self.model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False, **model_kw)
+        with self.head_capture(input_ids):
+            outputs = self.model(input_ids=input_ids, attention_mask=None if packed else attention_mask,
+                                 use_cache=False, **model_kw)
         loss, metrics = fn(outputs.logits, labels, attention_mask, **kwargs)
         self._backward(loss)
         n = int((labels[:, 1:] != -100).sum())
@@ -332,7 +346,8 @@ class ForwardBackwardPipeline:
         attention_mask = self._to_device(attention_mask) if attention_mask is not None else torch.ones_like(input_ids)
         inputs = {"input_ids": input_ids, "attention_mask": attention_mask}
         self.model.train()
-        outputs = self.model(**inputs, use_cache=False)
+        with self.head_capture(input_ids):
+            outputs = self.model(**inputs, use_cache=False)
         out = custom_loss_fn(self.model, inputs, outputs, **kwargs)
         loss, metrics = out if isinstance(out, tuple) else (out, {})
         if not torch.is_tensor(loss) or loss.dim() != 0:
@@ -340,6 +355,16 @@ class ForwardBackwardPipeline:
         self._backward(loss)
         return ForwardBackwardResult(loss=float(loss.detach()), metrics=_floats(metrics),
                                      num_tokens=int(attention_mask.sum()))
+
+    def head_capture(self, input_ids: torch.Tensor):
+        """The context of a forward of this model: the LM head deferred to the loss, chunk by chunk
+        (`rl.chunked.capture_head`), when `logprob_chunk_size` is set or the logits would be large.
+        The engine's training forwards use it; a trainer's own scoring forward may too."""
+        head = output_head(self.model)
+        if head is None:
+            return nullcontext()
+        chunk = auto_chunk_size(input_ids.shape[0], input_ids.shape[1], head_vocab(head), self.logprob_chunk_size)
+        return capture_head(self.model, chunk) if chunk else nullcontext()
 
     def _check_accumulation_room(self) -> None:
         if self.micro_step >= self.gradient_accumulation_steps:
@@ -743,8 +768,8 @@ class AsyncTrainingClient:
         device, gradient_accumulation_steps, **pipeline_kwargs: as `ForwardBackwardPipeline`
             (optimizer=, scheduler=, accelerator=, checkpoint_dir=, micro_batch_size=, ...).
         tokenizer: optional; gives pad/EOS ids and enables stop strings in `sample`.
-        logprob_chunk_size: if set, `forward` computes log-probs `chunk_size` positions at a time
-            (no (B, T, V) logits; see `rl.generation.sequence_logprobs`).
+        logprob_chunk_size: positions per chunk of the LM head in `forward` and `forward_backward`
+            (no (B, T, V) logits; see `rl.chunked`); None: automatic above a size threshold, 0: never.
 
     A batch is a dict with `input_ids` and optionally `attention_mask`, `labels`; any other keys
     (advantages, old_logprobs, returns, weights, ...) are passed to the loss function.
@@ -756,7 +781,7 @@ class AsyncTrainingClient:
         pipeline_kwargs.setdefault("asynchronous", True)
         self.pipeline = ForwardBackwardPipeline(model, device=device,
                                                 gradient_accumulation_steps=gradient_accumulation_steps,
-                                                **pipeline_kwargs)
+                                                logprob_chunk_size=logprob_chunk_size, **pipeline_kwargs)
         self.pipeline.tokenizer = tokenizer
         self.tokenizer = tokenizer
         self.logprob_chunk_size = logprob_chunk_size

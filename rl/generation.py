@@ -34,18 +34,19 @@ How it works, and why:
   tokens/s on an H200 for a 0.5B model (shared/bench/decode_probe.py) against ~1k for `generate`.
 
 `sequence_logprobs(model, input_ids, attention_mask, labels, chunk_size)` scores given tokens without
-materialising (B, T, V) logits when `chunk_size` is set: the LM head runs over `chunk_size`
-positions at a time.
+materialising (B, T, V) logits when `chunk_size` is set or the logits would be large: the LM head
+runs over `chunk_size` positions at a time (`rl.chunked`).
 """
 
 from __future__ import annotations
 
 import inspect
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
 
 import torch
 
+from rl.chunked import auto_chunk_size, capture_head, head_vocab, output_head
 from rl.losses import IGNORE_INDEX, token_logprobs
 
 
@@ -399,10 +400,12 @@ def sequence_logprobs(model, input_ids: torch.Tensor, attention_mask: torch.Tens
     """No-grad per-token log-probs (B, T-1) of `labels` (default: the inputs where attended) and
     their mask, like `rl.losses.token_logprobs(model(...).logits / temperature, labels)`.
 
-    With `chunk_size`, the body runs once and the LM head + log-softmax run over `chunk_size`
-    positions at a time, so neither the (B, T, V) logits nor their fp32 copy exist at once: the
-    peak drops from ~2 x B*T*V floats to ~B*chunk*V. Falls back to chunking only the log-softmax
-    when the model does not expose its body and head."""
+    The LM head + log-softmax run over `chunk_size` positions at a time (default: automatically
+    once B*T*V exceeds `rl.chunked.AUTO_MIN_ELEMENTS`), so neither the (B, T, V) logits nor their
+    fp32 copy exist at once: the peak drops from ~2 x B*T*V floats to ~B*chunk*V. The model's own
+    forward runs (`rl.chunked.capture_head`), so its final norm, soft-capping and scaling apply as
+    they do in the full path. Falls back to chunking only the log-softmax when the model has no
+    separate head module."""
     if attention_mask is None:
         attention_mask = torch.ones_like(input_ids)
     if labels is None:
@@ -410,33 +413,13 @@ def sequence_logprobs(model, input_ids: torch.Tensor, attention_mask: torch.Tens
     if position_ids is None:
         position_ids = position_ids_from_mask(attention_mask)
     lm = _unwrap(model)
-    base = lm.get_base_model() if hasattr(lm, "get_base_model") else lm
-    body = getattr(base, "base_model", None)
-    head = base.get_output_embeddings() if hasattr(base, "get_output_embeddings") else None
-    if chunk_size is None or body is None or body is base or head is None:
+    head = output_head(lm)
+    if head is not None:
+        chunk_size = auto_chunk_size(input_ids.shape[0], input_ids.shape[1], head_vocab(head), chunk_size)
+    chunk_size = chunk_size or None  # 0: never chunk
+    with capture_head(lm, chunk_size) if (chunk_size and head is not None) else nullcontext():
         logits = lm(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
-                    use_cache=False).logits
-        if temperature and temperature != 1.0:
-            logits = logits / temperature
-        return token_logprobs(logits, labels, chunk_size=chunk_size)
-    hidden = body(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
-                  use_cache=False).last_hidden_state[:, :-1]
-    target = labels[:, 1:]
-    mask = target != IGNORE_INDEX
-    safe = target.masked_fill(~mask, 0)
-    cap = getattr(base.config, "final_logit_softcapping", None)
-    scale = getattr(base.config, "logit_scale", None)  # Cohere-style models scale their logits
-    out = []
-    for s in range(0, hidden.shape[1], chunk_size):
-        logits = head(hidden[:, s:s + chunk_size]).float()
-        if scale:
-            logits = logits * scale
-        if cap:
-            logits = torch.tanh(logits / cap) * cap
-        if temperature and temperature != 1.0:
-            logits = logits / temperature
-        picked = logits.gather(-1, safe[:, s:s + chunk_size, None]).squeeze(-1)
-        out.append(picked - torch.logsumexp(logits, dim=-1))
-        del logits
-    logp = torch.cat(out, dim=1)
-    return logp * mask, mask.float()
+                       use_cache=False).logits
+    if temperature and temperature != 1.0:
+        logits = logits / temperature
+    return token_logprobs(logits, labels, chunk_size=chunk_size)

@@ -202,7 +202,8 @@ class GRPOTrainer(Trainer):
         scheduler = build_scheduler(optimizer, cfg.lr_scheduler, plan["total_steps"], cfg.warmup_ratio)
         self.pipeline = ForwardBackwardPipeline(
             self._model, gradient_accumulation_steps=cfg.gradient_accumulation_steps, optimizer=optimizer,
-            scheduler=scheduler, accelerator=acc, checkpoint_dir=checkpoint_dir(out), micro_batch_size=cfg.batch_size)
+            scheduler=scheduler, accelerator=acc, checkpoint_dir=checkpoint_dir(out), micro_batch_size=cfg.batch_size,
+            logprob_chunk_size=cfg.logprob_chunk_size)
         self.reference.place(acc)
         if acc.is_main_process:
             save_config(cfg, out)

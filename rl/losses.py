@@ -16,6 +16,7 @@ from typing import Callable
 import torch
 
 from rl import algos
+from rl.chunked import HeadLogits, chunked_token_logprobs
 from rl.algos.policy_losses import (cispo_loss, dro_loss, importance_sampling_loss, per_token,  # noqa: F401
                                     ppo_policy_loss, ppo_value_loss)
 from rl.algos.reduce import NORMALIZATIONS, aggregate, masked_mean  # noqa: F401
@@ -28,13 +29,17 @@ def token_logprobs(logits: torch.Tensor, labels: torch.Tensor, chunk_size: int |
     """Log-probability of each next token.
 
     Args:
-        logits: (B, T, V) model outputs.
+        logits: (B, T, V) model outputs, or a `rl.chunked.HeadLogits` (the engine's training forward
+            above a size threshold): then the LM head runs chunk by chunk, with recomputation in
+            backward, and the (B, T, V) logits never exist.
         labels: (B, T) token ids, IGNORE_INDEX (-100) where no loss is wanted.
         chunk_size: if set, the log-softmax is taken over that many positions at a time, so the
             fp32 copy of the logits is never materialised for the whole sequence at once.
     Returns:
         logp (B, T-1) in fp32, zero where masked, and mask (B, T-1) as float (1 = counted).
     """
+    if isinstance(logits, HeadLogits):
+        return chunked_token_logprobs(logits, labels)
     target = labels[:, 1:]
     mask = target != IGNORE_INDEX
     safe = target.masked_fill(~mask, 0)

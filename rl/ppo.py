@@ -98,7 +98,9 @@ class PPOTrainer(Trainer):
         if model is None:
             model = load_trainable_policy(cfg)
         # decided before LoRA: with LoRA and no explicit ref_model the policy without adapters is the reference
-        self.reference = ReferencePolicy.build(cfg, model, self.accelerator, name=cfg.ref_model)
+        # kl_penalty_coef = 0 stays 0 (adaptive KL multiplies it): no KL penalty, so no reference at all
+        self.reference = ReferencePolicy.build(cfg, model, self.accelerator, name=cfg.ref_model,
+                                               needed=cfg.kl_penalty_coef > 0)
         if cfg.lora.enabled:
             model = apply_lora(model, cfg.lora.rank, cfg.lora.alpha, cfg.lora.dropout, cfg.lora.target_modules)
         self.policy = PPOModel(model, value_head=cfg.value_model == "shared")
@@ -131,7 +133,8 @@ class PPOTrainer(Trainer):
         scheduler = build_scheduler(optimizer, cfg.lr_scheduler, plan["total_steps"], cfg.warmup_ratio)
         return ForwardBackwardPipeline(model, gradient_accumulation_steps=cfg.gradient_accumulation_steps,
                                        optimizer=optimizer, scheduler=scheduler, accelerator=self.accelerator,
-                                       checkpoint_dir=ckpt, micro_batch_size=cfg.micro_batch_size)
+                                       checkpoint_dir=ckpt, micro_batch_size=cfg.micro_batch_size,
+                                       logprob_chunk_size=cfg.logprob_chunk_size)
 
     # ------------------------------------------------------------------ one iteration
     def _rollout(self, prompt_ids: list[list[int]], seed: int):
@@ -168,9 +171,9 @@ class PPOTrainer(Trainer):
                  "attention_mask": torch.cat([rollout.prompt_mask, mask], 1), "tokens": tokens}
         critic = self.critic_pipeline.model if self.critic_pipeline is not None else None
         old_logp, old_values, ref_logp = score_forward(
-            pipe.model, partial(self.reference.use, pipe), critic, batch, P, device=pipe.device,
-            micro_batch_size=cfg.micro_batch_size, temperature=cfg.temperature,
-            logprob_chunk_size=cfg.logprob_chunk_size)
+            pipe.model, partial(self.reference.use, pipe) if self.reference.exists else None, critic, batch, P,
+            device=pipe.device, micro_batch_size=cfg.micro_batch_size, temperature=cfg.temperature,
+            logprob_chunk_size=cfg.logprob_chunk_size, head_capture=pipe.head_capture)
         t_score = time.time() - t1
         # 3. rewards and advantages (fp32, on the device)
         t2 = time.time()

@@ -36,7 +36,8 @@ class PPOConfig(TrainConfig):
     lam: float = opt(0.95, "GAE lambda (0.9-0.99)")
     clip_ratio: float = opt(0.2, "PPO policy clip range epsilon")
     value_clip: float | None = opt(0.2, "value clip range around the rollout's values (null: no clipping)")
-    kl_penalty_coef: float = opt(0.1, "initial KL penalty coefficient beta (per-token reward -beta*KL)")
+    kl_penalty_coef: float = opt(0.1, "initial KL penalty coefficient beta (per-token reward -beta*KL); 0: no "
+                                 "penalty and no reference model (objective/kl then reads 0)")
     adaptive_kl: bool = opt(True, "adapt the KL coefficient towards kl_target (Ziegler et al. 2019)")
     kl_target: float = opt(6.0, "target KL per sequence in nats (summed over response tokens), adaptive_kl only")
     kl_horizon: int = opt(10000, "adaptive KL horizon in samples")

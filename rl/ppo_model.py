@@ -10,6 +10,7 @@ exactly as during sampling, so the recomputed log-probs equal the sampler's (che
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import inspect
 import json
@@ -25,6 +26,7 @@ from rl.algos.advantages import gae, whiten
 from rl.algos.kl import kl_penalized_rewards, per_token_kl
 from rl.algos.policy_losses import ppo_policy_loss, ppo_value_loss
 from rl.algos.reduce import masked_mean
+from rl.chunked import HeadLogits
 from rl.generation import position_ids_from_mask, sequence_logprobs
 from rl.models import write_pretrained
 
@@ -54,7 +56,10 @@ def response_logits(logits: torch.Tensor, prompt_width: int) -> torch.Tensor:
 def response_logprobs(logits: torch.Tensor, tokens: torch.Tensor, prompt_width: int, temperature: float = 1.0,
                       with_entropy: bool = False):
     """Log-probs (B, N) of the response tokens `tokens` (B, N) under softmax(logits / temperature),
-    and optionally the per-token entropy (B, N) of that distribution."""
+    and optionally the per-token entropy (B, N) of that distribution. `logits` may be a
+    `rl.chunked.HeadLogits` (the engine's chunked LM head): then no (B, N, V) tensor is built."""
+    if isinstance(logits, HeadLogits):
+        return (response_logits(logits, prompt_width) / temperature).logprobs(tokens, with_entropy)
     lg = response_logits(logits, prompt_width).float()
     if temperature != 1.0:
         lg = lg / temperature
@@ -184,14 +189,17 @@ def critic_loss(model, inputs, outputs, *, P, mask, old_values, returns, value_c
 
 @torch.no_grad()
 def score_forward(model, reference, critic, batch: dict, P: int, *, device, micro_batch_size: int,
-                  temperature: float = 1.0, logprob_chunk_size: int | None = None,
+                  temperature: float = 1.0, logprob_chunk_size: int | None = None, head_capture=None,
                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Old log-probs, old values and reference log-probs of a rollout, (B, N) each, in micro-batches.
 
     `model` is the (wrapped) policy, `reference()` a context manager giving the reference model
-    (`functools.partial(ReferencePolicy.use, pipeline)`), `critic` the separate value model or None
-    (values then come from the policy's head). `batch` holds input_ids / attention_mask (B, P+N) and
-    tokens (B, N)."""
+    (`functools.partial(ReferencePolicy.use, pipeline)`), or None when there is none (kl_penalty_coef
+    = 0: the reference log-probs are then the old ones, a KL of 0), `critic` the separate value model
+    or None (values then come from the policy's head), `head_capture(ids)` the engine's chunked-LM-head
+    context (`ForwardBackwardPipeline.head_capture`) or None. `batch` holds input_ids / attention_mask
+    (B, P+N) and tokens (B, N). The reference's LM head runs chunk by chunk when its logits would be
+    large (`rl.generation.sequence_logprobs`)."""
     ids, mask = batch["input_ids"].to(device), batch["attention_mask"].to(device)
     toks = batch["tokens"].to(device)
     pos = position_ids_from_mask(mask)
@@ -200,21 +208,20 @@ def score_forward(model, reference, critic, batch: dict, P: int, *, device, micr
     try:
         for s in range(0, ids.shape[0], micro_batch_size):
             sl = slice(s, s + micro_batch_size)
-            out = model(input_ids=ids[sl], attention_mask=mask[sl], position_ids=pos[sl], use_cache=False)
+            with head_capture(ids[sl]) if head_capture is not None else contextlib.nullcontext():
+                out = model(input_ids=ids[sl], attention_mask=mask[sl], position_ids=pos[sl], use_cache=False)
             old_lp.append(response_logprobs(out.logits, toks[sl], P, temperature))
             if out.value is not None:
                 old_v.append(out.value[:, P - 1:-1].float())
             del out
-            with reference() as ref:
-                if logprob_chunk_size:  # the LM head over chunks of positions: no (B, T, V) logits
-                    labels = torch.cat([torch.full_like(ids[sl][:, :P], -100), toks[sl]], 1)
+            if reference is not None:
+                labels = torch.cat([torch.full_like(ids[sl][:, :P], -100), toks[sl]], 1)
+                with reference() as ref:
                     lp, _ = sequence_logprobs(ref, ids[sl], mask[sl], labels, chunk_size=logprob_chunk_size,
                                               position_ids=pos[sl], temperature=temperature)
-                    ref_lp.append(lp[:, P - 1:])
-                else:
-                    ref_lp.append(response_logprobs(ref(input_ids=ids[sl], attention_mask=mask[sl],
-                                                        position_ids=pos[sl], use_cache=False).logits,
-                                                    toks[sl], P, temperature))
+                ref_lp.append(lp[:, P - 1:])
+            else:  # kl_penalty_coef = 0: no KL penalty, no reference forward (the KL then reads 0)
+                ref_lp.append(old_lp[-1])
             if critic is not None:
                 critic.eval()
                 old_v.append(critic(input_ids=ids[sl], attention_mask=mask[sl], position_ids=pos[sl]).value[:, P - 1:-1])

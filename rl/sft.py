@@ -27,6 +27,7 @@ from rl.data import DataError, LengthReport, load_records, read_records, render_
 from rl.forward_backward import ForwardBackwardPipeline, build_accelerator, zero_stage
 from rl.models import (apply_lora, build_optimizer, build_scheduler, load_tokenizer, load_trainable_policy,
                        resolve_dtype, save_pretrained, trainable_fraction)
+from rl.packing import pack_examples
 from rl.tracking import Tracker
 from rl.trainers.base import EpochTrainer
 
@@ -38,6 +39,8 @@ class SFTConfig(TrainConfig):
     completion_only_loss: bool = opt(True, "count only completion tokens in the loss (needs prompt/"
                                      "completion or messages data); false trains on the whole text")
     add_eos: bool = opt(True, "append the EOS token to every example so the model learns to stop")
+    packing: bool = opt(False, "padding-free micro-batches: each micro-batch's examples concatenated into one "
+                        "row with per-example position_ids (rl.packing); same loss, no compute on padding")
 
 
 # ------------------------------------------------------------------------------------------- data
@@ -166,7 +169,8 @@ class SFTTrainer(EpochTrainer):
         scheduler = build_scheduler(optimizer, cfg.lr_scheduler, plan["total_steps"], cfg.warmup_ratio)
         self.pipeline = ForwardBackwardPipeline(
             self._model, gradient_accumulation_steps=cfg.gradient_accumulation_steps, optimizer=optimizer,
-            scheduler=scheduler, accelerator=acc, checkpoint_dir=checkpoint_dir(out), micro_batch_size=cfg.batch_size)
+            scheduler=scheduler, accelerator=acc, checkpoint_dir=checkpoint_dir(out), micro_batch_size=cfg.batch_size,
+            logprob_chunk_size=cfg.logprob_chunk_size)
         if acc.is_main_process:
             save_config(cfg, out)
         tracker = Tracker(out, cfg.report_to, cfg.run_name, to_dict(cfg), plan["total_steps"],
@@ -191,9 +195,14 @@ class SFTTrainer(EpochTrainer):
             # forward/backward (ZeRO-3 needs every rank in every forward) on an example with no
             # counted token, so the step's loss stays sum / tokens of the real examples
             micro = micro or [{"input_ids": batch[0]["input_ids"], "labels": [-100] * len(batch[0]["labels"])}]
-            b = collate(micro, self.tokenizer.pad_token_id)
-            r = pipe.forward_backward(b["input_ids"], b["attention_mask"], b["labels"],
-                                      loss_fn=partial(sum_normalised_nll, scale=scale)).result()
+            if cfg.packing:  # one row, no mask: the model separates the examples by their position ids
+                b = pack_examples(micro)
+                r = pipe.forward_backward(b["input_ids"], None, b["labels"], position_ids=b["position_ids"],
+                                          loss_fn=partial(sum_normalised_nll, scale=scale)).result()
+            else:
+                b = collate(micro, self.tokenizer.pad_token_id)
+                r = pipe.forward_backward(b["input_ids"], b["attention_mask"], b["labels"],
+                                          loss_fn=partial(sum_normalised_nll, scale=scale)).result()
             nll_sum += r.metrics["nll"] * r.num_tokens
             n_tok += r.num_tokens
             correct += r.metrics["correct"]

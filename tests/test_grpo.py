@@ -346,9 +346,16 @@ def test_environment_reward_source_with_reference(tiny_llama, tmp_path):
     assert h[0]["eval/num_prompts"] == 8 and 0.0 <= h[-1]["eval/accuracy"] <= 1.0
 
 
-def test_chunked_scoring_changes_nothing(tiny_llama, tmp_path):
-    """logprob_chunk_size on the old-policy and reference forwards (beta > 0, num_iterations = 2): the
-    same metrics as the full (B, T, V) logits, so it is a pure memory saving."""
+def test_chunked_scoring_changes_nothing(tiny_llama, tmp_path, monkeypatch):
+    """logprob_chunk_size on the old-policy and reference forwards (beta > 0, num_iterations = 2) and on
+    the training forward: the same metrics as the full (B, T, V) logits, so it is a pure memory saving.
+    Off-policy with a KL term, each generation runs two scoring forwards (old policy, reference); the
+    skips at num_iterations = 1 and beta = 0 are in tests/test_skips.py."""
+    from rl import grpo
+    from tests.test_skips import _count_scoring
+
+    calls = _count_scoring(monkeypatch, grpo)
+
     def run(chunk, out):
         cfg = build(GRPOConfig, dict(model_name=tiny_llama, output_dir=str(out), learning_rate=1e-2, batch_size=8,
                                      num_generations=4, max_completion_length=4, max_length=16, max_steps=2,
@@ -360,6 +367,7 @@ def test_chunked_scoring_changes_nothing(tiny_llama, tmp_path):
 
     full, chunked = run(None, tmp_path / "full"), run(3, tmp_path / "chunked")
     assert len(full) == len(chunked) == 2
+    assert len(calls) == 2 * 2  # 2 runs x (old policy + reference) x 1 generation (2 steps of num_iterations=2)
     for a, b in zip(full, chunked):
         for k in ("loss", "kl", "clip_ratio/region_mean"):
             assert a[k] == pytest.approx(b[k], abs=1e-5), k
