@@ -597,3 +597,47 @@ class TrainConfig:
         if self.save_merged and not self.lora.enabled:
             raise ConfigError("key 'save_merged': only a LoRA run has an adapter to merge (lora.enabled is false; "
                               "a full fine-tune is saved whole already); drop save_merged or set lora.enabled=true")
+
+
+@dataclasses.dataclass
+class OnlineConfig(TrainConfig):
+    """Keys of the trainers that sample completions from the policy and score them with the reward
+    protocol (`rl.reward_sources`): GRPO and its variants, online DPO. One meaning each, in both."""
+
+    max_completion_length: int = opt(64, "new tokens per completion at most")
+    temperature: float = opt(1.0, "sampling temperature (log-probs in the loss use the same temperature)")
+    top_k: int = opt(0, "sample from the k most likely tokens (0: all)")
+    top_p: float = opt(1.0, "nucleus sampling mass (1.0: off)")
+    reward_funcs: list[str] = opt([], "reward functions: rl.rewards names (correctness, default, length_penalty) "
+                                  "or 'module:function' with TRL's signature (prompts, completions, **columns)")
+    reward_model_path: str | None = opt(None, "reward model directory written by launch/reward.py (scores prompt + "
+                                        "completion); one more reward source")
+    reward_weights: list[float] | None = opt(None, "one weight per reward source (the environment first, then the "
+                                             "reward model, then reward_funcs); default all 1.0")
+    reward_timeout: float | None = opt(300.0, "seconds a reward source may take per batch (null or 0: no limit)")
+    env_type: str | None = opt(None, "environment as prompt and reward source: math, code, text_generation, "
+                               "multi_objective, preference_comparison")
+    env_config: dict = opt({}, "keyword arguments of the environment (see rl.environments.make_env)")
+    eval_env_config: dict | None = opt(None, "environment config for evaluation (e.g. {split: test}); greedy "
+                                       "decoding, reports eval/accuracy and eval/reward")
+    eval_num_prompts: int = opt(200, "evaluation prompts at most (duplicates removed)")
+    chat_template: bool = opt(False, "render each prompt as a user turn with the tokenizer's chat template "
+                              "(instruct models); reward functions still see the plain prompt")
+
+    # a reward source on the command line replaces the recipe's (the environment stays: it is the prompts)
+    REWARD_SOURCE_KEYS = ("reward_model_path", "reward_funcs")
+
+    def __post_init__(self):
+        super().__post_init__()
+        if self.max_completion_length < 1:
+            raise ConfigError(f"key 'max_completion_length' must be at least 1, got {self.max_completion_length}")
+        if self.max_length <= self.max_completion_length:
+            raise ConfigError(f"max_length={self.max_length} leaves no room for the prompt next to "
+                              f"max_completion_length={self.max_completion_length}; raise max_length")
+        if self.reward_timeout is not None and not self.reward_timeout >= 0:
+            raise ConfigError(f"key 'reward_timeout' must be >= 0 seconds or null, got {self.reward_timeout}")
+
+    @property
+    def prompt_budget(self) -> int:
+        """Prompt tokens kept (from the right) so that prompt + completion fits max_length."""
+        return self.max_length - self.max_completion_length

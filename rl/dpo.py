@@ -49,10 +49,9 @@ from rl.algos.preference import (hinge_loss, ipo_loss, log_odds, orpo_loss, pref
 from rl.config import ConfigError, TrainConfig, epoch_plan, opt, save_config, to_dict
 from rl.dpo_data import (PreferenceDataset, _shards, collate_pairs, concatenated_logps,  # noqa: F401
                          load_pair_records, load_pairs, sequence_logps)
-from rl.checkpoint import checkpoint_dir
-from rl.forward_backward import ForwardBackwardPipeline, build_accelerator, zero_stage
-from rl.models import (apply_lora, build_optimizer, build_scheduler, load_tokenizer, load_trainable_policy,
-                       resolve_dtype, save_pretrained, trainable_fraction)
+from rl.forward_backward import build_accelerator, zero_stage
+from rl.models import (apply_lora, load_tokenizer, load_trainable_policy, resolve_dtype, save_pretrained,
+                       trainable_fraction)
 from rl.reference import ReferencePolicy
 from rl.tracking import Tracker
 from rl.trainers.base import EpochTrainer
@@ -194,12 +193,7 @@ class DPOTrainer(EpochTrainer):
     # ------------------------------------------------------------------------------- reference
     def _setup(self, total_steps: int) -> None:
         cfg = self.config
-        optimizer = build_optimizer(self._model, cfg.learning_rate, cfg.weight_decay)
-        scheduler = build_scheduler(optimizer, cfg.lr_scheduler, total_steps, cfg.warmup_ratio)
-        self.pipeline = ForwardBackwardPipeline(
-            self._model, gradient_accumulation_steps=cfg.gradient_accumulation_steps, optimizer=optimizer,
-            scheduler=scheduler, accelerator=self.accelerator, checkpoint_dir=checkpoint_dir(cfg.output_dir),
-            micro_batch_size=cfg.batch_size, logprob_chunk_size=cfg.logprob_chunk_size)
+        self.pipeline = self.build_pipeline(self._model, total_steps, cfg.batch_size)
         self.reference.place(self.accelerator)
 
     def _reference_logps(self, batch: dict) -> tuple[torch.Tensor | None, torch.Tensor | None]:

@@ -52,17 +52,16 @@ from rl.algos.advantages import (STD_EPS, compute_advantages, dr_grpo_advantages
 from rl.algos.dapo import groups_with_spread, overlong_penalty
 from rl.algos.kl import k3_kl  # noqa: F401
 from rl.algos.policy_losses import LOSS_AGGREGATIONS, grpo_loss  # noqa: F401
-from rl.checkpoint import checkpoint_dir
 from rl.config import ConfigError, save_config, to_dict
 from rl.environments import make_env
-from rl.forward_backward import ForwardBackwardPipeline, build_accelerator, zero_stage
+from rl.forward_backward import build_accelerator, zero_stage
 from rl.generation import generate, position_ids_from_mask, sequence_logprobs
 from rl.grpo_config import GRPOConfig, grpo_sizes  # noqa: F401  (public names of rl.grpo)
 from rl.grpo_eval import greedy_eval, unique_eval_set
 from rl.grpo_sampling import (encode_prompt, load_prompt_rows, pick_groups, picked_rows,  # noqa: F401
                               reward_metrics, select_rollout, step_prompts, take_global)
-from rl.models import (apply_lora, build_optimizer, build_scheduler, load_tokenizer, load_trainable_policy,
-                       release_device_cache, resolve_dtype, save_pretrained, trainable_fraction)
+from rl.models import (apply_lora, load_tokenizer, load_trainable_policy, release_device_cache, resolve_dtype,
+                       save_pretrained, trainable_fraction)
 from rl.reference import ReferencePolicy
 from rl.reward_sources import (RewardModelReward, build_reward_fns, combine_rewards,  # noqa: F401
                                resolve_reward_func)
@@ -198,12 +197,7 @@ class GRPOTrainer(Trainer):
         cfg, acc = self.cfg, self.accelerator
         plan = self._plan = self.plan()
         out = Path(cfg.output_dir)
-        optimizer = build_optimizer(self._model, cfg.learning_rate, cfg.weight_decay)
-        scheduler = build_scheduler(optimizer, cfg.lr_scheduler, plan["total_steps"], cfg.warmup_ratio)
-        self.pipeline = ForwardBackwardPipeline(
-            self._model, gradient_accumulation_steps=cfg.gradient_accumulation_steps, optimizer=optimizer,
-            scheduler=scheduler, accelerator=acc, checkpoint_dir=checkpoint_dir(out), micro_batch_size=cfg.batch_size,
-            logprob_chunk_size=cfg.logprob_chunk_size)
+        self.pipeline = self.build_pipeline(self._model, plan["total_steps"], cfg.batch_size)
         self.reference.place(acc)
         if acc.is_main_process:
             save_config(cfg, out)

@@ -7,16 +7,12 @@ from typing import Literal
 
 from rl.algos import names
 from rl.algos.policy_losses import IMPORTANCE_SAMPLING_LEVELS, LOSS_AGGREGATIONS
-from rl.config import ConfigError, TrainConfig, opt
+from rl.config import ConfigError, OnlineConfig, opt
 
 
 @dataclasses.dataclass
-class GRPOConfig(TrainConfig):
+class GRPOConfig(OnlineConfig):
     num_generations: int = opt(8, "completions sampled per prompt (the group size G)")
-    max_completion_length: int = opt(64, "new tokens per completion at most")
-    temperature: float = opt(1.0, "sampling temperature (log-probs in the loss use the same temperature)")
-    top_k: int = opt(0, "sample from the k most likely tokens (0: all)")
-    top_p: float = opt(1.0, "nucleus sampling mass (1.0: off)")
     advantage_estimator: Literal[names("advantage_estimator")] = opt(
         "grpo", "grpo (group mean/std), dr_grpo (group mean only), rloo (leave-one-out), reinforce_pp (batch-normalised)")
     loss_aggregation: Literal[LOSS_AGGREGATIONS] = opt(
@@ -38,25 +34,6 @@ class GRPOConfig(TrainConfig):
                                "overlong_buffer tokens lose reward linearly, down to -overlong_penalty at the "
                                "maximum (0: off)")
     overlong_penalty: float = opt(1.0, "DAPO overlong shaping: the reward penalty at max_completion_length")
-    reward_funcs: list[str] = opt([], "reward functions: rl.rewards names (correctness, default, length_penalty) "
-                                  "or 'module:function' with TRL's signature (prompts, completions, **columns)")
-    reward_model_path: str | None = opt(None, "reward model directory written by launch/reward.py (scores prompt + "
-                                        "completion); one more reward source")
-    reward_weights: list[float] | None = opt(None, "one weight per reward source (the environment first, then the "
-                                             "reward model, then reward_funcs); default all 1.0")
-    reward_timeout: float | None = opt(300.0, "seconds a reward source may take per batch (null or 0: no limit)")
-    env_type: str | None = opt(None, "environment as prompt and reward source: math, code, text_generation, "
-                               "multi_objective, preference_comparison")
-    env_config: dict = opt({}, "keyword arguments of the environment (see rl.environments.make_env)")
-    eval_env_config: dict | None = opt(None, "environment config for evaluation (e.g. {split: test}); greedy "
-                                       "decoding, reports eval/accuracy and eval/reward")
-    eval_num_prompts: int = opt(200, "evaluation prompts at most (duplicates removed)")
-    chat_template: bool = opt(False, "render each prompt as a user turn with the tokenizer's chat template "
-                              "(instruct models); reward functions still see the plain prompt")
-
-    # a reward source on the command line replaces the recipe's (the environment stays: it is the prompts)
-    REWARD_SOURCE_KEYS = ("reward_model_path", "reward_funcs")
-
     def __post_init__(self):
         super().__post_init__()
         if self.num_generations < 2:
@@ -67,11 +44,6 @@ class GRPOConfig(TrainConfig):
             raise ConfigError(f"batch_size x gradient_accumulation_steps = {self.batch_size} x "
                               f"{self.gradient_accumulation_steps} = {per_process} completions per process must be "
                               f"a multiple of num_generations={self.num_generations} (whole groups per process)")
-        if self.max_completion_length < 1:
-            raise ConfigError(f"key 'max_completion_length' must be at least 1, got {self.max_completion_length}")
-        if self.max_length <= self.max_completion_length:
-            raise ConfigError(f"max_length={self.max_length} leaves no room for the prompt next to "
-                              f"max_completion_length={self.max_completion_length}; raise max_length")
         for name in ("epsilon_low", "epsilon_high", "beta"):
             if getattr(self, name) < 0:
                 raise ConfigError(f"key '{name}' must be >= 0, got {getattr(self, name)}")
@@ -86,13 +58,6 @@ class GRPOConfig(TrainConfig):
                               f"{self.max_completion_length}, got {self.overlong_buffer}")
         if self.overlong_penalty < 0:
             raise ConfigError(f"key 'overlong_penalty' must be >= 0 (it is subtracted), got {self.overlong_penalty}")
-        if self.reward_timeout is not None and not self.reward_timeout >= 0:
-            raise ConfigError(f"key 'reward_timeout' must be >= 0 seconds or null, got {self.reward_timeout}")
-
-    @property
-    def prompt_budget(self) -> int:
-        """Prompt tokens kept (from the right) so that prompt + completion fits max_length."""
-        return self.max_length - self.max_completion_length
 
 
 def grpo_sizes(cfg: GRPOConfig, world: int, n_prompts: int | None = None) -> dict:

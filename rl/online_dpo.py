@@ -41,15 +41,14 @@ from typing import Callable, Literal, Sequence
 
 import torch
 
-from rl.checkpoint import checkpoint_dir
-from rl.config import ConfigError, TrainConfig, opt, save_config, to_dict
+from rl.config import ConfigError, OnlineConfig, opt, save_config, to_dict
 from rl.dpo import dpo_batch_loss
 from rl.environments import make_env
-from rl.forward_backward import ForwardBackwardPipeline, build_accelerator, zero_stage
+from rl.forward_backward import build_accelerator, zero_stage
 from rl.generation import generate, position_ids_from_mask, sequence_logprobs
 from rl.grpo import GRPOTrainer, encode_prompt, greedy_eval, unique_eval_set
-from rl.models import (apply_lora, build_optimizer, build_scheduler, load_tokenizer, load_trainable_policy,
-                       release_device_cache, resolve_dtype, save_pretrained, trainable_fraction)
+from rl.models import (apply_lora, load_tokenizer, load_trainable_policy, release_device_cache, resolve_dtype,
+                       save_pretrained, trainable_fraction)
 from rl.reference import ReferencePolicy
 from rl.reward_sources import RewardModelReward, build_reward_fns, combine_rewards
 from rl.tracking import Tracker
@@ -60,7 +59,7 @@ LOSS_TYPES = ("sigmoid", "ipo", "hinge")
 
 
 @dataclasses.dataclass
-class OnlineDPOConfig(TrainConfig):
+class OnlineDPOConfig(OnlineConfig):
     learning_rate: float = opt(5e-7, "peak learning rate of AdamW (TRL's online DPO default; DPO wants it small)")
     batch_size: int = opt(8, "prompts per device per micro-batch (each gives one pair: 2 completions)")
     beta: float = opt(0.1, "DPO temperature beta (IPO: tau)")
@@ -68,27 +67,9 @@ class OnlineDPOConfig(TrainConfig):
     label_smoothing: float = opt(0.0, "conservative DPO (sigmoid only): probability a preference is flipped")
     ref_model_name: str | None = opt(None, "reference model id/path (default: the initial policy; with LoRA "
                                      "the policy without adapters)")
-    max_completion_length: int = opt(64, "new tokens per completion at most")
     temperature: float = opt(1.0, "sampling temperature (the loss scores the model itself, temperature 1)")
-    top_k: int = opt(0, "sample from the k most likely tokens (0: all)")
-    top_p: float = opt(1.0, "nucleus sampling mass (1.0: off)")
     missing_eos_penalty: float | None = opt(None, "subtracted from the reward of a completion cut at "
                                             "max_completion_length (TRL's name); null: none")
-    reward_funcs: list[str] = opt([], "reward functions: rl.rewards names or 'module:function' with TRL's "
-                                  "signature (prompts, completions, **columns)")
-    reward_model_path: str | None = opt(None, "reward model directory written by launch/reward.py")
-    reward_weights: list[float] | None = opt(None, "one weight per reward source (the environment first, then the "
-                                             "reward model, then reward_funcs); default all 1.0")
-    reward_timeout: float | None = opt(300.0, "seconds a reward source may take per batch (null or 0: no limit)")
-    env_type: str | None = opt(None, "environment as prompt and reward source: math, code, text_generation, "
-                               "multi_objective, preference_comparison")
-    env_config: dict = opt({}, "keyword arguments of the environment (see rl.environments.make_env)")
-    eval_env_config: dict | None = opt(None, "environment config for evaluation (e.g. {split: test}); greedy "
-                                       "decoding, reports eval/accuracy and eval/reward")
-    eval_num_prompts: int = opt(200, "evaluation prompts at most (duplicates removed)")
-    chat_template: bool = opt(False, "render each prompt as a user turn with the tokenizer's chat template")
-
-    REWARD_SOURCE_KEYS = ("reward_model_path", "reward_funcs")
 
     def __post_init__(self):
         super().__post_init__()
@@ -97,18 +78,9 @@ class OnlineDPOConfig(TrainConfig):
         if not 0.0 <= self.label_smoothing < 0.5 or (self.label_smoothing and self.loss_type != "sigmoid"):
             raise ConfigError(f"key 'label_smoothing' must be in [0, 0.5) and needs loss_type=sigmoid, got "
                               f"{self.label_smoothing} with loss_type={self.loss_type}")
-        if self.max_completion_length < 1:
-            raise ConfigError(f"key 'max_completion_length' must be at least 1, got {self.max_completion_length}")
-        if self.max_length <= self.max_completion_length:
-            raise ConfigError(f"max_length={self.max_length} leaves no room for the prompt next to "
-                              f"max_completion_length={self.max_completion_length}; raise max_length")
         if self.temperature <= 0:
             raise ConfigError(f"key 'temperature' must be > 0 (two greedy samples are the same answer), "
                               f"got {self.temperature}")
-
-    @property
-    def prompt_budget(self) -> int:
-        return self.max_length - self.max_completion_length
 
 
 # ============================================================================ pure pieces
@@ -227,12 +199,7 @@ class OnlineDPOTrainer(Trainer):
         cfg, acc = self.cfg, self.accelerator
         plan = self._plan = self.plan()
         out = Path(cfg.output_dir)
-        optimizer = build_optimizer(self._model, cfg.learning_rate, cfg.weight_decay)
-        scheduler = build_scheduler(optimizer, cfg.lr_scheduler, plan["total_steps"], cfg.warmup_ratio)
-        self.pipeline = ForwardBackwardPipeline(
-            self._model, gradient_accumulation_steps=cfg.gradient_accumulation_steps, optimizer=optimizer,
-            scheduler=scheduler, accelerator=acc, checkpoint_dir=checkpoint_dir(out),
-            micro_batch_size=2 * cfg.batch_size)  # sequences: two per prompt
+        self.pipeline = self.build_pipeline(self._model, plan["total_steps"], 2 * cfg.batch_size)  # 2 per prompt
         self.reference.place(acc)
         if acc.is_main_process:
             save_config(cfg, out)

@@ -46,8 +46,8 @@ from rl.checkpoint import checkpoint_dir
 from rl.config import ConfigError, save_config, to_dict
 from rl.forward_backward import ForwardBackwardPipeline, build_accelerator, is_deepspeed, zero_stage
 from rl.generation import generate
-from rl.models import (apply_lora, build_optimizer, build_scheduler, load_tokenizer, load_trainable_policy,
-                       release_device_cache, resolve_dtype, trainable_fraction)
+from rl.models import (apply_lora, load_tokenizer, load_trainable_policy, release_device_cache, resolve_dtype,
+                       trainable_fraction)
 from rl.ppo_config import (NO_REWARD_ERROR, PPOConfig, check_reward_source, ppo_dry_run_models,  # noqa: F401
                            encode_prompts, load_prompt_data, load_prompts, ppo_plan, prompt_order)
 from rl.ppo_model import (Critic, PPOModel, PPOModelOutput, ValueHead, critic_loss,  # noqa: F401
@@ -128,13 +128,7 @@ class PPOTrainer(Trainer):
         self.reference.place(acc)
 
     def _pipeline(self, model: nn.Module, lr: float, ckpt: Path, plan: dict) -> ForwardBackwardPipeline:
-        cfg = self.cfg
-        optimizer = build_optimizer(model, lr, cfg.weight_decay)
-        scheduler = build_scheduler(optimizer, cfg.lr_scheduler, plan["total_steps"], cfg.warmup_ratio)
-        return ForwardBackwardPipeline(model, gradient_accumulation_steps=cfg.gradient_accumulation_steps,
-                                       optimizer=optimizer, scheduler=scheduler, accelerator=self.accelerator,
-                                       checkpoint_dir=ckpt, micro_batch_size=cfg.micro_batch_size,
-                                       logprob_chunk_size=cfg.logprob_chunk_size)
+        return self.build_pipeline(model, plan["total_steps"], self.cfg.micro_batch_size, learning_rate=lr, ckpt=ckpt)
 
     # ------------------------------------------------------------------ one iteration
     def _rollout(self, prompt_ids: list[list[int]], seed: int):

@@ -21,12 +21,11 @@ from pathlib import Path
 import torch
 
 from rl import losses
-from rl.checkpoint import checkpoint_dir
 from rl.config import ConfigError, TrainConfig, epoch_plan, opt, save_config, to_dict
 from rl.data import DataError, LengthReport, load_records, read_records, render_chat, source_options, where, with_bos
-from rl.forward_backward import ForwardBackwardPipeline, build_accelerator, zero_stage
-from rl.models import (apply_lora, build_optimizer, build_scheduler, load_tokenizer, load_trainable_policy,
-                       resolve_dtype, save_pretrained, trainable_fraction)
+from rl.forward_backward import build_accelerator, zero_stage
+from rl.models import (apply_lora, load_tokenizer, load_trainable_policy, resolve_dtype, save_pretrained,
+                       trainable_fraction)
 from rl.packing import pack_examples
 from rl.tracking import Tracker
 from rl.trainers.base import EpochTrainer
@@ -165,12 +164,7 @@ class SFTTrainer(EpochTrainer):
         cfg, acc = self.cfg, self.accelerator
         plan = self._plan = self.plan(len(train_examples))
         out = Path(cfg.output_dir)
-        optimizer = build_optimizer(self._model, cfg.learning_rate, cfg.weight_decay)
-        scheduler = build_scheduler(optimizer, cfg.lr_scheduler, plan["total_steps"], cfg.warmup_ratio)
-        self.pipeline = ForwardBackwardPipeline(
-            self._model, gradient_accumulation_steps=cfg.gradient_accumulation_steps, optimizer=optimizer,
-            scheduler=scheduler, accelerator=acc, checkpoint_dir=checkpoint_dir(out), micro_batch_size=cfg.batch_size,
-            logprob_chunk_size=cfg.logprob_chunk_size)
+        self.pipeline = self.build_pipeline(self._model, plan["total_steps"], cfg.batch_size)
         if acc.is_main_process:
             save_config(cfg, out)
         tracker = Tracker(out, cfg.report_to, cfg.run_name, to_dict(cfg), plan["total_steps"],

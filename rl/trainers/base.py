@@ -38,7 +38,8 @@ from pathlib import Path
 import torch
 
 from rl.checkpoint import StopSignal, checkpoint_dir, checkpoint_name, make_loadable, resolve_resume
-from rl.forward_backward import COMPLETE_MARKER
+from rl.forward_backward import COMPLETE_MARKER, ForwardBackwardPipeline
+from rl.models import build_optimizer, build_scheduler
 
 logger = logging.getLogger(__name__)
 
@@ -174,6 +175,20 @@ class Trainer:
 
     def save_checkpoint(self, name: str, extra: dict) -> None:
         self.pipeline.save_state(name, extra)
+
+    # ------------------------------------------------------------------ setup shared by the trainers
+    def build_pipeline(self, model, total_steps: int, micro_batch_size: int, *, learning_rate: float | None = None,
+                       ckpt: Path | None = None) -> ForwardBackwardPipeline:
+        """The engine of `model` with the recipe's AdamW, schedule, gradient accumulation and chunked LM
+        head; checkpoints in `<run_dir>/checkpoints` unless `ckpt` says otherwise."""
+        cfg = self.cfg
+        optimizer = build_optimizer(model, cfg.learning_rate if learning_rate is None else learning_rate,
+                                    cfg.weight_decay)
+        scheduler = build_scheduler(optimizer, cfg.lr_scheduler, total_steps, cfg.warmup_ratio)
+        return ForwardBackwardPipeline(
+            model, gradient_accumulation_steps=cfg.gradient_accumulation_steps, optimizer=optimizer,
+            scheduler=scheduler, accelerator=self.accelerator, checkpoint_dir=ckpt or checkpoint_dir(self.run_dir),
+            micro_batch_size=micro_batch_size, logprob_chunk_size=cfg.logprob_chunk_size)
 
     def load_checkpoint(self, path: Path) -> dict:
         return self.pipeline.load_state(path)
