@@ -16,8 +16,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a check
 os.environ.setdefault("WANDB_MODE", "offline")
 
 from rl.config import ConfigError, cli_config  # noqa: E402
-from rl.data import DataError  # noqa: E402
-from rl.launch_utils import dry_run_report, fail, preflight, run_training  # noqa: E402
+from rl.data import DataError, has_data  # noqa: E402
+from rl.launch_utils import NO_DATA_ERROR, dry_run_report, fail, preflight, run_training  # noqa: E402
 from rl.model_card import write_model_card  # noqa: E402
 from rl.trainers.base import RunError, check_output_dir  # noqa: E402
 
@@ -28,8 +28,8 @@ def main(argv=None) -> None:
     # 1. parse
     cfg = cli_config(SFTConfig, argv, prog="launch/sft.py", description=__doc__)
     preflight(cfg)  # model names, deepspeed file, resume path, output_dir: before any model
-    if cfg.data.path is None:
-        fail("data.path is not set: pass --data.path FILE.jsonl or set data: {path: ...} in the recipe")
+    if not has_data(cfg.data):
+        fail(NO_DATA_ERROR)
     try:
         # 2. setup: data is validated before any model is built, so a bad file fails in seconds
         records = load_sft_records(cfg.data.path, cfg)

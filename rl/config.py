@@ -527,7 +527,51 @@ class DataSection:
     rejected_column: str = opt("rejected", "column with the rejected answer")
     messages_column: str = opt("messages", "column with chat messages, rendered with the chat template")
     strict: bool = opt(False, "fail on examples longer than max_length instead of truncating them")
-    max_examples: int | None = opt(None, "use only the first N examples (smoke tests)")
+    max_examples: int | None = opt(None, "use only the first N examples (smoke tests); the number of rows "
+                                   "data.streaming fetches, and the total of data.mixture")
+    streaming: bool = opt(False, "stream a Hub id or dataset folder (load_dataset streaming=True) and fetch only "
+                          "its first data.max_examples rows, so a huge dataset is not downloaded whole "
+                          "(needs data.max_examples)")
+    mixture: list[dict[str, Any]] | None = opt(
+        None, "instead of data.path, several sources mixed by weight: [{path: a.jsonl, weight: 0.7}, {path: "
+        "org/ds, name: x, split: train, weight: 0.3}] (name/split optional, as data.name/data.split). Exact "
+        "proportions, each source's first rows, the order shuffled by seed; data.max_examples rows in all, "
+        "or without it as many as the mixture holds until one source runs out at its weight")
+
+    def __post_init__(self):
+        if self.streaming and not self.max_examples:
+            raise ConfigError("key 'data.streaming' fetches only the first data.max_examples rows; set "
+                              "data.max_examples (e.g. --data.max_examples 10000) or drop data.streaming")
+        if self.mixture is not None:
+            problem = mixture_problem(self.mixture, self.path)
+            if problem:
+                raise ConfigError(problem)
+
+
+MIXTURE_KEYS = ("path", "weight", "name", "split")
+
+
+def mixture_problem(mixture: list[dict], path: str | None) -> str | None:
+    """The first mistake in a data.mixture (with data.path beside it), as a one-line message, or None."""
+    if path is not None:
+        return ("keys 'data.path' and 'data.mixture' are alternatives: drop data.path, or put it in the "
+                "mixture as {path: ..., weight: ...}")
+    if not mixture:
+        return "key 'data.mixture' is empty: list at least one {path: ..., weight: ...} (or use data.path)"
+    for i, entry in enumerate(mixture):
+        key = f"data.mixture[{i}]"
+        unknown = sorted(set(entry) - set(MIXTURE_KEYS))
+        if unknown:
+            return f"key '{key}' has unknown key '{unknown[0]}' (allowed: {', '.join(MIXTURE_KEYS)})"
+        if not isinstance(entry.get("path"), str) or not entry["path"]:
+            return f"key '{key}.path' must be a data file, dataset folder or hub id, got {entry.get('path')!r}"
+        w = entry.get("weight")
+        if isinstance(w, bool) or not isinstance(w, (int, float)) or not math.isfinite(w) or w <= 0:
+            return f"key '{key}.weight' must be a positive number (the source's share of the rows), got {w!r}"
+        for opt_key in ("name", "split"):
+            if entry.get(opt_key) is not None and not isinstance(entry[opt_key], str):
+                return f"key '{key}.{opt_key}' must be a string, got {entry[opt_key]!r}"
+    return None
 
 
 @dataclasses.dataclass

@@ -27,7 +27,7 @@ def load_pairs(path, cfg: DPOConfig, for_eval: bool = False) -> list[dict]:
     d = cfg.data
     cols = [d.prompt_column, d.chosen_column, d.rejected_column]
     records = load_records(path, cols, chat_columns=cols, max_examples=d.max_examples,
-                           **source_options(d, for_eval))
+                           **source_options(d, for_eval, seed=cfg.seed))
     for r in records:
         if r[d.chosen_column] == r[d.rejected_column]:
             raise DataError(f"{where(path, r)}: chosen and rejected are identical; such a pair teaches nothing")
@@ -91,7 +91,7 @@ class PreferenceDataset(torch.utils.data.Dataset):
     def from_records(cls, records: list[dict], tokenizer, cfg: "DPOConfig", source: str = "data"):
         """Rows with prompt/chosen/rejected columns (names from cfg.data) -> dataset."""
         d = cfg.data
-        srcs = [f"{source}:{r['_line']}" if "_line" in r else f"{source} row {i}" for i, r in enumerate(records)]
+        srcs = [where(source, r) if "_line" in r else f"{source} row {i}" for i, r in enumerate(records)]
         return cls([r[d.prompt_column] for r in records], [r[d.chosen_column] for r in records],
                    [r[d.rejected_column] for r in records], tokenizer, cfg.max_length, cfg.max_prompt_length,
                    chat_template=cfg.chat_template, add_eos=cfg.add_eos, sources=srcs)

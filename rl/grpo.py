@@ -53,6 +53,7 @@ from rl.algos.dapo import groups_with_spread, overlong_penalty
 from rl.algos.kl import k3_kl  # noqa: F401
 from rl.algos.policy_losses import LOSS_AGGREGATIONS, grpo_loss  # noqa: F401
 from rl.config import ConfigError, save_config, to_dict
+from rl.data import has_data
 from rl.environments import make_env
 from rl.forward_backward import build_accelerator, zero_stage
 from rl.generation import generate, position_ids_from_mask, sequence_logprobs
@@ -139,8 +140,8 @@ class GRPOTrainer(Trainer):
         """The recipe's prompt rows (data.path), or None when the environment supplies the prompts."""
         if cfg.env_type is not None:
             return None
-        if cfg.data.path is None:
-            raise ConfigError("no prompts: set env_type (e.g. env_type=math) or data.path "
+        if not has_data(cfg.data):
+            raise ConfigError("no prompts: set env_type (e.g. env_type=math), data.path or data.mixture "
                               "(rows with a 'prompt' column)")
         return load_prompt_rows(cfg.data.path, cfg)
 

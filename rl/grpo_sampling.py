@@ -15,7 +15,7 @@ from __future__ import annotations
 import torch
 
 from rl.algos.advantages import nanstd
-from rl.data import DataError, read_records, render_chat, source_options, with_bos
+from rl.data import DataError, read_records, render_chat, source_name, source_options, where, with_bos
 from rl.generation import Rollout, left_pad
 
 
@@ -30,17 +30,17 @@ def encode_prompt(tokenizer, prompt: str, budget: int, chat: bool = False) -> li
 def load_prompt_rows(path: str, cfg) -> list[dict]:
     """Rows of a data file with a prompt column (data.prompt_column, else data.text_column); the other
     columns are passed to the reward functions as keyword arguments (TRL's convention)."""
-    rows = read_records(path, **source_options(cfg.data))
+    rows = read_records(path, **source_options(cfg.data, seed=cfg.seed))
     if cfg.data.max_examples:
         rows = rows[:cfg.data.max_examples]
     if not rows:
-        raise DataError(f"{path}: no rows")
+        raise DataError(f"{source_name(path)}: no rows")
     col = cfg.data.prompt_column if cfg.data.prompt_column in rows[0] else cfg.data.text_column
     out = []
     for row in rows:
         p = row.get(col)
         if not isinstance(p, str) or not p:
-            raise DataError(f"{path}:{row.get('_line')}: column '{col}' must be a non-empty string "
+            raise DataError(f"{where(path, row)}: column '{col}' must be a non-empty string "
                             f"(set data.prompt_column to the prompt column)")
         out.append({"prompt": p, **{k: v for k, v in row.items() if k not in (col, "_line")}})
     return out

@@ -32,7 +32,7 @@ from pathlib import Path
 import yaml
 
 from rl.config import ConfigError, cli_config, to_dict
-from rl.data import DataError
+from rl.data import DataError, has_data
 from rl.models import adapter_base
 from rl.reward_io import reward_model_problem
 from rl.tiny import FAMILIES, TINY_PREFIX, resolve_model_path
@@ -173,7 +173,8 @@ def preflight(cfg) -> None:
         fail(problems[0])
 
 
-NO_DATA_ERROR = "data.path is not set: pass --data.path FILE.jsonl or set data: {path: ...} in the recipe"
+NO_DATA_ERROR = ("data.path is not set: pass --data.path FILE.jsonl or set data: {path: ...} (or data.mixture) "
+                 "in the recipe")
 
 
 def parse_recipe(cls, argv, prog: str, description: str, require_data: bool = False):
@@ -181,7 +182,7 @@ def parse_recipe(cls, argv, prog: str, description: str, require_data: bool = Fa
     a missing data.path is one `error:` line and exit 2 as well."""
     cfg = cli_config(cls, argv, prog=prog, description=description)
     preflight(cfg)  # model names, deepspeed file, resume path, output_dir: before any model
-    if require_data and cfg.data.path is None:
+    if require_data and not has_data(cfg.data):
         fail(NO_DATA_ERROR)
     return cfg
 

@@ -13,7 +13,7 @@ import torch
 
 from rl.algos import names
 from rl.config import ConfigError, TrainConfig, opt
-from rl.data import load_records, read_records, render_chat, source_options
+from rl.data import has_data, load_records, read_records, render_chat, source_options
 
 logger = logging.getLogger(__name__)
 
@@ -192,7 +192,7 @@ def load_prompts(path: str, cfg: PPOConfig, for_eval: bool = False) -> tuple[lis
     """Prompt strings and, per prompt, the row's other columns as metadata. `for_eval`: path is
     data.eval_path (its split is data.eval_split)."""
     d = cfg.data
-    source = source_options(d, for_eval)
+    source = source_options(d, for_eval, seed=cfg.seed)
     load_records(path, columns=[d.text_column], max_examples=d.max_examples, **source)  # names file:line
     rows = read_records(path, **source)
     rows = rows[:d.max_examples] if d.max_examples else rows
@@ -202,10 +202,10 @@ def load_prompts(path: str, cfg: PPOConfig, for_eval: bool = False) -> tuple[lis
 
 def load_prompt_data(cfg: PPOConfig) -> tuple[list[str] | None, list[dict] | None, list[str] | None]:
     """(prompts, metadata, eval_prompts) of a recipe; prompts None when the environment supplies them."""
-    if cfg.data.path is None and not (cfg.env_type or cfg.multi_objective):
+    if not has_data(cfg.data) and not (cfg.env_type or cfg.multi_objective):
         raise ConfigError("data.path is not set: pass --data.path prompts.jsonl (rows {\"text\": ...}) "
-                          "or set data: {path: ...} in the recipe")
-    prompts, metadata = load_prompts(cfg.data.path, cfg) if cfg.data.path else (None, None)
+                          "or set data: {path: ...} (or data.mixture) in the recipe")
+    prompts, metadata = load_prompts(cfg.data.path, cfg) if has_data(cfg.data) else (None, None)
     eval_prompts = load_prompts(cfg.data.eval_path, cfg, for_eval=True)[0] if cfg.data.eval_path else None
     return prompts, metadata, eval_prompts
 

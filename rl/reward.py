@@ -108,7 +108,8 @@ class RewardModelTrainer(Trainer):
         d = cfg.data
         cols = dict(prompt_column=d.prompt_column, chosen_column=d.chosen_column,
                     rejected_column=d.rejected_column, margin_column=cfg.margin_column)
-        train = load_preference_pairs(d.path, max_examples=d.max_examples, **cols, **source_options(d))
+        train = load_preference_pairs(d.path, max_examples=d.max_examples, **cols,
+                                      **source_options(d, seed=cfg.seed))
         evals = load_preference_pairs(d.eval_path, **cols, **source_options(d, True)) if d.eval_path else None
         return train, evals
 

@@ -18,7 +18,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 
-from rl.data import DataError, read_records, where
+from rl.data import DataError, read_records, source_name, where
 
 FORMAT = "rl-reward-model"
 CONFIG_FILE = "reward_config.json"
@@ -249,19 +249,18 @@ class PreferencePairs:
 
 def load_preference_pairs(path: str | Path, prompt_column: str = "prompt", chosen_column: str = "chosen",
                           rejected_column: str = "rejected", margin_column: str | None = None,
-                          max_examples: int | None = None, max_report: int = 5, name: str | None = None,
-                          split: str | None = None) -> PreferencePairs:
+                          max_examples: int | None = None, max_report: int = 5, **source) -> PreferencePairs:
     """`{"prompt", "chosen", "rejected"[, margin]}` rows of a JSONL/JSON/CSV/Parquet file, validated.
 
     The prompt column is optional for the whole file (absent everywhere: no prompts). Every bad row
     (missing or non-string field, empty text, chosen identical to rejected, non-numeric margin) is
-    collected and reported together with its line number in one DataError. `name`/`split`: the
-    config and split of a dataset folder or Hub id (see rl.data.read_records)."""
-    rows = read_records(path, name=name, split=split)
+    collected and reported together with its line number in one DataError. `source`: the
+    `read_records` keywords (rl.data.source_options: config, split, streaming, mixture with path None)."""
+    rows = read_records(path, **source)
     if max_examples:
         rows = rows[:max_examples]
     if not rows:
-        raise DataError(f"{path}: no examples (the file is empty)")
+        raise DataError(f"{source_name(path)}: no examples (the file is empty)")
     has_prompt = any(prompt_column in r for r in rows)
     text_cols = ([prompt_column] if has_prompt else []) + [chosen_column, rejected_column]
     problems: list[str] = []

@@ -81,7 +81,7 @@ def load_sft_records(path, cfg: SFTConfig, for_eval: bool = False) -> list[dict]
     """Pick the data format from the columns present: messages, prompt/completion or text.
     `for_eval`: `path` is data.eval_path (read its data.eval_split)."""
     d = cfg.data
-    source = source_options(d, for_eval)
+    source = source_options(d, for_eval, seed=cfg.seed)
     first = read_records(path, **source)[:1]
     cols = set(first[0]) if first else set()
     if d.messages_column in cols:

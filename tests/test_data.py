@@ -154,3 +154,165 @@ def test_saved_datasetdict_split(tmp_path):
     assert [r["text"] for r in read_records(tmp_path / "dd", split="test")] == ["b"]
     with pytest.raises(DataError, match=r"without a 'dev' split \(splits: train, test\); set data.split"):
         read_records(tmp_path / "dd", split="dev")
+
+
+# ------------------------------------------------------------------------------------ streaming
+
+
+def test_streaming_reads_the_same_first_rows(tmp_path):
+    """data.streaming on a folder laid out like a Hub repository (parquet shards; jsonl shards) gives
+    the rows and locations of a full load, cut at the limit, and reads no further: a broken second
+    shard fails the full load but not a stream that stops in the first."""
+    from rl.data import read_records
+
+    repo = _hub_layout_repo(tmp_path / "repo")
+    full = read_records(repo)
+    assert read_records(repo, streaming=True, limit=2) == full[:2]
+    assert read_records(repo, streaming=True, limit=2)[1]["_line"] == "train row 2"
+    assert read_records(repo, name="math", streaming=True, limit=5) == read_records(repo, name="math")
+    jl = tmp_path / "jl" / "data"
+    jl.mkdir(parents=True)
+    (jl / "train-00000-of-00002.jsonl").write_text("".join(json.dumps({"text": f"t{i}"}) + "\n" for i in range(4)))
+    (jl / "train-00001-of-00002.jsonl").write_text('{"text": "broken"\n')
+    streamed = read_records(jl.parent, streaming=True, limit=3)
+    assert [(r["text"], r["_line"]) for r in streamed] == [("t0", "train row 1"), ("t1", "train row 2"),
+                                                           ("t2", "train row 3")]
+    with pytest.raises(DataError, match=r"jl: could not read its data files \(.*\); fix or remove the broken file$"):
+        read_records(jl.parent)  # the whole load does reach the broken shard
+    with pytest.raises(DataError, match=r"repo: data.streaming reads only the first data.max_examples rows; "
+                                        r"set data.max_examples"):
+        read_records(repo, streaming=True)
+
+
+def test_streaming_key_needs_max_examples_and_reaches_the_loader(tmp_path):
+    from rl.config import ConfigError, build
+    from rl.sft import SFTConfig, load_sft_records
+
+    repo = _hub_layout_repo(tmp_path / "repo")
+    with pytest.raises(ConfigError, match=r"^r.yaml: key 'data.streaming' .*set data.max_examples"):
+        build(SFTConfig, {"model_name": "tiny:llama", "data": {"path": str(repo), "streaming": True}}, "r.yaml")
+    cfg = build(SFTConfig, {"model_name": "tiny:llama",
+                            "data": {"path": str(repo), "streaming": True, "max_examples": 2}})
+    assert [r["prompt"] for r in load_sft_records(str(repo), cfg)] == ["p0", "p1"]
+
+
+# ------------------------------------------------------------------------------------ mixtures
+
+
+def test_mixture_counts_hand_computed():
+    from rl.data import mixture_counts
+
+    assert mixture_counts([0.7, 0.3], [100, 100], 10) == [7, 3]  # exact: Fraction("0.7"), not 0.69999
+    assert mixture_counts([1, 1, 1], [5, 5, 5], 7) == [3, 2, 2]  # 7/3 each, the leftover 1 to the first
+    assert mixture_counts([1, 2], [50, 50], 10) == [3, 7]  # 3.33 -> 3, 6.67 -> 6 + the leftover
+    # no total: until a source runs out at its weight; N* = min(100/0.7, 6/0.3) = min(142, 20) = 20
+    assert mixture_counts([0.7, 0.3], [100, 6], None) == [14, 6]
+    # N* = min(10/0.7, 2/0.3) = min(14, 6) = 6; 4.2 -> 4 and 1.8 -> 1, the leftover to 1.8 (larger remainder)
+    assert mixture_counts([0.7, 0.3], [10, 2], None) == [4, 2]
+    assert mixture_counts([0.7, 0.3], [10, 2], 100) == [4, 2]  # a total the sources cannot fill is capped
+    assert mixture_counts([3], [4], None) == [4]
+
+
+def _mixture_files(tmp_path, n_a=10, n_b=10):
+    a = write(tmp_path, "a.jsonl", "".join(json.dumps({"text": f"a{i}"}) + "\n" for i in range(1, n_a + 1)))
+    b = write(tmp_path, "b.jsonl", "".join(json.dumps({"text": f"b{i}"}) + "\n" for i in range(1, n_b + 1)))
+    return a, b
+
+
+def test_mixture_rows_proportions_order_and_locations(tmp_path):
+    from rl.data import read_records
+
+    a, b = _mixture_files(tmp_path)
+    mix = [{"path": str(a), "weight": 0.7}, {"path": str(b), "weight": 0.3}]
+    rows = read_records(None, mixture=mix, limit=10, seed=0)
+    texts = [r["text"] for r in rows]
+    # 7 rows of a and 3 of b, each source's first rows in its own order
+    assert [t for t in texts if t[0] == "a"] == [f"a{i}" for i in range(1, 8)]
+    assert [t for t in texts if t[0] == "b"] == ["b1", "b2", "b3"]
+    # every row keeps its source's file:line
+    assert {r["_line"] for r in rows} == {f"{a}:{i}" for i in range(1, 8)} | {f"{b}:{i}" for i in range(1, 4)}
+    assert all(r["_line"] == f"{a if r['text'][0] == 'a' else b}:{r['text'][1:]}" for r in rows)
+    # seeded: the same seed the same order; another seed (Python's Random, the same on every machine) another
+    assert read_records(None, mixture=mix, limit=10, seed=0) == rows
+    orders = {tuple(r["text"] for r in read_records(None, mixture=mix, limit=10, seed=s)) for s in range(4)}
+    assert len(orders) > 1
+    # without a total: until b runs out at its weight (b has 2 rows: 4 of a and 2 of b, as hand-computed above)
+    (tmp_path / "small").mkdir()
+    a2, b2 = _mixture_files(tmp_path / "small", 10, 2)
+    short = read_records(None, mixture=[{"path": str(a2), "weight": 0.7}, {"path": str(b2), "weight": 0.3}], seed=0)
+    assert sorted(r["text"] for r in short) == ["a1", "a2", "a3", "a4", "b1", "b2"]
+
+
+def test_mixture_of_a_file_and_a_repository_streamed(tmp_path):
+    """A mixture entry takes name/split as data.name/data.split do; with streaming each source fetches at
+    most data.max_examples rows."""
+    from rl.data import read_records
+
+    a, _ = _mixture_files(tmp_path)
+    repo = _hub_layout_repo(tmp_path / "repo")
+    mix = [{"path": str(a), "weight": 1}, {"path": str(repo), "name": "default", "split": "test", "weight": 1}]
+    for streaming in (False, True):
+        rows = read_records(None, mixture=mix, limit=2, seed=3, streaming=streaming)
+        assert sorted(r["_line"] for r in rows) == sorted([f"{a}:1", f"{repo} (test row 1)"])
+
+
+def test_mixture_config_errors_are_one_line():
+    from rl.config import ConfigError, build
+    from rl.sft import SFTConfig
+
+    def err(data):
+        with pytest.raises(ConfigError) as e:
+            build(SFTConfig, {"model_name": "tiny:llama", "data": data}, "r.yaml")
+        assert "\n" not in str(e.value) and str(e.value).startswith("r.yaml: key")
+        return str(e.value)
+
+    good = {"path": "a.jsonl", "weight": 1}
+    assert "'data.mixture[1].weight' must be a positive number" in err({"mixture": [good, {"path": "b", "weight": 0}]})
+    assert "'data.mixture[0].weight' must be a positive number" in err({"mixture": [{"path": "b", "weight": -1}]})
+    assert "'data.mixture[0].weight' must be a positive number" in err({"mixture": [{"path": "b"}]})
+    assert "'data.path' and 'data.mixture' are alternatives" in err({"path": "x.jsonl", "mixture": [good]})
+    assert "'data.mixture[0]' has unknown key 'wieght' (allowed: path, weight, name, split)" in err(
+        {"mixture": [{"path": "b", "wieght": 1}]})
+    assert "'data.mixture[0].path' must be" in err({"mixture": [{"weight": 1}]})
+    assert "'data.mixture' is empty" in err({"mixture": []})
+
+
+def test_mixture_reaches_every_trainers_loader(tmp_path):
+    """A recipe's data.mixture (data.path unset) is read by SFT, DPO, reward, PPO and GRPO loaders through
+    source_options, seeded by the recipe's seed, with max_examples as the total; a bad row is named by
+    its own file and line; the launch scripts count a mixture as data."""
+    from rl.config import build
+    from rl.dpo import DPOConfig
+    from rl.dpo_data import load_pair_records
+    from rl.grpo import GRPOConfig, GRPOTrainer
+    from rl.launch_utils import parse_recipe
+    from rl.ppo_config import PPOConfig, load_prompt_data
+    from rl.reward import RewardModelTrainer, RewardTrainConfig
+    from rl.sft import SFTConfig, load_sft_records
+
+    pair = {"prompt": "p", "chosen": "c", "rejected": "r", "text": "t"}
+    a = write(tmp_path, "a.jsonl", "".join(json.dumps({**pair, "prompt": f"a{i}"}) + "\n" for i in range(1, 7)))
+    b = write(tmp_path, "b.jsonl", "".join(json.dumps({**pair, "prompt": f"b{i}"}) + "\n" for i in range(1, 7)))
+    data = {"mixture": [{"path": str(a), "weight": 2}, {"path": str(b), "weight": 1}], "max_examples": 6}
+    base = {"model_name": "tiny:llama", "seed": 5, "data": data}
+
+    def prompts(rows):
+        return sorted(r["prompt"] if isinstance(r, dict) else r for r in rows)
+
+    want = ["a1", "a2", "a3", "a4", "b1", "b2"]
+    sft = build(SFTConfig, {**base, "data": {**data, "completion_column": "chosen"}})  # prompt/completion rows
+    assert prompts(load_sft_records(None, sft)) == want
+    assert prompts(load_pair_records(build(DPOConfig, base))[0]) == want
+    assert sorted(RewardModelTrainer.load_data(build(RewardTrainConfig, base))[0].prompts) == want
+    ppo = build(PPOConfig, {**base, "data": {**data, "text_column": "prompt"}})
+    assert prompts(load_prompt_data(ppo)[0]) == want
+    grpo_rows = GRPOTrainer.load_data(build(GRPOConfig, base))
+    assert prompts(grpo_rows) == want
+    # the order follows the seed, identically in every trainer
+    assert [r["prompt"] for r in grpo_rows] == load_prompt_data(ppo)[0]
+    assert parse_recipe(SFTConfig, ["--config", str(write(tmp_path, "r.yaml", json.dumps(base)))], "sft", "",
+                        require_data=True).data.mixture == data["mixture"]
+    # a bad row names its source file and line, not the mixture
+    b.write_text(b.read_text().replace('"chosen": "c"', '"chosen": ""', 1))
+    with pytest.raises(DataError, match=rf"^{b}:1: column 'chosen' is empty$"):
+        load_pair_records(build(DPOConfig, base))
