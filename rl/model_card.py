@@ -64,7 +64,8 @@ def card_text(cfg, history: list[dict], trainer: str, argv: list[str] | None = N
     settings = to_dict(cfg)
     algorithm = {k: settings[k] for k in ALGORITHM_KEYS if settings.get(k) is not None}
     peft = contents.startswith("adapter")
-    data = (settings.get("data") or {}).get("path")
+    d = settings.get("data") or {}
+    data = d.get("path") or ", ".join(f"{e['path']} x{e['weight']}" for e in d.get("mixture") or []) or None
     tags = ["rl-finetune", trainer] + (["lora", "peft"] if peft else [])
     meta = ModelCardData(base_model=_hub_id(cfg.model_name), library_name="peft" if peft else "transformers",
                          pipeline_tag="text-classification" if contents == "reward" else "text-generation",

@@ -286,6 +286,7 @@ def test_mixture_reaches_every_trainers_loader(tmp_path):
     from rl.dpo_data import load_pair_records
     from rl.grpo import GRPOConfig, GRPOTrainer
     from rl.launch_utils import parse_recipe
+    from rl.model_card import card_text
     from rl.ppo_config import PPOConfig, load_prompt_data
     from rl.reward import RewardModelTrainer, RewardTrainConfig
     from rl.sft import SFTConfig, load_sft_records
@@ -312,6 +313,7 @@ def test_mixture_reaches_every_trainers_loader(tmp_path):
     assert [r["prompt"] for r in grpo_rows] == load_prompt_data(ppo)[0]
     assert parse_recipe(SFTConfig, ["--config", str(write(tmp_path, "r.yaml", json.dumps(base)))], "sft", "",
                         require_data=True).data.mixture == data["mixture"]
+    assert f"| data | `{a} x2, {b} x1` |" in card_text(sft, [], "sft")  # the model card names the sources
     # a bad row names its source file and line, not the mixture
     b.write_text(b.read_text().replace('"chosen": "c"', '"chosen": ""', 1))
     with pytest.raises(DataError, match=rf"^{b}:1: column 'chosen' is empty$"):
