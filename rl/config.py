@@ -531,7 +531,7 @@ class DataSection:
                                    "data.streaming fetches, and the total of data.mixture")
     streaming: bool = opt(False, "stream a Hub id or dataset folder (load_dataset streaming=True) and fetch only "
                           "its first data.max_examples rows, so a huge dataset is not downloaded whole "
-                          "(needs data.max_examples)")
+                          "(needs data.max_examples; applies to data.path, data.eval_path and mixture sources)")
     mixture: list[dict[str, Any]] | None = opt(
         None, "instead of data.path, several sources mixed by weight: [{path: a.jsonl, weight: 0.7}, {path: "
         "org/ds, name: x, split: train, weight: 0.3}] (name/split optional, as data.name/data.split). Exact "

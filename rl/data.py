@@ -295,7 +295,8 @@ def load_records(path: str | Path, columns: Iterable[str], *, optional: Iterable
     for col in columns:
         if col not in present:
             raise DataError(f"{source_name(path)}: missing column '{col}' (columns present: "
-                            f"{', '.join(present) or 'none'}); rename it in the data or set the matching data.*_column key")
+                            f"{', '.join(present) or 'none'}); rename it in the data or set the matching "
+                            f"data.*_column key")
     out = []
     for row in rows[:max_examples] if max_examples else rows:
         here = where(path, row)
