@@ -22,6 +22,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a check
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 from rl.config import ConfigError  # noqa: E402
+from rl.inference import chat_setting, complete, encode, load_for_inference  # noqa: E402
 from rl.launch_utils import fail  # noqa: E402
 
 
@@ -93,8 +94,6 @@ def read_prompts_file(path: str) -> list:
 
 def interactive(model, tok, a, chat: bool) -> None:
     """A conversation on the terminal (history kept with the chat template), or one prompt per line."""
-    from rl.inference import complete, encode
-
     tty = sys.stdin.isatty()
     history: list[dict] = []
     if tty:
@@ -129,8 +128,6 @@ def main(argv=None) -> None:
         prompts = a.prompt or (read_prompts_file(a.prompts_file) if a.prompts_file else None)
         if a.prompt and not all(p.strip() for p in a.prompt):
             raise ConfigError("--prompt: empty prompt; give the text to answer")
-        from rl.inference import chat_setting, complete, encode, load_for_inference
-
         model, tok = load_for_inference(a.model, a.dtype, a.trust_remote_code)
         has_template = bool(getattr(tok, "chat_template", None))
         if a.chat_template == "yes" and not has_template:

@@ -27,7 +27,9 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 from rl.config import ConfigError  # noqa: E402
 from rl.data import SUFFIXES, DataError, read_records, where  # noqa: E402
+from rl.inference import chat_setting, complete, encode, load_for_inference  # noqa: E402
 from rl.launch_utils import fail  # noqa: E402
+from rl.rewards import get_reward_fn  # noqa: E402
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -117,8 +119,6 @@ def score(reward_fn, examples: list[dict], completions: list[str], threshold: fl
 
 def evaluate(a, model_name: str, reward_fn, examples: list[dict]) -> dict:
     """One model's summary and per-example results on `examples`."""
-    from rl.inference import chat_setting, complete, encode, load_for_inference
-
     try:
         model, tok = load_for_inference(model_name, a.dtype, a.trust_remote_code)
         chat = chat_setting(model_name, a.chat_template, default=False)
@@ -140,8 +140,6 @@ def evaluate(a, model_name: str, reward_fn, examples: list[dict]) -> dict:
 def main(argv=None) -> None:
     a = parse_args(argv)
     try:
-        from rl.rewards import get_reward_fn
-
         reward_fn = get_reward_fn(a.reward)
         examples = load_examples(a)  # the data is checked before any model is loaded
     except (ConfigError, DataError, OSError, ValueError, ImportError) as e:

@@ -25,9 +25,12 @@ os.environ.setdefault("WANDB_MODE", "offline")
 
 from rl.config import ConfigError, build, cli_config, opt, save_config  # noqa: E402
 from rl.data import DataError  # noqa: E402
+from rl.environments import create_math_problem_env  # noqa: E402
+from rl.grpo import GRPOConfig, GRPOTrainer  # noqa: E402
 from rl.launch_utils import fail, preflight  # noqa: E402
 from rl.model_card import write_model_card  # noqa: E402
-from rl.tiny import FAMILIES  # noqa: E402
+from rl.sft import SFTConfig, SFTTrainer, tokenize_examples  # noqa: E402
+from rl.tiny import FAMILIES, write_tiny_model  # noqa: E402
 from rl.trainers.base import RunError, check_output_dir  # noqa: E402
 
 
@@ -60,9 +63,6 @@ class PipelineConfig:
 
 
 def stage_configs(cfg: PipelineConfig, init_model: str, sft_dir: Path, grpo_dir: Path):
-    from rl.grpo import GRPOConfig
-    from rl.sft import SFTConfig
-
     env = {"seed": cfg.seed, **cfg.env_config}
     # overwrite: rerunning the demo replaces its stages' previous outputs (metrics, checkpoints, model)
     sft = build(SFTConfig, {"seed": cfg.seed, "report_to": cfg.report_to, "overwrite": True, **cfg.sft,
@@ -114,11 +114,6 @@ def plot_accuracy(history: list[dict], before: float, after: float, path: Path) 
 
 
 def main(argv=None) -> None:
-    from rl.environments import create_math_problem_env
-    from rl.grpo import GRPOTrainer
-    from rl.sft import SFTTrainer, tokenize_examples
-    from rl.tiny import write_tiny_model
-
     # 1. parse: every stage's config is built (and validated) before anything runs
     cfg = cli_config(PipelineConfig, argv, prog="launch/pipeline.py", description=__doc__)
     preflight(cfg)  # model names, deepspeed file, resume path, output_dir: before any model

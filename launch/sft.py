@@ -19,12 +19,11 @@ from rl.config import ConfigError, cli_config  # noqa: E402
 from rl.data import DataError, has_data  # noqa: E402
 from rl.launch_utils import NO_DATA_ERROR, dry_run_report, fail, preflight, run_training  # noqa: E402
 from rl.model_card import write_model_card  # noqa: E402
+from rl.sft import SFTConfig, SFTTrainer, load_sft_records, split_eval, tokenize_examples  # noqa: E402
 from rl.trainers.base import RunError, check_output_dir  # noqa: E402
 
 
 def main(argv=None) -> None:
-    from rl.sft import SFTConfig, SFTTrainer, load_sft_records, split_eval, tokenize_examples
-
     # 1. parse
     cfg = cli_config(SFTConfig, argv, prog="launch/sft.py", description=__doc__)
     preflight(cfg)  # model names, deepspeed file, resume path, output_dir: before any model

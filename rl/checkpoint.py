@@ -12,6 +12,7 @@ import signal
 from pathlib import Path
 
 from rl.forward_backward import COMPLETE_MARKER
+from rl.models import is_lora
 
 _STEP = re.compile(r"^checkpoint-(\d+)$")
 
@@ -94,8 +95,6 @@ def make_loadable(ckpt: str | Path, model, tokenizer=None) -> bool:
     the checkpoint file, so ZeRO-3 needs no second gather), and the tokenizer. Models of our own
     (PPO's policy with a value head, reward models) are skipped: returns False. Call it on one process."""
     from transformers import PreTrainedModel
-
-    from rl.models import is_lora
 
     ckpt = Path(ckpt)
     if is_lora(model):

@@ -15,6 +15,7 @@ import sys
 from pathlib import Path
 
 from rl.config import to_dict
+from rl.models import adapter_base
 
 # settings that name the algorithm a trainer ran (whichever its config has)
 ALGORITHM_KEYS = ("loss_type", "advantage_estimator", "loss_aggregation", "policy_loss", "kl_estimator",
@@ -101,8 +102,6 @@ def _loading(contents: str, out: str) -> list[str]:
         text = ["A PEFT LoRA adapter (`adapter_config.json`, `adapter_model.safetensors`) and the tokenizer:",
                 "", "```python", "from peft import AutoPeftModelForCausalLM",
                 f"model = AutoPeftModelForCausalLM.from_pretrained({out!r})", "```"]
-        from rl.models import adapter_base
-
         base = adapter_base(out)
         if base is not None and adapter_base(base) is not None:
             text += ["", f"**Stacked adapter**: its base `{base}` is itself an adapter. PEFT's loaders would "
