@@ -89,15 +89,19 @@ class StopSignal:
 
 
 def make_loadable(ckpt: str | Path, model, tokenizer=None) -> bool:
-    """Write what `from_pretrained` needs beside a checkpoint's `model.safetensors`, as TRL's
-    `checkpoint-N/` hold it: for a plain causal LM its `config.json` (+ generation config), for a LoRA
-    model the PEFT adapter (`adapter_config.json` + `adapter_model.safetensors`, its tensors read from
-    the checkpoint file, so ZeRO-3 needs no second gather), and the tokenizer. Models of our own
-    (PPO's policy with a value head, reward models) are skipped: returns False. Call it on one process."""
+    """Write what `from_pretrained` needs beside a checkpoint's weights, as TRL's `checkpoint-N/` hold it:
+    for a plain causal LM its `config.json` (+ generation config), for a LoRA model the PEFT adapter
+    (`adapter_config.json` + `adapter_model.safetensors`, its tensors read from the checkpoint's
+    `model.safetensors`, so ZeRO-3 needs no second gather), and the tokenizer. Models of our own that
+    write their checkpoint files themselves (`save_checkpoint_weights`: PPO's policy with its value
+    head, reward models) already did; they get the tokenizer. Any other model: returns False.
+    Call it on one process."""
     from transformers import PreTrainedModel
 
     ckpt = Path(ckpt)
-    if is_lora(model):
+    if hasattr(model, "save_checkpoint_weights"):
+        pass
+    elif is_lora(model):
         from safetensors import safe_open
 
         with safe_open(str(ckpt / "model.safetensors"), "pt") as f:

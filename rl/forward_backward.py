@@ -538,7 +538,11 @@ class ForwardBackwardPipeline:
         if acc.is_main_process:
             from safetensors.torch import save_file
 
-            save_file(_dedupe_shared(state_dict), str(tmp / "model.safetensors"))
+            write = getattr(self.unwrapped_model, "save_checkpoint_weights", None)
+            if write is not None:  # a model of ours (PPO's policy + value head, a reward model) writes the
+                write(state_dict, tmp)  # files `from_pretrained` reads; `load_checkpoint_weights` reads them back
+            else:
+                save_file(_dedupe_shared(state_dict), str(tmp / "model.safetensors"))
         if is_deepspeed(acc):
             self.model.save_checkpoint(str(tmp / "deepspeed"), tag="state")  # sharded optimizer
             optimizer_path = tmp / "deepspeed"
@@ -587,8 +591,11 @@ class ForwardBackwardPipeline:
 
             # safetensors rejects "cpu:0" (the device of rank 0 in a multi-process CPU run); load_state_dict
             # copies into the parameters on their own device anyway.
-            sd = load_file(str(path / "model.safetensors"), device="cpu")
-            _load_state_dict(self.unwrapped_model, sd)
+            read = getattr(self.unwrapped_model, "load_checkpoint_weights", None)
+            if read is not None:
+                read(path)
+            else:
+                _load_state_dict(self.unwrapped_model, load_file(str(path / "model.safetensors"), device="cpu"))
             opt_path = path / "optimizer.pt"
             if self.optimizer is not None and opt_path.exists():
                 # map to CPU for the same reason; load_state_dict moves the state to each parameter's device

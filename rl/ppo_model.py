@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 import torch.nn as nn
-from safetensors.torch import save_file
+from safetensors.torch import load_file, save_file
 from transformers.utils import ModelOutput
 
 from rl.algos.advantages import gae, whiten
@@ -27,8 +27,11 @@ from rl.algos.kl import kl_penalized_rewards, per_token_kl
 from rl.algos.policy_losses import ppo_policy_loss, ppo_value_loss
 from rl.algos.reduce import masked_mean
 from rl.chunked import HeadLogits
+from rl.forward_backward import _load_state_dict
 from rl.generation import position_ids_from_mask, sequence_logprobs
-from rl.models import write_pretrained
+from rl.models import is_lora, write_pretrained
+
+VALUE_HEAD_FILE = "value_head.safetensors"
 
 
 def explained_variance(values: torch.Tensor, returns: torch.Tensor, mask: torch.Tensor) -> float:
@@ -137,6 +140,13 @@ class PPOModel(nn.Module):
                               use_cache=use_cache, output_hidden_states=want_value, **kwargs)
         value = self.value_head(out.hidden_states[-1]) if want_value else None
         return PPOModelOutput(logits=out.logits, value=value, cache=getattr(out, "cache", None))
+
+    # the engine's checkpoint hooks (rl.forward_backward): `checkpoint-N/` holds what the final output holds
+    def save_checkpoint_weights(self, state_dict: dict, out_dir: Path) -> None:
+        write_policy(self, state_dict, out_dir)
+
+    def load_checkpoint_weights(self, ckpt: Path) -> None:
+        load_policy_weights(self, ckpt)
 
 
 class Critic(nn.Module):
@@ -275,20 +285,49 @@ def rollout_stats(exp: dict, raw_scores: torch.Tensor, eos_missing: torch.Tensor
     }
 
 
+def write_policy(model: PPOModel, state_dict: dict, out_dir, tokenizer=None, merged: bool = False) -> None:
+    """Write a PPOModel from its full `state_dict` (gathered under ZeRO-3) as the policy alone, the
+    layout `AutoModelForCausalLM.from_pretrained(out_dir)` (LoRA: `PeftModel` / `AutoPeftModelForCausalLM`)
+    reads without this package, plus the value head beside it in `value_head.safetensors` (its keys
+    relative to `ValueHead`). LoRA writes the adapter only (and with `merged` the merged model in
+    `merged/`); the frozen base is the one `model_name` names. Call it on one process."""
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    prefix = "base_model."
+    base_sd = {k[len(prefix):]: v for k, v in state_dict.items() if k.startswith(prefix)}
+    head_sd = {k[len("value_head."):]: v.detach().cpu().contiguous() for k, v in state_dict.items()
+               if k.startswith("value_head.")}
+    # LoRA is merged from the gathered state dict (a copy of ZeRO-3 shards would be empty)
+    write_pretrained(model.base_model, base_sd, tokenizer, out_dir, merged=merged)
+    if head_sd:
+        save_file(head_sd, str(out_dir / VALUE_HEAD_FILE))
+
+
+def load_policy_weights(model: PPOModel, path) -> None:
+    """Load what `write_policy` wrote in `path` into a PPOModel built as the saved one (not ZeRO-3
+    partitioned: there the engine reads its own DeepSpeed files): every weight of a full model, the
+    adapter of a LoRA model (its frozen base is rebuilt from `model_name`), and the value head."""
+    path = Path(path)
+    if is_lora(model.base_model):
+        from peft import set_peft_model_state_dict  # optional dependency: only for LoRA policies
+
+        adapter = load_file(str(path / "adapter_model.safetensors"))
+        result = set_peft_model_state_dict(model.base_model, adapter)
+        n_lora = sum(1 for k, _ in model.base_model.named_parameters() if ".lora_" in k)
+        if result.unexpected_keys or len(adapter) != n_lora:
+            raise KeyError(f"{path}: adapter_model.safetensors has {len(adapter)} tensors for this model's "
+                           f"{n_lora} LoRA parameters (unexpected: {result.unexpected_keys[:3]})")
+    else:
+        _load_state_dict(model.base_model, load_file(str(path / "model.safetensors")))
+    if model.value_head is not None:
+        model.value_head.load_state_dict(load_file(str(path / VALUE_HEAD_FILE)))
+
+
 def save_policy(acc, pipeline, tokenizer, out: Path, summary: dict, merged: bool = False) -> None:
-    """Write a PPOModel as an HF model directory (LoRA: the PEFT adapter, plus the merged model in
-    `merged/` with `merged`; no value head) plus `value_head.safetensors` and `ppo_summary.json`;
-    every process must call it (ZeRO-3 gathers)."""
+    """Write a PPOModel as an HF model directory with its value head beside it (`write_policy`) plus
+    `ppo_summary.json`; every process must call it (ZeRO-3 gathers)."""
     state = acc.get_state_dict(pipeline.model)
     if acc.is_main_process:
-        out.mkdir(parents=True, exist_ok=True)
-        base = pipeline.unwrapped_model.base_model
-        prefix = "base_model."
-        base_sd = {k[len(prefix):]: v for k, v in state.items() if k.startswith(prefix)}
-        head_sd = {k[len("value_head."):]: v.contiguous() for k, v in state.items() if k.startswith("value_head.")}
-        # LoRA is merged from the gathered state dict (a copy of ZeRO-3 shards would be empty)
-        write_pretrained(base, base_sd, tokenizer, out, merged=merged)
-        if head_sd:
-            save_file(head_sd, str(out / "value_head.safetensors"))
+        write_policy(pipeline.unwrapped_model, state, out, tokenizer, merged=merged)
         (out / "ppo_summary.json").write_text(json.dumps(summary, indent=2))
     acc.wait_for_everyone()

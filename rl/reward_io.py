@@ -7,6 +7,7 @@ function takes the model it writes or fills as an argument.
 
 from __future__ import annotations
 
+import copy
 import json
 import math
 from dataclasses import dataclass
@@ -153,7 +154,9 @@ def save_reward_model(model: nn.Module, path: str | Path, state_dict: dict | Non
     * `reward_config.json`: kind, RewardModelConfig, objective weights, what else is in the dir.
     * `reward_head.safetensors`: the head, exactly.
     * LoRA (incl. QLoRA): `adapter.safetensors`, the adapter weights only; the base model is
-      reloaded from `config.model_name` (quantized again if it was).
+      reloaded from `config.model_name` (quantized again if it was). Also the same adapter as a PEFT
+      adapter of `AutoModelForSequenceClassification` (`adapter_config.json` + `adapter_model.safetensors`,
+      the head / temperature as its `score` module), for `PeftModel.from_pretrained(classifier, path)`.
     * full fine-tune: `config.json` + `model.safetensors` in the layout of
       `AutoModelForSequenceClassification` (head / temperature in `score.weight`) + tokenizer.
 
@@ -170,7 +173,8 @@ def save_reward_model(model: nn.Module, path: str | Path, state_dict: dict | Non
         adapter = {k[len("backbone."):]: v.clone() for k, v in sd.items()
                    if k.startswith("backbone.") and "lora_" in k}
         save_file(adapter, str(path / ADAPTER_FILE))
-        meta.update(weights="lora", hf_compatible=False)
+        write_peft_classifier_adapter(model, sd, head["weight"], path)
+        meta.update(weights="lora", hf_compatible=hf_compatible(model, head))
     else:
         prefix = model.hf_prefix
         hf_sd = {f"{prefix}.{k[len('backbone.'):]}": v.clone() for k, v in sd.items() if k.startswith("backbone.")}
@@ -180,18 +184,40 @@ def save_reward_model(model: nn.Module, path: str | Path, state_dict: dict | Non
         hf_cfg = model.hf_config
         hf_cfg.num_labels = model.config.num_labels
         hf_cfg.save_pretrained(str(path))
-        # HF's classifier reads the last token that is not the pad id, with a bias-free head: our
-        # rewards exactly when pooling is `last`, the head has no bias, and the EOS ending each text
-        # is not the pad id (with pad == eos, as in SmolLM2, HF reads the token before that EOS).
-        eos = hf_cfg.eos_token_id if isinstance(hf_cfg.eos_token_id, list) else [hf_cfg.eos_token_id]
-        pad_ends_texts = model.config.append_eos and model.pad_token_id in eos
-        meta.update(weights="full", hf_prefix=prefix,
-                    hf_compatible=model.config.pooling_strategy == "last" and "bias" not in head
-                    and not pad_ends_texts)
+        meta.update(weights="full", hf_prefix=prefix, hf_compatible=hf_compatible(model, head))
     if model.tokenizer is not None:
         model.tokenizer.save_pretrained(str(path))
     (path / CONFIG_FILE).write_text(json.dumps(meta, indent=2))
     return path
+
+
+def hf_compatible(model: nn.Module, head: dict) -> bool:
+    """Whether `AutoModelForSequenceClassification` (or a PEFT adapter on it) gives this model's rewards.
+    HF's classifier reads the last token that is not the pad id, with a bias-free head: our rewards
+    exactly when pooling is `last`, the head has no bias, and the EOS ending each text is not the pad
+    id (with pad == eos, as in SmolLM2, HF reads the token before that EOS)."""
+    eos = model.hf_config.eos_token_id
+    eos = eos if isinstance(eos, list) else [eos]
+    pad_ends_texts = model.config.append_eos and model.pad_token_id in eos
+    return model.config.pooling_strategy == "last" and "bias" not in head and not pad_ends_texts
+
+
+def write_peft_classifier_adapter(model: nn.Module, sd: dict, head_weight: torch.Tensor, path: Path) -> None:
+    """The LoRA reward model's adapter as PEFT writes one for `AutoModelForSequenceClassification`
+    (task SEQ_CLS): PEFT's own key names for the backbone's adapter, moved under the classifier's
+    backbone attribute (`base_model.model.<hf_prefix>.`), and `score.weight` = head / temperature as a
+    module to save. `sd` is the model's full state dict (keys `backbone.*`, `head.*`)."""
+    from peft import get_peft_model_state_dict  # optional dependency: only for LoRA models
+
+    backbone_sd = {k[len("backbone."):]: v for k, v in sd.items() if k.startswith("backbone.")}
+    peft_sd = get_peft_model_state_dict(model.backbone, state_dict=backbone_sd)
+    inner = "base_model.model."
+    out = {f"{inner}{model.hf_prefix}.{k[len(inner):]}": v for k, v in peft_sd.items()}
+    out[f"{inner}score.weight"] = (head_weight.float() / model.config.temperature).to(head_weight.dtype)
+    save_file(out, str(path / "adapter_model.safetensors"), metadata={"format": "pt"})
+    cfg = copy.deepcopy(model.backbone.peft_config["default"])
+    cfg.task_type, cfg.modules_to_save, cfg.inference_mode = "SEQ_CLS", ["score"], True
+    cfg.save_pretrained(str(path))
 
 
 def reward_model_problem(path: str | Path) -> str | None:

@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import os
 import warnings
+from pathlib import Path
 
 import pytest
 import torch
@@ -137,3 +138,105 @@ def test_checkpoint_of_a_full_model_loads_with_from_pretrained(tiny_llama, tiny_
     assert torch.allclose(again(input_ids=ids).logits, model(input_ids=ids).logits, atol=1e-6)
     assert (tmp_path / "tokenizer.json").exists()
     assert make_loadable(tmp_path / "x", torch.nn.Linear(2, 2)) is False
+
+
+def _perturbed(model, seed: int = 0):
+    """`model` with every trainable weight moved off its initial value (LoRA's B starts at zero)."""
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.requires_grad:
+                p.add_(0.05 * torch.randn(p.shape, generator=g))
+    return model.eval()
+
+
+def _round_trip(make_model, tmp_path):
+    """save_state of a fresh model's engine, then load_state into another fresh one: (saved model,
+    checkpoint dir, reloaded model); the reload must equal the saved model tensor for tensor."""
+    from rl.checkpoint import make_loadable
+    from rl.forward_backward import ForwardBackwardPipeline
+
+    def pipeline(model):
+        opt = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.1)
+        return ForwardBackwardPipeline(model, device="cpu", optimizer=opt, checkpoint_dir=tmp_path)
+
+    saved = _perturbed(make_model())
+    ckpt = Path(pipeline(saved).save_state("checkpoint-3")["path"])
+    make_loadable(ckpt, saved)
+    again = make_model()
+    pipeline(again).load_state(ckpt)
+    theirs = again.state_dict()
+    assert all(torch.equal(v, theirs[k]) for k, v in saved.state_dict().items())
+    return saved, ckpt, again
+
+
+@pytest.mark.parametrize("lora", [False, True])
+def test_ppo_checkpoint_loads_with_from_pretrained_and_resumes(tiny_llama, tmp_path, lora):
+    """A PPO checkpoint-N/ is the final output's layout: the policy alone (full: config.json +
+    model.safetensors for AutoModelForCausalLM; LoRA: the PEFT adapter for PeftModel) with the value
+    head beside it in value_head.safetensors; both compute the saved model's logits and values, and
+    the engine resumes from the same files exactly."""
+    from peft import PeftModel
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+
+    from rl.models import apply_lora
+    from rl.ppo_model import PPOModel, ValueHead
+
+    def make():
+        torch.manual_seed(0)
+        base = AutoModelForCausalLM.from_pretrained(tiny_llama)
+        return PPOModel(apply_lora(base, rank=4, alpha=8, dropout=0.0) if lora else base)
+
+    saved, ckpt, _ = _round_trip(make, tmp_path)
+    if lora:
+        assert not (ckpt / "model.safetensors").exists() and (ckpt / "adapter_config.json").exists()
+        policy = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(tiny_llama), ckpt)
+    else:
+        assert json.loads((ckpt / "config.json").read_text())["architectures"] == ["LlamaForCausalLM"]
+        policy = AutoModelForCausalLM.from_pretrained(ckpt)
+    head = ValueHead(saved.config.hidden_size)
+    head.load_state_dict(load_file(str(ckpt / "value_head.safetensors")))
+    ids = torch.randint(0, 256, (2, 7), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        ours = saved(input_ids=ids)
+        out = policy.eval()(input_ids=ids, output_hidden_states=True)
+        assert torch.allclose(out.logits, ours.logits, atol=1e-6)
+        assert torch.allclose(head(out.hidden_states[-1]), ours.value, atol=1e-6)
+        assert ours.value.abs().max() > 0  # the head moved: the comparison can fail
+    (ckpt / "value_head.safetensors").unlink()  # a checkpoint that lost a file is not resumed from
+    with pytest.raises(FileNotFoundError):
+        saved.load_checkpoint_weights(ckpt)
+
+
+@pytest.mark.parametrize("lora", [False, True])
+def test_reward_checkpoint_loads_as_a_sequence_classifier_and_resumes(tiny_llama, tiny_tokenizer, tmp_path, lora):
+    """A reward trainer's checkpoint-N/ is what save_model writes: full -> AutoModelForSequenceClassification
+    (temperature folded into score.weight); LoRA -> a PEFT SEQ_CLS adapter on that classifier. Both give
+    our rewards (last-token pooling, pad != eos); load_reward_model reads it too; resume is exact."""
+    from peft import PeftModel
+    from transformers import AutoModelForSequenceClassification
+
+    from rl.reward import load_reward_model
+    from rl.reward_io import pad_batch
+    from rl.reward_model import RewardModel, RewardModelConfig
+
+    cfg = RewardModelConfig(model_name=tiny_llama, use_lora=lora, lora_rank=4, lora_dropout=0.0, dropout_prob=0.0,
+                            temperature=2.0, dtype="float32")
+
+    def make():
+        torch.manual_seed(0)
+        return RewardModel(cfg, tokenizer=tiny_tokenizer)
+
+    saved, ckpt, _ = _round_trip(make, tmp_path)
+    if lora:
+        base = AutoModelForSequenceClassification.from_pretrained(tiny_llama, num_labels=1)
+        hf = PeftModel.from_pretrained(base, ckpt)
+    else:
+        hf = AutoModelForSequenceClassification.from_pretrained(ckpt)
+    ids, mask = pad_batch(saved.encode(["a nice answer", "poor"]), saved.pad_token_id)
+    with torch.no_grad():
+        ours = saved.rewards(ids, mask)[:, 0]
+        assert torch.allclose(hf.eval()(input_ids=ids, attention_mask=mask).logits[:, 0], ours, atol=1e-5)
+        assert torch.allclose(load_reward_model(ckpt).rewards(ids, mask)[:, 0], ours, atol=1e-6)
+    assert json.loads((ckpt / "reward_config.json").read_text())["hf_compatible"] is True
