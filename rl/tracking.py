@@ -60,8 +60,12 @@ def flat_config(config: dict, prefix: str = "") -> dict[str, Any]:
 
 def build_trackers(report_to, output_dir: Path, run_name: str, config: dict) -> list:
     """Started accelerate trackers for the sinks in `report_to` (jsonl is ours, not accelerate's).
-    TensorBoard writes `<output_dir>/runs/<run_name>` (where TRL's logging_dir puts it), MLflow
-    `<output_dir>/mlruns`, wandb `<output_dir>/wandb`."""
+    TensorBoard writes `<output_dir>/runs/<run_name>` (where TRL's logging_dir puts it), wandb
+    `<output_dir>/wandb` (offline unless WANDB_MODE says otherwise), MLflow the experiment `run_name`
+    in MLFLOW_TRACKING_URI (unset: a file store `<output_dir>/mlruns`), trackio the project
+    TRACKIO_PROJECT (default `rl`), run `run_name`, in its local store TRACKIO_DIR (default
+    `~/.cache/huggingface/trackio`; `trackio show` opens it). Configurations go in as dotted scalars
+    (`lora.rank`) except to wandb, which keeps sections."""
     from accelerate import PartialState, tracking
 
     if report_to and any(SINKS.get(s) for s in report_to):
@@ -79,11 +83,18 @@ def build_trackers(report_to, output_dir: Path, run_name: str, config: dict) -> 
         elif sink == "trackio":
             trackers.append(tracking.TrackioTracker(os.environ.get("TRACKIO_PROJECT", "rl"), name=run_name))
         elif sink == "mlflow":
+            if not os.environ.get("MLFLOW_TRACKING_URI"):
+                import mlflow
+
+                # MLflow 3's own default is sqlite:///mlflow.db in the working directory, which needs
+                # SQLAlchemy (mlflow-skinny has none); its file store needs this opt-in since 3.x
+                os.environ.setdefault("MLFLOW_ALLOW_FILE_STORE", "true")
+                mlflow.set_tracking_uri((output_dir / "mlruns").resolve().as_uri())
             trackers.append(tracking.MLflowTracker(run_name, logging_dir=str(output_dir / "mlruns"),
                                                    run_name=run_name))
     for t in trackers:
         t.start()
-        t.store_init_configuration(flat_config(config) if t.name == "tensorboard" else config)
+        t.store_init_configuration(config if t.name == "wandb" else flat_config(config))
     return trackers
 
 
@@ -172,7 +183,8 @@ class Tracker:
             self._file.write(json.dumps(row) + "\n")
             self._file.flush()
         if self._trackers:
-            numeric = {k: v for k, v in row.items() if k != "step" and isinstance(v, (int, float))}
+            # every tracker stamps its own wall time (trackio reserves the name `time`)
+            numeric = {k: v for k, v in row.items() if k not in ("step", "time") and isinstance(v, (int, float))}
             for t in self._trackers:
                 t.log(numeric, step=step)
         if self._bar is None:
