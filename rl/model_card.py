@@ -10,6 +10,7 @@ card reads as one on the hub would; nothing is pushed.
 from __future__ import annotations
 
 import importlib.metadata
+import json
 import shlex
 import sys
 from pathlib import Path
@@ -96,8 +97,19 @@ def card_text(cfg, history: list[dict], trainer: str, argv: list[str] | None = N
 
 def _loading(contents: str, out: str) -> list[str]:
     if contents == "reward":
-        return ["A reward model in rl-finetune's format (`reward_config.json`); load it with "
+        text = ["A reward model in rl-finetune's format (`reward_config.json`); load it with "
                 "`rl.reward.load_reward_model(path)` or give the directory as `reward_model_path`."]
+        peft = (Path(out) / "adapter_config.json").exists()
+        text += ["", "Without this package, as a sequence classifier (the same rewards when `reward_config.json` "
+                     "says `hf_compatible`):", "", "```python", "from transformers import AutoModelForSequenceClassification"]
+        if peft:
+            base, labels = adapter_base(out), _num_labels(Path(out) / "reward_config.json")
+            text += ["from peft import PeftModel", "",
+                     f"base = AutoModelForSequenceClassification.from_pretrained({base!r}, num_labels={labels})",
+                     f"model = PeftModel.from_pretrained(base, {out!r})"]
+        else:
+            text += ["", f"model = AutoModelForSequenceClassification.from_pretrained({out!r})"]
+        return text + ["```"]
     if contents.startswith("adapter"):
         text = ["A PEFT LoRA adapter (`adapter_config.json`, `adapter_model.safetensors`) and the tokenizer:",
                 "", "```python", "from peft import AutoPeftModelForCausalLM",
@@ -117,12 +129,21 @@ def _loading(contents: str, out: str) -> list[str]:
             "```"]
 
 
+def _num_labels(reward_config: Path) -> int:
+    try:
+        return int(json.loads(reward_config.read_text())["config"]["num_labels"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return 1
+
+
 def output_contents(out_dir: str | Path) -> str:
     """What a run wrote to `out_dir`: 'adapter+merged', 'adapter', 'reward' or 'model'."""
     out = Path(out_dir)
+    if (out / "reward_config.json").exists():  # a LoRA reward model holds a (classifier's) PEFT adapter too
+        return "reward"
     if (out / "adapter_config.json").exists():
         return "adapter+merged" if (out / "merged" / "config.json").exists() else "adapter"
-    return "reward" if (out / "reward_config.json").exists() else "model"
+    return "model"
 
 
 def write_model_card(out_dir: str | Path, cfg, history: list[dict], trainer: str,

@@ -217,6 +217,7 @@ def test_reward_checkpoint_loads_as_a_sequence_classifier_and_resumes(tiny_llama
     from peft import PeftModel
     from transformers import AutoModelForSequenceClassification
 
+    from rl.model_card import _loading, output_contents
     from rl.reward import load_reward_model
     from rl.reward_io import pad_batch
     from rl.reward_model import RewardModel, RewardModelConfig
@@ -240,3 +241,28 @@ def test_reward_checkpoint_loads_as_a_sequence_classifier_and_resumes(tiny_llama
         assert torch.allclose(hf.eval()(input_ids=ids, attention_mask=mask).logits[:, 0], ours, atol=1e-5)
         assert torch.allclose(load_reward_model(ckpt).rewards(ids, mask)[:, 0], ours, atol=1e-6)
     assert json.loads((ckpt / "reward_config.json").read_text())["hf_compatible"] is True
+    # the model card calls it a reward model (not a causal-LM adapter) and shows the loader that fits
+    assert output_contents(ckpt) == "reward"
+    loading = "\n".join(_loading("reward", str(ckpt)))
+    assert ("PeftModel.from_pretrained(base" in loading) is lora and "AutoModelForSequenceClassification" in loading
+
+
+def test_ppo_sampling_warns_nothing_and_its_output_is_a_model_output(tiny_llama, tiny_tokenizer):
+    """Log hygiene at the source, with every warning shown: sampling through PPO's policy passes the
+    KV cache under the keyword this transformers version takes (no deprecated `past_key_values`
+    warning), and PPOModelOutput is a ModelOutput (ZeRO-3 and accelerate know its fields)."""
+    from transformers import AutoModelForCausalLM
+    from transformers.utils import ModelOutput
+
+    from rl.generation import generate
+    from rl.ppo_model import PPOModel
+
+    model = PPOModel(AutoModelForCausalLM.from_pretrained(tiny_llama)).eval()
+    prompts = [tiny_tokenizer("1+1=")["input_ids"], tiny_tokenizer("12+30=")["input_ids"]]
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        rollout = generate(model, tiny_tokenizer, prompts, max_new_tokens=3, temperature=1.0, seed=0)
+        out = model(input_ids=rollout.tokens[:, :2], use_cache=False)  # as PPO's training forwards
+    assert [str(w.message) for w in seen if "past_key_values" in str(w.message) or "cache" in str(w.message)] == []
+    assert isinstance(out, ModelOutput) and set(out.keys()) == {"logits", "value"}
+    assert out["value"].shape == (2, 2) and rollout.tokens.shape[0] == 2
