@@ -90,6 +90,9 @@ def card_text(cfg, history: list[dict], trainer: str, argv: list[str] | None = N
         lines += [f"| {k} | {v:.6g} |" for k, v in metrics.items()]
         lines += [""]
     lines += ["## Files and loading", ""] + _loading(contents, directory or cfg.output_dir)
+    if (Path(directory or cfg.output_dir) / "value_head.safetensors").exists():
+        lines += ["", "PPO's value head is beside it in `value_head.safetensors` (keys of `rl.ppo_model.ValueHead`; "
+                      "the policy above loads without it)."]
     lines += ["", "## Library versions", "", "| library | version |", "|---|---|"]
     lines += [f"| {k} | {v} |" for k, v in library_versions().items()]
     return f"---\n{meta.to_yaml()}\n---\n\n" + "\n".join(lines) + "\n"
@@ -101,7 +104,8 @@ def _loading(contents: str, out: str) -> list[str]:
                 "`rl.reward.load_reward_model(path)` or give the directory as `reward_model_path`."]
         peft = (Path(out) / "adapter_config.json").exists()
         text += ["", "Without this package, as a sequence classifier (the same rewards when `reward_config.json` "
-                     "says `hf_compatible`):", "", "```python", "from transformers import AutoModelForSequenceClassification"]
+                     "says `hf_compatible`):", "", "```python",
+                 "from transformers import AutoModelForSequenceClassification"]
         if peft:
             base, labels = adapter_base(out), _num_labels(Path(out) / "reward_config.json")
             text += ["from peft import PeftModel", "",

@@ -204,6 +204,12 @@ def test_ppo_checkpoint_loads_with_from_pretrained_and_resumes(tiny_llama, tmp_p
         assert torch.allclose(out.logits, ours.logits, atol=1e-6)
         assert torch.allclose(head(out.hidden_states[-1]), ours.value, atol=1e-6)
         assert ours.value.abs().max() > 0  # the head moved: the comparison can fail
+    from rl.model_card import card_text, output_contents
+    from rl.ppo import PPOConfig
+
+    card = card_text(build(PPOConfig, {"model_name": "tiny:llama", "output_dir": str(ckpt)}), [], "ppo", argv=[],
+                     contents=output_contents(ckpt))
+    assert "`value_head.safetensors`" in card and ("AutoPeftModelForCausalLM" in card) is lora
     (ckpt / "value_head.safetensors").unlink()  # a checkpoint that lost a file is not resumed from
     with pytest.raises(FileNotFoundError):
         saved.load_checkpoint_weights(ckpt)
