@@ -33,7 +33,9 @@ Deviations and choices: with num_iterations = 1 the old policy is the current on
 does); with more iterations the old log-probs are recomputed by a no-grad forward before the first
 update. Log-probs use logits / temperature, like the sampler (TRL does the same). Groups never span
 processes: each process generates whole groups, rewards are gathered so that advantages and reward
-metrics are computed on the global batch (reinforce_pp needs it). Checked against TRL 1.16's
+metrics are computed on the global batch (reinforce_pp needs it). Micro-batches are length-grouped
+(rows sorted by length, cut into equal groups, each padded only to its own longest row: `_micro_slices`,
+`_take`); TRL pads every micro-batch to the longest completion of the step. Checked against TRL 1.16's
 GRPOTrainer/RLOOTrainer formulas in tests/test_grpo.py.
 """
 
