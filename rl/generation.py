@@ -25,8 +25,8 @@ How it works, and why:
 * One prefill with `logits_to_keep=1` (no (B, P, V) logits), then one token per step with a KV cache.
 * Finished rows leave the decode batch (dynamic cache; `drop_finished`): with uneven completion
   lengths the cost is the tokens generated rather than rows x the longest row, which is what HF
-  `generate` (and so TRL) computes. Measured on the tiny model, 64 rows of geometric lengths (mean 48,
-  max 256): see bench/README.md, GRPO with uneven lengths.
+  `generate` (and so TRL) computes. Measured on the tiny model, 64 rows of geometric lengths (2,518
+  tokens, longest 151), 1 CPU thread: 1.3 -> 0.74 CPU s (bench/README.md, GRPO with uneven lengths).
 * Sampling is Gumbel-max with noise that is a pure function of (seed, row, step, token id): row r of
   a call with `seed=s` draws from seed `s + r`. Seeded runs repeat exactly, a row samples the same
   tokens whatever else is in the batch (so batched == one-by-one with seed s + r), and nothing reads
