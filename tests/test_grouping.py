@@ -67,7 +67,8 @@ def test_take_trims_each_micro_batch_to_its_widest_row():
         # nothing attended is dropped, and everything kept is the batch's own
         assert int(mb["attention_mask"].sum()) == int(b["attention_mask"][r].sum())
         assert torch.equal(mb["input_ids"], b["input_ids"][r, a:e])
-        assert torch.equal(position_ids_from_mask(mb["attention_mask"]), position_ids_from_mask(b["attention_mask"])[r, a:e])
+        positions = position_ids_from_mask(b["attention_mask"])[r, a:e]
+        assert torch.equal(position_ids_from_mask(mb["attention_mask"]), positions)
         # (B, T-1) tensors stay aligned with labels[:, 1:]: the sampled log-prob sits under its label
         keep = mb["labels"][:, 1:] != -100
         full_keep = b["labels"][r, 1:] != -100
