@@ -33,7 +33,9 @@ Deviations and choices: with num_iterations = 1 the old policy is the current on
 does); with more iterations the old log-probs are recomputed by a no-grad forward before the first
 update. Log-probs use logits / temperature, like the sampler (TRL does the same). Groups never span
 processes: each process generates whole groups, rewards are gathered so that advantages and reward
-metrics are computed on the global batch (reinforce_pp needs it). Checked against TRL 1.16's
+metrics are computed on the global batch (reinforce_pp needs it). Micro-batches are length-grouped
+(rows sorted by length, cut into equal groups, each padded only to its own longest row: `_micro_slices`,
+`_take`); TRL pads every micro-batch to the longest completion of the step. Checked against TRL 1.16's
 GRPOTrainer/RLOOTrainer formulas in tests/test_grpo.py.
 """
 
@@ -181,17 +183,27 @@ class GRPOTrainer(Trainer):
 
     # ------------------------------------------------------------------ rollout pieces
     @torch.no_grad()
-    def _logprobs(self, model, batch: dict) -> torch.Tensor:
+    def _logprobs(self, model, batch: dict, micro: list[torch.Tensor] | None = None) -> torch.Tensor:
         """(B, T-1) log-probs of the batch's labels under `model` at the sampling temperature, with the
-        sampler's positions (counted from each row's first real token of the left-padded prompt)."""
-        mask = batch["attention_mask"]
-        return sequence_logprobs(model, batch["input_ids"], mask, batch["labels"],
-                                 chunk_size=self.cfg.logprob_chunk_size, position_ids=position_ids_from_mask(mask),
-                                 temperature=self.cfg.temperature)[0]
+        sampler's positions (counted from each row's first real token of the left-padded prompt).
 
-    def _ref_logprobs(self, batch: dict) -> torch.Tensor:
+        Scored one micro-batch of rows at a time (`micro`, from `_micro_slices`; default all rows at
+        once), each trimmed to its own widest row by `_take`; the results are put back in the batch's
+        row order and width (0 outside the labels), so they index like the batch itself."""
+        micro = [torch.arange(batch["input_ids"].shape[0])] if micro is None else micro
+        out = torch.zeros(batch["input_ids"].shape[0], batch["input_ids"].shape[1] - 1, dtype=torch.float32,
+                          device=batch["input_ids"].device)
+        for rows in micro:
+            mb, (a, b) = _take(batch, rows, with_span=True)
+            mask = mb["attention_mask"]
+            lp = sequence_logprobs(model, mb["input_ids"], mask, mb["labels"], chunk_size=self.cfg.logprob_chunk_size,
+                                   position_ids=position_ids_from_mask(mask), temperature=self.cfg.temperature)[0]
+            out[rows.to(out.device)[:, None], torch.arange(a, b - 1, device=out.device)] = lp.float()
+        return out
+
+    def _ref_logprobs(self, batch: dict, micro: list[torch.Tensor] | None = None) -> torch.Tensor:
         with self.reference.use(self.pipeline) as model:
-            return self._logprobs(model, batch)
+            return self._logprobs(model, batch, micro)
 
     # ------------------------------------------------------------------ training
     def train(self) -> list[dict]:
@@ -299,12 +311,14 @@ class GRPOTrainer(Trainer):
         batch = {k: v.to(acc.device) for k, v in rollout.to_batch().items()}
         adv = advantages.to(acc.device)
         ref_lp = old_lp = None
-        micro = _micro_slices(batch["input_ids"].shape[0], cfg.gradient_accumulation_steps)
+        # length-grouped micro-batches, each padded only to its own longest row (`_micro_slices`, `_take`)
+        micro = _micro_slices(batch["attention_mask"], cfg.gradient_accumulation_steps)
         if cfg.beta > 0:
             # in this thread, not the engine's worker: ZeRO-3's parameter fetching is per thread
-            ref_lp = torch.cat([self._ref_logprobs(_take(batch, s)) for s in micro])
+            ref_lp = self._ref_logprobs(batch, micro)
         if cfg.num_iterations > 1:
-            old_lp = torch.cat([self._logprobs(pipe.model, _take(batch, s)) for s in micro])
+            old_lp = self._logprobs(pipe.model, batch, micro)
+        per_row = {k: v for k, v in {"advantages": adv, "old": old_lp, "ref": ref_lp}.items() if v is not None}
         # token_mean over the whole step: the engine divides by accumulation, DDP/ZeRO average processes
         n_tokens = acc.reduce(batch["labels"][:, 1:].ne(-100).sum().float(), "sum") if self.world > 1 else \
             batch["labels"][:, 1:].ne(-100).sum().float()
@@ -314,16 +328,17 @@ class GRPOTrainer(Trainer):
             t_train = time.time()
             sums: dict[str, float] = {}
             for s in micro:
-                kw = dict(advantages=adv[s], old_logprobs=None if old_lp is None else old_lp[s],
-                          ref_logprobs=None if ref_lp is None else ref_lp[s], temperature=cfg.temperature,
+                mb = _take({**batch, **per_row}, s)
+                kw = dict(advantages=mb["advantages"], old_logprobs=mb.get("old"), ref_logprobs=mb.get("ref"),
+                          temperature=cfg.temperature,
                           beta=cfg.beta, epsilon_low=cfg.epsilon_low, epsilon_high=cfg.epsilon_high,
                           loss_aggregation=cfg.loss_aggregation, max_completion_length=cfg.max_completion_length,
                           num_items=num_items, use_bias_correction_kl=cfg.use_bias_correction_kl,
                           importance_sampling_level=cfg.importance_sampling_level)
                 # the sampler's positions: on absolute-position models (GPT-2) left padding shifts them
-                r = pipe.forward_backward(batch["input_ids"][s], batch["attention_mask"][s], batch["labels"][s],
+                r = pipe.forward_backward(mb["input_ids"], mb["attention_mask"], mb["labels"],
                                           loss_fn=partial(grpo_loss_fn, **kw),
-                                          position_ids=position_ids_from_mask(batch["attention_mask"][s])).result()
+                                          position_ids=position_ids_from_mask(mb["attention_mask"])).result()
                 for key, v in {"loss": r.loss, **r.metrics}.items():
                     sums[key] = sums.get(key, 0.0) + v / len(micro)
             o = pipe.optim_step(max_grad_norm=cfg.max_grad_norm).result()
@@ -356,10 +371,41 @@ class GRPOTrainer(Trainer):
         return out
 
 
-def _micro_slices(n: int, parts: int) -> list[slice]:
-    size = n // parts
-    return [slice(i * size, (i + 1) * size) for i in range(parts)]
+def _micro_slices(attention_mask: torch.Tensor, parts: int) -> list[torch.Tensor]:
+    """Length-grouped micro-batches: the B rows sorted by attended length (prompt + completion, longest
+    first; ties keep their order), cut into `parts` groups of B // parts rows; each group's indices are
+    returned in ascending order. (B, T) mask -> `parts` (B // parts,) index tensors.
+
+    Why: a micro-batch then pads only to its own longest row (`_take`), so with uneven completion
+    lengths most micro-batches are much narrower than the batch. Equal group sizes keep every loss
+    aggregation the same as contiguous slices (token_mean divides by the step's token count,
+    sequence_mean and constant by rows per micro-batch), so only the padding changes; with equal
+    lengths the groups are the contiguous slices themselves."""
+    B = attention_mask.shape[0]
+    size = B // parts
+    order = torch.argsort(attention_mask.sum(-1).cpu(), descending=True, stable=True)
+    return [order[i * size:(i + 1) * size].sort().values for i in range(parts)]
 
 
-def _take(batch: dict, s: slice) -> dict:
-    return {k: v[s] for k, v in batch.items()}
+def _take(batch: dict, rows: torch.Tensor | slice, with_span: bool = False):
+    """The micro-batch `rows` of a batch whose prompts are left-padded and completions right-padded
+    (`Rollout.to_batch`), trimmed to its own widest row: only the columns [a, b) where some of its rows
+    attend are kept. (B, T) tensors -> [:, a:b]; (B, T-1) tensors aligned with labels[:, 1:] (old / ref
+    log-probs) -> [:, a:b-1]; (B,) per-row tensors -> their rows. Positions counted from the mask
+    (`position_ids_from_mask`) are unchanged by dropping leading all-pad columns, so the model sees
+    each row as before. With `with_span`, returns (micro-batch, (a, b))."""
+    if isinstance(rows, torch.Tensor):
+        rows = rows.to(batch["attention_mask"].device)
+    mask = batch["attention_mask"][rows]
+    T = mask.shape[1]
+    cols = mask.any(0).nonzero().squeeze(1)
+    a, b = (int(cols[0]), int(cols[-1]) + 1) if cols.numel() else (0, T)
+    out = {}
+    for k, v in batch.items():
+        v = v[rows]
+        if v.dim() >= 2 and v.shape[1] == T:
+            v = v[:, a:b]
+        elif v.dim() >= 2 and v.shape[1] == T - 1:
+            v = v[:, a:b - 1]
+        out[k] = v
+    return (out, (a, b)) if with_span else out

@@ -224,3 +224,42 @@ def test_chunked_scoring_with_temperature_equals_full(lm, prompts):
                                    temperature=0.7)
     assert torch.allclose(full * m, chunked, atol=1e-5)
     assert torch.allclose(chunked, b["old_logprobs"] * m, atol=1e-4)  # the sampler's log-probs at T = 0.7
+
+
+class _EOSFromPosition(torch.nn.Module):
+    """Wraps an LM so that EOS wins once a row's query position reaches `at` (a function of the row's
+    own positions, not of its index in the batch, so it survives rows leaving the decode batch)."""
+
+    def __init__(self, lm, at):
+        super().__init__()
+        self.lm, self.at, self.config = lm, at, lm.config
+        self.batch_sizes = []  # rows of each forward
+
+    def forward(self, input_ids=None, position_ids=None, cache=None, **kw):
+        self.batch_sizes.append(input_ids.shape[0])
+        out = self.lm(input_ids=input_ids, position_ids=position_ids, cache=cache, **kw)
+        out.logits[..., EOS] += 1e4 * (position_ids[:, -out.logits.shape[1]:] >= self.at).float()
+        return out
+
+
+@pytest.mark.parametrize("sampling", [dict(temperature=1.0), dict(temperature=0.7, top_k=20, top_p=0.9)])
+def test_dropping_finished_rows_changes_no_output(lm, sampling):
+    """Uneven lengths: prompts of 1..6 tokens with EOS from position 9 finish after 9..4 new tokens (and
+    rows that sample EOS by themselves earlier). Dropping finished rows from the decode batch gives the
+    same tokens, masks, finish reasons and log-probs as keeping every row to the end (the former path)."""
+    wrapped = _EOSFromPosition(lm, at=9)
+    prompts = [[257] + list(range(60, 60 + k)) for k in range(6)]
+    kw = dict(max_new_tokens=14, seed=11, eos_token_id=EOS, num_samples=2, **sampling)
+    kept = generate(wrapped, 256, prompts, drop_finished=False, **kw)
+    assert set(wrapped.batch_sizes) == {12}
+    wrapped.batch_sizes.clear()
+    dropped = generate(wrapped, 256, prompts, drop_finished=True, **kw)
+    assert wrapped.batch_sizes[0] == 12 and wrapped.batch_sizes[-1] < 12  # rows did leave the batch
+    assert torch.equal(dropped.mask, kept.mask) and torch.equal(dropped.tokens, kept.tokens)
+    assert dropped.finish_reasons == kept.finish_reasons
+    assert torch.allclose(dropped.logprobs, kept.logprobs, atol=1e-6, rtol=0)
+    # the lengths really are uneven: new token j of a prompt of k + 1 tokens is predicted at position
+    # k + j, so EOS comes at the latest as token 10 - k (fewer if the row samples EOS itself)
+    lengths = dropped.lengths.view(6, 2)
+    assert (lengths <= torch.tensor([10 - k for k in range(6)])[:, None]).all()
+    assert int(lengths.max()) > int(lengths.min())
