@@ -1,11 +1,19 @@
-"""Padding-free packed SFT batches (rl.packing): per-token log-probs, loss and gradients equal the padded
-path's, so attention does not cross example boundaries (SDPA and eager, every tiny family)."""
+"""Padding-free packed batches (rl.packing) for SFT, DPO and reward models: per-token log-probs,
+per-sequence log-prob sums and pooled rewards, losses and gradients equal the padded path's, so
+attention does not cross sequence boundaries (SDPA and eager, every tiny family), with negative controls."""
+
+import contextlib
+import random
 
 import pytest
 import torch
 
+from rl.chunked import capture_head
+from rl.dpo import concatenated_logps, dpo_batch_loss
+from rl.dpo_data import collate_pairs, pack_pairs, sequence_logps
 from rl.losses import token_logprobs
-from rl.packing import pack_examples
+from rl.packing import pack_examples, pack_sequences, pool_packed, segment_sum
+from rl.reward import RewardModel, RewardModelConfig, bradley_terry_loss, pad_batch
 from rl.sft import collate, sum_normalised_nll
 from rl.tiny import build_config
 
@@ -98,3 +106,194 @@ def test_sft_trainer_packing_equals_padding(tmp_path, tiny_llama):
         assert b["loss"] == pytest.approx(a["loss"], abs=1e-5)
         assert b["grad_norm"] == pytest.approx(a["grad_norm"], rel=1e-4)
         assert b["num_tokens"] == a["num_tokens"]
+
+
+# ----------------------------------------------------------------- packed rows of whole sequences
+
+def test_pack_sequences_by_hand():
+    """Lengths 3, 1, 4, 2 in rows of at most 4 tokens (the longest), first-fit decreasing: [C], [A, B],
+    [D, pad, pad]; the padding is its own segment (positions restart), index -1, labels -100."""
+    A, B, C, D = ([1, 2, 3], [-100, 2, 3]), ([4], [4]), ([5, 6, 7, 8], [5, 6, 7, 8]), ([9, 10], [9, 10])
+    b = pack_sequences([A, B, C, D], pad_id=0)
+    assert b["input_ids"].tolist() == [[5, 6, 7, 8], [1, 2, 3, 4], [9, 10, 0, 0]]
+    assert b["labels"].tolist() == [[-100, 6, 7, 8], [-100, 2, 3, -100], [-100, 10, -100, -100]]
+    assert b["position_ids"].tolist() == [[0, 1, 2, 3], [0, 1, 2, 0], [0, 1, 0, 1]]
+    assert b["sequence_index"].tolist() == [[2, 2, 2, 2], [0, 0, 0, 1], [3, 3, -1, -1]]
+    one = pack_sequences([A, B, C, D], pad_id=0, row_tokens=10)  # all in one row: no padding at all
+    assert one["input_ids"].tolist() == [[5, 6, 7, 8, 1, 2, 3, 9, 10, 4]]
+    assert one["sequence_index"].tolist() == [[2, 2, 2, 2, 0, 0, 0, 3, 3, 1]]
+    # per-sequence sums and pooled vectors, by hand
+    v = torch.arange(12, dtype=torch.float32).reshape(3, 4)  # value = flat position
+    assert segment_sum(v, b["sequence_index"], 4).tolist() == [4 + 5 + 6, 7, 0 + 1 + 2 + 3, 8 + 9]
+    h = v.unsqueeze(-1).repeat(1, 1, 2)  # (3, 4, 2) hidden states
+    assert pool_packed(h, b["sequence_index"], 4, "last")[:, 0].tolist() == [6, 7, 3, 9]
+    assert pool_packed(h, b["sequence_index"], 4, "cls")[:, 0].tolist() == [4, 7, 0, 8]
+    assert pool_packed(h, b["sequence_index"], 4, "mean")[:, 0].tolist() == [5, 7, 1.5, 8.5]
+    with pytest.raises(ValueError, match="shorter than the longest"):
+        pack_sequences([A, C], row_tokens=3)
+    with pytest.raises(ValueError, match="at least one token"):
+        pack_sequences([A, ([], [])])
+
+
+# unequal lengths, so that several sequences share rows; the longest (rejected of pair 1) sets the width
+PAIRS = [
+    {"prompt_ids": [5, 17, 42], "chosen_ids": [9, 100, 7, 8], "rejected_ids": [33]},
+    {"prompt_ids": [11], "chosen_ids": [12, 13], "rejected_ids": [14, 15, 16, 17, 18, 19, 20, 21, 22, 23, 24]},
+    {"prompt_ids": [200, 3, 77, 78, 79], "chosen_ids": [80, 81], "rejected_ids": [82, 83, 84]},
+    {"prompt_ids": [6, 6], "chosen_ids": [1], "rejected_ids": [2, 3]},
+]
+REF_C, REF_R = torch.tensor([-30.0, -20.0, -25.0, -5.0]), torch.tensor([-10.0, -40.0, -20.0, -9.0])
+
+
+def _dpo_step(model, batch, packed: bool, chunk: int | None = None):
+    """One DPO forward + backward of `batch`: (per-sequence logps, metrics, loss, grads)."""
+    model.zero_grad(set_to_none=True)
+    if packed:  # no attention mask and no cache: the model separates the sequences by their position ids
+        with capture_head(model, chunk) if chunk else contextlib.nullcontext():
+            logits = model(input_ids=batch["input_ids"], position_ids=batch["position_ids"], use_cache=False).logits
+        extra = {"sequence_index": batch["sequence_index"]}
+    else:
+        logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
+                       position_ids=batch["position_ids"], use_cache=False).logits
+        extra = {}
+    loss, metrics = dpo_batch_loss(logits, batch["labels"], None, loss_type="sigmoid", beta=0.1,
+                                   ref_chosen_logps=REF_C, ref_rejected_logps=REF_R, **extra)
+    loss.backward()
+    return metrics, float(loss.detach()), {n: p.grad.clone() for n, p in model.named_parameters()}
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2", "gemma", "gpt2"])
+@pytest.mark.parametrize("attn", ["sdpa", "eager"])
+def test_packed_dpo_logps_loss_and_gradients_equal_padded(family, attn):
+    """DPO on 4 pairs packed into rows (3 rows for 8 sequences) vs the padded (8, 16) batch: the
+    sequence log-prob sums (no-grad reference scoring, full and chunked LM head), the loss, its
+    metrics and every parameter's gradient agree to 1e-5 (the packed training forward runs the
+    chunked LM head, as the engine does at large sizes)."""
+    model = _model(family, attn)
+    padded, packed = collate_pairs(PAIRS, 0), pack_pairs(PAIRS, 0)
+    assert packed["input_ids"].shape[0] < padded["input_ids"].shape[0]  # sequences do share rows
+    want = concatenated_logps(model, padded)
+    for chunk in (None, 3):
+        got = concatenated_logps(model, packed, chunk_size=chunk)
+        for g, w in zip(got, want):
+            torch.testing.assert_close(g, w, atol=1e-5, rtol=1e-5)
+    assert want[3].tolist() == [1, 11, 3, 2]  # rejected answer tokens: each sequence counted in full
+    m_pad, loss_pad, g_pad = _dpo_step(model, padded, packed=False)
+    m_pack, loss_pack, g_pack = _dpo_step(model, packed, packed=True, chunk=4)
+    assert loss_pack == pytest.approx(loss_pad, abs=1e-5)
+    for k, v in m_pad.items():
+        assert float(m_pack[k]) == pytest.approx(float(v), abs=1e-5), k
+    for n, g in g_pad.items():
+        torch.testing.assert_close(g_pack[n], g, atol=1e-5, rtol=1e-4, msg=n)
+
+
+def test_packed_dpo_without_position_resets_or_with_a_mask_differs():
+    """Negative controls: the same packed rows with plain 0..W-1 positions, or with an all-ones mask
+    (either way attention crosses the sequence boundaries), give other sequence log-probs."""
+    model = _model("llama", "sdpa")
+    packed = pack_pairs(PAIRS, 0)
+    want = concatenated_logps(model, packed)[:2]
+    for kw in ({}, {"attention_mask": torch.ones_like(packed["input_ids"]), "position_ids": packed["position_ids"]}):
+        with torch.no_grad():
+            logits = model(input_ids=packed["input_ids"], use_cache=False, **kw).logits
+        got = sequence_logps(logits, packed["labels"], packed["sequence_index"])[0].chunk(2)
+        assert max((g - w).abs().max() for g, w in zip(got, want)) > 1e-3
+
+
+# ------------------------------------------------------------------------------- reward models
+TEXTS = [[5, 17, 42, 9, 100, 7], [11, 12, 13], [200, 3, 77, 78, 79, 80, 81, 82, 83], [250], [4, 5, 6, 7], [8, 9]]
+
+
+def _reward_model(family, attn, pooling="last"):
+    torch.manual_seed(0)
+    m = RewardModel(RewardModelConfig(model_name=f"tiny:{family}", use_lora=False, dropout_prob=0.0, dtype="float32",
+                                      pooling_strategy=pooling))
+    m.backbone.set_attn_implementation(attn)
+    return m.eval()  # eval: GPT-2's own dropout would differ between the two forwards; gradients still flow
+
+
+def _bt_step(model, packed: bool):
+    """Rewards of TEXTS (3 chosen, then 3 rejected), Bradley-Terry loss, gradients."""
+    model.zero_grad(set_to_none=True)
+    if packed:
+        b = pack_sequences([(t, t) for t in TEXTS], pad_id=0)
+        assert b["input_ids"].shape == (3, 9)  # [9], [6, 3], [4, 2, 1]: sequences share rows
+        r = model(b["input_ids"], None, position_ids=b["position_ids"], sequence_index=b["sequence_index"])["rewards"]
+    else:
+        r = model(*pad_batch(TEXTS, 0))["rewards"]
+    loss, _ = bradley_terry_loss(r[:3, 0], r[3:, 0], None, 0.01)
+    loss.backward()
+    grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    return r.detach(), float(loss.detach()), grads
+
+
+@pytest.mark.parametrize("family,attn,pooling", [(f, a, "last") for f in ("llama", "qwen2", "gemma", "gpt2")
+                                                 for a in ("sdpa", "eager")]
+                         + [("llama", "sdpa", "mean"), ("gpt2", "eager", "cls")])
+def test_packed_rewards_loss_and_gradients_equal_padded(family, attn, pooling):
+    """The reward model on packed rows: each text's reward (read at its own last token, or its mean /
+    first token), the Bradley-Terry loss and every gradient equal the padded batch's to 1e-5."""
+    model = _reward_model(family, attn, pooling)
+    (r_pad, loss_pad, g_pad), (r_pack, loss_pack, g_pack) = _bt_step(model, False), _bt_step(model, True)
+    assert r_pack.shape == r_pad.shape == (6, 1)
+    torch.testing.assert_close(r_pack, r_pad, atol=1e-5, rtol=1e-5)
+    assert loss_pack == pytest.approx(loss_pad, abs=1e-5)
+    assert g_pad.keys() == g_pack.keys() and len(g_pad) > 10
+    for n, g in g_pad.items():
+        torch.testing.assert_close(g_pack[n], g, atol=1e-5, rtol=1e-4, msg=n)
+
+
+def test_packed_rewards_with_a_mask_differ():
+    """Negative control: the packed rows with an all-ones mask (attention across texts) give other rewards
+    for the texts that do not start their row."""
+    model = _reward_model("llama", "sdpa")
+    b = pack_sequences([(t, t) for t in TEXTS], pad_id=0)
+    with torch.no_grad():
+        want = model(*pad_batch(TEXTS, 0))["rewards"][:, 0]
+        h = model.backbone(input_ids=b["input_ids"], attention_mask=torch.ones_like(b["input_ids"]),
+                           position_ids=b["position_ids"], use_cache=False).last_hidden_state
+        mixed = model.head(pool_packed(h, b["sequence_index"], 6, "last"))[:, 0]
+    assert (mixed - want).abs().max() > 1e-3
+
+
+# ------------------------------------------------------------------------------------ trainers
+
+def test_dpo_and_reward_trainers_packing_equals_padding(tmp_path, tiny_llama, tiny_tokenizer, monkeypatch):
+    """Two optimizer steps (4 pairs per micro-batch, 2 micro-batches per step) of the DPO trainer
+    (frozen-copy reference, scored packed too) and of the reward-model trainer: the same losses,
+    metrics and grad norms with packing=true as with padded micro-batches, and the same evaluation."""
+    from rl.config import build
+    from rl.dpo import DPOConfig, DPOTrainer, PreferenceDataset
+    from rl.reward import RewardModelTrainer
+
+    monkeypatch.setattr("rl.tracking.plot_history", lambda *a, **k: None)  # the metrics plot: 3-7 s a run
+    rng = random.Random(0)
+    P = [f"q{i}: " + "z" * rng.randint(0, 12) for i in range(16)]
+    C = ["a" * rng.randint(1, 14) for _ in P]
+    R = ["b" * rng.randint(1, 14) for _ in P]
+    dpo, rm = {}, {}
+    for packing in (False, True):
+        cfg = build(DPOConfig, dict(model_name=tiny_llama, output_dir=str(tmp_path / f"dpo{packing}"), batch_size=4,
+                                    gradient_accumulation_steps=2, max_steps=2, learning_rate=1e-2, seed=0,
+                                    max_length=64, max_prompt_length=32, report_to=["none"], packing=packing,
+                                    dtype="float32"))
+        t = DPOTrainer(cfg, tokenizer=tiny_tokenizer)
+        ds = PreferenceDataset(P, C, R, tiny_tokenizer, 64, 32)
+        dpo[packing] = (t.train(ds), t.evaluate(PreferenceDataset(P[:6], C[:6], R[:6], tiny_tokenizer, 64, 32)))
+        torch.manual_seed(0)
+        m = RewardModel(RewardModelConfig(model_name=tiny_llama, use_lora=False, dropout_prob=0.0, dtype="float32",
+                                          gradient_accumulation_steps=2, learning_rate=1e-2, warmup_steps=0,
+                                          lr_scheduler="constant", packing=packing))
+        trainer = RewardModelTrainer(m.config, model=m, tokenizer=tiny_tokenizer, device="cpu")
+        trainer.train_on_preferences(C, R, prompts=P, batch_size=4)
+        rm[packing] = (trainer.history, trainer.evaluate(C[:6], R[:6], P[:6]))
+    for (a_rows, a_eval), (b_rows, b_eval) in ((dpo[False], dpo[True]), (rm[False], rm[True])):
+        assert len(a_rows) == len(b_rows) == 2
+        for a, b in zip(a_rows, b_rows):
+            for k in ("loss", "rewards/chosen", "rewards/rejected"):
+                assert b[k] == pytest.approx(a[k], abs=1e-5), k
+            assert b["grad_norm"] == pytest.approx(a["grad_norm"], rel=1e-4)
+        assert a_rows[1]["loss"] != pytest.approx(a_rows[0]["loss"], abs=1e-4)  # the steps did change the model
+        for k, v in a_eval.items():  # after two Adam steps at lr 1e-2: Adam's normalisation turns the
+            assert b_eval[k] == pytest.approx(v, abs=1e-4), k  # gradients' 1e-7 differences into ~1e-5
+    assert rm[True][0][0]["num_tokens"] == rm[False][0][0]["num_tokens"]  # real tokens only, padded or packed
