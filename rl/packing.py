@@ -124,3 +124,40 @@ def pool_packed(hidden: torch.Tensor, sequence_index: torch.Tensor, n: int, stra
     at = torch.full((n,), fill, dtype=torch.long, device=idx.device).scatter_reduce(
         0, idx[keep], pos, reduce="amax" if strategy == "last" else "amin", include_self=False)
     return flat[at]
+
+
+def pack_padded(input_ids: torch.Tensor, attention_mask: torch.Tensor, labels: torch.Tensor,
+                pad_id: int = 0) -> dict[str, torch.Tensor]:
+    """A padded batch (B, T) (left or right padding; each row's real tokens contiguous) -> its rows'
+    real tokens as packed rows (`pack_sequences`), plus `target_index` (B, T-1): where each of the
+    padded batch's shifted targets sits in the packed rows' shifted targets, flattened (R * (W-1)),
+    -1 where the packed rows have none (padding, and each row's first real token, which the padded
+    path predicts from a pad). `unpack_targets` brings per-target values back with it, so a loss
+    written for the padded (B, T-1) layout (GRPO's, with its per-row advantages and old/reference
+    log-probs) runs unchanged on log-probs computed packed."""
+    mask = attention_mask.bool()
+    lengths = mask.sum(-1)
+    starts = mask.int().argmax(-1)
+    B, T = input_ids.shape
+    if not bool(lengths.min() > 0):
+        raise ValueError("pack_padded: a row has no real token")
+    if not bool((mask.cumsum(-1).gather(-1, (starts + lengths - 1)[:, None])[:, 0] == lengths).all()):
+        raise ValueError("pack_padded: a row's real tokens are not contiguous (padding must be on one side)")
+    seqs = [(input_ids[b, s:s + n].tolist(), labels[b, s:s + n].tolist())
+            for b, (s, n) in enumerate(zip(starts.tolist(), lengths.tolist()))]
+    out = pack_sequences(seqs, pad_id)
+    seq, pos = out["sequence_index"], out["position_ids"]
+    W = seq.shape[1]
+    r, u = torch.nonzero((seq >= 0) & (pos >= 1), as_tuple=True)  # tokens whose target the packed rows predict
+    s = seq[r, u]
+    target_index = torch.full((B, T - 1), -1, dtype=torch.long)
+    target_index[s, starts[s] + pos[r, u] - 1] = r * (W - 1) + u - 1
+    out["target_index"] = target_index
+    return out
+
+
+def unpack_targets(values: torch.Tensor, target_index: torch.Tensor) -> torch.Tensor:
+    """Per-target values of packed rows (R, W-1) -> the padded layout (B, T-1) of `pack_padded`'s
+    `target_index`, 0 where it is -1. A gather, so gradients flow back to the packed values."""
+    flat = values.reshape(-1)
+    return torch.where(target_index >= 0, flat[target_index.clamp(min=0)], flat.new_zeros(()))

@@ -12,7 +12,8 @@ from rl.chunked import capture_head
 from rl.dpo import concatenated_logps, dpo_batch_loss
 from rl.dpo_data import collate_pairs, pack_pairs, sequence_logps
 from rl.losses import token_logprobs
-from rl.packing import pack_examples, pack_sequences, pool_packed, segment_sum
+from rl.grpo import grpo_loss_fn
+from rl.packing import pack_examples, pack_padded, pack_sequences, pool_packed, segment_sum, unpack_targets
 from rl.reward import RewardModel, RewardModelConfig, bradley_terry_loss, pad_batch
 from rl.sft import collate, sum_normalised_nll
 from rl.tiny import build_config
@@ -297,3 +298,81 @@ def test_dpo_and_reward_trainers_packing_equals_padding(tmp_path, tiny_llama, ti
         for k, v in a_eval.items():  # after two Adam steps at lr 1e-2: Adam's normalisation turns the
             assert b_eval[k] == pytest.approx(v, abs=1e-4), k  # gradients' 1e-7 differences into ~1e-5
     assert rm[True][0][0]["num_tokens"] == rm[False][0][0]["num_tokens"]  # real tokens only, padded or packed
+
+
+# ------------------------------------------------------------------ GRPO's training forward
+
+def _rollout_batch():
+    """A rollout as `Rollout.to_batch` lays it out: left-padded prompts (width 5), completions right-
+    padded after their end (width 6), labels on completion tokens only."""
+    prompts = [[7, 8, 9, 10, 11], [12, 13], [14, 15, 16], [17]]
+    completions = [[20, 21], [22, 23, 24, 25, 26, 27], [28], [29, 30, 31]]
+    ids = torch.zeros(4, 11, dtype=torch.long)
+    mask = torch.zeros(4, 11, dtype=torch.long)
+    labels = torch.full((4, 11), -100)
+    for i, (p, c) in enumerate(zip(prompts, completions)):
+        ids[i, 5 - len(p):5], ids[i, 5:5 + len(c)] = torch.tensor(p), torch.tensor(c)
+        mask[i, 5 - len(p):5 + len(c)] = 1
+        labels[i, 5:5 + len(c)] = torch.tensor(c)
+    return ids, mask, labels
+
+
+def test_pack_padded_by_hand():
+    ids, mask, labels = _rollout_batch()
+    b = pack_padded(ids, mask, labels)
+    # real lengths 7, 8, 4, 4 in rows of 8: [8], [7], [4, 4]
+    assert b["input_ids"].tolist() == [[12, 13, 22, 23, 24, 25, 26, 27], [7, 8, 9, 10, 11, 20, 21, 0],
+                                       [14, 15, 16, 28, 17, 29, 30, 31]]
+    assert b["position_ids"].tolist() == [[0, 1, 2, 3, 4, 5, 6, 7], [0, 1, 2, 3, 4, 5, 6, 0], [0, 1, 2, 3, 0, 1, 2, 3]]
+    v = torch.arange(21, dtype=torch.float32).reshape(3, 7)  # packed per-target values = their flat index
+    back = unpack_targets(v, b["target_index"])
+    # row 0 (no left padding) is packed row 1: padded targets t = 0..5 are its packed targets 0..5 (7..12)
+    assert back[0].tolist() == [7, 8, 9, 10, 11, 12, 0, 0, 0, 0]
+    assert back[3].tolist() == [0, 0, 0, 0, 18, 19, 20, 0, 0, 0]  # prompt [17] at 4, then 29, 30, 31
+    t = b["target_index"]
+    assert ((labels[:, 1:] != -100) <= (t >= 0)).all()  # every counted target has its place in the packed rows
+    assert (b["labels"][:, 1:].reshape(-1)[t[t >= 0]] == labels[:, 1:][t >= 0]).all()
+    with pytest.raises(ValueError, match="not contiguous"):
+        pack_padded(ids, torch.tensor([[1, 0, 1] + [0] * 8] * 4), labels)
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2", "gemma", "gpt2"])
+@pytest.mark.parametrize("attn", ["sdpa", "eager"])
+def test_packed_grpo_loss_and_gradients_equal_padded(family, attn):
+    """GRPO's training forward on the rollout packed (`pack_padded`, chunked LM head) vs padded with the
+    sampler's positions: the same per-token log-probs, loss, metrics and gradients to 1e-5, off-policy
+    (old log-probs != current) with a KL term, token_mean and sequence-level (GSPO) ratios."""
+    model = _model(family, attn)
+    ids, mask, labels = _rollout_batch()
+    packed = pack_padded(ids, mask, labels)
+    assert packed["input_ids"].numel() < ids.numel()
+    g = torch.Generator().manual_seed(0)
+    old = -5.5 + 0.3 * torch.randn(4, 10, generator=g)
+    ref = -5.5 + 0.3 * torch.randn(4, 10, generator=g)
+    adv = torch.tensor([1.0, -0.5, 0.25, -0.75])
+    for level, agg in (("token", "token_mean"), ("sequence", "sequence_mean")):
+        kw = dict(advantages=adv, old_logprobs=old, ref_logprobs=ref, beta=0.04, temperature=0.7,
+                  loss_aggregation=agg, importance_sampling_level=level)
+        out = {}
+        for name in ("padded", "packed"):
+            model.zero_grad(set_to_none=True)
+            if name == "padded":
+                pos = (mask.cumsum(-1) - 1).clamp(min=0)
+                logits = model(input_ids=ids, attention_mask=mask, position_ids=pos, use_cache=False).logits
+                loss, metrics = grpo_loss_fn(logits, labels, mask, **kw)
+                logp = token_logprobs(logits.detach() / 0.7, labels)[0]
+            else:
+                with capture_head(model, 3):
+                    logits = model(input_ids=packed["input_ids"], position_ids=packed["position_ids"],
+                                   use_cache=False).logits
+                loss, metrics = grpo_loss_fn(logits, packed["labels"], None, target_index=packed["target_index"], **kw)
+                with torch.no_grad():
+                    logp = unpack_targets(token_logprobs(logits / 0.7, packed["labels"])[0], packed["target_index"])
+            loss.backward()
+            out[name] = (logp, float(loss.detach()), metrics, {n: p.grad.clone() for n, p in model.named_parameters()})
+        torch.testing.assert_close(out["packed"][0], out["padded"][0], atol=1e-5, rtol=1e-5)
+        assert out["packed"][1] == pytest.approx(out["padded"][1], abs=1e-5)
+        for k, v in out["padded"][2].items():
+            assert float(out["packed"][2][k]) == pytest.approx(float(v), abs=1e-5), k
+        for n, grad in out["padded"][3].items():
+            torch.testing.assert_close(out["packed"][3][n], grad, atol=1e-5, rtol=1e-4, msg=n)
