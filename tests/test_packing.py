@@ -14,6 +14,7 @@ from rl.dpo_data import collate_pairs, pack_pairs, sequence_logps
 from rl.losses import token_logprobs
 from rl.grpo import grpo_loss_fn
 from rl.packing import pack_examples, pack_padded, pack_sequences, pool_packed, segment_sum, unpack_targets
+from rl.ppo_model import Critic, PPOModel, critic_loss, policy_loss
 from rl.reward import RewardModel, RewardModelConfig, bradley_terry_loss, pad_batch
 from rl.sft import collate, sum_normalised_nll
 from rl.tiny import build_config
@@ -376,3 +377,50 @@ def test_packed_grpo_loss_and_gradients_equal_padded(family, attn):
             assert float(out["packed"][2][k]) == pytest.approx(float(v), abs=1e-5), k
         for n, grad in out["padded"][3].items():
             torch.testing.assert_close(out["packed"][3][n], grad, atol=1e-5, rtol=1e-4, msg=n)
+
+
+# ------------------------------------------------------------------- PPO's training forward
+
+@pytest.mark.parametrize("family", ["llama", "qwen2", "gpt2"])
+@pytest.mark.parametrize("attn", ["sdpa", "eager"])
+def test_packed_ppo_policy_and_value_loss_and_gradients_equal_padded(family, attn):
+    """PPO's policy loss (clipped surrogate, entropy bonus, the shared value head's clipped value loss)
+    on the rollout packed vs padded with the sampler's positions: the same loss, metrics and gradients
+    to 1e-5; full logits and the chunked LM head. With llama/sdpa also a separate critic (`Critic`)."""
+    ids, mask, labels = _rollout_batch()
+    P = 5
+    packed = pack_padded(ids, mask, labels)
+    g = torch.Generator().manual_seed(1)
+    resp = dict(P=P, tokens=ids[:, P:], mask=mask[:, P:].float(), old_logprobs=-5.5 + 0.3 * torch.randn(4, 6, generator=g),
+                advantages=torch.randn(4, 6, generator=g), old_values=0.1 * torch.randn(4, 6, generator=g),
+                returns=torch.randn(4, 6, generator=g), entropy_coef=0.01, temperature=0.7)
+    torch.manual_seed(0)
+    model = PPOModel(_model(family, attn))
+    torch.nn.init.normal_(model.value_head.out.weight, std=0.1)  # it starts at zero: values 0, no value gradient
+    models = [(model, policy_loss, resp)]
+    if family == "llama" and attn == "sdpa":
+        critic = Critic(_reward_model("llama", "sdpa"))
+        models.append((critic, critic_loss, {k: resp[k] for k in ("P", "mask", "old_values", "returns")}))
+    for m, loss_fn, kw in models:
+        for chunk in ((None, 3) if loss_fn is policy_loss else (None,)):
+            out = {}
+            for name in ("padded", "packed"):
+                m.zero_grad(set_to_none=True)
+                if name == "padded":
+                    o = m(input_ids=ids, attention_mask=mask, position_ids=(mask.cumsum(-1) - 1).clamp(min=0),
+                          use_cache=False)
+                    loss, metrics = loss_fn(m, {}, o, **kw)
+                else:
+                    with capture_head(m, chunk) if chunk else contextlib.nullcontext():
+                        o = m(input_ids=packed["input_ids"], position_ids=packed["position_ids"], use_cache=False)
+                    extra = {"packed_labels": packed["labels"]} if loss_fn is policy_loss else {}
+                    loss, metrics = loss_fn(m, {}, o, target_index=packed["target_index"], **extra, **kw)
+                loss.backward()
+                out[name] = (float(loss.detach()), metrics,
+                             {n: p.grad.clone() for n, p in m.named_parameters() if p.grad is not None})
+            assert out["packed"][0] == pytest.approx(out["padded"][0], abs=1e-5)
+            for k, v in out["padded"][1].items():
+                assert float(out["packed"][1][k]) == pytest.approx(float(v), abs=1e-5), k
+            assert out["padded"][2].keys() == out["packed"][2].keys()
+            for n, grad in out["padded"][2].items():
+                torch.testing.assert_close(out["packed"][2][n], grad, atol=1e-5, rtol=1e-4, msg=n)
