@@ -13,6 +13,8 @@ and no gradient checkpointing on either side. Sides:
     ours_precompute  rl.dpo with precompute_ref_logps=True (one reference pass before training)
     ours_packed      rl.dpo with packing=True: each step's chosen and rejected sequences packed padding-free
                      into rows no longer than the longest (`rl.packing`), training and reference forwards
+    ours_packed_c4   ours_packed with logprob_chunk_size=4: LM-head chunks of 4 x rows positions (the automatic
+                     size holds ~2**25 logits, 128 MiB fp32, per chunk)
 
 Realistic settings (issue 17): `--vocab 49152` / `--vocab 152064` widen the tiny model's embedding and
 LM head to a real vocabulary (the byte-level tokenizer still emits ids < 259; the cost is the head's),
@@ -203,6 +205,7 @@ SIDES = {
     "ours_full": lambda s: side_ours(s, False, chunk=0),
     "ours_precompute": lambda s: side_ours(s, True),
     "ours_packed": lambda s: side_ours(s, False, packing=True),
+    "ours_packed_c4": lambda s: side_ours(s, False, chunk=4, packing=True),
 }
 
 

@@ -1,4 +1,4 @@
-"""Padding-free batches: the examples of a micro-batch concatenated into one row.
+"""Padding-free batches: the sequences of a micro-batch concatenated into rows.
 
 A padded micro-batch of B examples costs B x max(len) positions; a packed one sum(len). The row
 carries `position_ids` that restart at 0 for each example and NO attention mask: transformers then
@@ -14,15 +14,23 @@ Llama, Qwen2, Gemma, GPT-2), and only without a KV cache: transformers looks for
 when the mask is None AND there is no cache (`use_cache=False`; a model in eval mode otherwise
 creates one and silently attends across examples). The engine's training forward passes
 `use_cache=False`, and `attention_mask=None` when it gets `position_ids` without a mask
-(`ForwardBackwardPipeline.forward_backward`).
+(`ForwardBackwardPipeline.forward_backward`, `forward_backward_custom(model_inputs=...)`).
 
-Preference batches (DPO, reward models) need one number per SEQUENCE, not per token: `pack_sequences`
-also returns `sequence_index` (R, W), the sequence each token belongs to (-1 on a row's padding), and
-`segment_sum` / `pool_packed` gather the per-sequence log-prob sums and pooled hidden states from it.
-Those rows are filled first-fit-decreasing up to the longest sequence's length (`row_tokens`): SDPA and
-eager attention compute the whole (W, W) score matrix of a row, masked or not, so one row of all 2B
-sequences would cost (sum of lengths)^2 there, more than the padded batch's 2B x (longest)^2; rows no
-longer than the longest sequence never cost more than padding, in attention or anywhere else.
+Who packs what (`packing: true` in each trainer's config):
+  SFT            `pack_examples`: a micro-batch's examples in one row.
+  DPO, reward    `pack_sequences`: the chosen and rejected sequences in rows, with `sequence_index`
+                 (R, W), the sequence each token belongs to (-1 on a row's padding); `segment_sum`
+                 and `pool_packed` gather per-sequence log-prob sums and pooled hidden states from it.
+  GRPO, PPO      `pack_padded`: a padded rollout's rows packed, with `target_index`, where each padded
+                 target sits among the packed ones; `unpack_targets` brings per-token log-probs (and
+                 PPO's entropies and values) back to the rollout's layout, so the losses, advantages
+                 and old/reference log-probs stay as they were. Only the training forward is packed.
+`pack_sequences` fills rows first-fit decreasing up to the longest sequence's length (`row_tokens`):
+SDPA and eager attention compute a row's whole (W, W) score matrix, masked or not, so one row of all
+2B sequences would cost (sum of lengths)^2 there, more than the padded batch's 2B x (longest)^2; rows
+no longer than the longest sequence never cost more than padding, in attention or anywhere else.
+(GPT-2 warns once that input_ids "may be padded" when a row ends with pad tokens: they are a segment
+of their own, attended by nothing else.)
 """
 
 from __future__ import annotations

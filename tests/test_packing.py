@@ -260,6 +260,20 @@ def test_packed_rewards_with_a_mask_differ():
 
 # ------------------------------------------------------------------------------------ trainers
 
+def _count_calls(monkeypatch, *names) -> dict:
+    """Count the calls of the functions at these dotted names (they still run)."""
+    counts = dict.fromkeys(names, 0)
+    for name in names:
+        module, attr = name.rsplit(".", 1)
+        real = getattr(__import__(module, fromlist=[attr]), attr)
+
+        def counted(*a, _name=name, _real=real, **k):
+            counts[_name] += 1
+            return _real(*a, **k)
+        monkeypatch.setattr(name, counted)
+    return counts
+
+
 def test_dpo_and_reward_trainers_packing_equals_padding(tmp_path, tiny_llama, tiny_tokenizer, monkeypatch):
     """Two optimizer steps (4 pairs per micro-batch, 2 micro-batches per step) of the DPO trainer
     (frozen-copy reference, scored packed too) and of the reward-model trainer: the same losses,
@@ -269,6 +283,8 @@ def test_dpo_and_reward_trainers_packing_equals_padding(tmp_path, tiny_llama, ti
     from rl.reward import RewardModelTrainer
 
     monkeypatch.setattr("rl.tracking.plot_history", lambda *a, **k: None)  # the metrics plot: 3-7 s a run
+    packs = _count_calls(monkeypatch, "rl.dpo.pack_pairs", "rl.reward.pack_sequences")
+    assert build(DPOConfig, dict(model_name=tiny_llama, output_dir=str(tmp_path), padding_free=True)).packing  # TRL
     rng = random.Random(0)
     P = [f"q{i}: " + "z" * rng.randint(0, 12) for i in range(16)]
     C = ["a" * rng.randint(1, 14) for _ in P]
@@ -289,6 +305,8 @@ def test_dpo_and_reward_trainers_packing_equals_padding(tmp_path, tiny_llama, ti
         trainer = RewardModelTrainer(m.config, model=m, tokenizer=tiny_tokenizer, device="cpu")
         trainer.train_on_preferences(C, R, prompts=P, batch_size=4)
         rm[packing] = (trainer.history, trainer.evaluate(C[:6], R[:6], P[:6]))
+    # 2 steps x 2 micro-batches (DPO's reference scores the same packed rows) + the eval batches
+    assert packs == {"rl.dpo.pack_pairs": 4 + 2, "rl.reward.pack_sequences": 4 + 1}
     for (a_rows, a_eval), (b_rows, b_eval) in ((dpo[False], dpo[True]), (rm[False], rm[True])):
         assert len(a_rows) == len(b_rows) == 2
         for a, b in zip(a_rows, b_rows):
@@ -391,7 +409,8 @@ def test_packed_ppo_policy_and_value_loss_and_gradients_equal_padded(family, att
     P = 5
     packed = pack_padded(ids, mask, labels)
     g = torch.Generator().manual_seed(1)
-    resp = dict(P=P, tokens=ids[:, P:], mask=mask[:, P:].float(), old_logprobs=-5.5 + 0.3 * torch.randn(4, 6, generator=g),
+    resp = dict(P=P, tokens=ids[:, P:], mask=mask[:, P:].float(),
+                old_logprobs=-5.5 + 0.3 * torch.randn(4, 6, generator=g),
                 advantages=torch.randn(4, 6, generator=g), old_values=0.1 * torch.randn(4, 6, generator=g),
                 returns=torch.randn(4, 6, generator=g), entropy_coef=0.01, temperature=0.7)
     torch.manual_seed(0)
@@ -424,3 +443,39 @@ def test_packed_ppo_policy_and_value_loss_and_gradients_equal_padded(family, att
             assert out["padded"][2].keys() == out["packed"][2].keys()
             for n, grad in out["padded"][2].items():
                 torch.testing.assert_close(out["packed"][2][n], grad, atol=1e-5, rtol=1e-4, msg=n)
+
+
+def test_grpo_and_ppo_trainers_packing_equals_padding(tmp_path, tiny_llama, monkeypatch):
+    """One generation and optimizer step of the GRPO trainer (KL to a reference, 2 micro-batches) and
+    one PPO iteration (separate critic, 2 micro-batches), packing=true vs padded: the same rollout
+    (same seed, same weights), so the same losses, metrics and grad norms."""
+    from rl.config import build
+    from rl.grpo import GRPOConfig, GRPOTrainer
+    from rl.ppo import PPOConfig, PPOTrainer
+
+    monkeypatch.setattr("rl.tracking.plot_history", lambda *a, **k: None)
+    packs = _count_calls(monkeypatch, "rl.grpo.pack_padded", "rl.ppo.pack_padded")
+    rows = [{"prompt": f"{a}+{b}=" + "?" * a} for a in range(4) for b in range(4)]  # prompts of unequal length
+
+    def length_reward(prompts, completions, **kw):
+        return [float(len(c)) for c in completions]
+
+    grpo, ppo = {}, {}
+    for packing in (False, True):
+        cfg = build(GRPOConfig, dict(model_name=tiny_llama, output_dir=str(tmp_path / f"g{packing}"),
+                                     learning_rate=1e-2, batch_size=4, gradient_accumulation_steps=2, num_generations=4,
+                                     max_completion_length=6, max_length=24, max_steps=1, beta=0.1,
+                                     report_to=["none"], seed=0, packing=packing))
+        grpo[packing] = GRPOTrainer(cfg, reward_funcs=[length_reward], train_prompts=rows).train()
+        cfg = PPOConfig(model_name=tiny_llama, output_dir=str(tmp_path / f"p{packing}"), seed=0, learning_rate=1e-2,
+                        batch_size=8, mini_batch_size=8, gradient_accumulation_steps=2, ppo_epochs=1, max_new_tokens=6,
+                        max_length=32, num_iterations=1, value_model="critic", dtype="float32", device="cpu",
+                        report_to=["none"], packing=packing)
+        ppo[packing] = PPOTrainer(cfg, reward_fn=lambda p, r, m=None: [len(x) / 6 for x in r]).train(
+            [r["prompt"] for r in rows[::2]])
+    assert packs == {"rl.grpo.pack_padded": 2, "rl.ppo.pack_padded": 2}  # the packed runs' micro-batches
+    for runs, keys in ((grpo, ("loss", "kl", "clip_ratio/region_mean", "grad_norm")),
+                       (ppo, ("loss/policy", "loss/value", "policy/entropy", "objective/kl"))):
+        assert len(runs[False]) == len(runs[True]) == 1
+        for k in keys:
+            assert runs[True][0][k] == pytest.approx(runs[False][0][k], rel=1e-4, abs=1e-5), k
