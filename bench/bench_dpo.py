@@ -13,8 +13,6 @@ and no gradient checkpointing on either side. Sides:
     ours_precompute  rl.dpo with precompute_ref_logps=True (one reference pass before training)
     ours_packed      rl.dpo with packing=True: each step's chosen and rejected sequences packed padding-free
                      into rows no longer than the longest (`rl.packing`), training and reference forwards
-    ours_packed_c4   ours_packed with logprob_chunk_size=4: LM-head chunks of 4 x rows positions (the automatic
-                     size holds ~2**25 logits, 128 MiB fp32, per chunk)
 
 Realistic settings (issue 17): `--vocab 49152` / `--vocab 152064` widen the tiny model's embedding and
 LM head to a real vocabulary (the byte-level tokenizer still emits ids < 259; the cost is the head's),
@@ -30,7 +28,7 @@ untimed step on both sides. Run:
     python bench/bench_dpo.py                       # CPU: 2 rounds x 4 timed steps per side
     python bench/bench_dpo.py --vocab 152064 --lengths longtail --pairs 2 --hidden 256 --layers 2 \
         --sides trl,trl_precompute,ours_full,ours --rounds 1 --steps 2
-    python bench/bench_dpo.py --vocab 152064 --lengths longtail --pairs 8 --hidden 256 --layers 2 \
+    python bench/bench_dpo.py --vocab 152064 --lengths longtail --pairs 4 --hidden 256 --layers 2 \
         --sides trl,ours,ours_packed --rounds 1 --steps 1 --warmup 1
     python bench/bench_dpo.py --device cuda --hidden 896 --layers 24 --heads 14 --family qwen2
 """
@@ -98,7 +96,7 @@ def side_ours(spec: dict, precompute: bool, chunk: int | None = None, packing: b
     import torch
 
     from rl.config import build
-    from rl.dpo import DPOConfig, DPOTrainer, PreferenceDataset
+    from rl.dpo import DPOConfig, DPOTrainer, PreferenceDataset, collate_pairs, pack_pairs
 
     n = _n_steps(spec)
     P, C, R = _data(spec)
@@ -137,8 +135,6 @@ def side_ours(spec: dict, precompute: bool, chunk: int | None = None, packing: b
         assert {len(e["prompt_ids"]) for e in ds.examples} == {spec["prompt_len"]}
         assert {len(e["chosen_ids"]) for e in ds.examples} == {spec["answer_len"]}
     # positions per training forward of one step's pairs: padded (2B rows x the longest) or packed rows
-    from rl.dpo_data import collate_pairs, pack_pairs
-
     rows = (pack_pairs if packing else collate_pairs)(ds.examples[:spec["pairs"]], ds.pad_token_id)["input_ids"]
     t0 = time.perf_counter()
     wall[0], cpu[0] = t0, time.process_time()
@@ -205,7 +201,6 @@ SIDES = {
     "ours_full": lambda s: side_ours(s, False, chunk=0),
     "ours_precompute": lambda s: side_ours(s, True),
     "ours_packed": lambda s: side_ours(s, False, packing=True),
-    "ours_packed_c4": lambda s: side_ours(s, False, chunk=4, packing=True),
 }
 
 
