@@ -13,6 +13,7 @@ and no gradient checkpointing on either side. Sides:
     ours_precompute  rl.dpo with precompute_ref_logps=True (one reference pass before training)
     ours_packed      rl.dpo with packing=True: each step's chosen and rejected sequences packed padding-free
                      into rows no longer than the longest (`rl.packing`), training and reference forwards
+    ours_packed_precompute  ours_packed with precompute_ref_logps=True
 
 Realistic settings (issue 17): `--vocab 49152` / `--vocab 152064` widen the tiny model's embedding and
 LM head to a real vocabulary (the byte-level tokenizer still emits ids < 259; the cost is the head's),
@@ -201,6 +202,7 @@ SIDES = {
     "ours_full": lambda s: side_ours(s, False, chunk=0),
     "ours_precompute": lambda s: side_ours(s, True),
     "ours_packed": lambda s: side_ours(s, False, packing=True),
+    "ours_packed_precompute": lambda s: side_ours(s, True, packing=True),
 }
 
 
