@@ -11,6 +11,9 @@ and no gradient checkpointing on either side. Sides:
                      B*T*V > 2**26, `rl.chunked`)
     ours_full        rl.dpo with logprob_chunk_size=0: full (2B, T, V) logits, as before rl.chunked
     ours_precompute  rl.dpo with precompute_ref_logps=True (one reference pass before training)
+    ours_packed      rl.dpo with packing=True: each step's chosen and rejected sequences packed padding-free
+                     into rows no longer than the longest (`rl.packing`), training and reference forwards
+    ours_packed_precompute  ours_packed with precompute_ref_logps=True
 
 Realistic settings (issue 17): `--vocab 49152` / `--vocab 152064` widen the tiny model's embedding and
 LM head to a real vocabulary (the byte-level tokenizer still emits ids < 259; the cost is the head's),
@@ -26,6 +29,8 @@ untimed step on both sides. Run:
     python bench/bench_dpo.py                       # CPU: 2 rounds x 4 timed steps per side
     python bench/bench_dpo.py --vocab 152064 --lengths longtail --pairs 2 --hidden 256 --layers 2 \
         --sides trl,trl_precompute,ours_full,ours --rounds 1 --steps 2
+    python bench/bench_dpo.py --vocab 152064 --lengths longtail --pairs 4 --hidden 256 --layers 2 \
+        --sides trl,ours,ours_packed --rounds 1 --steps 1 --warmup 1
     python bench/bench_dpo.py --device cuda --hidden 896 --layers 24 --heads 14 --family qwen2
 """
 
@@ -88,11 +93,11 @@ def _n_steps(spec):
     return spec["warmup"] + spec["steps"]
 
 
-def side_ours(spec: dict, precompute: bool, chunk: int | None = None) -> dict:
+def side_ours(spec: dict, precompute: bool, chunk: int | None = None, packing: bool = False) -> dict:
     import torch
 
     from rl.config import build
-    from rl.dpo import DPOConfig, DPOTrainer, PreferenceDataset
+    from rl.dpo import DPOConfig, DPOTrainer, PreferenceDataset, collate_pairs, pack_pairs
 
     n = _n_steps(spec)
     P, C, R = _data(spec)
@@ -103,7 +108,7 @@ def side_ours(spec: dict, precompute: bool, chunk: int | None = None) -> dict:
         max_length=_max_length(spec),
         max_prompt_length=LONGTAIL["prompt"][1] + 4 if longtail else spec["prompt_len"] + 4,
         dtype="float32" if spec["device"] == "cpu" else "auto", device=spec["device"],
-        precompute_ref_logps=precompute, seed=spec["seed"], logprob_chunk_size=chunk))
+        precompute_ref_logps=precompute, seed=spec["seed"], logprob_chunk_size=chunk, packing=packing))
     from rl.forward_backward import ForwardBackwardPipeline
 
     # Step ends, measured the same way as on the TRL side (intervals between consecutive optimizer steps).
@@ -130,6 +135,8 @@ def side_ours(spec: dict, precompute: bool, chunk: int | None = None) -> dict:
     if not longtail:
         assert {len(e["prompt_ids"]) for e in ds.examples} == {spec["prompt_len"]}
         assert {len(e["chosen_ids"]) for e in ds.examples} == {spec["answer_len"]}
+    # positions per training forward of one step's pairs: padded (2B rows x the longest) or packed rows
+    rows = (pack_pairs if packing else collate_pairs)(ds.examples[:spec["pairs"]], ds.pad_token_id)["input_ids"]
     t0 = time.perf_counter()
     wall[0], cpu[0] = t0, time.process_time()
     history = trainer.train(ds)
@@ -137,7 +144,8 @@ def side_ours(spec: dict, precompute: bool, chunk: int | None = None) -> dict:
     inner = [h["step_time"] for h in history]  # the trainer's own per-step clock, for comparison
     return {"step_times": [b - a for a, b in zip(wall, wall[1:])],
             "step_cpu_times": [b - a for a, b in zip(cpu, cpu[1:])], "x_trainer_step_time_s": inner,
-            "x_train_wall_s": total, "x_first_loss": history[0]["loss"], "x_chunked_training_forwards": len(chunked)}
+            "x_train_wall_s": total, "x_first_loss": history[0]["loss"], "x_chunked_training_forwards": len(chunked),
+            "x_forward_rows_x_width": list(rows.shape)}
 
 
 def side_trl(spec: dict, precompute: bool) -> dict:
@@ -193,6 +201,8 @@ SIDES = {
     "ours": lambda s: side_ours(s, False),
     "ours_full": lambda s: side_ours(s, False, chunk=0),
     "ours_precompute": lambda s: side_ours(s, True),
+    "ours_packed": lambda s: side_ours(s, False, packing=True),
+    "ours_packed_precompute": lambda s: side_ours(s, True, packing=True),
 }
 
 

@@ -209,7 +209,7 @@ ALIASES: dict[str, tuple[str, ...]] = {
     "group_size": ("num_generations",), "epsilon": ("epsilon_low", "clip_ratio"), "kl_coef": ("kl_penalty_coef", "beta"),
     "vf_coef": ("value_coef",), "cliprange": ("clip_ratio",), "cliprange_value": ("value_clip",),
     "num_ppo_epochs": ("ppo_epochs",), "gae_lambda": ("lam",), "precompute_ref_log_probs": ("precompute_ref_logps",),
-    "ref_model": ("ref_model_name",),
+    "ref_model": ("ref_model_name",), "padding_free": ("packing",),
 }
 # TRL's boolean precision flags: an alias whose value is mapped too
 VALUE_ALIASES: dict[str, tuple[str, dict]] = {"bf16": ("dtype", {True: "bfloat16", False: "float32"})}

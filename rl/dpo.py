@@ -48,7 +48,7 @@ from rl.algos.preference import (hinge_loss, ipo_loss, log_odds, orpo_loss, pref
                                  sigmoid_loss)
 from rl.config import ConfigError, TrainConfig, epoch_plan, opt, save_config, to_dict
 from rl.dpo_data import (PreferenceDataset, _shards, collate_pairs, concatenated_logps,  # noqa: F401
-                         load_pair_records, load_pairs, sequence_logps)
+                         load_pair_records, load_pairs, pack_pairs, sequence_logps)
 from rl.forward_backward import build_accelerator, zero_stage
 from rl.models import (apply_lora, load_tokenizer, load_trainable_policy, resolve_dtype, save_pretrained,
                        trainable_fraction)
@@ -64,14 +64,15 @@ logger = logging.getLogger(__name__)
 # kept importable from here); the per-sequence log-probs of a collated batch are in rl.dpo_data.
 
 def dpo_batch_loss(logits, labels, attention_mask, *, loss_type: str, beta: float, label_smoothing: float = 0.0,
-                   ref_chosen_logps=None, ref_rejected_logps=None, pair_weight=None):
-    """The engine's loss callable: logits of the concatenated batch [chosen..., rejected...] (2B, T, V).
+                   ref_chosen_logps=None, ref_rejected_logps=None, pair_weight=None, sequence_index=None):
+    """The engine's loss callable: logits of the concatenated batch [chosen..., rejected...] (2B, T, V),
+    or of its packed rows (R, W, V) with their `sequence_index` (R, W) (`rl.dpo_data.pack_pairs`).
 
     Returns (mean loss over the B pairs, batch-mean metrics); with `pair_weight` (B,) the weighted sums
     sum_i w_i l_i instead. The trainer gives w_i = world * accumulation / pairs-in-the-step (0 for a
     padding pair), so that the engine's 1/accumulation and DDP's 1/world leave the exact mean over the
     optimizer step's pairs even when its micro-batches are unequal (a short last batch)."""
-    logps, lengths = sequence_logps(logits, labels)
+    logps, lengths = sequence_logps(logits, labels, sequence_index)
     chosen, rejected = logps.chunk(2)
     c_len, r_len = lengths.chunk(2)
     per_pair, stats = preference_loss(loss_type, chosen, rejected, ref_chosen_logps, ref_rejected_logps,
@@ -105,6 +106,9 @@ class DPOConfig(TrainConfig):
     chat_template: bool = opt(False, "render plain-text prompt/answers as user/assistant turns with the "
                               "tokenizer's chat template (message-list data always uses it)")
     eval_batch_size: int | None = opt(None, "pairs per evaluation forward (default: batch_size)")
+    packing: bool = opt(False, "padding-free micro-batches: each micro-batch's chosen and rejected sequences "
+                        "packed into rows no longer than its longest, with per-sequence position_ids "
+                        "(rl.packing); same loss, no compute on padding (training, reference and eval forwards)")
     device: str | None = opt(None, "cpu or cuda (null: auto-detected)")
 
 
@@ -190,6 +194,10 @@ class DPOTrainer(EpochTrainer):
         """Derived sizes, computed once (see `rl.config.epoch_plan`)."""
         return epoch_plan(self.config, n_pairs, self.world, "pairs")
 
+    def _collate(self, examples: list[dict], pad_token_id: int) -> dict[str, torch.Tensor]:
+        """A micro-batch of pairs: packed rows with `packing` (`pack_pairs`), else padded (`collate_pairs`)."""
+        return (pack_pairs if self.config.packing else collate_pairs)(examples, pad_token_id)
+
     # ------------------------------------------------------------------------------- reference
     def _setup(self, total_steps: int) -> None:
         cfg = self.config
@@ -215,7 +223,7 @@ class DPOTrainer(EpochTrainer):
         bs = cfg.eval_batch_size or cfg.batch_size
         out = torch.zeros(len(dataset), 2)
         for idx, weight in _shards(len(dataset), bs, acc.num_processes, acc.process_index):
-            batch = collate_pairs([dataset.examples[i] for i in idx], dataset.pad_token_id)
+            batch = self._collate([dataset.examples[i] for i in idx], dataset.pad_token_id)
             c, r = self._reference_logps(batch)
             local = torch.stack([torch.tensor(idx, device=acc.device, dtype=torch.float32),
                                  weight.to(acc.device), c.float(), r.float()], dim=1)
@@ -269,11 +277,14 @@ class DPOTrainer(EpochTrainer):
             # a short last step can leave this process a micro-batch with no pair: it still runs one
             # forward/backward (ZeRO-3 needs every rank in every forward) on a pair weighted 0
             weight = torch.full((len(idx),), unit) if idx else torch.zeros(1)
-            b = collate_pairs([dataset[i] for i in (idx or step_pairs[:1])], dataset.pad_token_id)
+            b = self._collate([dataset[i] for i in (idx or step_pairs[:1])], dataset.pad_token_id)
             ref_c, ref_r = self._reference_logps(b)
-            # Right padding, so the engine's default positions equal b["position_ids"].
-            r = pipe.forward_backward(b["input_ids"], b["attention_mask"], b["labels"], loss_fn=self._loss_fn,
-                                      ref_chosen_logps=ref_c, ref_rejected_logps=ref_r, pair_weight=weight).result()
+            # Padded: right padding, so the engine's default positions equal b["position_ids"]. Packed: the
+            # position ids and no mask (the engine then gives the model none), the sequence index to the loss.
+            packed = {k: b[k] for k in ("position_ids", "sequence_index")} if cfg.packing else {}
+            r = pipe.forward_backward(b["input_ids"], None if cfg.packing else b["attention_mask"], b["labels"],
+                                      loss_fn=self._loss_fn, ref_chosen_logps=ref_c, ref_rejected_logps=ref_r,
+                                      pair_weight=weight, **packed).result()
             for k, v in r.metrics.items():
                 sums[k] = sums.get(k, 0.0) + v / N
         o = pipe.optim_step(max_grad_norm=cfg.max_grad_norm).result()
@@ -295,7 +306,7 @@ class DPOTrainer(EpochTrainer):
         totals: dict[str, torch.Tensor] = {}
         bs = cfg.eval_batch_size or cfg.batch_size
         for idx, weight in _shards(len(dataset), bs, acc.num_processes, acc.process_index):
-            b = collate_pairs([dataset[i] for i in idx], dataset.pad_token_id)
+            b = self._collate([dataset[i] for i in idx], dataset.pad_token_id)
             ref_c, ref_r = self._reference_logps(b)
             b = {k: v.to(acc.device) for k, v in b.items()}
             c, r, cl, rl = concatenated_logps(model, b)

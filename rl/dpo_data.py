@@ -4,6 +4,7 @@ answer log-probs of such a batch (prompt and padding never count)."""
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 from typing import TYPE_CHECKING, Sequence
@@ -11,8 +12,10 @@ from typing import TYPE_CHECKING, Sequence
 import torch
 
 from rl import losses
+from rl.chunked import auto_chunk_size, capture_head, head_vocab, output_head
 from rl.data import DataError, load_records, source_options, where
-from rl.generation import sequence_logprobs
+from rl.generation import _unwrap, sequence_logprobs
+from rl.packing import pack_sequences, segment_sum
 from rl.sft import split_eval
 
 if TYPE_CHECKING:  # annotations only: rl.dpo imports this module
@@ -176,14 +179,36 @@ def collate_pairs(examples: list[dict], pad_token_id: int, padding_side: str = "
     return out
 
 
-def sequence_logps(logits: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def pack_pairs(examples: list[dict], pad_token_id: int) -> dict[str, torch.Tensor]:
+    """B pairs -> the 2B sequences [chosen..., rejected...] of `collate_pairs`, packed padding-free
+    (`rl.packing.pack_sequences`): input_ids, labels (-100 on prompts), position_ids and sequence_index
+    (0..2B-1 in that order, -1 on row padding), each (R, W) with R <= 2B, no attention_mask (the model
+    separates the sequences by their position ids), and ref_*_logps (B,) when present."""
+    seqs = [(e["prompt_ids"] + e[key], [losses.IGNORE_INDEX] * len(e["prompt_ids"]) + e[key])
+            for key in ("chosen_ids", "rejected_ids") for e in examples]
+    out = pack_sequences(seqs, pad_token_id)
+    if "ref_chosen_logps" in examples[0]:
+        out["ref_chosen_logps"] = torch.tensor([e["ref_chosen_logps"] for e in examples], dtype=torch.float32)
+        out["ref_rejected_logps"] = torch.tensor([e["ref_rejected_logps"] for e in examples], dtype=torch.float32)
+    return out
+
+
+def sequence_logps(logits: torch.Tensor, labels: torch.Tensor, sequence_index: torch.Tensor | None = None,
+                   ) -> tuple[torch.Tensor, torch.Tensor]:
     """Sum of answer-token log-probs and number of answer tokens per sequence.
 
     logits (N, T, V), labels (N, T) with -100 on prompt and padding (HF convention, shifted inside).
-    Returns (logps (N,), lengths (N,)) in fp32.
+    Returns (logps (N,), lengths (N,)) in fp32. Packed rows (`pack_pairs`) give `sequence_index`
+    (R, T): the sums then run over each sequence's tokens, wherever its rows put them, (S,) for the S
+    sequences (S = max index + 1).
     """
     logp, mask = losses.token_logprobs(logits, labels)
-    return logp.sum(-1), mask.sum(-1)
+    if sequence_index is None:
+        return logp.sum(-1), mask.sum(-1)
+    # the target at position t+1 is predicted at t and belongs to the sequence of token t+1
+    target_seq = sequence_index[:, 1:].to(logp.device)
+    n = int(sequence_index.max()) + 1
+    return segment_sum(logp, target_seq, n), segment_sum(mask, target_seq, n)
 
 
 @torch.no_grad()
@@ -194,13 +219,29 @@ def concatenated_logps(model, batch: dict[str, torch.Tensor], chunk_size: int | 
     head runs over `chunk_size` positions at a time (automatically when the logits would be large;
     see `rl.generation.sequence_logprobs`), so no (2B, T, V) logits."""
     device = next(iter(batch.values())).device
-    ids, mask, pos = (batch[k].to(device) for k in ("input_ids", "attention_mask", "position_ids"))
-    labels = batch["labels"].to(device)
-    logp, m = sequence_logprobs(model, ids, mask, labels, chunk_size=chunk_size, position_ids=pos)
-    logps, lengths = logp.sum(-1), m.sum(-1)
+    if "sequence_index" in batch:  # packed rows (pack_pairs)
+        logps, lengths = _packed_logps(model, {k: v.to(device) for k, v in batch.items()}, chunk_size)
+    else:
+        ids, mask, pos = (batch[k].to(device) for k in ("input_ids", "attention_mask", "position_ids"))
+        labels = batch["labels"].to(device)
+        logp, m = sequence_logprobs(model, ids, mask, labels, chunk_size=chunk_size, position_ids=pos)
+        logps, lengths = logp.sum(-1), m.sum(-1)
     c, r = logps.chunk(2)
     cl, rl = lengths.chunk(2)
     return c, r, cl, rl
+
+
+def _packed_logps(model, batch: dict[str, torch.Tensor], chunk_size: int | None):
+    """`sequence_logps` of packed rows under `model`, its LM head chunked as in
+    `rl.generation.sequence_logprobs`: the forward gets position_ids, no mask and no cache (so
+    transformers builds the block-diagonal mask, `rl.packing`)."""
+    lm = _unwrap(model)
+    ids = batch["input_ids"]
+    head = output_head(lm)
+    chunk = auto_chunk_size(ids.shape[0], ids.shape[1], head_vocab(head), chunk_size) if head is not None else None
+    with capture_head(lm, chunk) if chunk else contextlib.nullcontext():
+        logits = lm(input_ids=ids, position_ids=batch["position_ids"], use_cache=False).logits
+    return sequence_logps(logits, batch["labels"], batch["sequence_index"])
 
 
 def _shards(n: int, batch_size: int, world: int, rank: int):

@@ -333,21 +333,27 @@ class ForwardBackwardPipeline:
         return ForwardBackwardResult(loss=float(loss.detach()), metrics=_floats(metrics), num_tokens=n)
 
     def forward_backward_custom(self, custom_loss_fn: Callable, input_ids, attention_mask=None,
-                                **kwargs) -> Future:
+                                model_inputs: dict | None = None, **kwargs) -> Future:
         """Backward through `custom_loss_fn(model, inputs, outputs, **kwargs) -> scalar loss`.
 
         The loss may also be returned as `(loss, metrics)`. The next `optim_step` applies it
-        like any other micro-batch (the reference made it a no-op)."""
-        return self.submit(self._forward_backward_custom, custom_loss_fn, input_ids, attention_mask, kwargs)
+        like any other micro-batch (the reference made it a no-op). `model_inputs`: more keyword
+        tensors for the model's forward; with `position_ids` among them and no `attention_mask` the
+        rows are packed ones (`rl.packing`) and the model gets no mask, as in `forward_backward`."""
+        return self.submit(self._forward_backward_custom, custom_loss_fn, input_ids, attention_mask,
+                           model_inputs or {}, kwargs)
 
-    def _forward_backward_custom(self, custom_loss_fn, input_ids, attention_mask, kwargs):
+    def _forward_backward_custom(self, custom_loss_fn, input_ids, attention_mask, model_inputs, kwargs):
         self._check_accumulation_room()
         input_ids = self._to_device(input_ids)
+        packed = attention_mask is None and model_inputs.get("position_ids") is not None
         attention_mask = self._to_device(attention_mask) if attention_mask is not None else torch.ones_like(input_ids)
-        inputs = {"input_ids": input_ids, "attention_mask": attention_mask}
+        inputs = {"input_ids": input_ids, "attention_mask": attention_mask,
+                  **{k: self._to_device(v) for k, v in model_inputs.items()}}
         self.model.train()
+        call = {**inputs, "attention_mask": None} if packed else inputs  # the loss still sees the 1s mask
         with self.head_capture(input_ids):
-            outputs = self.model(**inputs, use_cache=False)
+            outputs = self.model(**call, use_cache=False)
         out = custom_loss_fn(self.model, inputs, outputs, **kwargs)
         loss, metrics = out if isinstance(out, tuple) else (out, {})
         if not torch.is_tensor(loss) or loss.dim() != 0:

@@ -65,6 +65,7 @@ from rl.grpo_sampling import (encode_prompt, load_prompt_rows, pick_groups, pick
                               reward_metrics, select_rollout, step_prompts, take_global)
 from rl.models import (apply_lora, load_tokenizer, load_trainable_policy, release_device_cache, resolve_dtype,
                        save_pretrained, trainable_fraction)
+from rl.packing import pack_padded, unpack_targets
 from rl.reference import ReferencePolicy
 from rl.reward_sources import (RewardModelReward, build_reward_fns, combine_rewards,  # noqa: F401
                                resolve_reward_func)
@@ -76,14 +77,18 @@ from rl.trainers.base import Trainer
 # (names kept importable from here).
 
 def grpo_loss_fn(logits, labels, attention_mask=None, *, advantages, old_logprobs=None, ref_logprobs=None,
-                 temperature: float = 1.0, **kw):
+                 temperature: float = 1.0, target_index=None, **kw):
     """Engine signature `(logits, labels, attention_mask, **kw) -> (loss, metrics)`.
 
     old_logprobs/ref_logprobs are (B, T-1) aligned with labels[:, 1:]; old_logprobs None means the
-    current policy (detached), i.e. ratio 1 (num_iterations = 1)."""
+    current policy (detached), i.e. ratio 1 (num_iterations = 1). Packed rows (`rl.packing.pack_padded`):
+    logits and labels are the packed rows' and `target_index` (B, T-1) brings their log-probs back to
+    the rollout's padded layout, where the rest of the loss runs as before."""
     if temperature and temperature != 1.0:
         logits = logits / temperature
     logp, mask = losses.token_logprobs(logits, labels)
+    if target_index is not None:
+        logp, mask = unpack_targets(logp, target_index), unpack_targets(mask, target_index)
     old = logp.detach() if old_logprobs is None else old_logprobs
     return grpo_loss(logp, old, advantages, mask, ref_logp=ref_logprobs, **kw)
 
@@ -335,10 +340,15 @@ class GRPOTrainer(Trainer):
                           loss_aggregation=cfg.loss_aggregation, max_completion_length=cfg.max_completion_length,
                           num_items=num_items, use_bias_correction_kl=cfg.use_bias_correction_kl,
                           importance_sampling_level=cfg.importance_sampling_level)
-                # the sampler's positions: on absolute-position models (GPT-2) left padding shifts them
-                r = pipe.forward_backward(mb["input_ids"], mb["attention_mask"], mb["labels"],
-                                          loss_fn=partial(grpo_loss_fn, **kw),
-                                          position_ids=position_ids_from_mask(mb["attention_mask"])).result()
+                if cfg.packing:  # the rows' real tokens packed; positions restart per row, as the sampler counts
+                    b = pack_padded(mb["input_ids"], mb["attention_mask"], mb["labels"], self.tokenizer.pad_token_id or 0)
+                    r = pipe.forward_backward(b["input_ids"], None, b["labels"], position_ids=b["position_ids"],
+                                              target_index=b["target_index"], loss_fn=partial(grpo_loss_fn, **kw)
+                                              ).result()
+                else:  # the sampler's positions: on absolute-position models (GPT-2) left padding shifts them
+                    r = pipe.forward_backward(mb["input_ids"], mb["attention_mask"], mb["labels"],
+                                              loss_fn=partial(grpo_loss_fn, **kw),
+                                              position_ids=position_ids_from_mask(mb["attention_mask"])).result()
                 for key, v in {"loss": r.loss, **r.metrics}.items():
                     sums[key] = sums.get(key, 0.0) + v / len(micro)
             o = pipe.optim_step(max_grad_norm=cfg.max_grad_norm).result()

@@ -48,6 +48,7 @@ from rl.forward_backward import ForwardBackwardPipeline, build_accelerator, is_d
 from rl.generation import generate
 from rl.models import (apply_lora, load_tokenizer, load_trainable_policy, release_device_cache, resolve_dtype,
                        trainable_fraction)
+from rl.packing import pack_padded
 from rl.ppo_config import (NO_REWARD_ERROR, PPOConfig, check_reward_source, ppo_dry_run_models,  # noqa: F401
                            encode_prompts, load_prompt_data, load_prompts, ppo_plan, prompt_order)
 from rl.ppo_model import (Critic, PPOModel, PPOModelOutput, ValueHead, critic_loss,  # noqa: F401
@@ -183,6 +184,8 @@ class PPOTrainer(Trainer):
         data = {"tokens": tokens.to(dev), "mask": maskf, "old_logprobs": old_logp, "advantages": adv,
                 "old_values": old_values, "returns": returns}
         ids, attn = batch["input_ids"].to(dev), batch["attention_mask"].to(dev)
+        # packing: the response tokens as labels of the [prompt | response] rows, for rl.packing.pack_padded
+        labels = torch.cat([torch.full_like(rollout.prompt_ids, -100), tokens.masked_fill(mask == 0, -100)], 1).cpu()
         gen = torch.Generator().manual_seed(cfg.seed * 7919 + iteration)
         sums: dict[str, float] = {}
         counts: dict[str, int] = {}
@@ -195,18 +198,25 @@ class PPOTrainer(Trainer):
                 for micro in mb_idx.split(cfg.micro_batch_size):
                     micro = micro.to(dev)
                     kw = {k: v[micro] for k, v in data.items()}
+                    f_ids, f_mask, f_in, f_kw = ids[micro], attn[micro], {}, {}
+                    if cfg.packing:  # padding-free rows; the losses read them back into response space
+                        b = pack_padded(f_ids.cpu(), f_mask.cpu(), labels[micro.cpu()],
+                                        self.tokenizer.pad_token_id or 0)
+                        f_ids, f_mask, f_in = b["input_ids"], None, {"position_ids": b["position_ids"]}
+                        f_kw = {"target_index": b["target_index"].to(dev)}
+                        kw["packed_labels"] = b["labels"].to(dev)
                     if self.critic_pipeline is None:
                         fn = partial(policy_loss, **common)
-                        r = pipe.forward_backward_custom(fn, ids[micro], attn[micro], **kw).result()
+                        r = pipe.forward_backward_custom(fn, f_ids, f_mask, model_inputs=f_in, **kw, **f_kw).result()
                     else:
                         fn = partial(policy_loss, **{k: v for k, v in common.items()
                                                      if k not in ("value_clip", "value_coef")})
                         pk = {k: v for k, v in kw.items() if k not in ("old_values", "returns")}
-                        r = pipe.forward_backward_custom(fn, ids[micro], attn[micro], **pk).result()
+                        r = pipe.forward_backward_custom(fn, f_ids, f_mask, model_inputs=f_in, **pk, **f_kw).result()
                         cfn = partial(critic_loss, P=P, value_clip=cfg.value_clip, value_coef=cfg.value_coef)
                         rc = self.critic_pipeline.forward_backward_custom(
-                            cfn, ids[micro], attn[micro], mask=kw["mask"], old_values=kw["old_values"],
-                            returns=kw["returns"]).result()
+                            cfn, f_ids, f_mask, model_inputs=f_in, mask=kw["mask"], old_values=kw["old_values"],
+                            returns=kw["returns"], **f_kw).result()
                         r.metrics.update(rc.metrics)
                     for k, v in r.metrics.items():
                         sums[k] = sums.get(k, 0.0) + v

@@ -75,6 +75,9 @@ class PPOConfig(TrainConfig):
     device: str | None = opt(None, "'cpu' forces the CPU; null picks the accelerator's device")
     save_every: int = opt(0, "checkpoint every N iterations (0: only the final model)")
     eval_every: int = opt(0, "score held-out prompts every N iterations (0: only at the end, if any)")
+    packing: bool = opt(False, "padding-free training forwards (policy and critic): each micro-batch's prompt+"
+                        "response rows packed into rows no longer than its longest, with per-row position_ids "
+                        "(rl.packing); same loss")
 
     # a reward source on the command line replaces the recipe's (rl.config._cli_replaces_reward_sources)
     REWARD_SOURCE_KEYS = ("reward_model_path", "reward_fn", "env_type", "multi_objective")

@@ -26,10 +26,11 @@ from rl.algos.advantages import gae, whiten
 from rl.algos.kl import kl_penalized_rewards, per_token_kl
 from rl.algos.policy_losses import ppo_policy_loss, ppo_value_loss
 from rl.algos.reduce import masked_mean
-from rl.chunked import HeadLogits
+from rl.chunked import HeadLogits, chunked_token_logprobs
 from rl.forward_backward import _load_state_dict
 from rl.generation import position_ids_from_mask, sequence_logprobs
 from rl.models import is_lora, write_pretrained
+from rl.packing import IGNORE_INDEX, unpack_targets
 
 VALUE_HEAD_FILE = "value_head.safetensors"
 
@@ -73,6 +74,33 @@ def response_logprobs(logits: torch.Tensor, tokens: torch.Tensor, prompt_width: 
     p = torch.softmax(lg, dim=-1)
     entropy = logz - (p * lg).sum(-1)
     return logp, entropy
+
+
+def packed_response_logprobs(logits, labels: torch.Tensor, target_index: torch.Tensor, prompt_width: int,
+                             temperature: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
+    """`response_logprobs(..., with_entropy=True)` from the logits of packed rows (R, W, V) (or their
+    `HeadLogits`): labels (R, W) hold the response tokens (-100 elsewhere) and `target_index` (B, P+N-1)
+    is `rl.packing.pack_padded`'s, which brings the per-target log-probs and entropies back to the
+    rollout's layout; returns (logp, entropy), each (B, N), 0 where the packed rows hold no response token."""
+    if isinstance(logits, HeadLogits):
+        logp, _, entropy = chunked_token_logprobs(logits / temperature, labels, with_entropy=True)
+    else:
+        lg = logits[:, :-1].float()
+        lg = lg / temperature if temperature != 1.0 else lg
+        target = labels[:, 1:]
+        logz = torch.logsumexp(lg, dim=-1)
+        logp = lg.gather(-1, target.clamp(min=0)[..., None]).squeeze(-1) - logz
+        entropy = logz - (torch.softmax(lg, dim=-1) * lg).sum(-1)
+        counted = target != IGNORE_INDEX
+        logp, entropy = logp * counted, entropy * counted
+    back = [unpack_targets(x, target_index)[:, prompt_width - 1:] for x in (logp, entropy)]
+    return back[0], back[1]
+
+
+def packed_values(value: torch.Tensor, target_index: torch.Tensor, prompt_width: int) -> torch.Tensor:
+    """Values of packed rows (R, W) -> the (B, N) response-space values `value[:, P-1:-1]` of the
+    rollout: the state at position t values the target at t+1, so the values travel with the targets."""
+    return unpack_targets(value[:, :-1], target_index)[:, prompt_width - 1:]
 
 
 @dataclasses.dataclass
@@ -160,7 +188,8 @@ class Critic(nn.Module):
         self.scale = 1.0 / float(getattr(reward_model.config, "temperature", 1.0))
 
     def forward(self, input_ids=None, attention_mask=None, position_ids=None, **kwargs) -> PPOModelOutput:
-        if attention_mask is None:
+        """Packed rows (`rl.packing`): position_ids and no attention_mask; the backbone then gets no mask."""
+        if attention_mask is None and position_ids is None:
             attention_mask = torch.ones_like(input_ids)
         if position_ids is None:
             position_ids = position_ids_from_mask(attention_mask)
@@ -173,17 +202,22 @@ class Critic(nn.Module):
 
 def policy_loss(model, inputs, outputs, *, P, tokens, mask, old_logprobs, advantages, old_values=None,
                  returns=None, clip_ratio=0.2, value_clip=0.2, value_coef=1.0, entropy_coef=0.0,
-                 temperature=1.0):
+                 temperature=1.0, packed_labels=None, target_index=None):
     """The engine loss of the policy on rows [prompt P | response N]: the clipped surrogate
     (rl.algos.policy_losses.ppo_policy_loss) - entropy_coef * mean entropy, plus value_coef times the
-    clipped value loss when the policy carries the value head (`returns` given)."""
-    logp, entropy = response_logprobs(outputs.logits, tokens, P, temperature, with_entropy=True)
+    clipped value loss when the policy carries the value head (`returns` given). Packed rows
+    (`rl.packing.pack_padded`): their `packed_labels` and `target_index` bring the log-probs, entropies
+    and values back to response space, where the rest is unchanged."""
+    if target_index is not None:
+        logp, entropy = packed_response_logprobs(outputs.logits, packed_labels, target_index, P, temperature)
+    else:
+        logp, entropy = response_logprobs(outputs.logits, tokens, P, temperature, with_entropy=True)
     loss, metrics = ppo_policy_loss(logp, old_logprobs, advantages, mask, clip_ratio, clip_ratio)
     ent = masked_mean(entropy, mask)
     loss = loss - entropy_coef * ent
     metrics["policy/entropy"] = ent.detach()
     if returns is not None and outputs.value is not None:
-        v = outputs.value[:, P - 1:-1]
+        v = outputs.value[:, P - 1:-1] if target_index is None else packed_values(outputs.value, target_index, P)
         v_loss, v_metrics = ppo_value_loss(v, old_values, returns, mask, value_clip)
         loss = loss + value_coef * v_loss
         metrics.update(v_metrics)
@@ -191,9 +225,12 @@ def policy_loss(model, inputs, outputs, *, P, tokens, mask, old_logprobs, advant
     return loss, metrics
 
 
-def critic_loss(model, inputs, outputs, *, P, mask, old_values, returns, value_clip=0.2, value_coef=1.0):
-    """The engine loss of a separate critic: value_coef times the clipped value loss."""
-    v_loss, metrics = ppo_value_loss(outputs.value[:, P - 1:-1], old_values, returns, mask, value_clip)
+def critic_loss(model, inputs, outputs, *, P, mask, old_values, returns, value_clip=0.2, value_coef=1.0,
+                target_index=None):
+    """The engine loss of a separate critic: value_coef times the clipped value loss (packed rows: see
+    `policy_loss`)."""
+    v = outputs.value[:, P - 1:-1] if target_index is None else packed_values(outputs.value, target_index, P)
+    v_loss, metrics = ppo_value_loss(v, old_values, returns, mask, value_clip)
     return value_coef * v_loss, metrics
 
 

@@ -25,6 +25,7 @@ from rl.config import ConfigError, to_dict
 from rl.data import source_options
 from rl.forward_backward import ForwardBackwardPipeline, _inner, build_accelerator
 from rl.models import build_optimizer, build_scheduler, load_tokenizer, trainable_fraction
+from rl.packing import pack_sequences
 from rl.reward_config import RewardTrainConfig
 from rl.reward_io import (ADAPTER_FILE, CONFIG_FILE, FORMAT, HEAD_FILE, HF_WEIGHTS_FILE,  # noqa: F401
                           EncodedPairs, PreferencePairs, encode_pairs, encode_texts, load_preference_pairs,
@@ -36,7 +37,8 @@ from rl.trainers.base import CallbackTracker, Trainer
 
 
 def _bt_custom_loss(model, inputs, outputs, n_pairs: int, margin=None, center_rewards_coefficient=None):
-    """forward_backward_custom loss: rows [0, n) are chosen, [n, 2n) rejected."""
+    """forward_backward_custom loss: rewards [0, n) are chosen, [n, 2n) rejected (rows of a padded
+    batch, or sequences 0..2n-1 of packed rows)."""
     r = outputs["rewards"][:, 0]
     chosen, rejected = r[:n_pairs], r[n_pairs:]
     if margin is not None:
@@ -45,7 +47,9 @@ def _bt_custom_loss(model, inputs, outputs, n_pairs: int, margin=None, center_re
     rd = r.detach()
     m.update({"rewards/chosen": chosen.detach().mean(), "rewards/rejected": rejected.detach().mean(),
               "min_reward": rd.min(), "max_reward": rd.max(), "_sum": rd.sum(), "_sumsq": (rd ** 2).sum(),
-              "_n": float(rd.numel()), "_tokens": inputs["attention_mask"].sum()})
+              "_n": float(rd.numel()),
+              "_tokens": (inputs["sequence_index"] >= 0).sum() if "sequence_index" in inputs
+              else inputs["attention_mask"].sum()})
     return loss, m
 
 
@@ -139,7 +143,16 @@ class RewardModelTrainer(Trainer):
         return batches
 
     def _batch(self, split: EncodedPairs, idx: Sequence[int]):
-        return pair_batch(split, idx, self.model.pad_token_id, getattr(self.tokenizer, "padding_side", "right"))
+        """(ids, mask, margin, packed): a padded pair batch, or with `packing` the pairs' 2B texts as
+        packed rows (`rl.packing.pack_sequences`): mask None and `packed` their position_ids and
+        sequence_index for the model (else {})."""
+        if not self.config.packing:
+            side = getattr(self.tokenizer, "padding_side", "right")
+            return (*pair_batch(split, idx, self.model.pad_token_id, side), {})
+        part = split.take(idx)
+        b = pack_sequences([(s, s) for s in part.chosen + part.rejected], self.model.pad_token_id)
+        margin = torch.tensor(part.margin, dtype=torch.float32) if part.margin is not None else None
+        return b["input_ids"], None, margin, {k: b[k] for k in ("position_ids", "sequence_index")}
 
     # ------------------------------------------------------------------ setup
     def _setup(self, total_steps: int, batch_size: int) -> None:
@@ -241,9 +254,9 @@ class RewardModelTrainer(Trainer):
         pipe, cfg = self.pipeline, self.config
         futures = []
         for idx in self._steps[self._done]:
-            ids, mask, margin = self._batch(self._train, idx)
+            ids, mask, margin, packed = self._batch(self._train, idx)
             futures.append(pipe.forward_backward_custom(
-                _bt_custom_loss, ids, mask, n_pairs=len(idx), margin=margin,
+                _bt_custom_loss, ids, mask, model_inputs=packed, n_pairs=len(idx), margin=margin,
                 center_rewards_coefficient=cfg.center_rewards_coefficient))
         step = pipe.optim_step(max_grad_norm=cfg.max_grad_norm).result()
         metrics = self._step_metrics([f.result() for f in futures], step)
@@ -298,9 +311,10 @@ class RewardModelTrainer(Trainer):
         rc, rr = [], []
         for s in range(0, len(split), batch_size):
             idx = list(range(s, min(s + batch_size, len(split))))
-            ids, mask, _ = self._batch(split, idx)
+            ids, mask, _, packed = self._batch(split, idx)
             dev = self.accelerator.device
-            r = model(input_ids=ids.to(dev), attention_mask=mask.to(dev))["rewards"][:, 0].float().cpu()
+            r = model(input_ids=ids.to(dev), attention_mask=None if mask is None else mask.to(dev),
+                      **{k: v.to(dev) for k, v in packed.items()})["rewards"][:, 0].float().cpu()
             rc.append(r[:len(idx)])
             rr.append(r[len(idx):])
         model.train(was_training)

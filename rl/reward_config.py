@@ -27,6 +27,9 @@ class RewardTrainConfig(TrainConfig):
     center_rewards_coefficient: float | None = opt(None, "weight of mean((r_chosen + r_rejected)^2), keeps rewards centred (TRL name)")
     margin_column: str | None = opt(None, "optional numeric column: required reward gap per pair")
     append_eos: bool = opt(True, "end every text with EOS (TRL's format)")
+    packing: bool = opt(False, "padding-free micro-batches: each micro-batch's chosen and rejected texts packed "
+                        "into rows no longer than its longest, with per-text position_ids (rl.packing); "
+                        "each text pooled on its own; same loss, no compute on padding")
     prompt_text_column: str | None = opt(None, "reference CLI name for data.prompt_column")
     text_column: str | None = opt(None, "reference CLI name for data.chosen_column (the preferred text)")
     rejected_text_column: str | None = opt(None, "reference CLI name for data.rejected_column")
@@ -64,6 +67,7 @@ class RewardTrainConfig(TrainConfig):
             lr_scheduler=self.lr_scheduler, gradient_accumulation_steps=self.gradient_accumulation_steps,
             max_grad_norm=self.max_grad_norm, max_length=self.max_length, max_steps=self.max_steps,
             center_rewards_coefficient=self.center_rewards_coefficient, append_eos=self.append_eos,
+            packing=self.packing,
             dtype=self.dtype, gradient_checkpointing=self.gradient_checkpointing,
             trust_remote_code=self.trust_remote_code, seed=self.seed, eval_every=self.eval_every,
             log_every=self.log_every, save_every=self.save_every, save_total_limit=self.save_total_limit,

@@ -34,6 +34,7 @@ from rl.algos.reduce import masked_mse
 from rl.config import ConfigError
 from rl.generation import position_ids_from_mask
 from rl.models import apply_lora, load_causal_lm, load_tokenizer
+from rl.packing import pool_packed
 from rl.reward_io import (CONFIG_FILE, FORMAT, _stack_pair, encode_texts, load_reward_weights, pad_batch,
                           reward_model_problem, save_reward_model)
 from rl.tiny import resolve_model_path
@@ -90,6 +91,8 @@ class RewardModelConfig:
     max_steps: int | None = field(default=None, metadata={"help": "stop after this many optimizer steps"})
     center_rewards_coefficient: float | None = field(default=None, metadata={"help": "weight of mean((r_c+r_r)^2)"})
     append_eos: bool = field(default=True, metadata={"help": "end every text with EOS (TRL's format)"})
+    packing: bool = field(default=False, metadata={"help": "padding-free training and eval batches: the texts "
+                                                          "packed into rows with per-text position_ids (rl.packing)"})
     dtype: str = field(default="auto", metadata={"help": "float32, bfloat16, float16 or auto"})
     gradient_checkpointing: bool = field(default=False, metadata={"help": "recompute activations in backward"})
     trust_remote_code: bool = field(default=False, metadata={"help": "run model code from the checkpoint"})
@@ -179,8 +182,18 @@ class RewardModel(nn.Module):
         self.pad_token_id = hf.config.pad_token_id if hf.config.pad_token_id is not None else 0
 
     # ------------------------------------------------------------------ forward
-    def pooled(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
-        """(B, H) pooled hidden state of the last layer."""
+    def pooled(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
+               position_ids: torch.Tensor | None = None, sequence_index: torch.Tensor | None = None) -> torch.Tensor:
+        """(B, H) pooled hidden state of the last layer.
+
+        Packed rows (`rl.packing.pack_sequences`, no attention_mask): `position_ids` and
+        `sequence_index` (R, W) go with them; the backbone then gets no mask and no cache (so it builds
+        the block-diagonal mask from the position ids) and the result is (S, H), one vector per sequence
+        in index order: the same vectors as the padded batch of those S sequences."""
+        if sequence_index is not None:
+            out = self.backbone(input_ids=input_ids, position_ids=position_ids, use_cache=False)
+            hidden = out.last_hidden_state if hasattr(out, "last_hidden_state") else out[0]
+            return pool_packed(hidden, sequence_index, int(sequence_index.max()) + 1, self.config.pooling_strategy)
         if attention_mask is None:
             attention_mask = torch.ones_like(input_ids)
         out = self.backbone(input_ids=input_ids, attention_mask=attention_mask,
@@ -188,13 +201,13 @@ class RewardModel(nn.Module):
         hidden = out.last_hidden_state if hasattr(out, "last_hidden_state") else out[0]
         return pool_hidden(hidden, attention_mask, self.config.pooling_strategy)
 
-    def rewards(self, input_ids, attention_mask=None) -> torch.Tensor:
-        """(B, num_labels) rewards divided by the temperature."""
-        h = self.dropout(self.pooled(input_ids, attention_mask))
+    def rewards(self, input_ids, attention_mask=None, position_ids=None, sequence_index=None) -> torch.Tensor:
+        """(B, num_labels) rewards divided by the temperature ((S, num_labels) for packed rows, see `pooled`)."""
+        h = self.dropout(self.pooled(input_ids, attention_mask, position_ids, sequence_index))
         return self.head(h.to(self.head.weight.dtype)).float() / self.config.temperature
 
-    def forward(self, input_ids, attention_mask=None, **kwargs) -> RewardOutput:
-        r = self.rewards(input_ids, attention_mask)
+    def forward(self, input_ids, attention_mask=None, position_ids=None, sequence_index=None, **kwargs) -> RewardOutput:
+        r = self.rewards(input_ids, attention_mask, position_ids, sequence_index)
         return RewardOutput(rewards=r, logits=r)
 
     # ------------------------------------------------------------------ scoring texts
@@ -292,10 +305,11 @@ class MultiObjectiveRewardModel(RewardModel):
         self.num_objectives = num_objectives
         self.register_buffer("objective_weights", torch.tensor(weights, dtype=torch.float32))
 
-    def forward(self, input_ids, attention_mask=None, return_all_objectives: bool = True, **kwargs):
+    def forward(self, input_ids, attention_mask=None, return_all_objectives: bool = True, position_ids=None,
+                sequence_index=None, **kwargs):
         """`rewards` (B, K) and `combined_reward` (B, 1) = rewards @ weights; without
-        `return_all_objectives` only the combined reward tensor (B, 1)."""
-        r = self.rewards(input_ids, attention_mask)
+        `return_all_objectives` only the combined reward tensor (B, 1). Packed rows as in `RewardModel.pooled`."""
+        r = self.rewards(input_ids, attention_mask, position_ids, sequence_index)
         combined = r @ self.objective_weights.to(r.device).unsqueeze(-1)
         if not return_all_objectives:
             return combined
