@@ -170,8 +170,12 @@ def main(argv=None) -> None:
     evals = [r for r in history if "eval/accuracy" in r]
     before, after = evals[0]["eval/accuracy"], evals[-1]["eval/accuracy"]
     if grpo.accelerator.is_main_process:
+        # tool_math: the held-out greedy tool-call rate, and the sampled one of the first and last step's episodes
+        sampled = [r["rewards/tool_use/mean"] for r in history if "rewards/tool_use/mean" in r]
         tools = {k: evals[i]["eval/tool_call_rate"] for k, i in (("sft_tool_call_rate", 0), ("grpo_tool_call_rate", -1))
                  if "eval/tool_call_rate" in evals[i]}
+        if sampled:
+            tools.update(first_step_sampled_tool_call_rate=sampled[0], last_step_sampled_tool_call_rate=sampled[-1])
         summary = {"sft_accuracy": before, "grpo_accuracy": after, "improvement": after - before, **tools,
                    "eval_problems": evals[0]["eval/num_prompts"],
                    "sft_steps": 0 if cfg.skip_sft else sft_cfg.max_steps,
@@ -184,8 +188,10 @@ def main(argv=None) -> None:
               f"GRPO {100 * after:.1f}% ({100 * (after - before):+.1f} points) in {summary['seconds']:.0f} s; "
               f"plots: {out}/accuracy.png, {'' if cfg.skip_sft else f'{out}/sft/metrics.png, '}{out}/grpo/metrics.png")
         if tools:
-            print(f"held-out tool-call rate: {start} {100 * tools['sft_tool_call_rate']:.1f}% -> GRPO "
-                  f"{100 * tools['grpo_tool_call_rate']:.1f}%")
+            print(f"tool-call rate: held-out greedy {start} {100 * tools['sft_tool_call_rate']:.1f}% -> GRPO "
+                  f"{100 * tools['grpo_tool_call_rate']:.1f}%; sampled, first -> last GRPO step "
+                  f"{100 * tools['first_step_sampled_tool_call_rate']:.1f}% -> "
+                  f"{100 * tools['last_step_sampled_tool_call_rate']:.1f}%")
     if cfg.min_improvement is not None and after - before < cfg.min_improvement:
         print(f"error: accuracy rose by {after - before:.3f}, less than min_improvement={cfg.min_improvement}",
               file=sys.stderr)

@@ -180,7 +180,8 @@ class ToolMathEnv(MathProblemEnv):
     """Arithmetic (default: 3-digit x 2-digit products, "123*45=") that the policy may solve with tools.
 
     Components (the math environment's, scored on the last policy turn only): `correctness` (weight
-    1.0), `formatting` (0.1: the last turn is exactly one number) and `tool_use` (1.0 when the episode
+    1.0), `formatting` (weight 0 by default: the last turn is exactly one number; a bonus there would
+    favour a direct guess over an episode the budget cut short) and `tool_use` (1.0 when the episode
     called a tool; weight `tool_use_weight`, default 0: a metric, rewards/tool_use/mean, the tool-call
     rate, not a reward, so the policy calls tools only where that pays through correctness)."""
 
@@ -241,32 +242,42 @@ class ToolMathEnv(MathProblemEnv):
         return out
 
 
-def generate_product_problem(rng: random.Random, digits: Sequence[int] = (3, 2)) -> tuple[str, str]:
-    """("a*b", str(a*b)) with a of digits[0] digits and b of digits[1] (leading digit nonzero)."""
-    a, b = (rng.randint(10 ** (d - 1), 10 ** d - 1) for d in digits)
-    return f"{a}*{b}", str(a * b)
+def generate_product_problem(rng: random.Random, digits: Sequence[int] = (3, 2),
+                             answer_digits: int | None = None) -> tuple[str, str]:
+    """("a*b", str(a*b)) with a of digits[0] digits and b of digits[1] (leading digit nonzero); with
+    `answer_digits`, only products of that many digits (drawn again until one is)."""
+    while True:
+        a, b = (rng.randint(10 ** (d - 1), 10 ** d - 1) for d in digits)
+        if answer_digits is None or len(str(a * b)) == answer_digits:
+            return f"{a}*{b}", str(a * b)
 
 
 def create_tool_math_env(tokenizer, problems_path: str | None = None, num_problems: int = 1000,
-                         digits: Sequence[int] = (3, 2), seed: int = 0, split: str = "train",
+                         digits: Sequence[int] = (3, 2), answer_digits: int | None = None, seed: int = 0,
+                         split: str = "train",
                          holdout_fraction: float = 0.2, tools: Sequence[str] = ("calculator",), max_turns: int = 2,
                          chat_format: bool = False, tool_use_weight: float = 0.0, correctness_weight: float = 1.0,
-                         formatting_weight: float = 0.1, sandbox: str = "isolated", python_timeout: float = 5.0,
+                         formatting_weight: float = 0.0, sandbox: str = "isolated", python_timeout: float = 5.0,
                          max_length: int = 128, max_examples: int | None = None) -> ToolMathEnv:
     """`env_type: tool_math`: products of a `digits[0]`-digit and a `digits[1]`-digit number (seeded;
     `split` train/test are disjoint by problem text, as the math environment's) or `problems_path`
-    ({"problem","answer"} rows), prompt "a*b=", tools from rl.tools, up to `max_turns` policy turns."""
+    ({"problem","answer"} rows), prompt "a*b=", tools from rl.tools, up to `max_turns` policy turns.
+    `answer_digits` keeps only products of that length: every copy the policy makes (problem into the
+    call, result into the answer) is then at a fixed distance, which a tiny model learns far sooner."""
     if split not in ("train", "test", "all"):
         raise ValueError(f"split must be 'train', 'test' or 'all', got {split!r}")
     if len(digits) != 2 or not all(isinstance(d, int) and 1 <= d <= 9 for d in digits):
         raise ValueError(f"digits must be two digit counts from 1 to 9, e.g. [3, 2], got {digits!r}")
+    if answer_digits is not None and not sum(digits) - 1 <= answer_digits <= sum(digits):
+        raise ValueError(f"answer_digits must be {sum(digits) - 1} or {sum(digits)} for digits {list(digits)} "
+                         f"(a product has that many digits), got {answer_digits}")
     generator = None
     if problems_path:
         problems = load_math_problems(problems_path, max_examples)
     else:
         def generator(rng):
             for _ in range(100_000):
-                problem, answer = generate_product_problem(rng, digits)
+                problem, answer = generate_product_problem(rng, digits, answer_digits)
                 if split == "all" or problem_split(problem, holdout_fraction) == split:
                     return problem, answer
             raise RuntimeError(f"no {split!r} problem found; check holdout_fraction={holdout_fraction}")
