@@ -88,7 +88,8 @@ def run_episodes(model, tokenizer, prompts: Sequence[Sequence[int]], max_new_tok
                  temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0, seed: int | None = None, *,
                  env, num_samples: int = 1, generate_fn: Callable = generate) -> EpisodeRollout:
     """Run B = len(prompts) x num_samples episodes in lockstep, one `generate` call per turn over the
-    rows still going; returns their EpisodeRollout (rows prompt-major, as `generate`'s).
+    rows still going (exactly max_turns calls, for ZeRO-3's collectives); returns their EpisodeRollout
+    (rows prompt-major, as `generate`'s).
 
     Each turn samples at most the row's remaining budget, stopping at `</tool>` or EOS; a row's turn
     log-probs are those `generate` returned. Turn t uses base seed `seed + t * 1_000_003` (row j of the
@@ -105,14 +106,16 @@ def run_episodes(model, tokenizer, prompts: Sequence[Sequence[int]], max_new_tok
     lmask: list[list[int]] = [[] for _ in range(B)]
     reasons, calls, turns = ["length"] * B, [0] * B, [0] * B
     active = list(range(B))
+    pad_id, device = None, None
     for turn in range(env.max_turns):
         active = [i for i in active if len(toks[i]) < max_new_tokens]
-        if not active:
-            break
-        budget = max(max_new_tokens - len(toks[i]) for i in active)
-        out = generate_fn(model, tokenizer, [rows[i] + toks[i] for i in active], max_new_tokens=budget,
-                          temperature=temperature, top_k=top_k, top_p=top_p, stop_strings=[TOOL_CLOSE],
-                          seed=seed + turn * 1_000_003)
+        # every turn calls the sampler, also with no row left (one throwaway token of row 0): under
+        # ZeRO-3 each call gathers the parameters collectively, so all processes must make as many
+        contexts = [rows[i] + toks[i] for i in active] or [rows[0]]
+        budget = max((max_new_tokens - len(toks[i]) for i in active), default=1)
+        out = generate_fn(model, tokenizer, contexts, max_new_tokens=budget, temperature=temperature, top_k=top_k,
+                          top_p=top_p, stop_strings=[TOOL_CLOSE], seed=seed + turn * 1_000_003)
+        pad_id, device = out.pad_token_id, out.prompt_ids.device
         still = []
         for j, i in enumerate(active):
             keep = out.mask[j].bool()
@@ -141,7 +144,7 @@ def run_episodes(model, tokenizer, prompts: Sequence[Sequence[int]], max_new_tok
             else:
                 reasons[i] = "length"
         active = still
-    return _pack(rows, toks, lps, lmask, reasons, calls, turns, out.pad_token_id, out.prompt_ids.device)
+    return _pack(rows, toks, lps, lmask, reasons, calls, turns, pad_id, device)
 
 
 def _pack(rows, toks, lps, lmask, reasons, calls, turns, pad_id: int, device) -> EpisodeRollout:

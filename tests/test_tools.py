@@ -144,7 +144,7 @@ def test_episode_with_a_scripted_policy():
     rewards, m = env.score(["123*45=", "99*99=", "12*12="], texts, [{"answer": "5535"}, {"answer": "9801"},
                                                                     {"answer": "144"}])
     assert m["reward_correctness"] == [1.0, 0.0, 0.0] and m["reward_tool_use"] == [1.0, 0.0, 1.0]
-    assert rewards == pytest.approx([1.1, 0.1, 0.0])  # + 0.1 formatting where the last turn is one number
+    assert rewards == pytest.approx([1.0, 0.0, 0.0]) and m["reward_formatting"] == [1.0, 1.0, 0.0]  # weight 0
     # the training batch: labels are the episode's tokens where loss_mask is 1, -100 elsewhere
     batch = ro.to_batch()
     P = ro.prompt_ids.shape[1]
@@ -165,6 +165,11 @@ def test_episode_budget_and_max_turns():
     # a 20-token budget cuts the call itself: no tool runs
     ro = _episode(_env(), ["123*45"], max_new_tokens=20)
     assert ro.tool_calls == [0] and ro.finish_reasons == ["length"] and ro.loss_mask.tolist() == [[1] * 20]
+    # the sampler is called max_turns times even when every row is done after one turn (ZeRO-3 collectives)
+    calls, gen = [], scripted_generate(calls={"99*99": ""})
+    ro = run_episodes(None, TOK, [TOK("99*99=")["input_ids"]], max_new_tokens=64, env=_env(max_turns=3), seed=0,
+                      generate_fn=lambda *a, **k: calls.append(1) or gen(*a, **k))
+    assert len(calls) == 3 and ro.turns == [1] and TOK.decode(ro.completions()[0], skip_special_tokens=True) == "1"
 
 
 def test_final_turn_and_chat_format():
