@@ -4,6 +4,10 @@ improve it with GRPO on the math environment, measure again; print both numbers,
     python launch/pipeline.py --config recipes/tiny/pipeline.yaml          # ~3 minutes on 2 CPU cores
     python launch/pipeline.py --config recipes/tiny/pipeline.yaml grpo.max_steps=40
     python launch/pipeline.py --help
+    OMP_NUM_THREADS=1 python launch/pipeline.py --config recipes/tiny/tool_pipeline.yaml   # tool use
+
+With env_type=tool_math (rl.tool_env) the SFT teacher calls the calculator on tool_fraction of its
+examples and GRPO trains on multi-turn episodes; the summary then adds the tool-call rates.
 
 Stages write under output_dir: model-init/ (the tiny model), sft/ (SFT run and model), grpo/ (GRPO run
 and final model), each with metrics.jsonl and metrics.png; summary.json and accuracy.png hold the

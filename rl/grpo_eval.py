@@ -19,10 +19,10 @@ def greedy_eval(model, tokenizer, env, prompts: list[str], metadata: list[dict],
     multi-turn environment, whose episodes rl.tool_env.run_episodes runs). Every rank must call it
     under ZeRO-3 (generation gathers the parameters)."""
     rewards, correct, lengths, tool_use = [], [], [], []
+    sample = partial(run_episodes, env=env) if getattr(env, "multi_turn", False) else generate
     for i in range(0, len(prompts), batch_size):
         ps, ms = prompts[i:i + batch_size], metadata[i:i + batch_size]
         ids = [encode_prompt(tokenizer, p, prompt_budget, chat) for p in ps]
-        sample = partial(run_episodes, env=env) if getattr(env, "multi_turn", False) else generate
         out = sample(model, tokenizer, ids, max_new_tokens=max_new_tokens, temperature=0.0)
         texts = tokenizer.batch_decode(out.completions(), skip_special_tokens=True)
         r, m = env.score(ps, texts, ms)
