@@ -283,11 +283,26 @@ def test_dynamic_sampling_selection_keeps_the_loss_mask():
 
 # ------------------------------------------------------------------------------- it learns
 
+def call_probability(model_dir: str, prompts: list[str]) -> float:
+    """Mean probability that the policy's first token opens a tool call ("<" of `<tool>`), teacher-forced
+    on held-out prompts: a continuous, deterministic measure of the tool-call rate (greedy decoding
+    turns it into a 0/1 per prompt that flips on small changes)."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir)
+    ids, mask = left_pad([TOK(p)["input_ids"] for p in prompts], TOK.pad_token_id)
+    with torch.no_grad():
+        logits = model(input_ids=ids, attention_mask=mask, position_ids=(mask.cumsum(-1) - 1).clamp(min=0)).logits
+    lt = TOK("<", add_special_tokens=False)["input_ids"][0]
+    return float(torch.softmax(logits[:, -1].float(), -1)[:, lt].mean())
+
+
 @pytest.mark.slow
 def test_sft_teacher_then_grpo_raises_the_tool_call_rate(tmp_path):
     """recipes/tiny/tool_pipeline.yaml, shortened: SFT on a teacher that calls the calculator on 30% of
-    4-digit products of two 2-digit numbers, then 10 GRPO steps; the held-out greedy tool-call rate
-    must rise (the robust signal: calling pays through correctness as soon as copying mostly works)."""
+    4-digit products of two 2-digit numbers, then 12 GRPO steps; on held-out problems the probability
+    of calling the tool must rise (the robust signal: calling pays through correctness as soon as
+    copying mostly works). Greedy accuracy and tool-call rate are reported, not bounded."""
     import json
     import os
     import sys
@@ -296,9 +311,13 @@ def test_sft_teacher_then_grpo_raises_the_tool_call_rate(tmp_path):
 
     run_cmd([sys.executable, "launch/pipeline.py", "--config", "recipes/tiny/tool_pipeline.yaml",
              f"output_dir={tmp_path}", f"seed={LEARN_SEED}", "sft.max_steps=300", "num_sft_examples=9600",
-             "grpo.max_steps=10", "grpo.eval_every=10", "eval_num_prompts=32"],
+             "grpo.max_steps=12", "grpo.eval_every=12", "eval_num_prompts=32"],
             env={"OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")})
     s = json.loads((tmp_path / "summary.json").read_text())
-    gain = learned("tool_call_rate_gain", s["grpo_tool_call_rate"] - s["sft_tool_call_rate"])
+    held_out = [r["prompt"] for r in create_tool_math_env(None, digits=[2, 2], answer_digits=4, split="test",
+                                                          num_problems=64, seed=LEARN_SEED).sample_prompts(64, seed=1)]
+    before, after = (call_probability(str(tmp_path / d), held_out) for d in ("sft", "grpo"))
+    learned("tool_greedy_call_rate_gain", s["grpo_tool_call_rate"] - s["sft_tool_call_rate"])
     learned("tool_accuracy_gain", s["improvement"])
-    assert gain >= 0.3, s
+    learned("tool_call_probability_before", before)
+    assert learned("tool_call_probability_gain", after - before) >= 0.3, (before, after, s)
