@@ -8,7 +8,7 @@ An episode (one row; B rows are run as one batch):
     tool message      "<result>5535</result>"                 appended by the environment; loss_mask 0
     policy turn 2     "5535</s>"                              sampled; loss_mask 1
     reward            scored at the end, on the last policy turn only (the text after the last tool
-                      message), so copying nothing from a tool result earns nothing by itself
+                      message): the answer counts only when the policy states it itself
 
 The call format is rl.tools' `<tool>NAME: INPUT</tool>`; the sampler (rl.generation.generate) stops at
 the close tag. A turn without a call (EOS, or the token budget) ends the episode, as does the
