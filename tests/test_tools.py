@@ -320,4 +320,7 @@ def test_sft_teacher_then_grpo_raises_the_tool_call_rate(tmp_path):
     learned("tool_greedy_call_rate_gain", s["grpo_tool_call_rate"] - s["sft_tool_call_rate"])
     learned("tool_accuracy_gain", s["improvement"])
     learned("tool_call_probability_before", before)
+    # measured 2026-12-01 (seeds 0, 1, 2): OMP/torch threads 1: +0.724, +0.438, +0.636; threads 2: +0.569,
+    # +0.471, +0.501 (before: 0.21-0.48). The greedy tool-call rate rose by 0.22-0.63 and the greedy accuracy
+    # by -0.06..+0.63 in the same runs, too noisy on 32 problems to bound.
     assert learned("tool_call_probability_gain", after - before) >= 0.3, (before, after, s)
