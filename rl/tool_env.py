@@ -203,7 +203,8 @@ class ToolMathEnv(MathProblemEnv):
         if "python" in tools:
             self.tools["python"] = lambda code: python_tool(code, timeout=python_timeout,
                                                             require_private_root=sandbox == "isolated")
-        self.max_turns, self.chat_format, self.tool_use_weight = int(max_turns), bool(chat_format), float(tool_use_weight)
+        self.max_turns, self.chat_format = int(max_turns), bool(chat_format)
+        self.tool_use_weight = float(tool_use_weight)
         super().__init__(tokenizer, problems, **kwargs)
 
     def tool_message(self, result: str) -> str:
@@ -274,19 +275,18 @@ def create_tool_math_env(tokenizer, problems_path: str | None = None, num_proble
     if answer_digits is not None and not sum(digits) - 1 <= answer_digits <= sum(digits):
         raise ValueError(f"answer_digits must be {sum(digits) - 1} or {sum(digits)} for digits {list(digits)} "
                          f"(a product has that many digits), got {answer_digits}")
-    generator = None
-    if problems_path:
-        problems = load_math_problems(problems_path, max_examples)
-    else:
-        def generator(rng):
-            for _ in range(100_000):
-                problem, answer = generate_product_problem(rng, digits, answer_digits)
-                if split == "all" or problem_split(problem, holdout_fraction) == split:
-                    return problem, answer
-            raise RuntimeError(f"no {split!r} problem found; check holdout_fraction={holdout_fraction}")
+    def draw(rng):
+        for _ in range(100_000):
+            problem, answer = generate_product_problem(rng, digits, answer_digits)
+            if split == "all" or problem_split(problem, holdout_fraction) == split:
+                return problem, answer
+        raise RuntimeError(f"no {split!r} problem found; check holdout_fraction={holdout_fraction}")
 
+    if problems_path:  # a fixed set: sample_prompts draws from it
+        problems, generator = load_math_problems(problems_path, max_examples), None
+    else:  # generated: sample_prompts draws fresh problems of the split
         rng = random.Random(seed)
-        problems = [dict(zip(("problem", "answer"), generator(rng))) for _ in range(num_problems)]
+        problems, generator = [dict(zip(("problem", "answer"), draw(rng))) for _ in range(num_problems)], draw
     return ToolMathEnv(tokenizer, problems, tools=list(tools), max_turns=max_turns, chat_format=chat_format,
                        tool_use_weight=tool_use_weight, sandbox=sandbox, python_timeout=python_timeout,
                        answer_format="plain", prompt_template="{problem}=", correctness_weight=correctness_weight,
