@@ -4,6 +4,10 @@ improve it with GRPO on the math environment, measure again; print both numbers,
     python launch/pipeline.py --config recipes/tiny/pipeline.yaml          # ~3 minutes on 2 CPU cores
     python launch/pipeline.py --config recipes/tiny/pipeline.yaml grpo.max_steps=40
     python launch/pipeline.py --help
+    OMP_NUM_THREADS=1 python launch/pipeline.py --config recipes/tiny/tool_pipeline.yaml   # tool use
+
+With env_type=tool_math (rl.tool_env) the SFT teacher calls the calculator on tool_fraction of its
+examples and GRPO trains on multi-turn episodes; the summary then adds the tool-call rates.
 
 Stages write under output_dir: model-init/ (the tiny model), sft/ (SFT run and model), grpo/ (GRPO run
 and final model), each with metrics.jsonl and metrics.png; summary.json and accuracy.png hold the
@@ -19,6 +23,7 @@ import os
 import sys
 import time
 from pathlib import Path
+from typing import Literal
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
 os.environ.setdefault("WANDB_MODE", "offline")
@@ -26,6 +31,7 @@ os.environ.setdefault("WANDB_MODE", "offline")
 from rl.config import ConfigError, build, cli_config, opt, save_config  # noqa: E402
 from rl.data import DataError  # noqa: E402
 from rl.environments import create_math_problem_env  # noqa: E402
+from rl.tool_env import create_tool_math_env  # noqa: E402
 from rl.grpo import GRPOConfig, GRPOTrainer  # noqa: E402
 from rl.launch_utils import fail, preflight  # noqa: E402
 from rl.model_card import write_model_card  # noqa: E402
@@ -48,6 +54,9 @@ class PipelineConfig:
     eval_env_config: dict = opt({"problems_path": "data/tiny/math_test.jsonl"},
                                 "held-out environment: keys that replace env_config's (a disjoint problem file, "
                                 "or {split: test} for generated problems with {split: train} above)")
+    env_type: Literal["math", "tool_math"] = opt("math", "math (answer directly) or tool_math (rl.tool_env: "
+                                                 "the policy may call a calculator, multi-turn episodes)")
+    tool_fraction: float = opt(0.3, "tool_math: fraction of SFT examples the teacher solves with the calculator")
     num_sft_examples: int = opt(512, "SFT examples drawn from the train split (reference completions)")
     teacher_error_rate: float = opt(0.0, "fraction of SFT answers replaced by answer + 1: a deliberately "
                                     "imperfect teacher whose systematic mistake the verifiable reward corrects")
@@ -70,7 +79,7 @@ def stage_configs(cfg: PipelineConfig, init_model: str, sft_dir: Path, grpo_dir:
     grpo = build(GRPOConfig, {"seed": cfg.seed, "report_to": cfg.report_to, "overwrite": True,
                               "chat_template": cfg.chat_template, **cfg.grpo,
                               "model_name": init_model if cfg.skip_sft else str(sft_dir),
-                              "output_dir": str(grpo_dir), "env_type": "math",
+                              "output_dir": str(grpo_dir), "env_type": cfg.env_type,
                               "env_config": env, "eval_env_config": cfg.eval_env_config,
                               "eval_num_prompts": cfg.eval_num_prompts},
                  where="grpo")
@@ -124,9 +133,13 @@ def main(argv=None) -> None:
     try:
         init_model = cfg.model_name or str(out / "model-init")
         sft_cfg, grpo_cfg = stage_configs(cfg, init_model, out / "sft", out / "grpo")
-        env = create_math_problem_env(None, **{"seed": cfg.seed, **cfg.env_config})
-        records = sloppy_teacher(env.sft_records(cfg.num_sft_examples, seed=cfg.seed + 1),
-                                 cfg.teacher_error_rate, cfg.seed)
+        if cfg.env_type == "tool_math":  # a teacher that calls the calculator on tool_fraction of the problems
+            env = create_tool_math_env(None, **{"seed": cfg.seed, **cfg.env_config})
+            sft_rows = env.sft_records(cfg.num_sft_examples, seed=cfg.seed + 1, tool_fraction=cfg.tool_fraction)
+        else:
+            env = create_math_problem_env(None, **{"seed": cfg.seed, **cfg.env_config})
+            sft_rows = env.sft_records(cfg.num_sft_examples, seed=cfg.seed + 1)
+        records = sloppy_teacher(sft_rows, cfg.teacher_error_rate, cfg.seed)
     except (ConfigError, DataError, ValueError, TypeError) as e:
         fail(str(e))
     try:
@@ -161,7 +174,13 @@ def main(argv=None) -> None:
     evals = [r for r in history if "eval/accuracy" in r]
     before, after = evals[0]["eval/accuracy"], evals[-1]["eval/accuracy"]
     if grpo.accelerator.is_main_process:
-        summary = {"sft_accuracy": before, "grpo_accuracy": after, "improvement": after - before,
+        # tool_math: the held-out greedy tool-call rate, and the sampled one of the first and last step's episodes
+        sampled = [r["rewards/tool_use/mean"] for r in history if "rewards/tool_use/mean" in r]
+        tools = {k: evals[i]["eval/tool_call_rate"] for k, i in (("sft_tool_call_rate", 0), ("grpo_tool_call_rate", -1))
+                 if "eval/tool_call_rate" in evals[i]}
+        if sampled:
+            tools.update(first_step_sampled_tool_call_rate=sampled[0], last_step_sampled_tool_call_rate=sampled[-1])
+        summary = {"sft_accuracy": before, "grpo_accuracy": after, "improvement": after - before, **tools,
                    "eval_problems": evals[0]["eval/num_prompts"],
                    "sft_steps": 0 if cfg.skip_sft else sft_cfg.max_steps,
                    "grpo_steps": grpo_cfg.max_steps, "seconds": round(time.time() - t0, 1),
@@ -172,6 +191,11 @@ def main(argv=None) -> None:
         print(f"held-out exact match ({summary['eval_problems']} problems): {start} {100 * before:.1f}% -> "
               f"GRPO {100 * after:.1f}% ({100 * (after - before):+.1f} points) in {summary['seconds']:.0f} s; "
               f"plots: {out}/accuracy.png, {'' if cfg.skip_sft else f'{out}/sft/metrics.png, '}{out}/grpo/metrics.png")
+        if tools:
+            print(f"tool-call rate: held-out greedy {start} {100 * tools['sft_tool_call_rate']:.1f}% -> GRPO "
+                  f"{100 * tools['grpo_tool_call_rate']:.1f}%; sampled, first -> last GRPO step "
+                  f"{100 * tools['first_step_sampled_tool_call_rate']:.1f}% -> "
+                  f"{100 * tools['last_step_sampled_tool_call_rate']:.1f}%")
     if cfg.min_improvement is not None and after - before < cfg.min_improvement:
         print(f"error: accuracy rose by {after - before:.3f}, less than min_improvement={cfg.min_improvement}",
               file=sys.stderr)

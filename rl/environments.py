@@ -1011,7 +1011,7 @@ def create_code_generation_env(tokenizer, problems_path: str | None = None, run_
 
 # ------------------------------------------------------------------------------------ factory
 
-ENV_TYPES = ("text_generation", "multi_objective", "preference_comparison", "math", "code")
+ENV_TYPES = ("text_generation", "multi_objective", "preference_comparison", "math", "code", "tool_math")
 
 # Components a multi_objective env can name in its config (rl_reward_weights keys).
 NAMED_COMPONENTS: dict[str, Callable] = {
@@ -1063,7 +1063,8 @@ def make_env(env_type: str, tokenizer, config: dict | str | None = None) -> Text
       names; default: the keys of reward_weights), reward_weights ({name: weight} or JSON string)
     preference_comparison: prompts|prompts_path and reward_model_path (an HF sequence classifier) or
       preference_model / human_feedback_fn objects
-    math: the keyword arguments of create_math_problem_env; code: those of create_code_generation_env.
+    math: the keyword arguments of create_math_problem_env; code: those of create_code_generation_env;
+    tool_math: those of rl.tool_env.create_tool_math_env (multi-turn: the policy may call tools).
     """
     if isinstance(config, str):
         try:
@@ -1078,6 +1079,10 @@ def make_env(env_type: str, tokenizer, config: dict | str | None = None) -> Text
             return create_math_problem_env(tokenizer, **config)
         if env_type == "code":
             return create_code_generation_env(tokenizer, **config)
+        if env_type == "tool_math":
+            from rl.tool_env import create_tool_math_env  # here: rl.tool_env builds on this module
+
+            return create_tool_math_env(tokenizer, **config)
         prompts, metadata = _prompts_from(config)
         if env_type == "text_generation":
             fn = config.pop("reward_fn", None)

@@ -69,6 +69,7 @@ from rl.packing import pack_padded, unpack_targets
 from rl.reference import ReferencePolicy
 from rl.reward_sources import (RewardModelReward, build_reward_fns, combine_rewards,  # noqa: F401
                                resolve_reward_func)
+from rl.tool_env import run_episodes
 from rl.tracking import Tracker
 from rl.trainers.base import Trainer
 
@@ -250,9 +251,11 @@ class GRPOTrainer(Trainer):
         seed = (cfg.seed * 7_919 + (generation * self.world + acc.process_index) * plan["completions_per_process"]
                 + round_ * 2 ** 40)
         t_gen = time.time()
-        rollout = generate(self.pipeline.model, self.tokenizer, prompt_ids, max_new_tokens=cfg.max_completion_length,
-                           temperature=cfg.temperature, top_k=cfg.top_k, top_p=cfg.top_p, seed=seed,
-                           num_samples=cfg.num_generations)
+        # a multi-turn environment (rl.tool_env) runs whole episodes: tool tokens get labels -100 in to_batch
+        sample = partial(run_episodes, env=self.env) if getattr(self.env, "multi_turn", False) else generate
+        rollout = sample(self.pipeline.model, self.tokenizer, prompt_ids, max_new_tokens=cfg.max_completion_length,
+                         temperature=cfg.temperature, top_k=cfg.top_k, top_p=cfg.top_p, seed=seed,
+                         num_samples=cfg.num_generations)
         t_gen = time.time() - t_gen
         if cfg.optimize_device_cache:
             release_device_cache()

@@ -111,9 +111,17 @@ def select_rollout(rollouts: list[Rollout], rows: list[int]) -> Rollout:
         tokens[j, :n], logprobs[j, :n], mask[j, :n] = ro.tokens[i][keep], ro.logprobs[i][keep], 1
     prompts = [ro.prompts[i] for ro, i in picked]
     prompt_ids, prompt_mask = left_pad(prompts, first.pad_token_id, device)
-    return Rollout(tokens=tokens, logprobs=logprobs, mask=mask, prompts=prompts, prompt_ids=prompt_ids,
-                   prompt_mask=prompt_mask, pad_token_id=first.pad_token_id,
-                   finish_reasons=[ro.finish_reasons[i] for ro, i in picked])
+    out = Rollout(tokens=tokens, logprobs=logprobs, mask=mask, prompts=prompts, prompt_ids=prompt_ids,
+                  prompt_mask=prompt_mask, pad_token_id=first.pad_token_id,
+                  finish_reasons=[ro.finish_reasons[i] for ro, i in picked])
+    if getattr(first, "loss_mask", None) is None:
+        return out
+    # episodes (rl.tool_env): keep which tokens are the policy's; tool tokens stay out of the loss
+    loss_mask = torch.zeros_like(mask)
+    for j, (ro, i) in enumerate(picked):
+        loss_mask[j, :int(ro.mask[i].sum())] = ro.loss_mask[i][ro.mask[i].bool()]
+    return type(first)(**{**vars(out), "loss_mask": loss_mask, "tool_calls": [ro.tool_calls[i] for ro, i in picked],
+                          "turns": [ro.turns[i] for ro, i in picked]})
 
 
 # ------------------------------------------------------------------------------ metrics
