@@ -58,6 +58,7 @@ from rl.ppo_rewards import build_reward_source, char_fraction_reward, ppo_scores
 from rl.reference import ReferencePolicy
 from rl.reward_model import load_reward_model
 from rl.reward_sources import RewardError, RewardModelReward, WeightedSum  # noqa: F401
+from rl.tool_env import run_episodes
 from rl.tracking import Tracker
 from rl.trainers.base import Trainer
 
@@ -135,8 +136,11 @@ class PPOTrainer(Trainer):
     def _rollout(self, prompt_ids: list[list[int]], seed: int):
         cfg = self.cfg
         model = self.pipeline.model if self.pipeline is not None else self.policy
-        rollout = generate(model, self.tokenizer, prompt_ids, max_new_tokens=cfg.max_new_tokens,
-                           temperature=cfg.temperature, top_k=cfg.top_k, top_p=cfg.top_p, seed=seed)
+        # a multi-turn environment (rl.tool_env) runs whole episodes; their tool tokens are out of the loss
+        env = getattr(self.reward, "env", None)
+        sample = partial(run_episodes, env=env) if getattr(env, "multi_turn", False) else generate
+        rollout = sample(model, self.tokenizer, prompt_ids, max_new_tokens=cfg.max_new_tokens,
+                         temperature=cfg.temperature, top_k=cfg.top_k, top_p=cfg.top_p, seed=seed)
         if cfg.optimize_device_cache:
             release_device_cache()
         return rollout
@@ -162,6 +166,8 @@ class PPOTrainer(Trainer):
         N = max(1, int(rollout.mask.sum(-1).max()))  # drop columns no row generated into
         P = rollout.prompt_ids.shape[1]
         tokens, mask = rollout.tokens[:, :N], rollout.mask[:, :N]
+        # the policy's own tokens: every response token, but an episode's tool tokens (attended, not trained)
+        loss_mask = rollout.loss_mask[:, :N] if getattr(rollout, "loss_mask", None) is not None else mask
         batch = {"input_ids": torch.cat([rollout.prompt_ids, tokens], 1),
                  "attention_mask": torch.cat([rollout.prompt_mask, mask], 1), "tokens": tokens}
         critic = self.critic_pipeline.model if self.critic_pipeline is not None else None
@@ -173,7 +179,7 @@ class PPOTrainer(Trainer):
         # 3. rewards and advantages (fp32, on the device)
         t2 = time.time()
         dev = pipe.device
-        maskf = mask.to(dev).float()
+        maskf = loss_mask.to(dev).float()
         eos_missing = torch.tensor([r != "stop" for r in rollout.finish_reasons], device=dev)
         kl_coef = self.kl_ctl.value
         exp = ppo_advantages(cfg, scores.to(dev), eos_missing, old_logp, ref_logp, old_values.to(dev), maskf, kl_coef)
@@ -185,7 +191,7 @@ class PPOTrainer(Trainer):
                 "old_values": old_values, "returns": returns}
         ids, attn = batch["input_ids"].to(dev), batch["attention_mask"].to(dev)
         # packing: the response tokens as labels of the [prompt | response] rows, for rl.packing.pack_padded
-        labels = torch.cat([torch.full_like(rollout.prompt_ids, -100), tokens.masked_fill(mask == 0, -100)], 1).cpu()
+        labels = torch.cat([torch.full_like(rollout.prompt_ids, -100), tokens.masked_fill(loss_mask == 0, -100)], 1).cpu()
         gen = torch.Generator().manual_seed(cfg.seed * 7919 + iteration)
         sums: dict[str, float] = {}
         counts: dict[str, int] = {}

@@ -335,6 +335,9 @@ def source_weights(weights, names: list[str], env=None) -> list[float] | None:
     return [float(weights.get(n, 1.0)) for n in names]
 
 
+ENVS_WITH_PROMPTS = ("math", "code", "tool_math")  # environments that draw their own problems
+
+
 def build_env(cfg, tokenizer, not_components: set[str] = frozenset()):
     """The environment of cfg.env_type (PPO: multi_objective=true alone means env_type multi_objective)
     with cfg.env_config. A multi_objective environment takes the keys of a mapping `reward_weights` that
@@ -343,7 +346,7 @@ def build_env(cfg, tokenizer, not_components: set[str] = frozenset()):
     env_cfg = dict(cfg.env_config or {})
     if isinstance(cfg.reward_weights, dict) and env_type == "multi_objective":
         env_cfg.setdefault("reward_weights", {k: v for k, v in cfg.reward_weights.items() if k not in not_components})
-    if env_type not in ("math", "code") and "prompts" not in env_cfg and "prompts_path" not in env_cfg:
+    if env_type not in ENVS_WITH_PROMPTS and "prompts" not in env_cfg and "prompts_path" not in env_cfg:
         data_path = getattr(getattr(cfg, "data", None), "path", None)
         if data_path is None:
             raise ConfigError(f"environment {env_type!r} needs prompts: set data.path or env_config.prompts_path")

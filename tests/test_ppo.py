@@ -107,6 +107,12 @@ def test_score_only_at_last_response_token():
     rewards, non_score = kl_penalized_rewards(torch.tensor([1.0, -2.0]), kl, mask, kl_coef=0.1)
     torch.testing.assert_close(non_score, torch.tensor([[-0.01, -0.02, -0.03, -0.04], [-0.05, -0.05, 0.0, 0.0]]))
     torch.testing.assert_close(rewards, torch.tensor([[-0.01, -0.02, -0.03, 0.96], [-0.05, -2.05, 0.0, 0.0]]))
+    # a tool-use episode's mask has a gap (tool tokens) in the middle, and an empty row gets nothing:
+    # the score goes to the last policy token (index 4 here, not mask.sum() - 1 = 2)
+    kl = torch.zeros(2, 6)
+    mask = torch.tensor([[1, 1, 0, 0, 1, 0], [0, 0, 0, 0, 0, 0]])
+    rewards, _ = kl_penalized_rewards(torch.tensor([3.0, 5.0]), kl, mask, kl_coef=0.1)
+    torch.testing.assert_close(rewards, torch.tensor([[0.0, 0.0, 0.0, 0.0, 3.0, 0.0], [0.0] * 6]))
 
 
 def test_whiten_and_explained_variance():

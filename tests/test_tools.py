@@ -281,6 +281,42 @@ def test_dynamic_sampling_selection_keeps_the_loss_mask():
         assert picked.tokens[j, :n].tolist() == ro.tokens[i, :n].tolist()
 
 
+def test_ppo_trains_on_episodes_with_tool_tokens_out_of_the_loss(tiny_llama, tmp_path, monkeypatch):
+    """PPO on env_type tool_math: the episodes come from run_episodes (a scripted policy that always
+    calls the calculator and copies the result), the advantages' mask is the loss mask (0 on the tool
+    message, 1 on both policy turns), and the episode's final answer is scored (the score's place after
+    the gap: test_ppo.py's test_score_only_at_last_response_token)."""
+    import rl.ppo
+    from rl.ppo import PPOConfig, PPOTrainer
+
+    monkeypatch.setattr(rl.ppo, "run_episodes", lambda *a, **k: run_episodes(*a, **k, generate_fn=scripted_generate()))
+    seen = {}
+    real = rl.ppo.ppo_advantages
+
+    def spy(cfg, scores, eos_missing, old_logp, ref_logp, old_values, mask, kl_coef):
+        out = real(cfg, scores, eos_missing, old_logp, ref_logp, old_values, mask, kl_coef)
+        seen.update(mask=mask.clone(), scores=scores.clone())
+        return out
+
+    monkeypatch.setattr(rl.ppo, "ppo_advantages", spy)
+    cfg = PPOConfig(model_name=tiny_llama, output_dir=str(tmp_path), env_type="tool_math",
+                    env_config={"digits": [2, 2], "answer_digits": 4, "num_problems": 8, "max_turns": 2},
+                    num_iterations=1, batch_size=4, mini_batch_size=4, ppo_epochs=1, max_new_tokens=64,
+                    max_length=96, kl_penalty_coef=0.1, report_to=["none"], dtype="float32", device="cpu")
+    t = PPOTrainer(cfg)
+    row = t.train()[0]
+    mask = seen["mask"]
+    # every episode: call (policy) + <result>...</result> (tool, out) + copied answer + EOS (policy)
+    call_len = len(TOK("<tool>calculator: 12*34</tool>", add_special_tokens=False)["input_ids"])
+    for m in mask.tolist():
+        n = len(m) - m[::-1].index(1)  # one past the last policy token
+        gap = [j for j in range(n) if m[j] == 0]
+        assert gap and gap[0] == call_len and gap == list(range(gap[0], gap[-1] + 1)), m
+    assert seen["scores"].tolist() == [1.0] * 4  # the copied results are right
+    assert all(v == v for v in row.values() if isinstance(v, float))  # finite metrics, no NaN
+    assert row["objective/scores"] == pytest.approx(1.0)
+
+
 # ------------------------------------------------------------------------------- it learns
 
 def call_probability(model_dir: str, prompts: list[str]) -> float:

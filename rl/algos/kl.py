@@ -47,14 +47,15 @@ def kl_penalized_rewards(scores: torch.Tensor, kl: torch.Tensor, mask: torch.Ten
     """Per-token rewards (Ziegler et al. 2019, eq. 2): -kl_coef * KL_t on every response token, plus the
     sequence score at the last response token only.
 
-    scores (B,), kl (B, N), mask (B, N) -> (rewards (B, N), non_score_rewards (B, N)). A row with no
-    response token gets no score (nothing to credit it to)."""
+    scores (B,), kl (B, N), mask (B, N) -> (rewards (B, N), non_score_rewards (B, N)). The last response
+    token is the last position where mask == 1, also when the mask has gaps (a tool-use episode's tool
+    tokens are 0 in the middle). A row with no response token gets no score (nothing to credit it to)."""
     mask = mask.to(kl.dtype)
     non_score = -kl_coef * kl * mask
-    lengths = mask.sum(-1).long()
-    last = (lengths - 1).clamp(min=0)
+    pos = torch.arange(1, mask.shape[-1] + 1, device=mask.device, dtype=kl.dtype)
+    last = (mask * pos).argmax(-1)  # the highest position with mask 1 (0 when there is none)
     bonus = torch.zeros_like(non_score)
-    bonus.scatter_(1, last[:, None], (scores.to(kl.dtype) * (lengths > 0).to(kl.dtype))[:, None])
+    bonus.scatter_(1, last[:, None], (scores.to(kl.dtype) * (mask.sum(-1) > 0).to(kl.dtype))[:, None])
     return non_score + bonus, non_score
 
 
