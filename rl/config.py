@@ -667,6 +667,8 @@ class OnlineConfig(TrainConfig):
     eval_num_prompts: int = opt(200, "evaluation prompts at most (duplicates removed)")
     chat_template: bool = opt(False, "render each prompt as a user turn with the tokenizer's chat template "
                               "(instruct models); reward functions still see the plain prompt")
+    packing: bool = opt(False, "padding-free training forwards: each micro-batch's prompt+completion rows packed "
+                        "into rows no longer than its longest, with per-row position_ids (rl.packing); same loss")
 
     # a reward source on the command line replaces the recipe's (the environment stays: it is the prompts)
     REWARD_SOURCE_KEYS = ("reward_model_path", "reward_funcs")

@@ -34,8 +34,6 @@ class GRPOConfig(OnlineConfig):
                                "overlong_buffer tokens lose reward linearly, down to -overlong_penalty at the "
                                "maximum (0: off)")
     overlong_penalty: float = opt(1.0, "DAPO overlong shaping: the reward penalty at max_completion_length")
-    packing: bool = opt(False, "padding-free training forwards: each micro-batch's prompt+completion rows packed "
-                        "into rows no longer than its longest, with per-row position_ids (rl.packing); same loss")
     def __post_init__(self):
         super().__post_init__()
         if self.num_generations < 2:

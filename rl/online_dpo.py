@@ -49,6 +49,7 @@ from rl.generation import generate, position_ids_from_mask, sequence_logprobs
 from rl.grpo import GRPOTrainer, encode_prompt, greedy_eval, unique_eval_set
 from rl.models import (apply_lora, load_tokenizer, load_trainable_policy, release_device_cache, resolve_dtype,
                        save_pretrained, trainable_fraction)
+from rl.packing import IGNORE_INDEX, pack_sequences
 from rl.reference import ReferencePolicy
 from rl.reward_sources import RewardModelReward, build_reward_fns, combine_rewards
 from rl.tracking import Tracker
@@ -84,6 +85,14 @@ class OnlineDPOConfig(OnlineConfig):
 
 
 # ============================================================================ pure pieces
+
+def pack_rollout_rows(rollout, rows: list[int]) -> dict[str, torch.Tensor]:
+    """The rollout rows `rows` (prompt + completion, no padding) packed by `rl.packing.pack_sequences`:
+    input_ids, labels (-100 on the prompt), position_ids and sequence_index (k for rows[k]), each (R, W)."""
+    completions = rollout.completions()
+    return pack_sequences([(rollout.prompts[i] + completions[i], [IGNORE_INDEX] * len(rollout.prompts[i]) +
+                            completions[i]) for i in rows], rollout.pad_token_id or 0)
+
 
 def pair_up(rewards: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(2B,) rewards of B consecutive sample pairs [x0 a, x0 b, x1 a, ...] -> (chosen rows (B,),
@@ -264,8 +273,13 @@ class OnlineDPOTrainer(Trainer):
             loss_fn = partial(dpo_batch_loss, loss_type=cfg.loss_type, beta=cfg.beta,
                               label_smoothing=cfg.label_smoothing, ref_chosen_logps=ref_c, ref_rejected_logps=ref_r,
                               pair_weight=weights[s])
-            r = pipe.forward_backward(b["input_ids"], b["attention_mask"], b["labels"], loss_fn=loss_fn,
-                                      position_ids=position_ids_from_mask(b["attention_mask"])).result()
+            if cfg.packing:  # the pairs' real tokens packed, as offline DPO's packed micro-batches (pack_pairs)
+                p = {key: v.to(acc.device) for key, v in pack_rollout_rows(rollout, rows.tolist()).items()}
+                r = pipe.forward_backward(p["input_ids"], None, p["labels"], loss_fn=loss_fn,
+                                          position_ids=p["position_ids"], sequence_index=p["sequence_index"]).result()
+            else:
+                r = pipe.forward_backward(b["input_ids"], b["attention_mask"], b["labels"], loss_fn=loss_fn,
+                                          position_ids=position_ids_from_mask(b["attention_mask"])).result()
             for key, v in r.metrics.items():  # weighted sums: their total over the step is the mean
                 sums[key] = sums.get(key, 0.0) + v / cfg.gradient_accumulation_steps
         o = pipe.optim_step(max_grad_norm=cfg.max_grad_norm).result()

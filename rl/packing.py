@@ -21,6 +21,8 @@ Who packs what (`packing: true` in each trainer's config):
   DPO, reward    `pack_sequences`: the chosen and rejected sequences in rows, with `sequence_index`
                  (R, W), the sequence each token belongs to (-1 on a row's padding); `segment_sum`
                  and `pool_packed` gather per-sequence log-prob sums and pooled hidden states from it.
+  online DPO     `pack_sequences` on the pairs' rollout rows (`rl.online_dpo.pack_rollout_rows`), then
+                 as DPO; only the training forward is packed (the reference scores the padded rows).
   GRPO, PPO      `pack_padded`: a padded rollout's rows packed, with `target_index`, where each padded
                  target sits among the packed ones; `unpack_targets` brings per-token log-probs (and
                  PPO's entropies and values) back to the rollout's layout, so the losses, advantages

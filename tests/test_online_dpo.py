@@ -103,14 +103,15 @@ def _pairs(tok, prompts):
     return table, texts
 
 
-@pytest.mark.parametrize("loss_type", ["sigmoid", "ipo", "hinge"])
-def test_loss_on_fixed_pairs_equals_offline_dpo(loss_type, tiny_llama, tiny_tokenizer, perturbed, tmp_path,
+@pytest.mark.parametrize("loss_type, packing", [("sigmoid", False), ("ipo", False), ("hinge", False),
+                                               ("sigmoid", True)])
+def test_loss_on_fixed_pairs_equals_offline_dpo(loss_type, packing, tiny_llama, tiny_tokenizer, perturbed, tmp_path,
                                                 monkeypatch, no_plot):
     """One step on 4 prompts in 2 micro-batches of 2, one pair a tie: the logged loss and TRL-named metrics
     equal rl.dpo's collate_pairs + concatenated_logps + preference_loss on the 3 untied pairs (1e-6, relative
     for values above 1: the logps/* sums are ~35, the IPO loss ~3, in fp32), so the
     left-padded rollout rows, the re-ordering into [chosen..., rejected...], the reference log-probs and the
-    tie-aware exact mean across micro-batches change nothing."""
+    tie-aware exact mean across micro-batches change nothing; with packing=true (padding-free rows) neither."""
     tok = tiny_tokenizer
     prompts = ["1+1=", "what is 7*6? ", "hi", "a longer prompt here: "]
     table, texts = _pairs(tok, prompts)
@@ -121,15 +122,19 @@ def test_loss_on_fixed_pairs_equals_offline_dpo(loss_type, tiny_llama, tiny_toke
         return [score[c] for c in completions]
 
     monkeypatch.setattr(rl.online_dpo, "generate", _fixed_rollout(tok, table))
+    packed_calls = []
+    real_pack = rl.online_dpo.pack_rollout_rows
+    monkeypatch.setattr(rl.online_dpo, "pack_rollout_rows", lambda *a: packed_calls.append(1) or real_pack(*a))
     policy = perturbed
     cfg = build(OnlineDPOConfig, dict(model_name=tiny_llama, ref_model_name=tiny_llama, output_dir=str(tmp_path),
                                       report_to=["none"], batch_size=2, gradient_accumulation_steps=2, max_steps=1,
                                       loss_type=loss_type, beta=0.3, max_length=72, max_completion_length=8,
-                                      learning_rate=1e-3, dtype="float32"))
+                                      learning_rate=1e-3, dtype="float32", packing=packing))
     t = OnlineDPOTrainer(cfg, model=copy.deepcopy(policy), tokenizer=tok, reward_funcs=[reward],
                          train_prompts=[{"prompt": p} for p in prompts])
     row = t.train()[0]
     assert row["online_dpo/ties"] == pytest.approx(0.25)
+    assert len(packed_calls) == (2 if packing else 0)  # one packed forward per micro-batch
 
     examples = []
     for p in prompts:
