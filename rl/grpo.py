@@ -34,9 +34,10 @@ does); with more iterations the old log-probs are recomputed by a no-grad forwar
 update. Log-probs use logits / temperature, like the sampler (TRL does the same). Groups never span
 processes: each process generates whole groups, rewards are gathered so that advantages and reward
 metrics are computed on the global batch (reinforce_pp needs it). Micro-batches are length-grouped
-(rows sorted by length, cut into equal groups, each padded only to its own longest row: `_micro_slices`,
-`_take`); TRL pads every micro-batch to the longest completion of the step. Checked against TRL 1.16's
-GRPOTrainer/RLOOTrainer formulas in tests/test_grpo.py.
+(rows sorted by length, cut into equal groups, each padded only to its own longest row:
+`rl.grpo_sampling.length_grouped_slices`, `take_micro_batch`); TRL pads every micro-batch to the
+longest completion of the step. Checked against TRL 1.16's GRPOTrainer/RLOOTrainer formulas in
+tests/test_grpo.py.
 """
 
 from __future__ import annotations
@@ -62,7 +63,8 @@ from rl.generation import generate, position_ids_from_mask, sequence_logprobs
 from rl.grpo_config import GRPOConfig, grpo_sizes  # noqa: F401  (public names of rl.grpo)
 from rl.grpo_eval import greedy_eval, unique_eval_set
 from rl.grpo_sampling import (encode_prompt, load_prompt_rows, pick_groups, picked_rows,  # noqa: F401
-                              reward_metrics, select_rollout, step_prompts, take_global)
+                              length_grouped_slices, reward_metrics, select_rollout, step_prompts,
+                              take_global, take_micro_batch)
 from rl.models import (apply_lora, load_tokenizer, load_trainable_policy, release_device_cache, resolve_dtype,
                        save_pretrained, trainable_fraction)
 from rl.packing import pack_padded, unpack_targets
@@ -193,14 +195,14 @@ class GRPOTrainer(Trainer):
         """(B, T-1) log-probs of the batch's labels under `model` at the sampling temperature, with the
         sampler's positions (counted from each row's first real token of the left-padded prompt).
 
-        Scored one micro-batch of rows at a time (`micro`, from `_micro_slices`; default all rows at
-        once), each trimmed to its own widest row by `_take`; the results are put back in the batch's
+        Scored one micro-batch of rows at a time (`micro`, from `length_grouped_slices`; default all rows at
+        once), each trimmed to its own widest row by `take_micro_batch`; the results are put back in the batch's
         row order and width (0 outside the labels), so they index like the batch itself."""
         micro = [torch.arange(batch["input_ids"].shape[0])] if micro is None else micro
         out = torch.zeros(batch["input_ids"].shape[0], batch["input_ids"].shape[1] - 1, dtype=torch.float32,
                           device=batch["input_ids"].device)
         for rows in micro:
-            mb, (a, b) = _take(batch, rows, with_span=True)
+            mb, (a, b) = take_micro_batch(batch, rows, with_span=True)
             mask = mb["attention_mask"]
             lp = sequence_logprobs(model, mb["input_ids"], mask, mb["labels"], chunk_size=self.cfg.logprob_chunk_size,
                                    position_ids=position_ids_from_mask(mask), temperature=self.cfg.temperature)[0]
@@ -319,8 +321,8 @@ class GRPOTrainer(Trainer):
         batch = {k: v.to(acc.device) for k, v in rollout.to_batch().items()}
         adv = advantages.to(acc.device)
         ref_lp = old_lp = None
-        # length-grouped micro-batches, each padded only to its own longest row (`_micro_slices`, `_take`)
-        micro = _micro_slices(batch["attention_mask"], cfg.gradient_accumulation_steps)
+        # length-grouped micro-batches, each padded only to its own longest row (rl.grpo_sampling)
+        micro = length_grouped_slices(batch["attention_mask"], cfg.gradient_accumulation_steps)
         if cfg.beta > 0:
             # in this thread, not the engine's worker: ZeRO-3's parameter fetching is per thread
             ref_lp = self._ref_logprobs(batch, micro)
@@ -336,7 +338,7 @@ class GRPOTrainer(Trainer):
             t_train = time.time()
             sums: dict[str, float] = {}
             for s in micro:
-                mb = _take({**batch, **per_row}, s)
+                mb = take_micro_batch({**batch, **per_row}, s)
                 kw = dict(advantages=mb["advantages"], old_logprobs=mb.get("old"), ref_logprobs=mb.get("ref"),
                           temperature=cfg.temperature,
                           beta=cfg.beta, epsilon_low=cfg.epsilon_low, epsilon_high=cfg.epsilon_high,
@@ -344,7 +346,8 @@ class GRPOTrainer(Trainer):
                           num_items=num_items, use_bias_correction_kl=cfg.use_bias_correction_kl,
                           importance_sampling_level=cfg.importance_sampling_level)
                 if cfg.packing:  # the rows' real tokens packed; positions restart per row, as the sampler counts
-                    b = pack_padded(mb["input_ids"], mb["attention_mask"], mb["labels"], self.tokenizer.pad_token_id or 0)
+                    b = pack_padded(mb["input_ids"], mb["attention_mask"], mb["labels"],
+                                    self.tokenizer.pad_token_id or 0)
                     r = pipe.forward_backward(b["input_ids"], None, b["labels"], position_ids=b["position_ids"],
                                               target_index=b["target_index"], loss_fn=partial(grpo_loss_fn, **kw)
                                               ).result()
@@ -382,43 +385,3 @@ class GRPOTrainer(Trainer):
         save_pretrained(self.pipeline.model, self.tokenizer, out, self.accelerator, merged=self.cfg.save_merged)
         self.accelerator.wait_for_everyone()
         return out
-
-
-def _micro_slices(attention_mask: torch.Tensor, parts: int) -> list[torch.Tensor]:
-    """Length-grouped micro-batches: the B rows sorted by attended length (prompt + completion, longest
-    first; ties keep their order), cut into `parts` groups of B // parts rows; each group's indices are
-    returned in ascending order. (B, T) mask -> `parts` (B // parts,) index tensors.
-
-    Why: a micro-batch then pads only to its own longest row (`_take`), so with uneven completion
-    lengths most micro-batches are much narrower than the batch. Equal group sizes keep every loss
-    aggregation the same as contiguous slices (token_mean divides by the step's token count,
-    sequence_mean and constant by rows per micro-batch), so only the padding changes; with equal
-    lengths the groups are the contiguous slices themselves."""
-    B = attention_mask.shape[0]
-    size = B // parts
-    order = torch.argsort(attention_mask.sum(-1).cpu(), descending=True, stable=True)
-    return [order[i * size:(i + 1) * size].sort().values for i in range(parts)]
-
-
-def _take(batch: dict, rows: torch.Tensor | slice, with_span: bool = False):
-    """The micro-batch `rows` of a batch whose prompts are left-padded and completions right-padded
-    (`Rollout.to_batch`), trimmed to its own widest row: only the columns [a, b) where some of its rows
-    attend are kept. (B, T) tensors -> [:, a:b]; (B, T-1) tensors aligned with labels[:, 1:] (old / ref
-    log-probs) -> [:, a:b-1]; (B,) per-row tensors -> their rows. Positions counted from the mask
-    (`position_ids_from_mask`) are unchanged by dropping leading all-pad columns, so the model sees
-    each row as before. With `with_span`, returns (micro-batch, (a, b))."""
-    if isinstance(rows, torch.Tensor):
-        rows = rows.to(batch["attention_mask"].device)
-    mask = batch["attention_mask"][rows]
-    T = mask.shape[1]
-    cols = mask.any(0).nonzero().squeeze(1)
-    a, b = (int(cols[0]), int(cols[-1]) + 1) if cols.numel() else (0, T)
-    out = {}
-    for k, v in batch.items():
-        v = v[rows]
-        if v.dim() >= 2 and v.shape[1] == T:
-            v = v[:, a:b]
-        elif v.dim() >= 2 and v.shape[1] == T - 1:
-            v = v[:, a:b - 1]
-        out[k] = v
-    return (out, (a, b)) if with_span else out

@@ -124,6 +124,48 @@ def select_rollout(rollouts: list[Rollout], rows: list[int]) -> Rollout:
                           "turns": [ro.turns[i] for ro, i in picked]})
 
 
+# ------------------------------------------------------------------------------ micro-batches
+
+def length_grouped_slices(attention_mask: torch.Tensor, parts: int) -> list[torch.Tensor]:
+    """Length-grouped micro-batches: the B rows sorted by attended length (prompt + completion, longest
+    first; ties keep their order), cut into `parts` groups of B // parts rows; each group's indices are
+    returned in ascending order. (B, T) mask -> `parts` (B // parts,) index tensors.
+
+    Why: a micro-batch then pads only to its own longest row (`take_micro_batch`), so with uneven completion
+    lengths most micro-batches are much narrower than the batch. Equal group sizes keep every loss
+    aggregation the same as contiguous slices (token_mean divides by the step's token count,
+    sequence_mean and constant by rows per micro-batch), so only the padding changes; with equal
+    lengths the groups are the contiguous slices themselves."""
+    B = attention_mask.shape[0]
+    size = B // parts
+    order = torch.argsort(attention_mask.sum(-1).cpu(), descending=True, stable=True)
+    return [order[i * size:(i + 1) * size].sort().values for i in range(parts)]
+
+
+def take_micro_batch(batch: dict, rows: torch.Tensor | slice, with_span: bool = False):
+    """The micro-batch `rows` of a batch whose prompts are left-padded and completions right-padded
+    (`Rollout.to_batch`), trimmed to its own widest row: only the columns [a, b) where some of its rows
+    attend are kept. (B, T) tensors -> [:, a:b]; (B, T-1) tensors aligned with labels[:, 1:] (old / ref
+    log-probs) -> [:, a:b-1]; (B,) per-row tensors -> their rows. Positions counted from the mask
+    (`rl.generation.position_ids_from_mask`) are unchanged by dropping leading all-pad columns, so the model sees
+    each row as before. With `with_span`, returns (micro-batch, (a, b))."""
+    if isinstance(rows, torch.Tensor):
+        rows = rows.to(batch["attention_mask"].device)
+    mask = batch["attention_mask"][rows]
+    T = mask.shape[1]
+    cols = mask.any(0).nonzero().squeeze(1)
+    a, b = (int(cols[0]), int(cols[-1]) + 1) if cols.numel() else (0, T)
+    out = {}
+    for k, v in batch.items():
+        v = v[rows]
+        if v.dim() >= 2 and v.shape[1] == T:
+            v = v[:, a:b]
+        elif v.dim() >= 2 and v.shape[1] == T - 1:
+            v = v[:, a:b - 1]
+        out[k] = v
+    return (out, (a, b)) if with_span else out
+
+
 # ------------------------------------------------------------------------------ metrics
 
 def nanmean(x: torch.Tensor) -> float:

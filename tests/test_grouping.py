@@ -1,5 +1,5 @@
-"""Length-grouped GRPO micro-batches (rl.grpo `_micro_slices`, `_take`, `_logprobs`): rows sorted by
-length and cut into equal groups, each trimmed to its own widest row, give the same log-probs, loss and
+"""Length-grouped GRPO micro-batches (rl.grpo_sampling `length_grouped_slices`, `take_micro_batch`; rl.grpo
+`_logprobs`): rows sorted by length and cut into equal groups, each trimmed to its own widest row, give the same log-probs, loss and
 gradients as the former contiguous, full-width micro-batches; per-row results come back in row order."""
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from rl import grpo
 from rl.config import build
 from rl.forward_backward import ForwardBackwardPipeline
 from rl.generation import Rollout, left_pad, position_ids_from_mask, sequence_logprobs
-from rl.grpo import GRPOConfig, GRPOTrainer, _micro_slices, _take, grpo_loss_fn
+from rl.grpo import GRPOConfig, GRPOTrainer, length_grouped_slices, take_micro_batch, grpo_loss_fn
 
 
 @pytest.fixture(scope="module")
@@ -44,26 +44,27 @@ def _uneven_batch(seed=0):
                    prompt_mask=pmask, pad_token_id=256).to_batch()
 
 
-def test_micro_slices_group_rows_by_length():
+def test_length_grouped_slices_group_rows_by_length():
     # attended lengths 3 7 5 1 7 2 -> longest first, ties in order: rows 1 4 | 2 0 | 5 3
     mask = _mask([3, 7, 5, 1, 7, 2], 8)
-    assert [m.tolist() for m in _micro_slices(mask, 3)] == [[1, 4], [0, 2], [3, 5]]
+    assert [m.tolist() for m in length_grouped_slices(mask, 3)] == [[1, 4], [0, 2], [3, 5]]
     # equal lengths: the contiguous slices of before
-    assert [m.tolist() for m in _micro_slices(torch.ones(6, 4, dtype=torch.long), 3)] == [[0, 1], [2, 3], [4, 5]]
-    assert [m.tolist() for m in _micro_slices(mask, 1)] == [[0, 1, 2, 3, 4, 5]]
+    ones = torch.ones(6, 4, dtype=torch.long)
+    assert [m.tolist() for m in length_grouped_slices(ones, 3)] == [[0, 1], [2, 3], [4, 5]]
+    assert [m.tolist() for m in length_grouped_slices(mask, 1)] == [[0, 1, 2, 3, 4, 5]]
 
 
 def test_take_trims_each_micro_batch_to_its_widest_row():
     b = _uneven_batch()
     P, T = 5, 5 + 9
     # rows 1 (prompt 1, completion 2) and 5 (prompt 1, completion 5): columns P-1 .. P+5
-    mb, (a, e) = _take(b, torch.tensor([1, 5]), with_span=True)
+    mb, (a, e) = take_micro_batch(b, torch.tensor([1, 5]), with_span=True)
     assert (a, e) == (P - 1, P + 5) and mb["input_ids"].shape == (2, 6) and mb["old_logprobs"].shape == (2, 5)
     # rows 0 (prompt 3, completion 9) and 2 (prompt 5, completion 1): the full width
-    assert _take(b, torch.tensor([0, 2]), with_span=True)[1] == (0, T)
+    assert take_micro_batch(b, torch.tensor([0, 2]), with_span=True)[1] == (0, T)
     for rows in ([1, 5], [3, 4], [0, 2, 3]):
         r = torch.tensor(rows)
-        mb, (a, e) = _take(b, r, with_span=True)
+        mb, (a, e) = take_micro_batch(b, r, with_span=True)
         # nothing attended is dropped, and everything kept is the batch's own
         assert int(mb["attention_mask"].sum()) == int(b["attention_mask"][r].sum())
         assert torch.equal(mb["input_ids"], b["input_ids"][r, a:e])
@@ -73,7 +74,8 @@ def test_take_trims_each_micro_batch_to_its_widest_row():
         keep = mb["labels"][:, 1:] != -100
         full_keep = b["labels"][r, 1:] != -100
         assert torch.equal(mb["old_logprobs"][keep], b["old_logprobs"][r][full_keep])
-    assert torch.equal(_take({"adv": torch.arange(6.0), **b}, torch.tensor([4, 1]))["adv"], torch.tensor([4.0, 1.0]))
+    picked = take_micro_batch({"adv": torch.arange(6.0), **b}, torch.tensor([4, 1]))
+    assert torch.equal(picked["adv"], torch.tensor([4.0, 1.0]))
 
 
 def test_grouped_scoring_equals_one_full_batch_forward(lm):
@@ -85,7 +87,7 @@ def test_grouped_scoring_equals_one_full_batch_forward(lm):
                                 temperature=0.7)
     me = SimpleNamespace(cfg=SimpleNamespace(logprob_chunk_size=None, temperature=0.7))
     for parts in (1, 2, 3):
-        micro = _micro_slices(mask, parts)
+        micro = length_grouped_slices(mask, parts)
         got = GRPOTrainer._logprobs(me, lm, b, micro)
         assert got.shape == full.shape
         torch.testing.assert_close(got * m, full * m, atol=1e-6, rtol=0)
@@ -97,7 +99,7 @@ def _accumulate(model, batch, per_row, micro, trim, **loss_kw):
     model.zero_grad(set_to_none=True)
     total = 0.0
     for s in micro:
-        mb = _take({**batch, **per_row}, s) if trim else {k: v[s] for k, v in {**batch, **per_row}.items()}
+        mb = take_micro_batch({**batch, **per_row}, s) if trim else {k: v[s] for k, v in {**batch, **per_row}.items()}
         out = model(input_ids=mb["input_ids"], attention_mask=mb["attention_mask"],
                     position_ids=position_ids_from_mask(mb["attention_mask"]))
         loss, _ = grpo_loss_fn(out.logits, mb["labels"], mb["attention_mask"], advantages=mb["adv"],
@@ -122,7 +124,7 @@ def test_grouped_loss_and_gradients_equal_contiguous_full_width(lm, aggregation)
     try:
         contiguous = [torch.arange(i * 2, i * 2 + 2) for i in range(3)]
         ref_loss, ref_grads = _accumulate(lm, b, per_row, contiguous, trim=False, **kw)
-        grouped = _micro_slices(b["attention_mask"], 3)
+        grouped = length_grouped_slices(b["attention_mask"], 3)
         assert [m.tolist() for m in grouped] != [m.tolist() for m in contiguous]  # a real regrouping
         loss, grads = _accumulate(lm, b, per_row, grouped, trim=True, **kw)
     finally:
@@ -159,14 +161,14 @@ def test_train_step_with_grouping_equals_the_former_micro_batches(tiny_llama, tm
         hist = t.train()
         return hist[0], grads.pop(0)
 
-    widths, real_take = [], grpo._take
+    widths, real_take = [], grpo.take_micro_batch
 
     def recording_take(batch, rows, with_span=False):
         mb = real_take(batch, rows, with_span)
         widths.append(((mb[0] if with_span else mb)["input_ids"].shape[1], batch["input_ids"].shape[1]))
         return mb
 
-    monkeypatch.setattr(grpo, "_take", recording_take)
+    monkeypatch.setattr(grpo, "take_micro_batch", recording_take)
     grouped_row, grouped_g = run(tmp_path / "grouped")
     grads.clear()
     assert any(w < full for w, full in widths)  # some micro-batch really was narrower than the batch
@@ -175,8 +177,8 @@ def test_train_step_with_grouping_equals_the_former_micro_batches(tiny_llama, tm
         n = mask.shape[0] // parts
         return [torch.arange(i * n, (i + 1) * n) for i in range(parts)]
 
-    monkeypatch.setattr(grpo, "_micro_slices", contiguous)
-    monkeypatch.setattr(grpo, "_take", lambda batch, rows, with_span=False: (
+    monkeypatch.setattr(grpo, "length_grouped_slices", contiguous)
+    monkeypatch.setattr(grpo, "take_micro_batch", lambda batch, rows, with_span=False: (
         ({k: v[rows] for k, v in batch.items()}, (0, batch["attention_mask"].shape[1])) if with_span
         else {k: v[rows] for k, v in batch.items()}))
     former_row, former_g = run(tmp_path / "former")
