@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import subprocess
 import sys
@@ -62,6 +63,19 @@ def run_cmd(args: list[str], timeout: int = 600, env: dict | None = None, cwd: P
         tail = (proc.stdout + proc.stderr)[-4000:]
         raise AssertionError(f"command failed ({proc.returncode}): {' '.join(map(str, args))}\n{tail}")
     return proc
+
+
+def launch_module(script: str):
+    """launch/<script>.py imported once per session as module `launch_<script>` (registered: its
+    dataclasses resolve their annotations there), so a test can call its `main(argv)` in this process
+    and pay the imports once instead of starting a Python process per run."""
+    name = f"launch_{script}"
+    if name not in sys.modules:
+        spec = importlib.util.spec_from_file_location(name, ROOT / "launch" / f"{script}.py")
+        mod = importlib.util.module_from_spec(spec)
+        sys.modules[name] = mod
+        spec.loader.exec_module(mod)
+    return sys.modules[name]
 
 
 def accelerate_cmd(script: str, *script_args: str, num_processes: int = 2, zero3: bool = False,

@@ -8,7 +8,6 @@ the command line, traceback-free."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import shutil
@@ -20,7 +19,7 @@ import pytest
 import torch
 
 from rl.config import ConfigError
-from tests.conftest import ROOT
+from tests.conftest import ROOT, launch_module
 
 SCRIPTS = ("sft", "reward", "dpo", "ppo", "grpo", "online_dpo", "pipeline")
 TRAINERS = ("sft", "reward", "dpo", "ppo", "grpo", "online_dpo")  # the scripts with deepspeed/resume keys
@@ -33,15 +32,6 @@ def _env() -> dict:
             "HF_HUB_OFFLINE": "1"}
 
 
-def _load(script: str):
-    """launch/<script>.py as a module (registered: its dataclasses resolve their annotations there)."""
-    name = f"launch_{script}"
-    if name not in sys.modules:
-        spec = importlib.util.spec_from_file_location(name, ROOT / "launch" / f"{script}.py")
-        mod = importlib.util.module_from_spec(spec)
-        sys.modules[name] = mod
-        spec.loader.exec_module(mod)
-    return sys.modules[name]
 
 
 def _argv(script: str, *extra: str) -> list[str]:
@@ -72,7 +62,7 @@ def fails_in_process(capsys, script: str, *extra: str, names: tuple[str, ...], c
     """Run launch/<script>.py main() and assert one `error:` line naming every string in `names`."""
     argv = _argv(script, *extra, *([f"output_dir={out}"] if out is not None else []))
     with pytest.raises(SystemExit) as e:
-        _load(script).main(argv)
+        launch_module(script).main(argv)
     err = capsys.readouterr().err
     assert e.value.code == code, err
     lines = _error_lines(err)
