@@ -78,6 +78,23 @@ def launch_module(script: str):
     return sys.modules[name]
 
 
+def run_main(script: str, argv: list[str], capfd, monkeypatch) -> tuple[int, str, str]:
+    """`python launch/<script>.py *argv` from the repository root, as its `main(argv)` in this process:
+    (exit status, stdout, stderr). The exit status and the error lines are the launch script's own; what
+    it saves is a process start-up (Python, torch, transformers: several seconds per run on 2 cores).
+    A run that must receive a signal, or run under `accelerate launch`, still needs its own process."""
+    monkeypatch.chdir(ROOT)
+    monkeypatch.setenv("RL_NO_PROGRESS", "1")
+    capfd.readouterr()  # only this run's output
+    try:
+        launch_module(script).main(list(argv))
+        code = 0
+    except SystemExit as e:
+        code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
+    stdout, stderr = capfd.readouterr()
+    return code, stdout, stderr
+
+
 def accelerate_cmd(script: str, *script_args: str, num_processes: int = 2, zero3: bool = False,
                    ds_config: str = "ds_configs/zero3.json") -> list[str]:
     """`accelerate launch` with 2 CPU processes: DDP (gloo) or DeepSpeed ZeRO-3."""

@@ -18,7 +18,7 @@ from rl.config import ConfigError, build
 from rl.sft import SFTConfig
 from rl.trainers.base import (CallbackTracker, NonFiniteError, RunError, check_finite, check_output_dir,
                               complete_checkpoints, prune_checkpoints)
-from tests.conftest import ROOT, launch_module
+from tests.conftest import ROOT, run_main
 
 
 
@@ -65,20 +65,8 @@ def _signal_mid_run(cmd, out, rows: int, sig) -> tuple[subprocess.Popen, str]:
 
 
 def _main(trainer: str, out, n: int, *extra: str, capfd, monkeypatch) -> tuple[int, str, str]:
-    """launch/<trainer>.py's `main(argv)` run in this process, as `python launch/<trainer>.py` would from
-    the repository root: (exit status, stdout, stderr). Only a signal needs a process of its own; the
-    launch script's exit status and its one error line are the same here, without a Python start-up
-    (torch, transformers, the model) of several seconds per run."""
-    monkeypatch.chdir(ROOT)
-    monkeypatch.setenv("RL_NO_PROGRESS", "1")
-    capfd.readouterr()  # only this run's output
-    try:
-        launch_module(trainer).main(_cmd(trainer, out, n, *extra)[2:])
-        code = 0
-    except SystemExit as e:
-        code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
-    stdout, stderr = capfd.readouterr()
-    return code, stdout, stderr
+    """The run `_cmd` describes, through the launch script's main() in this process (conftest.run_main)."""
+    return run_main(trainer, _cmd(trainer, out, n, *extra)[2:], capfd, monkeypatch)
 
 
 # ------------------------------------------------------------------------------- unit level
