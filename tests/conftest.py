@@ -82,15 +82,23 @@ def run_main(script: str, argv: list[str], capfd, monkeypatch) -> tuple[int, str
     """`python launch/<script>.py *argv` from the repository root, as its `main(argv)` in this process:
     (exit status, stdout, stderr). The exit status and the error lines are the launch script's own; what
     it saves is a process start-up (Python, torch, transformers: several seconds per run on 2 cores).
-    A run that must receive a signal, or run under `accelerate launch`, still needs its own process."""
+    A run that must receive a signal, or run under `accelerate launch`, still needs its own process.
+    One intra-op thread, as `run_cmd` gives a subprocess (OMP_NUM_THREADS=1): the same numerics, and
+    measured on the shared 2-core machine, two threads doubled the CPU time of the real-model runs."""
+    import torch
+
     monkeypatch.chdir(ROOT)
     monkeypatch.setenv("RL_NO_PROGRESS", "1")
     capfd.readouterr()  # only this run's output
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
     try:
         launch_module(script).main(list(argv))
         code = 0
     except SystemExit as e:
         code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
+    finally:
+        torch.set_num_threads(threads)
     stdout, stderr = capfd.readouterr()
     return code, stdout, stderr
 
