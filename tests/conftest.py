@@ -84,12 +84,14 @@ def run_main(script: str, argv: list[str], capfd, monkeypatch) -> tuple[int, str
     it saves is a process start-up (Python, torch, transformers: several seconds per run on 2 cores).
     A run that must receive a signal, or run under `accelerate launch`, still needs its own process.
     One intra-op thread, as `run_cmd` gives a subprocess (OMP_NUM_THREADS=1): the same numerics, and
-    measured on the shared 2-core machine, two threads doubled the CPU time of the real-model runs."""
+    measured on the shared 2-core machine, two threads doubled the CPU time of the real-model runs.
+    `capfd` None (a module-scoped fixture): the output is left to pytest's capture, ("", "") returned."""
     import torch
 
     monkeypatch.chdir(ROOT)
     monkeypatch.setenv("RL_NO_PROGRESS", "1")
-    capfd.readouterr()  # only this run's output
+    if capfd is not None:
+        capfd.readouterr()  # only this run's output
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
@@ -99,7 +101,7 @@ def run_main(script: str, argv: list[str], capfd, monkeypatch) -> tuple[int, str
         code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
     finally:
         torch.set_num_threads(threads)
-    stdout, stderr = capfd.readouterr()
+    stdout, stderr = capfd.readouterr() if capfd is not None else ("", "")
     return code, stdout, stderr
 
 

@@ -74,9 +74,12 @@ def test_two_node_accelerate_launch(tmp_path, tiny_llama):
 
 @pytest.fixture(scope="module")
 def uninterrupted(tmp_path_factory, tiny_llama):
-    """The reference run: 40 steps, no signal, no checkpoints."""
+    """The reference run: 40 steps, no signal, no checkpoints; launch/sft.py's main() in this process
+    (conftest.run_main), the runs it is compared with start as processes of their own."""
     out = tmp_path_factory.mktemp("uninterrupted")
-    run_cmd(SFT + ["max_steps=40", f"output_dir={out}"], timeout=300)
+    with pytest.MonkeyPatch.context() as mp:
+        code, _, _ = run_main("sft", SFT[2:] + ["max_steps=40", f"output_dir={out}"], None, mp)
+    assert code == 0
     return _params(out / "model.safetensors")
 
 
