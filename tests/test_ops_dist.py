@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import ROOT, run_cmd, run_main
+from conftest import ROOT, run_main
 
 pytestmark = pytest.mark.slow
 
