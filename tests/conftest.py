@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import subprocess
 import sys
@@ -62,6 +63,46 @@ def run_cmd(args: list[str], timeout: int = 600, env: dict | None = None, cwd: P
         tail = (proc.stdout + proc.stderr)[-4000:]
         raise AssertionError(f"command failed ({proc.returncode}): {' '.join(map(str, args))}\n{tail}")
     return proc
+
+
+def launch_module(script: str):
+    """launch/<script>.py imported once per session as module `launch_<script>` (registered: its
+    dataclasses resolve their annotations there), so a test can call its `main(argv)` in this process
+    and pay the imports once instead of starting a Python process per run."""
+    name = f"launch_{script}"
+    if name not in sys.modules:
+        spec = importlib.util.spec_from_file_location(name, ROOT / "launch" / f"{script}.py")
+        mod = importlib.util.module_from_spec(spec)
+        sys.modules[name] = mod
+        spec.loader.exec_module(mod)
+    return sys.modules[name]
+
+
+def run_main(script: str, argv: list[str], capfd, monkeypatch) -> tuple[int, str, str]:
+    """`python launch/<script>.py *argv` from the repository root, as its `main(argv)` in this process:
+    (exit status, stdout, stderr). The exit status and the error lines are the launch script's own; what
+    it saves is a process start-up (Python, torch, transformers: several seconds per run on 2 cores).
+    A run that must receive a signal, or run under `accelerate launch`, still needs its own process.
+    One intra-op thread, as `run_cmd` gives a subprocess (OMP_NUM_THREADS=1): the same numerics, and
+    measured on the shared 2-core machine, two threads doubled the CPU time of the real-model runs.
+    `capfd` None (a module-scoped fixture): the output is left to pytest's capture, ("", "") returned."""
+    import torch
+
+    monkeypatch.chdir(ROOT)
+    monkeypatch.setenv("RL_NO_PROGRESS", "1")
+    if capfd is not None:
+        capfd.readouterr()  # only this run's output
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        launch_module(script).main(list(argv))
+        code = 0
+    except SystemExit as e:
+        code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
+    finally:
+        torch.set_num_threads(threads)
+    stdout, stderr = capfd.readouterr() if capfd is not None else ("", "")
+    return code, stdout, stderr
 
 
 def accelerate_cmd(script: str, *script_args: str, num_processes: int = 2, zero3: bool = False,

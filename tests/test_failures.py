@@ -8,7 +8,6 @@ the command line, traceback-free."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import shutil
@@ -20,7 +19,7 @@ import pytest
 import torch
 
 from rl.config import ConfigError
-from tests.conftest import ROOT
+from tests.conftest import ROOT, launch_module, run_main
 
 SCRIPTS = ("sft", "reward", "dpo", "ppo", "grpo", "online_dpo", "pipeline")
 TRAINERS = ("sft", "reward", "dpo", "ppo", "grpo", "online_dpo")  # the scripts with deepspeed/resume keys
@@ -33,15 +32,6 @@ def _env() -> dict:
             "HF_HUB_OFFLINE": "1"}
 
 
-def _load(script: str):
-    """launch/<script>.py as a module (registered: its dataclasses resolve their annotations there)."""
-    name = f"launch_{script}"
-    if name not in sys.modules:
-        spec = importlib.util.spec_from_file_location(name, ROOT / "launch" / f"{script}.py")
-        mod = importlib.util.module_from_spec(spec)
-        sys.modules[name] = mod
-        spec.loader.exec_module(mod)
-    return sys.modules[name]
 
 
 def _argv(script: str, *extra: str) -> list[str]:
@@ -72,7 +62,7 @@ def fails_in_process(capsys, script: str, *extra: str, names: tuple[str, ...], c
     """Run launch/<script>.py main() and assert one `error:` line naming every string in `names`."""
     argv = _argv(script, *extra, *([f"output_dir={out}"] if out is not None else []))
     with pytest.raises(SystemExit) as e:
-        _load(script).main(argv)
+        launch_module(script).main(argv)
     err = capsys.readouterr().err
     assert e.value.code == code, err
     lines = _error_lines(err)
@@ -383,14 +373,14 @@ def test_epoch_plan_keeps_a_short_last_batch():
     ("reward", ["data.max_examples=2", "data.eval_fraction=0", "batch_size=8", "gradient_accumulation_steps=2",
                 "num_epochs=1"]),
 ])
-def test_fewer_examples_than_one_global_batch_train_with_one_warning(tmp_path, script, extra):
-    """Issue 15 point 3: the reference doc's DPO example (2 pairs, batch_size=8, accumulation 2)."""
-    r = subprocess.run([sys.executable, f"launch/{script}.py", *_argv(script, *extra, f"output_dir={tmp_path}",
-                                                                       "report_to=[jsonl]", "log_every=1")],
-                       cwd=ROOT, capture_output=True, text=True, timeout=300, env=_env())
-    assert r.returncode == 0, r.stdout + r.stderr
-    warnings = [line for line in (r.stdout + r.stderr).splitlines() if "warning:" in line and "global batch" in line]
-    assert len(warnings) == 1, r.stdout + r.stderr
+def test_fewer_examples_than_one_global_batch_train_with_one_warning(tmp_path, script, extra, capfd, monkeypatch):
+    """Issue 15 point 3: the reference doc's DPO example (2 pairs, batch_size=8, accumulation 2). The
+    launch script's main() in this process (conftest.run_main: no Python start-up per run)."""
+    code, stdout, stderr = run_main(script, _argv(script, *extra, f"output_dir={tmp_path}", "report_to=[jsonl]",
+                                                  "log_every=1"), capfd, monkeypatch)
+    assert code == 0, stdout + stderr
+    warnings = [line for line in (stdout + stderr).splitlines() if "warning:" in line and "global batch" in line]
+    assert len(warnings) == 1, stdout + stderr
     rows = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines() if x.strip()]
     losses = [row["loss"] for row in rows if "loss" in row]
     assert losses and all(torch.isfinite(torch.tensor(losses)))
@@ -401,16 +391,18 @@ def test_fewer_examples_than_one_global_batch_train_with_one_warning(tmp_path, s
     ("sft", ["data.max_examples=19", "num_epochs=2"]),
     ("dpo", ["data.max_examples=19", "data.eval_fraction=0", "eval_every=0", "num_epochs=2"]),
 ])
-def test_short_last_batch_two_processes_match_one(tmp_path, script, extra):
+def test_short_last_batch_two_processes_match_one(tmp_path, script, extra, capfd, monkeypatch):
     """19 examples, global batch 16: one full step and one of 3 per epoch. Under 2 ZeRO-3 processes x 2
     micro-batches of 4 the short step leaves rank 1 an empty micro-batch (a zero-weight forward); the
-    loss curve equals one process's (8 x 2) to 1e-5."""
+    loss curve equals one process's (8 x 2) to 1e-5. The one-process run is the launch script's main()
+    in this process (conftest.run_main); the ZeRO-3 run is `accelerate launch`."""
     from tests.conftest import accelerate_cmd, run_cmd
 
     common = ["--config", f"recipes/tiny/{script}.yaml", *extra, "log_every=1", "report_to=[jsonl]",
               "gradient_accumulation_steps=2"]
     one, two = tmp_path / "one", tmp_path / "two"
-    run_cmd([sys.executable, f"launch/{script}.py", *common, "batch_size=8", f"output_dir={one}"])
+    code, stdout, stderr = run_main(script, [*common, "batch_size=8", f"output_dir={one}"], capfd, monkeypatch)
+    assert code == 0, (stdout + stderr)[-3000:]
     run_cmd(accelerate_cmd(f"launch/{script}.py", *common, "batch_size=4", f"output_dir={two}", zero3=True))
 
     def losses(out):

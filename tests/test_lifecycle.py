@@ -18,7 +18,7 @@ from rl.config import ConfigError, build
 from rl.sft import SFTConfig
 from rl.trainers.base import (CallbackTracker, NonFiniteError, RunError, check_finite, check_output_dir,
                               complete_checkpoints, prune_checkpoints)
-from tests.conftest import ROOT
+from tests.conftest import ROOT, run_main
 
 
 
@@ -64,8 +64,9 @@ def _signal_mid_run(cmd, out, rows: int, sig) -> tuple[subprocess.Popen, str]:
     return proc, proc.communicate(timeout=300)[0]
 
 
-def _run(cmd, **kw) -> subprocess.CompletedProcess:
-    return subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600, env=_env(), **kw)
+def _main(trainer: str, out, n: int, *extra: str, capfd, monkeypatch) -> tuple[int, str, str]:
+    """The run `_cmd` describes, through the launch script's main() in this process (conftest.run_main)."""
+    return run_main(trainer, _cmd(trainer, out, n, *extra)[2:], capfd, monkeypatch)
 
 
 # ------------------------------------------------------------------------------- unit level
@@ -134,8 +135,9 @@ def test_callback_tracker_forwards_rows():
 
 @pytest.mark.slow
 @pytest.mark.parametrize("trainer", list(TRAINERS))
-def test_sigterm_retention_corrupt_fallback_and_rerun(trainer, tmp_path, tiny_llama):
-    """(tiny_llama: the tiny model exists before the run starts.)"""
+def test_sigterm_retention_corrupt_fallback_and_rerun(trainer, tmp_path, tiny_llama, capfd, monkeypatch):
+    """(tiny_llama: the tiny model exists before the run starts.) The signalled run is a process of its
+    own; the resume and the refused rerun call the launch script's main() in this process."""
     out = tmp_path / "run"
     final = out / FINAL.get(trainer, "model.safetensors")
     # 1. SIGTERM mid-run: the step finishes, a checkpoint is written, exit 128 + 15, no final model
@@ -149,31 +151,34 @@ def test_sigterm_retention_corrupt_fallback_and_rerun(trainer, tmp_path, tiny_ll
     assert len(ckpts) == 2 and stopped >= 3 and ckpts[1].name == f"checkpoint-{stopped - 1}", ckpts
     # 2. the newest checkpoint is unreadable: resume=auto warns and continues from the previous one
     (ckpts[0] / "model.safetensors").write_bytes(b"not a safetensors file")
-    r = _run(_cmd(trainer, out, stopped + 1, "resume=auto"))
-    assert r.returncode == 0, (r.stdout + r.stderr)[-3000:]
-    text = r.stdout + r.stderr
+    code, stdout, stderr = _main(trainer, out, stopped + 1, "resume=auto", capfd=capfd, monkeypatch=monkeypatch)
+    text = stdout + stderr
+    assert code == 0, text[-3000:]
     assert "cannot be loaded" in text and f"resumed from {ckpts[1]}" in text, text[-3000:]
     assert final.exists()
     # 3. a new run into the finished one is refused before any model is built; nothing is touched
     before = final.stat().st_mtime_ns
-    r = _run(_cmd(trainer, out, 2))
-    assert r.returncode == 2 and "error: " in r.stderr and "holds a previous run" in r.stderr, r.stderr[-2000:]
-    assert "Traceback" not in r.stderr and final.stat().st_mtime_ns == before
+    code, _, stderr = _main(trainer, out, 2, capfd=capfd, monkeypatch=monkeypatch)
+    assert code == 2 and "error: " in stderr and "holds a previous run" in stderr, stderr[-2000:]
+    assert "Traceback" not in stderr and final.stat().st_mtime_ns == before
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("trainer", list(TRAINERS))
-def test_diverging_run_stops_at_the_first_non_finite_loss(trainer, tmp_path, tiny_llama):
+def test_diverging_run_stops_at_the_first_non_finite_loss(trainer, tmp_path, tiny_llama, capfd, monkeypatch):
+    """The launch script's main() in this process (see `_main`): exit status 1, the last stderr line
+    names the step and the metric, no traceback, no final model and no checkpoint of the bad step."""
     out = tmp_path / "run"
     # GRPO's math environment and PPO's 'a'-fraction give a random model all-zero rewards, hence zero
     # gradients and no update at all; the length-based default reward (words / 100) does not
     extra = {"grpo": ["reward_funcs=[default]", "reward_weights=[0,1]"],
              "ppo": ["reward_fn=default", "custom_reward=null"]}.get(trainer, [])
-    r = _run(_cmd(trainer, out, 8, "learning_rate=1e30", "save_every=1", *extra))
-    err = r.stderr.strip().splitlines()
-    assert r.returncode == 1, (r.stdout + r.stderr)[-3000:]
+    code, stdout, stderr = _main(trainer, out, 8, "learning_rate=1e30", "save_every=1", *extra, capfd=capfd,
+                                 monkeypatch=monkeypatch)
+    err = stderr.strip().splitlines()
+    assert code == 1, (stdout + stderr)[-3000:]
     assert err and err[-1].startswith("error: step ") and ("is nan" in err[-1] or "is inf" in err[-1]), err[-5:]
-    assert "Traceback" not in r.stderr
+    assert "Traceback" not in stderr
     assert not (out / FINAL.get(trainer, "model.safetensors")).exists()
     bad = int(err[-1].split()[2].rstrip(":"))
     assert all(int(d.name.split("-")[1]) < bad for d in complete_checkpoints(out))  # no NaN checkpoint

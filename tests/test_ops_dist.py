@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import ROOT, run_cmd
+from conftest import ROOT, run_main
 
 pytestmark = pytest.mark.slow
 
@@ -74,13 +74,18 @@ def test_two_node_accelerate_launch(tmp_path, tiny_llama):
 
 @pytest.fixture(scope="module")
 def uninterrupted(tmp_path_factory, tiny_llama):
-    """The reference run: 40 steps, no signal, no checkpoints."""
+    """The reference run: 40 steps, no signal, no checkpoints; launch/sft.py's main() in this process
+    (conftest.run_main), the runs it is compared with start as processes of their own."""
     out = tmp_path_factory.mktemp("uninterrupted")
-    run_cmd(SFT + ["max_steps=40", f"output_dir={out}"], timeout=300)
+    with pytest.MonkeyPatch.context() as mp:
+        code, _, _ = run_main("sft", SFT[2:] + ["max_steps=40", f"output_dir={out}"], None, mp)
+    assert code == 0
     return _params(out / "model.safetensors")
 
 
-def test_sigusr1_then_resume_matches_uninterrupted(tmp_path, uninterrupted):
+def test_sigusr1_then_resume_matches_uninterrupted(tmp_path, uninterrupted, capfd, monkeypatch):
+    """The signalled run is a process of its own; the resumed one is launch/sft.py's main() in this
+    process (conftest.run_main, one thread as the subprocesses have), bit for bit equal to a subprocess."""
     out = tmp_path / "run"
     proc = subprocess.Popen(SFT + ["max_steps=40", f"output_dir={out}", "resume=auto"], cwd=ROOT, env=_env(),
                             text=True, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
@@ -96,7 +101,9 @@ def test_sigusr1_then_resume_matches_uninterrupted(tmp_path, uninterrupted):
     ckpt = latest_checkpoint(out)
     stopped_at = int(ckpt.name.split("-")[1])
     assert 3 <= stopped_at < 40 and not (out / "model.safetensors").exists()
-    run_cmd(SFT + ["max_steps=40", f"output_dir={out}", "resume=auto"], timeout=300)
+    code, stdout, stderr = run_main("sft", SFT[2:] + ["max_steps=40", f"output_dir={out}", "resume=auto"], capfd,
+                                    monkeypatch)
+    assert code == 0, (stdout + stderr)[-3000:]
     diff = _max_diff(_params(out / "model.safetensors"), uninterrupted)
     print(f"\npreemption: SIGUSR1 after step {stopped_at} of 40, resumed; max |param difference| vs an "
           f"uninterrupted run = {diff:.3e}")
@@ -120,7 +127,8 @@ runpy.run_path("launch/sft.py", run_name="__main__")
 """
 
 
-def test_sigkill_during_checkpoint_write(tmp_path, uninterrupted):
+def test_sigkill_during_checkpoint_write(tmp_path, uninterrupted, capfd, monkeypatch):
+    """The killed run is a process of its own; the resumed one runs in this process (conftest.run_main)."""
     from rl.checkpoint import latest_checkpoint
 
     out, mark, wrapper = tmp_path / "run", tmp_path / "writing", tmp_path / "kill_during_save.py"
@@ -138,8 +146,9 @@ def test_sigkill_during_checkpoint_write(tmp_path, uninterrupted):
     assert (ckpts / ".tmp-checkpoint-4").is_dir() and not (ckpts / ".tmp-checkpoint-4" / "COMPLETE").exists()
     assert latest_checkpoint(out) == ckpts / "checkpoint-2"
     assert set(_params(ckpts / "checkpoint-2" / "model.safetensors")) == set(uninterrupted)  # loadable
-    log = run_cmd(SFT + ["max_steps=40", "save_every=2", f"output_dir={out}", "resume=auto"], timeout=300)
-    assert "checkpoint-2 at step 2" in log.stdout + log.stderr
+    code, stdout, stderr = run_main("sft", SFT[2:] + ["max_steps=40", "save_every=2", f"output_dir={out}",
+                                                       "resume=auto"], capfd, monkeypatch)
+    assert code == 0 and "checkpoint-2 at step 2" in stdout + stderr, (stdout + stderr)[-3000:]
     assert _max_diff(_params(out / "model.safetensors"), uninterrupted) == 0.0
 
 

