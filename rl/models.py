@@ -60,6 +60,10 @@ def load_causal_lm(name: str, dtype: str | torch.dtype | None = "auto", trust_re
     # A causal-LM checkpoint loads as a classifier too (new score head): how reward models start.
     path = resolve_model_path(name)
     base = adapter_base(path)
+    if base is not None and task != "classifier" and (Path(path) / "reward_config.json").is_file():
+        # a LoRA reward model's directory holds a PEFT sequence-classification adapter: not a policy
+        raise ConfigError(f"model {name!r} is a reward model (LoRA adapter of a classifier), not a causal LM; "
+                          f"load it with rl.reward.load_reward_model or use it as reward_model_path")
     if base is not None:  # a LoRA run's output: its base with the adapter merged in, a plain model again
         from peft import PeftModel
 

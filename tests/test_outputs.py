@@ -251,6 +251,12 @@ def test_reward_checkpoint_loads_as_a_sequence_classifier_and_resumes(tiny_llama
     assert output_contents(ckpt) == "reward"
     loading = "\n".join(_loading("reward", str(ckpt)))
     assert ("PeftModel.from_pretrained(base" in loading) is lora and "AutoModelForSequenceClassification" in loading
+    if lora:  # its PEFT adapter is a classifier's: as a policy (chat, a next stage's model_name) one line
+        from rl.config import ConfigError
+        from rl.models import load_causal_lm
+
+        with pytest.raises(ConfigError, match="is a reward model .LoRA adapter of a classifier., not a causal LM"):
+            load_causal_lm(str(ckpt))
 
 
 def test_ppo_sampling_warns_nothing_and_its_output_is_a_model_output(tiny_llama, tiny_tokenizer):
