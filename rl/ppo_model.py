@@ -64,15 +64,19 @@ def response_logprobs(logits: torch.Tensor, tokens: torch.Tensor, prompt_width: 
     `rl.chunked.HeadLogits` (the engine's chunked LM head): then no (B, N, V) tensor is built."""
     if isinstance(logits, HeadLogits):
         return (response_logits(logits, prompt_width) / temperature).logprobs(tokens, with_entropy)
-    lg = response_logits(logits, prompt_width).float()
+    logp, entropy = _logprobs_at(response_logits(logits, prompt_width), tokens, temperature, with_entropy)
+    return (logp, entropy) if with_entropy else logp
+
+
+def _logprobs_at(logits: torch.Tensor, targets: torch.Tensor, temperature: float, with_entropy: bool):
+    """log softmax(logits / temperature) at `targets` (..., ) in fp32, and the entropy of that
+    distribution (None without `with_entropy`); logits (..., V)."""
+    lg = logits.float()
     if temperature != 1.0:
         lg = lg / temperature
     logz = torch.logsumexp(lg, dim=-1)
-    logp = lg.gather(-1, tokens[..., None]).squeeze(-1) - logz
-    if not with_entropy:
-        return logp
-    p = torch.softmax(lg, dim=-1)
-    entropy = logz - (p * lg).sum(-1)
+    logp = lg.gather(-1, targets[..., None]).squeeze(-1) - logz
+    entropy = logz - (torch.softmax(lg, dim=-1) * lg).sum(-1) if with_entropy else None
     return logp, entropy
 
 
@@ -85,12 +89,8 @@ def packed_response_logprobs(logits, labels: torch.Tensor, target_index: torch.T
     if isinstance(logits, HeadLogits):
         logp, _, entropy = chunked_token_logprobs(logits / temperature, labels, with_entropy=True)
     else:
-        lg = logits[:, :-1].float()
-        lg = lg / temperature if temperature != 1.0 else lg
         target = labels[:, 1:]
-        logz = torch.logsumexp(lg, dim=-1)
-        logp = lg.gather(-1, target.clamp(min=0)[..., None]).squeeze(-1) - logz
-        entropy = logz - (torch.softmax(lg, dim=-1) * lg).sum(-1)
+        logp, entropy = _logprobs_at(logits[:, :-1], target.clamp(min=0), temperature, with_entropy=True)
         counted = target != IGNORE_INDEX
         logp, entropy = logp * counted, entropy * counted
     back = [unpack_targets(x, target_index)[:, prompt_width - 1:] for x in (logp, entropy)]
