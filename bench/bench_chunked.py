@@ -1,5 +1,5 @@
 """Peak memory and time of one training forward + backward of token log-probs: full logits vs the
-chunked LM head (rl.chunked), over sequence lengths, at a real vocabulary.
+chunked LM head (rl.engine.chunked), over sequence lengths, at a real vocabulary.
 
 Each (mode, T) runs in its own child process; its peak RSS growth (`ru_maxrss` after minus before the
 step; the model and inputs are built before) is the step's own memory. The full path holds the
@@ -29,9 +29,9 @@ def child(mode: str, T: int, vocab: int, batch: int, chunk: int, hidden: int) ->
     import torch
     from transformers import AutoModelForCausalLM
 
-    from rl.chunked import capture_head
-    from rl.losses import token_logprobs
-    from rl.tiny import build_config
+    from rl.engine.chunked import capture_head
+    from rl.engine.losses import token_logprobs
+    from rl.models.tiny import build_config
 
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(build_config("llama", vocab, hidden=hidden, layers=1, heads=4))

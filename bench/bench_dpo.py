@@ -8,11 +8,11 @@ and no gradient checkpointing on either side. Sides:
     trl              TRL, reference forward every step (its default)
     trl_precompute   TRL with precompute_ref_log_probs=True
     ours             rl.dpo, frozen-copy reference forward every step (LM head chunked automatically once
-                     B*T*V > 2**26, `rl.chunked`)
-    ours_full        rl.dpo with logprob_chunk_size=0: full (2B, T, V) logits, as before rl.chunked
+                     B*T*V > 2**26, `rl.engine.chunked`)
+    ours_full        rl.dpo with logprob_chunk_size=0: full (2B, T, V) logits, as before rl.engine.chunked
     ours_precompute  rl.dpo with precompute_ref_logps=True (one reference pass before training)
     ours_packed      rl.dpo with packing=True: each step's chosen and rejected sequences packed padding-free
-                     into rows no longer than the longest (`rl.packing`), training and reference forwards
+                     into rows no longer than the longest (`rl.engine.packing`), training and reference forwards
     ours_packed_precompute  ours_packed with precompute_ref_logps=True
 
 Realistic settings (issue 17): `--vocab 49152` / `--vocab 152064` widen the tiny model's embedding and
@@ -45,7 +45,6 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench import harness  # noqa: E402
-
 
 LONGTAIL = {"prompt": (16, 256, 48), "answer": (16, 512, 96)}  # (min, max, median) tokens
 
@@ -96,8 +95,9 @@ def _n_steps(spec):
 def side_ours(spec: dict, precompute: bool, chunk: int | None = None, packing: bool = False) -> dict:
     import torch
 
-    from rl.config import build
-    from rl.dpo import DPOConfig, DPOTrainer, PreferenceDataset, collate_pairs, pack_pairs
+    from rl.config.fields import build
+    from rl.data.preference import PreferenceDataset, collate_pairs, pack_pairs
+    from rl.trainers.dpo import DPOConfig, DPOTrainer
 
     n = _n_steps(spec)
     P, C, R = _data(spec)
@@ -109,7 +109,7 @@ def side_ours(spec: dict, precompute: bool, chunk: int | None = None, packing: b
         max_prompt_length=LONGTAIL["prompt"][1] + 4 if longtail else spec["prompt_len"] + 4,
         dtype="float32" if spec["device"] == "cpu" else "auto", device=spec["device"],
         precompute_ref_logps=precompute, seed=spec["seed"], logprob_chunk_size=chunk, packing=packing))
-    from rl.forward_backward import ForwardBackwardPipeline
+    from rl.engine.pipeline import ForwardBackwardPipeline
 
     # Step ends, measured the same way as on the TRL side (intervals between consecutive optimizer steps).
     wall, cpu = [time.perf_counter()], [time.process_time()]
@@ -126,7 +126,7 @@ def side_ours(spec: dict, precompute: bool, chunk: int | None = None, packing: b
     ForwardBackwardPipeline._optim_step = timed_optim_step
     import rl.forward_backward as engine
 
-    chunked = []  # training forwards that ran the LM head chunk by chunk (rl.chunked)
+    chunked = []  # training forwards that ran the LM head chunk by chunk (rl.engine.chunked)
     real_capture = engine.capture_head
     engine.capture_head = lambda *a, **k: chunked.append(1) or real_capture(*a, **k)
     trainer = DPOTrainer(cfg)
@@ -155,7 +155,7 @@ def side_trl(spec: dict, precompute: bool) -> dict:
     from trl import DPOConfig as TRLDPOConfig
     from trl import DPOTrainer as TRLDPOTrainer
 
-    from rl.models import load_causal_lm, load_tokenizer
+    from rl.models.loading import load_causal_lm, load_tokenizer
 
     n = _n_steps(spec)
     P, C, R = _data(spec)
@@ -227,7 +227,7 @@ def main(argv=None) -> None:
     a = p.parse_args(argv)
     model = a.model
     if model is None:
-        from rl.tiny import write_tiny_model
+        from rl.models.tiny import write_tiny_model
 
         model = str(write_tiny_model(harness.RESULTS / f"tiny-{a.family}-h{a.hidden}-l{a.layers}", family=a.family,
                                      hidden=a.hidden, layers=a.layers, heads=a.heads))

@@ -1,4 +1,4 @@
-"""New tokens/s of our batched rollout (`rl.generation.generate`) against plain `transformers`
+"""New tokens/s of our batched rollout (`rl.engine.generation.generate`) against plain `transformers`
 `model.generate`, same model, batch, prompt length and number of new tokens, in one run.
 
     python bench/bench_generation.py                          # tiny Llama on CPU
@@ -64,7 +64,7 @@ def time_best(fn, device, repeats):
 
 
 def bench_speed(args) -> dict:
-    from rl.generation import generate
+    from rl.engine.generation import generate
 
     device = args.device
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
@@ -112,7 +112,7 @@ def bench_speed(args) -> dict:
 def _memory_child(mode: str, shape: str, batch: int, seq: int, chunk: int) -> None:
     """Runs in a subprocess: peak RSS growth of one no-grad scoring pass (ru_maxrss is a process
     high-water mark, so each mode needs a fresh process)."""
-    from rl.generation import sequence_logprobs
+    from rl.engine.scoring import sequence_logprobs
 
     model = build_model(shape, "cpu", torch.float32)
     ids = torch.randint(3, model.config.vocab_size, (batch, seq), generator=torch.Generator().manual_seed(0))

@@ -1,4 +1,4 @@
-"""Completion tokens/s of a GRPO step: ours (rl.grpo.GRPOTrainer) vs TRL 1.16's GRPOTrainer, side by side.
+"""Completion tokens/s of a GRPO step: ours (rl.trainers.grpo.GRPOTrainer) vs TRL 1.16's GRPOTrainer, side by side.
 
 Same tiny model (built locally), prompts, group size, micro-batches and maximum completion length, fp32
 (TRL gets bf16=False), beta 0, one process, temperature 1, no top-k/top-p on either side. Each side runs
@@ -116,8 +116,9 @@ def _prompts(spec) -> list[str]:
 
 def side_ours(spec) -> dict:
     """Our trainer; the rollout's per-completion lengths are recorded by wrapping the sampler."""
-    import rl.grpo as grpo
-    from rl.config import build
+    import rl.trainers.grpo as grpo
+
+    from rl.config.fields import build
 
     _threads(spec)
     n, micro = spec["prompts"] * spec["generations"], spec["micro"]
@@ -256,7 +257,7 @@ def main():
         _usage_error(f"--stop-prob: {a.stop_prob} is not a probability; pass e.g. 0.02 (mean length ~50)")
     import torch
 
-    from rl.tiny import write_tiny_model
+    from rl.models.tiny import write_tiny_model
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
     threads = a.threads or torch.get_num_threads()

@@ -2,7 +2,7 @@
 
 The task: chat-format sums ("What is 26 + 28?" as a user turn, data/smollm2/math_*.jsonl), reward 1 when
 the last number of the answer is the sum, else 0. Both sides get the same model (the packaged
-SmolLM2-135M-Instruct, converted by rl.gguf), the same LoRA (rank 8, alpha 16, all linear layers), the
+SmolLM2-135M-Instruct, converted by rl.models.gguf), the same LoRA (rank 8, alpha 16, all linear layers), the
 same prompts in the same chat template, the same reward function, group size, completions per step,
 completion length, learning rate, temperature and number of optimizer steps, fp32, no reference model
 (beta 0), token-level loss. Each side trains in its own child process (so each one's wall time and
@@ -53,8 +53,9 @@ def problems(path: Path) -> list[dict]:
 
 # ------------------------------------------------------------------------------------------ the sides
 def run_ours(model_dir: str, a, out: str) -> dict:
-    from rl.config import build
-    from rl.grpo import GRPOConfig, GRPOTrainer
+    from rl.config.fields import build
+    from rl.trainers.grpo import GRPOTrainer
+    from rl.trainers.grpo_config import GRPOConfig
 
     cfg = build(GRPOConfig, dict(
         model_name=model_dir, output_dir=out, seed=a.seed, learning_rate=a.lr, lr_scheduler="constant",
@@ -166,7 +167,7 @@ def main():
         return
     import torch
 
-    from rl.gguf import prepare_packaged
+    from rl.models.gguf import prepare_packaged
 
     model_dir = str(prepare_packaged("smollm2-135m-instruct"))
     device = "cuda" if torch.cuda.is_available() else "cpu"

@@ -21,9 +21,9 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
-from rl.config import ConfigError  # noqa: E402
-from rl.inference import chat_setting, complete, encode, load_for_inference  # noqa: E402
-from rl.launch_utils import fail  # noqa: E402
+from rl.errors import ConfigError  # noqa: E402
+from rl.scripts.common import fail  # noqa: E402
+from rl.scripts.inference import chat_setting, complete, encode, load_for_inference  # noqa: E402
 
 
 def parse_args(argv=None) -> argparse.Namespace:

@@ -25,11 +25,14 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
-from rl.config import ConfigError  # noqa: E402
-from rl.data import SUFFIXES, DataError, read_records, where  # noqa: E402
-from rl.inference import chat_setting, complete, encode, load_for_inference  # noqa: E402
-from rl.launch_utils import fail  # noqa: E402
-from rl.rewards import get_reward_fn  # noqa: E402
+from rl.data.records import SUFFIXES, read_records, where  # noqa: E402
+from rl.errors import (
+    ConfigError,  # noqa: E402
+    DataError,  # noqa: E402
+)
+from rl.rewards.functions import get_reward_fn  # noqa: E402
+from rl.scripts.common import fail  # noqa: E402
+from rl.scripts.inference import chat_setting, complete, encode, load_for_inference  # noqa: E402
 
 
 def parse_args(argv=None) -> argparse.Namespace:

@@ -15,12 +15,17 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
 os.environ.setdefault("WANDB_MODE", "offline")
 
-from rl.config import ConfigError  # noqa: E402
-from rl.data import DataError  # noqa: E402
-from rl.grpo import GRPOConfig, GRPOTrainer, grpo_sizes  # noqa: E402
-from rl.launch_utils import dry_run_report, fail, parse_recipe, run_training  # noqa: E402
-from rl.model_card import write_model_card  # noqa: E402
-from rl.trainers.base import RunError, check_output_dir  # noqa: E402
+from rl.errors import (
+    ConfigError,  # noqa: E402
+    DataError,  # noqa: E402
+    RunError,  # noqa: E402
+)
+from rl.models.card import write_model_card  # noqa: E402
+from rl.scripts.common import fail, parse_recipe, run_training  # noqa: E402
+from rl.scripts.dryrun import dry_run_report  # noqa: E402
+from rl.trainers.base import check_output_dir  # noqa: E402
+from rl.trainers.grpo import GRPOTrainer  # noqa: E402
+from rl.trainers.grpo_config import GRPOConfig, grpo_sizes  # noqa: E402
 
 
 def main(argv=None) -> None:

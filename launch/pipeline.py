@@ -6,13 +6,13 @@ improve it with GRPO on the math environment, measure again; print both numbers,
     python launch/pipeline.py --help
     OMP_NUM_THREADS=1 python launch/pipeline.py --config recipes/tiny/tool_pipeline.yaml   # tool use
 
-With env_type=tool_math (rl.tool_env) the SFT teacher calls the calculator on tool_fraction of its
+With env_type=tool_math (rl.envs.tool_math) the SFT teacher calls the calculator on tool_fraction of its
 examples and GRPO trains on multi-turn episodes; the summary then adds the tool-call rates.
 
 Stages write under output_dir: model-init/ (the tiny model), sft/ (SFT run and model), grpo/ (GRPO run
 and final model), each with metrics.jsonl and metrics.png; summary.json and accuracy.png hold the
 before/after numbers. Held-out accuracy is greedy decoding on the math environment's test split
-(problems never seen in SFT or GRPO), with the answer extracted and compared by rl.rewards.
+(problems never seen in SFT or GRPO), with the answer extracted and compared by rl.rewards.answers.
 """
 
 from __future__ import annotations
@@ -28,16 +28,23 @@ from typing import Literal
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
 os.environ.setdefault("WANDB_MODE", "offline")
 
-from rl.config import ConfigError, build, cli_config, opt, save_config  # noqa: E402
-from rl.data import DataError  # noqa: E402
-from rl.environments import create_math_problem_env  # noqa: E402
-from rl.tool_env import create_tool_math_env  # noqa: E402
-from rl.grpo import GRPOConfig, GRPOTrainer  # noqa: E402
-from rl.launch_utils import fail, preflight  # noqa: E402
-from rl.model_card import write_model_card  # noqa: E402
-from rl.sft import SFTConfig, SFTTrainer, tokenize_examples  # noqa: E402
-from rl.tiny import FAMILIES, write_tiny_model  # noqa: E402
-from rl.trainers.base import RunError, check_output_dir  # noqa: E402
+from rl.config.fields import build, opt  # noqa: E402
+from rl.config.parse import cli_config, save_config  # noqa: E402
+from rl.data.sft import tokenize_examples  # noqa: E402
+from rl.envs.math import create_math_problem_env  # noqa: E402
+from rl.envs.tool_math import create_tool_math_env  # noqa: E402
+from rl.errors import (
+    ConfigError,  # noqa: E402
+    DataError,  # noqa: E402
+    RunError,  # noqa: E402
+)
+from rl.models.card import write_model_card  # noqa: E402
+from rl.models.tiny import FAMILIES, write_tiny_model  # noqa: E402
+from rl.scripts.common import fail, preflight  # noqa: E402
+from rl.trainers.base import check_output_dir  # noqa: E402
+from rl.trainers.grpo import GRPOTrainer  # noqa: E402
+from rl.trainers.grpo_config import GRPOConfig  # noqa: E402
+from rl.trainers.sft import SFTConfig, SFTTrainer  # noqa: E402
 
 
 @dataclasses.dataclass
@@ -54,7 +61,7 @@ class PipelineConfig:
     eval_env_config: dict = opt({"problems_path": "data/tiny/math_test.jsonl"},
                                 "held-out environment: keys that replace env_config's (a disjoint problem file, "
                                 "or {split: test} for generated problems with {split: train} above)")
-    env_type: Literal["math", "tool_math"] = opt("math", "math (answer directly) or tool_math (rl.tool_env: "
+    env_type: Literal["math", "tool_math"] = opt("math", "math (answer directly) or tool_math (rl.envs.tool_math: "
                                                  "the policy may call a calculator, multi-turn episodes)")
     tool_fraction: float = opt(0.3, "tool_math: fraction of SFT examples the teacher solves with the calculator")
     num_sft_examples: int = opt(512, "SFT examples drawn from the train split (reference completions)")

@@ -7,7 +7,7 @@
 
 Data: JSONL (or JSON/CSV/Parquet) rows {"prompt": ..., "chosen": ..., "rejected": ...}; the reference
 CLI's --prompt-text-column / --text-column / --rejected-text-column rename the columns. The model is
-written to output_dir (safetensors + reward_config.json): `rl.reward.load_reward_model(output_dir)`.
+written to output_dir (safetensors + reward_config.json): `rl.models.reward.load_reward_model(output_dir)`.
 """
 
 from __future__ import annotations
@@ -19,12 +19,18 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
 os.environ.setdefault("WANDB_MODE", "offline")
 
-from rl.config import ConfigError, save_config  # noqa: E402
-from rl.data import DataError  # noqa: E402
-from rl.launch_utils import dry_run_report, fail, parse_recipe, run_training  # noqa: E402
-from rl.reward import RewardModelTrainer, RewardTrainConfig  # noqa: E402
-from rl.model_card import write_model_card  # noqa: E402
-from rl.trainers.base import RunError, check_output_dir  # noqa: E402
+from rl.config.parse import save_config  # noqa: E402
+from rl.errors import (
+    ConfigError,  # noqa: E402
+    DataError,  # noqa: E402
+    RunError,  # noqa: E402
+)
+from rl.models.card import write_model_card  # noqa: E402
+from rl.scripts.common import fail, parse_recipe, run_training  # noqa: E402
+from rl.scripts.dryrun import dry_run_report  # noqa: E402
+from rl.trainers.base import check_output_dir  # noqa: E402
+from rl.trainers.reward import RewardModelTrainer  # noqa: E402
+from rl.trainers.reward_config import RewardTrainConfig  # noqa: E402
 
 
 def main(argv=None) -> None:
@@ -44,7 +50,7 @@ def main(argv=None) -> None:
     # 2. setup
     try:
         trainer = RewardModelTrainer.from_recipe(cfg)
-    except ConfigError as e:  # a packaged model that cannot be fetched (rl.gguf), a hub id offline
+    except ConfigError as e:  # a packaged model that cannot be fetched (rl.models.gguf), a hub id offline
         fail(str(e))
     # 3. train (a stop on a signal exits here, after its checkpoint)
     metrics = run_training(trainer, trainer.train_recipe, cfg, train, evals)

@@ -15,12 +15,22 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
 os.environ.setdefault("WANDB_MODE", "offline")
 
-from rl.config import ConfigError, cli_config  # noqa: E402
-from rl.data import DataError, has_data  # noqa: E402
-from rl.launch_utils import NO_DATA_ERROR, dry_run_report, fail, preflight, run_training  # noqa: E402
-from rl.model_card import write_model_card  # noqa: E402
-from rl.sft import SFTConfig, SFTTrainer, load_sft_records, split_eval, tokenize_examples  # noqa: E402
-from rl.trainers.base import RunError, check_output_dir  # noqa: E402
+from rl.config.parse import cli_config  # noqa: E402
+from rl.data.records import (
+    has_data,  # noqa: E402
+    split_eval,  # noqa: E402
+)
+from rl.data.sft import load_sft_records, tokenize_examples  # noqa: E402
+from rl.errors import (
+    ConfigError,  # noqa: E402
+    DataError,  # noqa: E402
+    RunError,  # noqa: E402
+)
+from rl.models.card import write_model_card  # noqa: E402
+from rl.scripts.common import NO_DATA_ERROR, fail, preflight, run_training  # noqa: E402
+from rl.scripts.dryrun import dry_run_report  # noqa: E402
+from rl.trainers.base import check_output_dir  # noqa: E402
+from rl.trainers.sft import SFTConfig, SFTTrainer  # noqa: E402
 
 
 def main(argv=None) -> None:

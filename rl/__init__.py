@@ -12,49 +12,49 @@ __version__ = "0.1.0"
 
 _EXPORTS = {
     # engine and client
-    "ForwardBackwardPipeline": "rl.forward_backward",
-    "AsyncTrainingClient": "rl.forward_backward",
+    "ForwardBackwardPipeline": "rl.engine.pipeline",
+    "AsyncTrainingClient": "rl.engine.client",
     # config
-    "ConfigError": "rl.config",
+    "ConfigError": "rl.errors",
     # the reference CLI doc's Python API (rl-train from Python)
-    "LLMTrainingParams": "rl.autotrain",
-    "AutoTrainProject": "rl.autotrain",
+    "LLMTrainingParams": "rl.scripts.autotrain",
+    "AutoTrainProject": "rl.scripts.autotrain",
     # PPO
-    "PPOConfig": "rl.ppo",
-    "PPOTrainer": "rl.ppo",
-    "PPOModel": "rl.ppo",
-    "ValueHead": "rl.ppo",
-    "AdaptiveKLController": "rl.ppo",
-    "FixedKLController": "rl.ppo",
+    "PPOConfig": "rl.trainers.ppo_config",
+    "PPOTrainer": "rl.trainers.ppo",
+    "PPOModel": "rl.models.value",
+    "ValueHead": "rl.models.value",
+    "AdaptiveKLController": "rl.algos.kl",
+    "FixedKLController": "rl.algos.kl",
     # DPO
-    "DPOConfig": "rl.dpo",
-    "DPOTrainer": "rl.dpo",
-    "PreferenceDataset": "rl.dpo",
+    "DPOConfig": "rl.trainers.dpo",
+    "DPOTrainer": "rl.trainers.dpo",
+    "PreferenceDataset": "rl.data.preference",
     # GRPO
-    "GRPOConfig": "rl.grpo",
-    "GRPOTrainer": "rl.grpo",
+    "GRPOConfig": "rl.trainers.grpo_config",
+    "GRPOTrainer": "rl.trainers.grpo",
     # online DPO
-    "OnlineDPOConfig": "rl.online_dpo",
-    "OnlineDPOTrainer": "rl.online_dpo",
+    "OnlineDPOConfig": "rl.trainers.online_dpo",
+    "OnlineDPOTrainer": "rl.trainers.online_dpo",
     # SFT
-    "SFTConfig": "rl.sft",
-    "SFTTrainer": "rl.sft",
+    "SFTConfig": "rl.trainers.sft",
+    "SFTTrainer": "rl.trainers.sft",
     # reward models
-    "RewardModel": "rl.reward",
-    "RewardModelConfig": "rl.reward",
-    "RewardModelTrainer": "rl.reward",
-    "PairwiseRewardModel": "rl.reward",
-    "MultiObjectiveRewardModel": "rl.reward",
+    "RewardModel": "rl.models.reward",
+    "RewardModelConfig": "rl.models.reward",
+    "RewardModelTrainer": "rl.trainers.reward",
+    "PairwiseRewardModel": "rl.models.reward",
+    "MultiObjectiveRewardModel": "rl.models.reward",
     # environments
-    "Observation": "rl.environments",
-    "StepResult": "rl.environments",
-    "Trajectory": "rl.environments",
-    "TextGenerationEnv": "rl.environments",
-    "MultiObjectiveRewardEnv": "rl.environments",
-    "PreferenceComparisonEnv": "rl.environments",
-    "create_math_problem_env": "rl.environments",
-    "create_code_generation_env": "rl.environments",
-    "make_env": "rl.environments",
+    "Observation": "rl.envs.base",
+    "StepResult": "rl.envs.base",
+    "Trajectory": "rl.envs.base",
+    "TextGenerationEnv": "rl.envs.base",
+    "MultiObjectiveRewardEnv": "rl.envs.objectives",
+    "PreferenceComparisonEnv": "rl.envs.objectives",
+    "create_math_problem_env": "rl.envs.math",
+    "create_code_generation_env": "rl.envs.code",
+    "make_env": "rl.envs.registry",
 }
 
 __all__ = sorted(_EXPORTS)

@@ -43,14 +43,14 @@ def tiny_cache(tmp_path_factory):
 
 @pytest.fixture(scope="session")
 def tiny_llama(tiny_cache):
-    from rl.tiny import write_tiny_model
+    from rl.models.tiny import write_tiny_model
 
     return str(write_tiny_model(tiny_cache / "llama", family="llama"))
 
 
 @pytest.fixture(scope="session")
 def tiny_tokenizer(tiny_llama):
-    from rl.models import load_tokenizer
+    from rl.models.loading import load_tokenizer
 
     return load_tokenizer(tiny_llama)
 

@@ -12,12 +12,12 @@ import torch
 from rl import algos
 from rl.algos import registry
 from rl.algos.advantages import compute_advantages, gae
-from rl.algos.kl import k2_kl, k3_kl, per_token_kl
 from rl.algos.dapo import groups_with_spread, overlong_penalty
+from rl.algos.kl import k2_kl, k3_kl, per_token_kl
 from rl.algos.policy_losses import grpo_loss, gspo_loss, ppo_policy_loss, ppo_value_loss
 from rl.algos.preference import preference_loss
 from rl.algos.reduce import aggregate
-from rl.losses import LOSS_FNS
+from rl.engine.losses import LOSS_FNS
 
 KINDS = ("advantage_estimator", "policy_loss", "kl_estimator", "preference_loss")
 
@@ -54,8 +54,8 @@ def test_registering_twice_is_an_error_and_a_new_estimator_is_one_function(monke
 
     assert compute_advantages(torch.tensor([1.0, 3.0]), 2, "raw").tolist() == [2.0, 6.0]
     # ... and a valid config value, with no other edit (the config's choices are the registry's names)
-    from rl.config import build
-    from rl.grpo import GRPOConfig
+    from rl.config.fields import build
+    from rl.trainers.grpo_config import GRPOConfig
 
     assert build(GRPOConfig, {"model_name": "tiny:llama", "advantage_estimator": "raw"}).advantage_estimator == "raw"
 
@@ -247,9 +247,9 @@ def test_grpo_training_logprobs_equal_the_samplers_on_gpt2(tmp_path, monkeypatch
     """Left-padded prompts of different lengths on an absolute-position model (tiny:gpt2): the training
     forward, the old-policy forward (num_iterations=2) and the frozen reference (beta > 0) score the
     sampled tokens as the sampler did, because all of them count positions from each row's first token."""
-    from rl import grpo
-    from rl.config import build
-    from rl.losses import token_logprobs
+    from rl.config.fields import build
+    from rl.engine.losses import token_logprobs
+    from rl.trainers import grpo
 
     rollouts, seen = [], []
     real_generate, real_loss_fn = grpo.generate, grpo.grpo_loss_fn

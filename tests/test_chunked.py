@@ -1,4 +1,4 @@
-"""Chunked LM-head log-probs (rl.chunked): equal to the full logits path, values and gradients, on
+"""Chunked LM-head log-probs (rl.engine.chunked): equal to the full logits path, values and gradients, on
 every tiny family (full and LoRA, Gemma 2's soft-capping), and without a (B, T, V) tensor."""
 
 import copy
@@ -9,10 +9,11 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
-from rl import chunked
-from rl.chunked import HeadLogits, auto_chunk_size, capture_head
-from rl.losses import token_logprobs
-from rl.tiny import build_config
+from rl.engine import chunked
+from rl.engine.chunked import HeadLogits, auto_chunk_size, capture_head
+from rl.engine.losses import token_logprobs
+from rl.models.tiny import build_config
+from rl.trainers import ppo_math
 
 V = 300
 
@@ -179,10 +180,10 @@ def test_pipeline_training_forward_chunks_and_equals_the_full_path():
     plain token loss: the same losses and accumulated gradients chunked and full."""
     from functools import partial
 
-    from rl.dpo import dpo_batch_loss
-    from rl.forward_backward import ForwardBackwardPipeline
-    from rl.grpo import grpo_loss_fn
-    from rl.sft import sum_normalised_nll
+    from rl.engine.pipeline import ForwardBackwardPipeline
+    from rl.trainers.dpo import dpo_batch_loss
+    from rl.trainers.grpo import grpo_loss_fn
+    from rl.trainers.sft import sum_normalised_nll
 
     base = _model("llama")
     ids, mask, labels, _ = _batch(B=4)
@@ -216,13 +217,13 @@ def test_pipeline_training_forward_chunks_and_equals_the_full_path():
 def test_ppo_policy_loss_through_the_engine_chunked_equals_full(monkeypatch):
     """PPO's custom loss (log-probs and entropy of the response, value head on the same forward):
     the same loss, metrics and gradients with the LM head chunked."""
-    from rl.forward_backward import ForwardBackwardPipeline
-    from rl import ppo_model
-    from rl.ppo import PPOModel, policy_loss
+    from rl.engine.pipeline import ForwardBackwardPipeline
+    from rl.models.value import PPOModel
+    from rl.trainers.ppo_math import policy_loss, response_logprobs
 
     seen = []
-    real = ppo_model.response_logprobs
-    monkeypatch.setattr(ppo_model, "response_logprobs",
+    real = response_logprobs
+    monkeypatch.setattr(ppo_math, "response_logprobs",
                         lambda logits, *a, **k: seen.append(type(logits)) or real(logits, *a, **k))
     base = PPOModel(_model("llama"))
     torch.nn.init.normal_(base.value_head.out.weight, std=0.1)  # a value head that has gradients

@@ -15,13 +15,13 @@ from tests.conftest import accelerate_cmd, run_cmd
 
 
 def _model(path):
-    from rl.models import load_causal_lm
+    from rl.models.loading import load_causal_lm
 
     return load_causal_lm(path, dtype="float32")
 
 
 def _client(path, tokenizer=None, reference=False, gas=1, **kw):
-    from rl.forward_backward import AsyncTrainingClient
+    from rl.engine.client import AsyncTrainingClient
 
     model = _model(path)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
@@ -43,7 +43,7 @@ def _batch(tok, texts=("hello there", "general")):
 
 def test_importable_from_rl_and_module():
     import rl
-    from rl.forward_backward import AsyncTrainingClient
+    from rl.engine.client import AsyncTrainingClient
 
     assert rl.AsyncTrainingClient is AsyncTrainingClient
 
@@ -54,7 +54,7 @@ def test_requests_run_in_submission_order(tiny_llama, tiny_tokenizer):
     fail ("optim_step after 0 forward_backward calls"), and the event log would interleave."""
     client = _client(tiny_llama, max_workers=4)  # the reference's knob: must not create a race
     events, lock = [], threading.Lock()
-    from rl.losses import LOSS_FNS
+    from rl.engine.losses import LOSS_FNS
 
     def slow_ce(i):
         def fn(logits, labels, mask, **kw):
@@ -108,7 +108,7 @@ def test_unread_failure_is_raised_at_shutdown_and_logged(tiny_llama, tiny_tokeni
     read = client.forward_backward({"input_ids": torch.ones(1, 3, dtype=torch.long)}, loss_fn="nope")
     with pytest.raises(KeyError):
         read.result(timeout=60)  # read: not reported again
-    with caplog.at_level(logging.ERROR, logger="rl.forward_backward"):
+    with caplog.at_level(logging.ERROR, logger="rl.engine"):
         with pytest.raises(RuntimeError, match="1 request.* never read .tracebacks logged.; the first, "
                                                "optim_step: ValueError: optim_step needs an optimizer"):
             client.shutdown()
@@ -182,9 +182,10 @@ def test_save_and_load_state(tiny_llama, tiny_tokenizer, tmp_path):
 
 ZERO3_SCRIPT = textwrap.dedent('''
     import json, sys, torch, deepspeed
-    import rl.generation as G
-    from rl.forward_backward import AsyncTrainingClient, zero_stage
-    from rl.models import load_causal_lm, load_tokenizer
+    
+    from rl.engine.client import AsyncTrainingClient
+    from rl.engine.dist import zero_stage
+    from rl.models.loading import load_causal_lm, load_tokenizer
 
     path, out = sys.argv[1], sys.argv[2]
     calls = {"gather": 0}
@@ -253,9 +254,8 @@ def test_zero3_two_process_client(tiny_llama, tmp_path):
 def test_left_padded_rollout_scores_as_sampled_on_absolute_positions(tiny_cache, tiny_tokenizer):
     """GPT-2 has absolute positions: the first PPO ratio on a left-padded rollout is 1 only if
     forward_backward uses the same position ids as sampling."""
-    from rl.tiny import write_tiny_model
-
-    from rl.forward_backward import AsyncTrainingClient
+    from rl.engine.client import AsyncTrainingClient
+    from rl.models.tiny import write_tiny_model
 
     model = _model(str(write_tiny_model(tiny_cache / "gpt2", family="gpt2")))
     for m in model.modules():  # RL training turns dropout off (else the first ratio is not 1)

@@ -4,7 +4,10 @@ import sys
 
 import pytest
 
-from rl.config import ConfigError, TrainConfig, build, help_text, parse_config, save_config
+from rl.config.fields import build
+from rl.config.parse import help_text, parse_config, save_config
+from rl.config.schema import TrainConfig
+from rl.errors import ConfigError
 from tests.conftest import ROOT, run_cmd
 
 
@@ -94,11 +97,11 @@ def test_launch_script_exits_2_with_one_line(recipe):
 
 
 def test_one_alias_table_for_reference_and_trl_names():
-    """rl/config.py ALIASES: one table; each schema takes the first candidate that is one of its keys."""
-    from rl.dpo import DPOConfig
-    from rl.grpo import GRPOConfig
-    from rl.ppo import PPOConfig
-    from rl.sft import SFTConfig
+    """rl/config/fields.py ALIASES: one table; each schema takes the first candidate that is one of its keys."""
+    from rl.trainers.dpo import DPOConfig
+    from rl.trainers.grpo_config import GRPOConfig
+    from rl.trainers.ppo_config import PPOConfig
+    from rl.trainers.sft import SFTConfig
 
     ppo = build(PPOConfig, {"model_name": "m", "rl_kl_coef": 0.3, "max_completion_length": 7, "bf16": True,
                             "per_device_train_batch_size": 8, "mini_batch_size": 8, "logging_steps": 3,

@@ -4,7 +4,8 @@ import json
 
 import pytest
 
-from rl.data import DataError, LengthReport, load_records, render_chat
+from rl.data.records import LengthReport, load_records, render_chat
+from rl.errors import DataError
 
 
 def write(tmp_path, name, text):
@@ -96,7 +97,7 @@ def _hub_layout_repo(root):
 
 
 def test_dataset_repository_folder_configs_and_splits(tmp_path):
-    from rl.data import read_records
+    from rl.data.records import read_records
 
     repo = _hub_layout_repo(tmp_path / "repo")
     recs = load_records(repo, ["prompt", "completion"])  # default config, split train
@@ -116,8 +117,9 @@ def test_dataset_repository_folder_configs_and_splits(tmp_path):
 def test_data_keys_reach_the_loader(tmp_path):
     """data.name / data.split / data.eval_split from a recipe pick the config and splits of a trainer's
     train and eval data (SFT's loader here; the other trainers call the same source_options)."""
-    from rl.config import build
-    from rl.sft import SFTConfig, load_sft_records
+    from rl.config.fields import build
+    from rl.data.sft import load_sft_records
+    from rl.trainers.sft import SFTConfig
 
     repo = _hub_layout_repo(tmp_path / "repo")
     cfg = build(SFTConfig, {"model_name": "tiny:llama", "data": {"path": str(repo), "eval_path": str(repo)}})
@@ -130,7 +132,7 @@ def test_hub_id_offline_is_one_line(monkeypatch):
     import datasets
 
     monkeypatch.setattr(datasets.config, "HF_HUB_OFFLINE", True)
-    from rl.data import read_records
+    from rl.data.records import read_records
 
     with pytest.raises(DataError) as e:
         read_records("trl-lib/Capybara")
@@ -145,7 +147,7 @@ def test_hub_id_offline_is_one_line(monkeypatch):
 def test_saved_datasetdict_split(tmp_path):
     import datasets
 
-    from rl.data import read_records
+    from rl.data.records import read_records
 
     dd = datasets.DatasetDict({"train": datasets.Dataset.from_list([{"text": "a"}]),
                                "test": datasets.Dataset.from_list([{"text": "b"}])})
@@ -163,7 +165,7 @@ def test_streaming_reads_the_same_first_rows(tmp_path):
     """data.streaming on a folder laid out like a Hub repository (parquet shards; jsonl shards) gives
     the rows and locations of a full load, cut at the limit, and reads no further: a broken second
     shard fails the full load but not a stream that stops in the first."""
-    from rl.data import read_records
+    from rl.data.records import read_records
 
     repo = _hub_layout_repo(tmp_path / "repo")
     full = read_records(repo)
@@ -185,8 +187,10 @@ def test_streaming_reads_the_same_first_rows(tmp_path):
 
 
 def test_streaming_key_needs_max_examples_and_reaches_the_loader(tmp_path):
-    from rl.config import ConfigError, build
-    from rl.sft import SFTConfig, load_sft_records
+    from rl.config.fields import build
+    from rl.data.sft import load_sft_records
+    from rl.errors import ConfigError
+    from rl.trainers.sft import SFTConfig
 
     repo = _hub_layout_repo(tmp_path / "repo")
     with pytest.raises(ConfigError, match=r"^r.yaml: key 'data.streaming' .*set data.max_examples"):
@@ -200,7 +204,7 @@ def test_streaming_key_needs_max_examples_and_reaches_the_loader(tmp_path):
 
 
 def test_mixture_counts_hand_computed():
-    from rl.data import mixture_counts
+    from rl.data.records import mixture_counts
 
     assert mixture_counts([0.7, 0.3], [100, 100], 10) == [7, 3]  # exact: Fraction("0.7"), not 0.69999
     assert mixture_counts([1, 1, 1], [5, 5, 5], 7) == [3, 2, 2]  # 7/3 each, the leftover 1 to the first
@@ -220,7 +224,7 @@ def _mixture_files(tmp_path, n_a=10, n_b=10):
 
 
 def test_mixture_rows_proportions_order_and_locations(tmp_path):
-    from rl.data import read_records
+    from rl.data.records import read_records
 
     a, b = _mixture_files(tmp_path)
     mix = [{"path": str(a), "weight": 0.7}, {"path": str(b), "weight": 0.3}]
@@ -246,7 +250,7 @@ def test_mixture_rows_proportions_order_and_locations(tmp_path):
 def test_mixture_of_a_file_and_a_repository_streamed(tmp_path):
     """A mixture entry takes name/split as data.name/data.split do; with streaming each source fetches at
     most data.max_examples rows."""
-    from rl.data import read_records
+    from rl.data.records import read_records
 
     a, _ = _mixture_files(tmp_path)
     repo = _hub_layout_repo(tmp_path / "repo")
@@ -257,8 +261,9 @@ def test_mixture_of_a_file_and_a_repository_streamed(tmp_path):
 
 
 def test_mixture_config_errors_are_one_line():
-    from rl.config import ConfigError, build
-    from rl.sft import SFTConfig
+    from rl.config.fields import build
+    from rl.errors import ConfigError
+    from rl.trainers.sft import SFTConfig
 
     def err(data):
         with pytest.raises(ConfigError) as e:
@@ -281,15 +286,18 @@ def test_mixture_reaches_every_trainers_loader(tmp_path):
     """A recipe's data.mixture (data.path unset) is read by SFT, DPO, reward, PPO and GRPO loaders through
     source_options, seeded by the recipe's seed, with max_examples as the total; a bad row is named by
     its own file and line; the launch scripts count a mixture as data."""
-    from rl.config import build
-    from rl.dpo import DPOConfig
-    from rl.dpo_data import load_pair_records
-    from rl.grpo import GRPOConfig, GRPOTrainer
-    from rl.launch_utils import parse_recipe
-    from rl.model_card import card_text
-    from rl.ppo_config import PPOConfig, load_prompt_data
-    from rl.reward import RewardModelTrainer, RewardTrainConfig
-    from rl.sft import SFTConfig, load_sft_records
+    from rl.config.fields import build
+    from rl.data.preference import load_pair_records
+    from rl.data.sft import load_sft_records
+    from rl.models.card import card_text
+    from rl.scripts.common import parse_recipe
+    from rl.trainers.dpo import DPOConfig
+    from rl.trainers.grpo import GRPOTrainer
+    from rl.trainers.grpo_config import GRPOConfig
+    from rl.trainers.ppo_config import PPOConfig, load_prompt_data
+    from rl.trainers.reward import RewardModelTrainer
+    from rl.trainers.reward_config import RewardTrainConfig
+    from rl.trainers.sft import SFTConfig
 
     pair = {"prompt": "p", "chosen": "c", "rejected": "r", "text": "t"}
     a = write(tmp_path, "a.jsonl", "".join(json.dumps({**pair, "prompt": f"a{i}"}) + "\n" for i in range(1, 7)))

@@ -9,10 +9,19 @@ import random
 import pytest
 import torch
 
-from rl.config import ConfigError, build
+from rl.algos.preference import (
+    hinge_loss,
+    ipo_loss,
+    orpo_loss,
+    preference_loss,
+    sigmoid_loss,
+)
+from rl.config.fields import build
+from rl.data.preference import PreferenceDataset, collate_pairs
+from rl.engine.scoring import concatenated_logps
+from rl.errors import ConfigError
+from rl.trainers.dpo import DPOConfig, DPOTrainer, dpo_batch_loss
 from tests.conftest import LEARN_SEED, learned
-from rl.dpo import (DPOConfig, DPOTrainer, PreferenceDataset, collate_pairs, concatenated_logps, dpo_batch_loss,
-                    hinge_loss, ipo_loss, orpo_loss, preference_loss, sigmoid_loss)
 
 
 def _softplus(x: float) -> float:  # -log sigmoid(-x)
@@ -116,7 +125,7 @@ def test_dataset_masks_per_example_prompt_lengths(tiny_tokenizer):
 
 def test_dataset_truncation_left_prompt_and_answers(tiny_tokenizer, caplog):
     tok = tiny_tokenizer
-    with caplog.at_level(logging.WARNING, logger="rl.dpo"):
+    with caplog.at_level(logging.WARNING, logger="rl.data.preference"):
         ds = PreferenceDataset(["abcdefghij", "ok"], ["12345678", "y"], ["n", "no"], tok, max_length=8,
                                max_prompt_length=4)
     e = ds.examples[0]
@@ -146,7 +155,7 @@ def test_dataset_chat_template(tiny_tokenizer):
 
 @pytest.fixture(scope="module")
 def tiny_model(tiny_llama):
-    from rl.models import load_causal_lm
+    from rl.models.loading import load_causal_lm
 
     torch.manual_seed(0)
     return load_causal_lm(tiny_llama, dtype="float32").eval()
@@ -180,7 +189,7 @@ def test_logps_invariant_to_neighbours_padding_side_and_max_length(tiny_model, t
 # ------------------------------------------------------------------------------ reference models
 
 def test_lora_reference_equals_frozen_copy(tiny_llama, tiny_tokenizer, tmp_path):
-    from rl.models import load_causal_lm
+    from rl.models.loading import load_causal_lm
 
     tok = tiny_tokenizer
     ds = PreferenceDataset(["hello ", "what is 2+3? "], ["world", "5"], ["moon", "six"], tok, 64, 32)
@@ -204,7 +213,7 @@ def test_lora_reference_equals_frozen_copy(tiny_llama, tiny_tokenizer, tmp_path)
 
 
 def test_precomputed_reference_matches_live_reference(tiny_llama, tiny_tokenizer, tmp_path):
-    from rl.models import load_causal_lm
+    from rl.models.loading import load_causal_lm
 
     tok = tiny_tokenizer
     rng = random.Random(1)
@@ -253,7 +262,8 @@ def test_it_learns_heldout_reward_accuracy(tiny_tokenizer, tmp_path):
 @pytest.mark.parametrize("recipe", ["recipes/tiny/dpo.yaml", "recipes/gemma/270m_dpo.yaml"])
 def test_recipes_validate(recipe):
     from conftest import ROOT
-    from rl.config import parse_config
+
+    from rl.config.parse import parse_config
 
     cfg = parse_config(DPOConfig, ["--config", str(ROOT / recipe)])
     assert cfg.max_prompt_length < cfg.max_length

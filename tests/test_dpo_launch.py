@@ -6,7 +6,6 @@ import json
 import sys
 
 import pytest
-
 from conftest import ROOT, accelerate_cmd, run_cmd
 
 

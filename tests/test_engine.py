@@ -6,7 +6,8 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from rl.forward_backward import COMPLETE_MARKER, ForwardBackwardPipeline
+from rl.engine.pipeline import ForwardBackwardPipeline
+from rl.engine.state import COMPLETE_MARKER
 
 
 def make(path, n_accum, lr=0.1, opt="sgd", ckpt=None):
@@ -144,7 +145,7 @@ def test_interrupted_save_leaves_previous_checkpoint(tiny_llama, tmp_path, monke
     pipe.forward_backward(batch(2)).result()
     pipe.optim_step().result()
 
-    import rl.forward_backward as fb
+    import rl.engine.pipeline as fb
 
     def boom(*a, **k):
         raise OSError("disk full")
@@ -185,8 +186,8 @@ def test_checkpoint_name_is_one_path_component(tiny_llama, tmp_path, name):
 
 
 def test_client_refuses_a_traversing_name_before_queueing(tiny_llama, tmp_path):
-    from rl.forward_backward import AsyncTrainingClient
-    from rl.models import load_causal_lm
+    from rl.engine.client import AsyncTrainingClient
+    from rl.models.loading import load_causal_lm
 
     model = load_causal_lm(tiny_llama, dtype="float32")
     client = AsyncTrainingClient(model, device="cpu", checkpoint_dir=tmp_path / "ck",
@@ -200,7 +201,7 @@ def test_client_refuses_a_traversing_name_before_queueing(tiny_llama, tmp_path):
 DDP_PARTIAL_SCRIPT = '''
 import json, sys, torch
 from transformers import AutoModelForCausalLM
-from rl.forward_backward import ForwardBackwardPipeline
+from rl.engine.pipeline import ForwardBackwardPipeline
 
 path, out = sys.argv[1], sys.argv[2]
 def make(n, acc=None):
@@ -249,7 +250,7 @@ def test_unread_failure_is_logged_when_the_pipeline_is_dropped(tiny_llama, caplo
     pipe = make(tiny_llama, 1)
     pipe.optim_step()  # fails (no micro-batch); its future is dropped unread
     pipe.forward_backward(batch(2)).result()  # later requests still run
-    with caplog.at_level(logging.ERROR, logger="rl.forward_backward"):
+    with caplog.at_level(logging.ERROR, logger="rl.engine"):
         del pipe
         gc.collect()
     assert [r.getMessage().splitlines()[0] for r in caplog.records] == [
@@ -260,7 +261,7 @@ def test_unread_failure_is_logged_when_the_pipeline_is_dropped(tiny_llama, caplo
 def test_partial_accumulation_is_refused_under_deepspeed(tiny_llama, monkeypatch):
     """DeepSpeed steps inside the N-th backward, so k < N cannot be applied: a clear error, state kept
     (checked with the DeepSpeed test stubbed: the rule runs before any DeepSpeed call)."""
-    import rl.forward_backward as fb
+    import rl.engine.pipeline as fb
 
     pipe = make(tiny_llama, 4)
     pipe.forward_backward(batch(2)).result()

@@ -12,14 +12,26 @@ import pytest
 import torch
 
 import rl
-from rl import environments as E
-from rl.data import DataError
-from rl.sandbox import private_root_available
+import rl.environments as E
+from rl.envs.base import TextGenerationEnv, run_episode
+from rl.envs.code import (
+    CodeGenerationEnv,
+    create_code_generation_env,
+    extract_code,
+    parse_unit_test,
+    unit_test_passes,
+)
+from rl.envs.isolation import private_root_available
+from rl.envs.math import create_math_problem_env
+from rl.envs.objectives import MultiObjectiveRewardEnv, PreferenceComparisonEnv
+from rl.envs.registry import make_env
+from rl.errors import DataError
+from rl.rewards.answers import parse_number
 
 
 @pytest.fixture(scope="module")
 def tok():
-    from rl.tiny import build_tokenizer
+    from rl.models.tiny import build_tokenizer
 
     return build_tokenizer()
 
@@ -47,7 +59,7 @@ def test_public_names_importable_from_rl():
 
 
 def test_text_env_reset_step_render_default_length_reward(tok):
-    env = E.TextGenerationEnv(tok, ["Tell me: ", "Other"], max_length=64)
+    env = TextGenerationEnv(tok, ["Tell me: ", "Other"], max_length=64)
     obs = env.reset()
     assert obs.prompt == "Tell me: " and obs.input_ids.shape == (1, 9) and obs.attention_mask.sum() == 9
     r = env.step(ids(tok, "a")[0])
@@ -64,7 +76,7 @@ def test_text_env_reset_step_render_default_length_reward(tok):
 
 
 def test_text_env_stop_sequence_and_max_length(tok):
-    env = E.TextGenerationEnv(tok, ["Q"], max_length=6, stop_sequences=["\n\n"],
+    env = TextGenerationEnv(tok, ["Q"], max_length=6, stop_sequences=["\n\n"],
                               reward_fn=lambda prompt, generated, full_text: float(len(generated)))
     env.reset()
     r = play(env, tok, "ab\n\ncd", eos=False)
@@ -74,11 +86,11 @@ def test_text_env_stop_sequence_and_max_length(tok):
     r = play(env, tok, "abcdefgh", eos=False)
     assert r.done and r.info["stop_reason"] == "max_length" and r.metrics["length"] == 5  # 1 + 5 = max_length
     with pytest.raises(ValueError, match="max_length"):
-        E.TextGenerationEnv(tok, ["x" * 10], max_length=4).reset()
+        TextGenerationEnv(tok, ["x" * 10], max_length=4).reset()
 
 
 def test_text_env_accepts_tensor_and_multi_token_actions(tok):
-    env = E.TextGenerationEnv(tok, ["P"], max_length=32)
+    env = TextGenerationEnv(tok, ["P"], max_length=32)
     env.reset()
     env.step(torch.tensor(ids(tok, "hi")[0]))
     r = env.step(torch.tensor(ids(tok, "i there") + [tok.eos_token_id, 65]))  # tokens after EOS are dropped
@@ -89,7 +101,7 @@ def test_batched_score_matches_step_and_takes_batched_reward_fn(tok):
     def batched(prompts, responses, metadata=None):
         return [len(p) + 10 * len(r) for p, r in zip(prompts, responses)]
 
-    env = E.TextGenerationEnv(tok, ["ab", "c"], reward_fn=batched, stop_sequences=["\n"])
+    env = TextGenerationEnv(tok, ["ab", "c"], reward_fn=batched, stop_sequences=["\n"])
     rewards, metrics = env.score(["ab", "c"], ["xy\nignored", ""])
     assert rewards == [22.0, 1.0] and metrics["reward"] == rewards
     assert env(["ab"], ["x"]) == [12.0]
@@ -100,7 +112,7 @@ def test_batched_score_matches_step_and_takes_batched_reward_fn(tok):
 
 
 def test_sample_prompts_deterministic(tok):
-    env = E.TextGenerationEnv(tok, [f"p{i}" for i in range(10)], metadata=[{"i": i} for i in range(10)])
+    env = TextGenerationEnv(tok, [f"p{i}" for i in range(10)], metadata=[{"i": i} for i in range(10)])
     a, b = env.sample_prompts(4, seed=3), env.sample_prompts(4, seed=3)
     assert a == b and len({x["prompt"] for x in a}) == 4
     assert all(x["metadata"]["i"] == int(x["prompt"][1:]) for x in a)
@@ -108,16 +120,16 @@ def test_sample_prompts_deterministic(tok):
 
 
 def test_run_episode_trajectory(tok):
-    env = E.TextGenerationEnv(tok, ["P"], max_length=16)
+    env = TextGenerationEnv(tok, ["P"], max_length=16)
     script = iter(ids(tok, "one two") + [tok.eos_token_id])
-    traj = E.run_episode(env, lambda obs: (next(script), torch.tensor(-0.5)))
+    traj = run_episode(env, lambda obs: (next(script), torch.tensor(-0.5)))
     assert traj.done and len(traj.actions) == 8 == len(traj.rewards) == len(traj.logprobs) == len(traj.observations)
     assert traj.total_reward == pytest.approx(0.02) and traj.rewards[:-1] == [0.0] * 7
     assert traj.observations[3].input_ids.shape == (1, 4)
 
 
 def test_sample_action_uses_temperature(tok):
-    env = E.TextGenerationEnv(tok, ["P"], temperature=1e-4)
+    env = TextGenerationEnv(tok, ["P"], temperature=1e-4)
     logits = torch.zeros(300)
     logits[42] = 1.0
     assert all(env.sample_action(logits).item() == 42 for _ in range(5))  # near-greedy at tiny temperature
@@ -132,7 +144,7 @@ def test_multi_objective_component_metrics(tok):
     def formatting(prompt, generated, full_text):
         return 0.5 if generated.startswith("A:") else 0.0
 
-    env = E.MultiObjectiveRewardEnv(tok, ["Q?"], reward_components={"correctness": correctness, "formatting": formatting},
+    env = MultiObjectiveRewardEnv(tok, ["Q?"], reward_components={"correctness": correctness, "formatting": formatting},
                                     reward_weights={"correctness": 1.0, "formatting": 0.1})
     env.reset()
     r = play(env, tok, "A: 42")
@@ -142,14 +154,14 @@ def test_multi_objective_component_metrics(tok):
     assert rewards == pytest.approx([0.05, 1.0])
     assert metrics["reward_formatting"] == [0.5, 0.0] and metrics["reward_correctness"] == [0.0, 1.0]
     with pytest.raises(ValueError, match="weight only existing"):
-        E.MultiObjectiveRewardEnv(tok, ["Q"], reward_components={"a": correctness}, reward_weights={"b": 1.0})
+        MultiObjectiveRewardEnv(tok, ["Q"], reward_components={"a": correctness}, reward_weights={"b": 1.0})
 
 
 def test_component_with_metadata(tok):
     def needs_meta(prompt, generated, full_text, metadata=None):
         return float(generated == metadata["target"])
 
-    env = E.MultiObjectiveRewardEnv(tok, ["Q"], reward_components={"match": needs_meta},
+    env = MultiObjectiveRewardEnv(tok, ["Q"], reward_components={"match": needs_meta},
                                     metadata=[{"target": "yes"}])
     assert env.score(["Q", "Q"], ["yes", "no"])[0] == [1.0, 0.0]  # metadata looked up by prompt
     assert env.score(["Z"], ["no"], [{"target": "no"}])[0] == [1.0]
@@ -165,7 +177,7 @@ class LengthScorer:
 
 
 def test_preference_env_with_scorer(tok):
-    env = E.PreferenceComparisonEnv(tok, ["Q: "], preference_model=LengthScorer())
+    env = PreferenceComparisonEnv(tok, ["Q: "], preference_model=LengthScorer())
     obs = env.reset()
     assert obs.metadata["comparison_round"] == 0
     r1 = env.step(ids(tok, "short"))
@@ -180,11 +192,11 @@ def test_preference_env_with_scorer(tok):
 
 
 def test_preference_env_with_callable_and_human_feedback(tok):
-    env = E.PreferenceComparisonEnv(tok, ["Q"], preference_model=lambda texts: [t.count("!") for t in texts])
+    env = PreferenceComparisonEnv(tok, ["Q"], preference_model=lambda texts: [t.count("!") for t in texts])
     env.reset()
     env.step("hi!!")
     assert env.step("hi").reward == 2.0
-    fb = E.PreferenceComparisonEnv(tok, ["Q"], human_feedback_fn=lambda p, a, b: 1.0 if len(a) < len(b) else -1.0)
+    fb = PreferenceComparisonEnv(tok, ["Q"], human_feedback_fn=lambda p, a, b: 1.0 if len(a) < len(b) else -1.0)
     fb.reset()
     fb.step("a")
     r = fb.step("bbb")
@@ -196,16 +208,16 @@ def test_preference_env_with_callable_and_human_feedback(tok):
 
 def test_preference_env_requires_a_source(tok):
     with pytest.raises(ValueError, match="never guesses"):
-        E.PreferenceComparisonEnv(tok, ["Q"])
+        PreferenceComparisonEnv(tok, ["Q"])
 
 
 def test_preference_env_with_hf_classifier(tok, tiny_llama):
-    from rl.models import load_causal_lm, load_tokenizer
+    from rl.models.loading import load_causal_lm, load_tokenizer
 
     torch.manual_seed(0)  # the causal-LM checkpoint loads with a fresh score head, as reward models start
     model = load_causal_lm(tiny_llama, dtype="float32", task="classifier")
     rtok = load_tokenizer(tiny_llama)
-    env = E.PreferenceComparisonEnv(tok, ["Q: "], preference_model=model, reward_tokenizer=rtok)
+    env = PreferenceComparisonEnv(tok, ["Q: "], preference_model=model, reward_tokenizer=rtok)
     env.reset()
     env.step("good answer")
     r = env.step("bad")
@@ -221,7 +233,7 @@ def test_preference_env_with_hf_classifier(tok, tiny_llama):
 # ------------------------------------------------------------------------------- math
 
 def test_math_env_reset_step_render_and_rewards(tok):
-    env = E.create_math_problem_env(tok, difficulty="tiny", num_problems=20, seed=0)
+    env = create_math_problem_env(tok, difficulty="tiny", num_problems=20, seed=0)
     obs = env.reset()
     assert re.fullmatch(r"\d\+\d=", obs.prompt)
     a, b = map(int, obs.metadata["problem"].split("+"))
@@ -238,7 +250,7 @@ def test_math_env_reset_step_render_and_rewards(tok):
 
 
 def test_math_env_batched_table(tok):
-    env = E.create_math_problem_env(tok, difficulty="easy", answer_format="answer")
+    env = create_math_problem_env(tok, difficulty="easy", answer_format="answer")
     batch = env.sample_prompts(4, seed=7)
     assert batch == env.sample_prompts(4, seed=7) and batch[0]["prompt"].startswith("Question: What is ")
     meta = [{"answer": "-3"}, {"answer": "-3"}, {"answer": "3/4"}, {"answer": "12"}, {"answer": "12"}]
@@ -252,8 +264,8 @@ def test_math_env_batched_table(tok):
 
 
 def test_math_train_test_split_is_disjoint_and_stable(tok):
-    train = E.create_math_problem_env(tok, difficulty="tiny", num_problems=500, seed=1)
-    test = E.create_math_problem_env(tok, difficulty="tiny", num_problems=200, seed=2, split="test")
+    train = create_math_problem_env(tok, difficulty="tiny", num_problems=500, seed=1)
+    test = create_math_problem_env(tok, difficulty="tiny", num_problems=200, seed=2, split="test")
     tr, te = {p["problem"] for p in train.problems}, {p["problem"] for p in test.problems}
     assert tr.isdisjoint(te) and len(tr) + len(te) == 100  # all 100 tiny problems, split ~80/20
     assert 10 <= len(te) <= 30
@@ -269,13 +281,13 @@ def eval_sum(prompt):  # "3+4=" -> 7, parsed by hand (no eval)
 
 
 def test_math_hard_problems_have_exact_answers(tok):
-    env = E.create_math_problem_env(tok, difficulty="hard", num_problems=200, seed=3, split="all")
+    env = create_math_problem_env(tok, difficulty="hard", num_problems=200, seed=3, split="all")
     ops = {"+": lambda x, y: x + y, "-": lambda x, y: x - y, "*": lambda x, y: x * y, "/": lambda x, y: x / y}
     saw_fraction = False
     for p in env.problems:
         a, o1, b, o2, c = re.fullmatch(r"\((\d+)([-+*])(\d+)\)([-+*/])(\d+)", p["problem"]).groups()
         value = ops[o2](ops[o1](Fraction(a), Fraction(b)), Fraction(c))
-        assert E.R.parse_number(p["answer"]) == value
+        assert parse_number(p["answer"]) == value
         saw_fraction |= "/" in p["answer"]
     assert saw_fraction
 
@@ -283,14 +295,14 @@ def test_math_hard_problems_have_exact_answers(tok):
 def test_math_env_from_jsonl(tok, tmp_path):
     path = tmp_path / "problems.jsonl"
     path.write_text('{"problem": "What is half of 3?", "answer": 1.5}\n{"problem": "2-5", "answer": "-3"}\n')
-    env = E.create_math_problem_env(tok, problems_path=str(path), answer_format="boxed")
+    env = create_math_problem_env(tok, problems_path=str(path), answer_format="boxed")
     assert [p["answer"] for p in env.problems] == ["1.5", "-3"]
     rewards, _ = env.score(env.prompts, ["\\boxed{3/2}", "\\boxed{3}"])
     assert rewards == pytest.approx([1.1, 0.1])
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"problem": "1+1", "answer": 2}\n{"problem": "2+2"}\n')
     with pytest.raises(ValueError, match=r"bad.jsonl:2: 'answer'"):
-        E.create_math_problem_env(tok, problems_path=str(bad))
+        create_math_problem_env(tok, problems_path=str(bad))
 
 
 # ------------------------------------------------------------------------------- code
@@ -299,7 +311,7 @@ def test_math_env_from_jsonl(tok, tmp_path):
 SANDBOX = "isolated" if private_root_available() else "unisolated"
 
 def test_code_env_syntax_and_style(tok):
-    env = E.create_code_generation_env(tok)
+    env = create_code_generation_env(tok)
     obs = env.reset()
     assert obs.prompt.startswith("Write a Python function add")
     good = 'def add(a, b):\n    """Sum."""\n    return a + b\n'
@@ -315,18 +327,18 @@ def test_code_env_syntax_and_style(tok):
 
 
 def test_code_env_unit_tests_run_in_sandbox_only(tok, monkeypatch):
-    import rl.sandbox
+    import rl.envs.sandbox
 
     calls = []
-    real = rl.sandbox.run_python
+    real = rl.envs.sandbox.run_python
 
     def counting(code, **kw):
         calls.append(code)
         return real(code, **kw)
 
-    monkeypatch.setattr(rl.sandbox, "run_python", counting)
+    monkeypatch.setattr(rl.envs.sandbox, "run_python", counting)
     monkeypatch.delenv("RL_SANDBOX_PWNED", raising=False)
-    env = E.create_code_generation_env(tok, run_tests=True, timeout=3.0, sandbox=SANDBOX)
+    env = create_code_generation_env(tok, run_tests=True, timeout=3.0, sandbox=SANDBOX)
     prompt = env.prompts[1]  # factorial
     right = "def factorial(n):\n    return 1 if n < 2 else n * factorial(n - 1)\n"
     wrong = "def factorial(n):\n    return n\n"  # passes factorial(1) only
@@ -341,26 +353,26 @@ def test_code_env_unit_tests_run_in_sandbox_only(tok, monkeypatch):
 
 @pytest.mark.slow
 def test_code_env_infinite_loop_scores_zero(tok):
-    env = E.create_code_generation_env(tok, run_tests=True, timeout=1.0, sandbox=SANDBOX)
+    env = create_code_generation_env(tok, run_tests=True, timeout=1.0, sandbox=SANDBOX)
     rewards, m = env.score([env.prompts[0]], ["def add(a, b):\n    while True:\n        pass\n"])
     assert m["reward_tests"] == [0.0]
 
 
 def test_unit_test_forms_and_their_checks():
-    t = E.parse_unit_test("assert 120 == factorial(5)")
+    t = parse_unit_test("assert 120 == factorial(5)")
     assert (t.function, t.args, t.op, t.expected) == ("factorial", ("5",), "==", 120)
-    t = E.parse_unit_test("assert f([1, -2], key={'a': (1,)}) is None")
+    t = parse_unit_test("assert f([1, -2], key={'a': (1,)}) is None")
     assert (t.args, t.kwargs, t.op, t.expected) == (("[1, -2]",), (("key", "{'a': (1,)}"),), "is", None)
     cases = [("assert f(1) == 3", "3", True), ("assert f(1) == 3", "3.0", True), ("assert f(1) == 3", "4", False),
              ("assert f('a')", "'x'", True), ("assert f('a')", "0", False), ("assert not f('a')", "[]", True),
              ("assert 2 in f()", "[1, 2]", True), ("assert f() in (1, 2)", "3", False),
              ("assert f() < 1.5", "1", True), ("assert f() is not None", "None", False)]
     for test, value, passes in cases:
-        assert E.unit_test_passes(E.parse_unit_test(test), {"i": 0, "repr": value}) is passes, (test, value)
+        assert unit_test_passes(parse_unit_test(test), {"i": 0, "repr": value}) is passes, (test, value)
     for bad in ["assert abs(f(1) - 2) < 1e-6", "x = f(1)\nassert x == 2", "assert f(1) == g(2)",
                 "assert f(1) is 3", "assert f(a)", "assert f(1) == [x for x in y]", "assert 1 < f(1) < 3", "f(1)"]:
         with pytest.raises(ValueError, match="write each test as"):
-            E.parse_unit_test(bad)
+            parse_unit_test(bad)
 
 
 def test_code_env_rejects_unit_tests_it_cannot_judge(tok, tmp_path):
@@ -368,15 +380,15 @@ def test_code_env_rejects_unit_tests_it_cannot_judge(tok, tmp_path):
     path.write_text(json.dumps({"prompt": "Write f.", "tests": ["assert f(1) == 2"]}) + "\n"
                     + json.dumps({"prompt": "Write g.", "tests": ["assert abs(g(1) - 2) < 1e-6"]}) + "\n")
     with pytest.raises(DataError, match=r"code.jsonl:2: unit test 'assert abs"):
-        E.create_code_generation_env(tok, problems_path=str(path), run_tests=True, sandbox=SANDBOX)
-    env = E.create_code_generation_env(tok, problems_path=str(path))  # without run_tests nothing runs them
+        create_code_generation_env(tok, problems_path=str(path), run_tests=True, sandbox=SANDBOX)
+    env = create_code_generation_env(tok, problems_path=str(path))  # without run_tests nothing runs them
     assert len(env.prompts) == 2
 
 
 def test_extract_code():
-    assert E.extract_code("text\n```python\nx = 1\n```\nmore") == "x = 1\n"
-    assert E.extract_code("x = 2\n```\ntrailing", prompt="Solve:\n```python\n") == "x = 2\n"
-    assert E.extract_code("y = 3") == "y = 3"
+    assert extract_code("text\n```python\nx = 1\n```\nmore") == "x = 1\n"
+    assert extract_code("x = 2\n```\ntrailing", prompt="Solve:\n```python\n") == "x = 2\n"
+    assert extract_code("y = 3") == "y = 3"
 
 
 # ------------------------------------------------------------------------------- factory
@@ -384,32 +396,32 @@ def test_extract_code():
 def test_make_env_all_types(tok, tmp_path):
     prompts = tmp_path / "prompts.jsonl"
     prompts.write_text('{"text": "Hello", "answer": "5"}\n{"text": "World", "answer": "6"}\n')
-    t = E.make_env("text_generation", tok, {"prompts_path": str(prompts), "reward_fn": "correctness"})
+    t = make_env("text_generation", tok, {"prompts_path": str(prompts), "reward_fn": "correctness"})
     assert t.score(["Hello", "World"], ["Answer: 5", "7"])[0] == [1.0, 0.0]  # answers from the data rows
-    mo = E.make_env("multi_objective", tok, json.dumps(
+    mo = make_env("multi_objective", tok, json.dumps(
         {"prompts": ["Q"], "metadata": [{"answer": "5"}], "reward_weights": {"correctness": 1.0, "formatting": 0.1}}))
     rewards, metrics = mo.score(["Q"], ["Answer: 5"])
     assert rewards == pytest.approx([1.1]) and set(metrics) == {"reward_correctness", "reward_formatting", "reward_total"}
-    pc = E.make_env("preference_comparison", tok, {"prompts": ["Q"], "preference_model": LengthScorer()})
+    pc = make_env("preference_comparison", tok, {"prompts": ["Q"], "preference_model": LengthScorer()})
     assert pc.score(["Q"], ["ab"])[0] == [3.0]
-    m = E.make_env("math", tok, '{"difficulty": "tiny", "num_problems": 5}')
+    m = make_env("math", tok, '{"difficulty": "tiny", "num_problems": 5}')
     assert len(m.prompts) == 5
-    c = E.make_env("code", tok, {})
-    assert isinstance(c, E.CodeGenerationEnv)
+    c = make_env("code", tok, {})
+    assert isinstance(c, CodeGenerationEnv)
     with pytest.raises(ValueError, match="choose one of"):
-        E.make_env("atari", tok, {})
+        make_env("atari", tok, {})
     with pytest.raises(ValueError, match="bad config for environment 'math'"):
-        E.make_env("math", tok, {"dificulty": "tiny"})
+        make_env("math", tok, {"dificulty": "tiny"})
     with pytest.raises(ValueError, match="not valid JSON"):
-        E.make_env("math", tok, "{oops")
+        make_env("math", tok, "{oops")
     with pytest.raises(ValueError, match="'prompts'"):
-        E.make_env("text_generation", tok, {})
+        make_env("text_generation", tok, {})
 
 
 # ------------------------------------------------------------------------------- trainer adapters
 
 def test_reward_functions_for_grpo(tok):
-    env = E.create_math_problem_env(tok, difficulty="tiny", num_problems=5)
+    env = create_math_problem_env(tok, difficulty="tiny", num_problems=5)
     funcs, weights = env.reward_functions()
     assert [f.__name__ for f in funcs] == ["correctness", "formatting"] and weights == [1.0, 0.1]
     prompts = ["1+2=", "1+2=", "3+3="]
@@ -417,7 +429,7 @@ def test_reward_functions_for_grpo(tok):
     answer = ["3", "3", "6"]
     assert funcs[0](prompts, completions, answer=answer) == [1.0, 0.0, 1.0]
     assert funcs[1](prompts, completions, answer=answer) == [1.0, 0.0, 1.0]
-    text_funcs, text_weights = E.TextGenerationEnv(tok, ["p"]).reward_functions()
+    text_funcs, text_weights = TextGenerationEnv(tok, ["p"]).reward_functions()
     assert text_funcs[0](["p"], ["a b"]) == [0.02] and text_weights == [1.0]
 
 
@@ -425,12 +437,12 @@ def test_trl_style_reward_fn_in_env(tok):
     def trl_fn(prompts, completions, answer, **kwargs):
         return [1.0 if c == a else None for c, a in zip(completions, answer)]
 
-    env = E.TextGenerationEnv(tok, ["p"], reward_fn=trl_fn)
+    env = TextGenerationEnv(tok, ["p"], reward_fn=trl_fn)
     assert env.score(["p", "p"], ["x", "y"], [{"answer": "x"}, {"answer": "x"}])[0] == [1.0, 0.0]
 
 
 def test_batched_api_needs_no_tokenizer_and_fills_empty_metadata():
-    env = E.create_math_problem_env(None, difficulty="tiny", num_problems=3, seed=4)
+    env = create_math_problem_env(None, difficulty="tiny", num_problems=3, seed=4)
     p = env.prompts[0]
     answer = env.metadata[0]["answer"]
     assert env.score([p, p], [answer, "x"], [{}, None])[0] == pytest.approx([1.1, 0.0])

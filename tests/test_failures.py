@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from rl.config import ConfigError
+from rl.errors import ConfigError
 from tests.conftest import ROOT, launch_module, run_main
 
 SCRIPTS = ("sft", "reward", "dpo", "ppo", "grpo", "online_dpo", "pipeline")
@@ -142,7 +142,7 @@ def test_pipeline_unknown_tiny_family(capsys, tmp_path):
 
 
 def test_write_tiny_model_refuses_an_unknown_family_before_writing(tmp_path):
-    from rl.tiny import write_tiny_model
+    from rl.models.tiny import write_tiny_model
 
     with pytest.raises(ValueError, match="unknownfamily"):
         write_tiny_model(tmp_path / "m", family="unknownfamily")
@@ -151,7 +151,7 @@ def test_write_tiny_model_refuses_an_unknown_family_before_writing(tmp_path):
 
 def test_stale_temp_directory_in_the_tiny_cache_is_removed(tmp_path):
     """A build killed half-way leaves `.<name>.tmp-<pid>`; the next build removes it and succeeds."""
-    from rl.tiny import write_tiny_model
+    from rl.models.tiny import write_tiny_model
 
     stale = tmp_path / ".m.tmp-999999"
     stale.mkdir()
@@ -203,7 +203,7 @@ def test_output_dir_that_is_a_file(capsys, tmp_path, script):
 
 def test_output_dir_not_writable(capsys, tmp_path, monkeypatch):
     """Root may write anywhere, so the permission is simulated: os.access says the parent is read-only."""
-    import rl.launch_utils as lu
+    import rl.scripts.common as lu
 
     ro = tmp_path / "readonly"
     ro.mkdir()
@@ -292,8 +292,8 @@ def test_causal_lm_as_reward_model_is_refused(capsys, tmp_path, tiny_llama):
 
 def test_reward_model_problem():
     """A reward_config.json or a *ForSequenceClassification config passes; a causal LM does not."""
-    from rl.reward import reward_model_problem
-    from rl.tiny import resolve_model_path
+    from rl.models.reward_format import reward_model_problem
+    from rl.models.sources import resolve_model_path
 
     assert reward_model_problem(resolve_model_path("tiny:llama-classifier")) is None
     problem = reward_model_problem(resolve_model_path("tiny:llama"))
@@ -301,7 +301,7 @@ def test_reward_model_problem():
 
 
 def test_load_reward_model_refuses_a_causal_lm(tiny_llama):
-    from rl.reward import load_reward_model
+    from rl.models.reward import load_reward_model
 
     with pytest.raises(ValueError, match="not a reward model"):
         load_reward_model(tiny_llama)
@@ -324,7 +324,7 @@ def test_short_batch_weights_give_the_exact_step_mean():
     """DPO: 3 pairs in a step of 2 processes x 2 micro-batches, split [2], [1] / [0 (padding)], [] :
     sum over micro-batches of loss / accumulation, then the mean over processes (what the engine and
     DDP do) equals the mean of the 3 per-pair losses, with the weights train_step gives."""
-    from rl.dpo import dpo_batch_loss
+    from rl.trainers.dpo import dpo_batch_loss
 
     torch.manual_seed(0)
     V, T = 11, 5
@@ -352,8 +352,8 @@ def test_short_batch_weights_give_the_exact_step_mean():
 
 
 def test_epoch_plan_keeps_a_short_last_batch():
-    from rl.config import epoch_plan
-    from rl.dpo import DPOConfig
+    from rl.config.plan import epoch_plan
+    from rl.trainers.dpo import DPOConfig
 
     cfg = DPOConfig(model_name="x", batch_size=8, gradient_accumulation_steps=2)
     plan = epoch_plan(cfg, 2, 1, "pairs")
@@ -416,7 +416,7 @@ def test_short_last_batch_two_processes_match_one(tmp_path, script, extra, capfd
 
 def test_model_problem_tells_paths_from_hub_ids(tmp_path, monkeypatch):
     """Hub ids ('gpt2', 'org/name') are left to the loader; what can only be a local path must exist."""
-    from rl.launch_utils import model_problem
+    from rl.scripts.common import model_problem
 
     monkeypatch.chdir(tmp_path)
     (tmp_path / "runs").mkdir()

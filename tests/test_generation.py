@@ -5,16 +5,17 @@ from __future__ import annotations
 import pytest
 import torch
 
-from rl.generation import (Rollout, generate, hashed_uniform, left_pad, position_ids_from_mask, process_logits,
-                           sequence_logprobs)
-from rl.losses import token_logprobs
+from rl.engine.generation import Rollout, generate
+from rl.engine.losses import token_logprobs
+from rl.engine.packing import left_pad, position_ids_from_mask
+from rl.engine.scoring import hashed_uniform, process_logits, sequence_logprobs
 
 EOS = 258
 
 
 @pytest.fixture(scope="module")
 def lm(tiny_llama):
-    from rl.models import load_causal_lm
+    from rl.models.loading import load_causal_lm
 
     model = load_causal_lm(tiny_llama, dtype="float32")
     model.eval()
@@ -200,8 +201,8 @@ def test_chunked_sequence_logprobs_equal_full(lm, prompts):
 def test_left_padding_with_absolute_positions_gpt2(tiny_cache, prompts):
     """GPT-2 has absolute position embeddings: wrong position ids under left padding would change
     every token, so this checks them (RoPE models are shift-invariant)."""
-    from rl.models import load_causal_lm
-    from rl.tiny import write_tiny_model
+    from rl.models.loading import load_causal_lm
+    from rl.models.tiny import write_tiny_model
 
     gpt2 = load_causal_lm(str(write_tiny_model(tiny_cache / "gpt2", family="gpt2")), dtype="float32").eval()
     batched = generate(gpt2, 256, prompts, max_new_tokens=8, seed=9, eos_token_id=EOS)

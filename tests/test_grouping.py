@@ -1,4 +1,4 @@
-"""Length-grouped GRPO micro-batches (rl.grpo_sampling `length_grouped_slices`, `take_micro_batch`; rl.grpo
+"""Length-grouped GRPO micro-batches (rl.trainers.grpo_batch `length_grouped_slices`, `take_micro_batch`; rl.trainers.grpo
 `_logprobs`): rows sorted by length and cut into equal groups, each trimmed to its own widest row, give the same log-probs, loss and
 gradients as the former contiguous, full-width micro-batches; per-row results come back in row order."""
 
@@ -9,16 +9,20 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from rl import grpo
-from rl.config import build
-from rl.forward_backward import ForwardBackwardPipeline
-from rl.generation import Rollout, left_pad, position_ids_from_mask, sequence_logprobs
-from rl.grpo import GRPOConfig, GRPOTrainer, length_grouped_slices, take_micro_batch, grpo_loss_fn
+from rl.config.fields import build
+from rl.engine.generation import Rollout
+from rl.engine.packing import left_pad, position_ids_from_mask
+from rl.engine.pipeline import ForwardBackwardPipeline
+from rl.engine.scoring import sequence_logprobs
+from rl.trainers import grpo
+from rl.trainers.grpo import GRPOTrainer, grpo_loss_fn
+from rl.trainers.grpo_batch import length_grouped_slices, take_micro_batch
+from rl.trainers.grpo_config import GRPOConfig
 
 
 @pytest.fixture(scope="module")
 def lm(tiny_llama):
-    from rl.models import load_causal_lm
+    from rl.models.loading import load_causal_lm
 
     model = load_causal_lm(tiny_llama, dtype="float32")
     model.eval()

@@ -12,12 +12,26 @@ from collections import defaultdict
 import pytest
 import torch
 
-from rl.config import ConfigError, build
+from rl.algos.advantages import (
+    compute_advantages,
+    dr_grpo_advantages,
+    grpo_advantages,
+    reinforce_pp_advantages,
+    rloo_advantages,
+)
+from rl.algos.kl import k3_kl
+from rl.algos.policy_losses import grpo_loss, gspo_loss
+from rl.config.fields import build
+from rl.errors import ConfigError
+from rl.trainers.grpo import GRPOTrainer
+from rl.trainers.grpo_config import GRPOConfig
+from rl.trainers.rewards import (
+    FunctionReward,
+    RewardError,
+    WeightedSum,
+    combine_rewards,
+)
 from tests.conftest import LEARN_SEED, learned
-from rl.grpo import (GRPOConfig, GRPOTrainer, combine_rewards, compute_advantages, dr_grpo_advantages,
-                     grpo_advantages, grpo_loss, k3_kl, reinforce_pp_advantages, rloo_advantages)
-from rl.algos.policy_losses import gspo_loss
-from rl.reward_sources import FunctionReward, RewardError, WeightedSum
 
 NAN = float("nan")
 
@@ -351,7 +365,7 @@ def test_chunked_scoring_changes_nothing(tiny_llama, tmp_path, monkeypatch):
     the training forward: the same metrics as the full (B, T, V) logits, so it is a pure memory saving.
     Off-policy with a KL term, each generation runs two scoring forwards (old policy, reference); the
     skips at num_iterations = 1 and beta = 0 are in tests/test_skips.py."""
-    from rl import grpo
+    from rl.trainers import grpo
     from tests.test_skips import _count_scoring
 
     calls = _count_scoring(monkeypatch, grpo)
@@ -376,7 +390,7 @@ def test_chunked_scoring_changes_nothing(tiny_llama, tmp_path, monkeypatch):
 def test_dry_run_sizes_count_prompts_not_completions():
     """--dry-run's plan in GRPO's units: 8 completions per micro-batch x 2 accumulation x 2 processes = 32
     completions = 8 prompts (groups of 4) per step, so 64 data rows are 8 steps (not 64 // 32 = 2)."""
-    from rl.grpo import grpo_sizes
+    from rl.trainers.grpo_config import grpo_sizes
 
     cfg = build(GRPOConfig, {"model_name": "m", "batch_size": 8, "gradient_accumulation_steps": 2,
                              "num_generations": 4})
@@ -389,7 +403,8 @@ def test_dry_run_sizes_count_prompts_not_completions():
 
 def _rollout(prompts, completions, logp0, reasons):
     """A Rollout as `generate` returns it: left-padded prompts, right-padded completions."""
-    from rl.generation import Rollout, left_pad
+    from rl.engine.generation import Rollout
+    from rl.engine.packing import left_pad
 
     N = max(len(c) for c in completions)
     tokens = torch.tensor([c + [0] * (N - len(c)) for c in completions])
@@ -402,7 +417,12 @@ def _rollout(prompts, completions, logp0, reasons):
 def test_dynamic_sampling_batch_assembly_hand_computed():
     """Two processes x 2 groups per step over two rounds: each process takes its own kept groups in
     sampling order, then dropped ones to fill; the picked rows of gathered tensors and rollouts."""
-    from rl.grpo import pick_groups, picked_rows, select_rollout, take_global
+    from rl.trainers.grpo_batch import (
+        pick_groups,
+        picked_rows,
+        select_rollout,
+        take_global,
+    )
 
     keep = [torch.tensor([[True, False], [False, False]]), torch.tensor([[True, True], [False, True]])]
     picks, filled = pick_groups(keep, 2)
@@ -430,7 +450,7 @@ def test_dynamic_sampling_drops_flat_groups_and_samples_more(tiny_llama, tmp_pat
     distinct reward per completion (always spread), so what dynamic sampling must do depends only on
     the seeded prompt draws, not on what the model samples: the expected rounds, dropped and filled
     groups are counted from those draws. Also runs GSPO (importance_sampling_level=sequence)."""
-    from rl import grpo
+    from rl.trainers import grpo
 
     def flat_or_spread(prompts, completions, flat, **kw):
         return [1.0 if f else float(i) for i, f in enumerate(flat)]
@@ -472,9 +492,9 @@ def test_dynamic_sampling_drops_flat_groups_and_samples_more(tiny_llama, tmp_pat
 def test_dapo_recipe_trains(tmp_path, monkeypatch):
     """recipes/tiny/dapo.yaml for 2 steps: the trained batch's rewards are the environment's plus DAPO's
     overlong penalty of each completion's length, and its zero-spread groups are exactly the filled ones."""
-    from rl import grpo
     from rl.algos.dapo import groups_with_spread, overlong_penalty
-    from rl.config import parse_config
+    from rl.config.parse import parse_config
+    from rl.trainers import grpo
 
     seen = []
 

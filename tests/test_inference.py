@@ -1,4 +1,4 @@
-"""Trying a result: rl/inference.py and the launch/chat.py, launch/eval.py commands, on tiny models.
+"""Trying a result: rl/scripts/inference.py and the launch/chat.py, launch/eval.py commands, on tiny models.
 
 Nothing here asserts which tokens a random tiny model writes: completions are cross-checked against
 transformers' own greedy `generate` on the same ids, and rewards against `answers_match` recomputed."""
@@ -11,9 +11,10 @@ import json
 
 import pytest
 import torch
-
 from conftest import ROOT
-from rl import rewards as R
+
+from rl.rewards import answers as R
+from rl.rewards import functions as RF
 
 
 def _launch(name: str):
@@ -25,7 +26,7 @@ def _launch(name: str):
 
 @pytest.fixture(scope="module")
 def loaded(tiny_llama):
-    from rl.inference import load_for_inference
+    from rl.scripts.inference import load_for_inference
 
     return load_for_inference(tiny_llama, dtype="float32")
 
@@ -33,8 +34,8 @@ def loaded(tiny_llama):
 def test_encode_matches_training_and_greedy_matches_transformers(loaded, tiny_llama):
     """`encode` gives the ids GRPO trains on (plain and chat), and `complete` decodes what HF's greedy
     `generate` writes for those ids (left-padded batch included)."""
-    from rl.grpo import encode_prompt
-    from rl.inference import complete, encode
+    from rl.rollout.prompts import encode_prompt
+    from rl.scripts.inference import complete, encode
 
     model, tok = loaded
     for chat in (False, True):
@@ -43,7 +44,7 @@ def test_encode_matches_training_and_greedy_matches_transformers(loaded, tiny_ll
     assert ids[0] == tok.bos_token_id and ids.count(tok.bos_token_id) == 1
     # the saved tiny tokenizer adds BOS itself (its post-processor), so a plain `tok(prompt)` is the
     # training prompt, and code that also adds BOS (with_bos) does not double it
-    from rl.data import with_bos
+    from rl.data.records import with_bos
 
     assert tok("12+7=")["input_ids"] == ids == with_bos(tok, tok("12+7=")["input_ids"])
     assert tok("12+7=", add_special_tokens=False)["input_ids"] == ids[1:]
@@ -60,8 +61,8 @@ def test_encode_matches_training_and_greedy_matches_transformers(loaded, tiny_ll
 def test_adapter_directory_loads_as_base_plus_merged_adapter(tmp_path, loaded, tiny_llama):
     from peft import LoraConfig, get_peft_model
 
-    from rl.inference import load_for_inference
-    from rl.models import load_causal_lm
+    from rl.models.loading import load_causal_lm
+    from rl.scripts.inference import load_for_inference
 
     base = load_causal_lm(tiny_llama, dtype="float32")
     torch.manual_seed(0)
@@ -81,8 +82,8 @@ def test_adapter_directory_loads_as_base_plus_merged_adapter(tmp_path, loaded, t
 
 
 def test_load_errors_are_one_line(tmp_path):
-    from rl.config import ConfigError
-    from rl.inference import load_for_inference
+    from rl.errors import ConfigError
+    from rl.scripts.inference import load_for_inference
 
     with pytest.raises(ConfigError, match="no model here"):
         load_for_inference(str(tmp_path))
@@ -92,7 +93,7 @@ def test_load_errors_are_one_line(tmp_path):
 
 
 def test_chat_setting_follows_the_run(tmp_path):
-    from rl.inference import chat_setting
+    from rl.scripts.inference import chat_setting
 
     assert chat_setting(str(tmp_path), "auto", default=True) is True  # no config.yaml: the caller's default
     (tmp_path / "config.yaml").write_text("chat_template: false\n")
@@ -123,7 +124,7 @@ def test_eval_score_hand_computed():
     examples = [{"prompt": p, "answer": a, "meta": {"answer": a}, "_line": i}
                 for i, (p, a) in enumerate([("q", "19"), ("q", "\\frac{\\pi}{2}"), ("q", "3"), ("q", "4")], 1)]
     completions = ["Answer: 19", "\\boxed{\\pi/2}", "Answer: 3 or 4", "5"]
-    res = ev.score(R.get_reward_fn("correctness"), examples, completions, threshold=1.0)
+    res = ev.score(RF.get_reward_fn("correctness"), examples, completions, threshold=1.0)
     assert [e["correct"] for e in res["examples"]] == [True, True, False, False]
     assert (res["accuracy"], res["correct"], res["mean_reward"]) == (0.5, 2, 0.5)
 
@@ -152,7 +153,7 @@ def test_eval_and_chat_bad_input_exit_2(tmp_path, tiny_llama, capsys):
 
 
 def test_chat_prompts_file_and_stdin(tmp_path, tiny_llama, loaded, capsys, monkeypatch):
-    from rl.inference import complete, encode
+    from rl.scripts.inference import complete, encode
 
     model, tok = loaded
     chat = _launch("chat")

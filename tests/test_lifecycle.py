@@ -14,12 +14,17 @@ import time
 
 import pytest
 
-from rl.config import ConfigError, build
-from rl.sft import SFTConfig
-from rl.trainers.base import (CallbackTracker, NonFiniteError, RunError, check_finite, check_output_dir,
-                              complete_checkpoints, prune_checkpoints)
+from rl.config.fields import build
+from rl.engine.state import complete_checkpoints, prune_checkpoints
+from rl.errors import ConfigError, RunError
+from rl.trainers.base import (
+    CallbackTracker,
+    NonFiniteError,
+    check_finite,
+    check_output_dir,
+)
+from rl.trainers.sft import SFTConfig
 from tests.conftest import ROOT, run_main
-
 
 
 def _env() -> dict:
@@ -207,7 +212,8 @@ def test_disk_full_during_a_checkpoint_keeps_the_previous_one(tmp_path, tiny_lla
 
     import safetensors.torch
 
-    from rl.sft import SFTTrainer, tokenize_examples
+    from rl.data.sft import tokenize_examples
+    from rl.trainers.sft import SFTTrainer
 
     cfg = build(SFTConfig, {"model_name": tiny_llama, "output_dir": str(tmp_path / "run"), "max_steps": 4,
                             "save_every": 1, "batch_size": 2, "report_to": ["none"], "learning_rate": 1e-3})
@@ -234,12 +240,15 @@ def test_disk_full_during_a_checkpoint_keeps_the_previous_one(tmp_path, tiny_lla
 def test_every_trainer_takes_config_then_model_and_tokenizer(tmp_path, tiny_llama):
     """One constructor shape, `XTrainer(config, model=..., tokenizer=...)`, for all five trainers: the
     given model and tokenizer are the ones the trainer holds (no second load from model_name)."""
-    from rl.dpo import DPOConfig, DPOTrainer
-    from rl.grpo import GRPOConfig, GRPOTrainer
-    from rl.models import load_causal_lm, load_tokenizer
-    from rl.ppo import PPOConfig, PPOTrainer
-    from rl.reward import RewardModel, RewardModelConfig, RewardModelTrainer
-    from rl.sft import SFTTrainer
+    from rl.models.loading import load_causal_lm, load_tokenizer
+    from rl.models.reward import RewardModel, RewardModelConfig
+    from rl.trainers.dpo import DPOConfig, DPOTrainer
+    from rl.trainers.grpo import GRPOTrainer
+    from rl.trainers.grpo_config import GRPOConfig
+    from rl.trainers.ppo import PPOTrainer
+    from rl.trainers.ppo_config import PPOConfig
+    from rl.trainers.reward import RewardModelTrainer
+    from rl.trainers.sft import SFTTrainer
 
     def reward_fn(prompts, completions, **kw):
         return [0.0] * len(completions)

@@ -1,4 +1,4 @@
-"""Online DPO (rl/online_dpo.py): pairing and weights by hand; the trainer's loss on fixed sampled pairs equals
+"""Online DPO (rl/trainers/online_dpo.py): pairing and weights by hand; the trainer's loss on fixed sampled pairs equals
 our offline DPO's (rl/dpo.py functions) for sigmoid / ipo / hinge, ties left out; the same step equals TRL
 1.16's experimental OnlineDPOTrainer.training_step on identical completions; config errors; an "it learns"
 run on the tiny model; the launch script end to end with an exact resume."""
@@ -14,15 +14,23 @@ import sys
 import pytest
 import torch
 
-import rl.online_dpo
-import rl.tracking
+import rl.engine.tracking
+import rl.trainers.online_dpo
 from rl.algos.preference import preference_loss
-from rl.config import ConfigError, build
-from rl.dpo import collate_pairs, concatenated_logps
-from rl.generation import Rollout, left_pad
-from rl.grpo import encode_prompt
-from rl.models import load_causal_lm
-from rl.online_dpo import OnlineDPOConfig, OnlineDPOTrainer, pair_up, pair_weights
+from rl.config.fields import build
+from rl.data.preference import collate_pairs
+from rl.engine.generation import Rollout
+from rl.engine.packing import left_pad
+from rl.engine.scoring import concatenated_logps
+from rl.errors import ConfigError
+from rl.models.loading import load_causal_lm
+from rl.rollout.prompts import encode_prompt
+from rl.trainers.online_dpo import (
+    OnlineDPOConfig,
+    OnlineDPOTrainer,
+    pair_up,
+    pair_weights,
+)
 from tests.conftest import LEARN_SEED, ROOT, learned, run_cmd
 
 NAN = float("nan")
@@ -55,7 +63,7 @@ def test_config_errors():
 # ------------------------------------------------------------------------------- fixed pairs
 
 def _fixed_rollout(tok, table: dict):
-    """A stand-in for rl.generation.generate that returns fixed completions: `table` maps a prompt's token
+    """A stand-in for rl.engine.generation.generate that returns fixed completions: `table` maps a prompt's token
     ids to its two completions (token lists), rows interleaved per prompt as generate(num_samples=2) does."""
 
     def fake_generate(model, tokenizer, prompt_ids, num_samples=1, **kw):
@@ -88,7 +96,7 @@ def perturbed(tiny_llama):
 @pytest.fixture
 def no_plot(monkeypatch):
     """The runs' metrics.png is not what these tests check (matplotlib costs seconds per run)."""
-    monkeypatch.setattr(rl.tracking, "plot_history", lambda *a, **k: None)
+    monkeypatch.setattr(rl.engine.tracking, "plot_history", lambda *a, **k: None)
 
 
 def _pairs(tok, prompts):
@@ -121,10 +129,10 @@ def test_loss_on_fixed_pairs_equals_offline_dpo(loss_type, packing, tiny_llama, 
     def reward(prompts, completions, **kw):
         return [score[c] for c in completions]
 
-    monkeypatch.setattr(rl.online_dpo, "generate", _fixed_rollout(tok, table))
+    monkeypatch.setattr(rl.trainers.online_dpo, "generate", _fixed_rollout(tok, table))
     packed_calls = []
-    real_pack = rl.online_dpo.pack_rollout_rows
-    monkeypatch.setattr(rl.online_dpo, "pack_rollout_rows", lambda *a: packed_calls.append(1) or real_pack(*a))
+    real_pack = rl.trainers.online_dpo.pack_rollout_rows
+    monkeypatch.setattr(rl.trainers.online_dpo, "pack_rollout_rows", lambda *a: packed_calls.append(1) or real_pack(*a))
     policy = perturbed
     cfg = build(OnlineDPOConfig, dict(model_name=tiny_llama, ref_model_name=tiny_llama, output_dir=str(tmp_path),
                                       report_to=["none"], batch_size=2, gradient_accumulation_steps=2, max_steps=1,
@@ -202,7 +210,7 @@ def test_step_equals_trl_online_dpo_training_step(tiny_llama, tiny_tokenizer, pe
     theirs._generate = trl_generate
     trl_loss = float(theirs.training_step(theirs.model, {"prompt": prompts}))
 
-    monkeypatch.setattr(rl.online_dpo, "generate", _fixed_rollout(tok, table))
+    monkeypatch.setattr(rl.trainers.online_dpo, "generate", _fixed_rollout(tok, table))
     cfg = build(OnlineDPOConfig, dict(model_name=tiny_llama, ref_model_name=tiny_llama, output_dir=str(tmp_path / "o"),
                                       report_to=["none"], batch_size=4, max_steps=1, beta=beta, max_length=72,
                                       max_completion_length=8, learning_rate=1e-3, dtype="float32",

@@ -12,11 +12,18 @@ import sys
 
 import pytest
 import yaml
-
 from conftest import ROOT, run_cmd
 
-from rl.launch_utils import (KNOWN_CONFIGS, ZeroSettings, count_parameters, dry_run_report, frozen_states_bytes,
-                             load_model_config, trainable_states_bytes, zero_settings)
+from rl.scripts.common import KNOWN_CONFIGS
+from rl.scripts.dryrun import (
+    ZeroSettings,
+    count_parameters,
+    dry_run_report,
+    frozen_states_bytes,
+    load_model_config,
+    trainable_states_bytes,
+    zero_settings,
+)
 
 GiB = 2**30
 
@@ -40,8 +47,10 @@ def test_trainable_formulas_by_hand():
 @pytest.mark.parametrize("gpus,nodes", [(8, 1), (8, 2), (1, 1)])
 def test_zero3_estimate_matches_deepspeed(gpus, nodes):
     """Our ZeRO-3 figures for Llama-3.1-8B equal DeepSpeed's own estimator, function and printed table."""
-    from deepspeed.runtime.zero.stage3 import (estimate_zero3_model_states_mem_needs,
-                                               estimate_zero3_model_states_mem_needs_all_cold)
+    from deepspeed.runtime.zero.stage3 import (
+        estimate_zero3_model_states_mem_needs,
+        estimate_zero3_model_states_mem_needs_all_cold,
+    )
 
     pc = count_parameters(load_model_config("meta-llama/Llama-3.1-8B"))
     world = gpus * nodes
@@ -70,7 +79,9 @@ def test_zero3_estimate_matches_deepspeed(gpus, nodes):
 
 
 def test_zero2_estimate_matches_deepspeed():
-    from deepspeed.runtime.zero.stage_1_and_2 import estimate_zero2_model_states_mem_needs
+    from deepspeed.runtime.zero.stage_1_and_2 import (
+        estimate_zero2_model_states_mem_needs,
+    )
 
     pc = count_parameters(load_model_config("Qwen/Qwen2.5-7B"))
     for off in (False, True):
@@ -92,7 +103,7 @@ def test_parameter_counts_of_real_architectures(name, published):
 
 def test_counts_match_a_real_tiny_model(tiny_llama):
     """Meta-device totals and LoRA counts equal those of the real model with real peft adapters."""
-    from rl.models import apply_lora, load_causal_lm, trainable_fraction
+    from rl.models.loading import apply_lora, load_causal_lm, trainable_fraction
 
     conf = load_model_config(tiny_llama)
     pc = count_parameters(conf, lora_rank=4)
@@ -100,7 +111,7 @@ def test_counts_match_a_real_tiny_model(tiny_llama):
     assert pc.total == sum(p.numel() for p in model.parameters())
     trainable, _ = trainable_fraction(apply_lora(model, rank=4, alpha=8, dropout=0.0))
     assert pc.lora == trainable
-    from rl.tiny import resolve_model_path
+    from rl.models.sources import resolve_model_path
 
     clf_path = resolve_model_path("tiny:llama-classifier")
     clf = load_causal_lm(clf_path, dtype="float32", task="classifier")
@@ -121,7 +132,7 @@ def test_zero_settings_from_ds_configs(monkeypatch):
 
 
 def test_dry_run_report_table(monkeypatch, capsys):
-    from rl.dpo import DPOConfig
+    from rl.trainers.dpo import DPOConfig
 
     monkeypatch.setenv("WORLD_SIZE", "8")
     cfg = DPOConfig(model_name="meta-llama/Llama-3.1-8B-Instruct", dtype="bfloat16", batch_size=2,
@@ -139,7 +150,7 @@ def test_dry_run_report_table(monkeypatch, capsys):
 # ------------------------------------------------------------------------------------------ rl-train
 
 def test_rl_train_translates_reference_flags():
-    from rl.cli import _schema, translate
+    from rl.scripts.cli import _schema, translate
 
     args = translate("ppo", ["llm", "--train", "--model", "google/gemma-3-270m", "--data-path", "p.jsonl",
                              "--project-name", "out", "--rl-kl-coef", "0.2", "--rl-reward-model-path", "rm",
@@ -154,7 +165,7 @@ def test_rl_train_translates_reference_flags():
     assert dpo == ["--beta", "0.3", "--data.chosen_column", "good", "--data.rejected_column", "bad",
                    "--data.prompt_column", "q", "--ref_model_name", "r"]
     # the translated arguments parse into the schema's fields
-    from rl.config import parse_config
+    from rl.config.parse import parse_config
 
     cfg = parse_config(_schema("dpo"), ["--model", "tiny:llama", *dpo])
     assert (cfg.beta, cfg.data.chosen_column, cfg.ref_model_name) == (0.3, "good", "r")
@@ -165,11 +176,11 @@ def test_rl_train_translates_reference_flags():
 @pytest.mark.slow
 def test_rl_train_runs_sft(tmp_path, tiny_llama):
     out = tmp_path / "run"
-    p = run_cmd([sys.executable, "-m", "rl.cli", "--trainer", "sft", "--config", "recipes/tiny/sft.yaml",
+    p = run_cmd([sys.executable, "-m", "rl.scripts.cli", "--trainer", "sft", "--config", "recipes/tiny/sft.yaml",
                  "--model", "tiny:llama", "--data-path", "data/tiny/sft_arith.jsonl", "--project-name", str(out),
                  "--lr", "3e-3", "--batch-size", "16", "--max_steps", "2"], timeout=300)
     assert "sft done" in p.stdout and (out / "model.safetensors").exists()
-    bad = __import__("subprocess").run([sys.executable, "-m", "rl.cli", "--trainer", "nope"], cwd=ROOT,
+    bad = __import__("subprocess").run([sys.executable, "-m", "rl.scripts.cli", "--trainer", "nope"], cwd=ROOT,
                                        capture_output=True, text=True)
     assert bad.returncode == 2 and "choose one of sft, reward, dpo, ppo, grpo" in bad.stderr
 
@@ -216,8 +227,8 @@ def test_recipe_validates_and_dry_runs(recipe, capsys, monkeypatch):
     script = ROOT / "launch" / f"{trainer}.py"
     if not script.exists():
         pytest.skip(f"launch/{trainer}.py does not exist yet")
-    from rl.cli import TRAINERS, _schema
-    from rl.config import parse_config
+    from rl.config.parse import parse_config
+    from rl.scripts.cli import TRAINERS, _schema
 
     spec = importlib.util.spec_from_file_location(f"launch_{trainer}", script)
     mod = importlib.util.module_from_spec(spec)
@@ -237,7 +248,7 @@ def test_recipe_validates_and_dry_runs(recipe, capsys, monkeypatch):
     # A reward model named by path is trained first (launch/reward.py); stand in a tiny one for it.
     for key in ("reward_model_path", "rl_reward_model_path"):
         if data.get(key) and not (ROOT / str(data[key])).exists():
-            from rl.tiny import resolve_model_path
+            from rl.models.sources import resolve_model_path
 
             overrides.append(f"{key}={resolve_model_path('tiny:llama-classifier')}")
     cfg = parse_config(schema, ["--config", recipe, *overrides[2:]])  # the recipe validates

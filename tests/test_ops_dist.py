@@ -15,7 +15,6 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from conftest import ROOT, run_main
 
 pytestmark = pytest.mark.slow
@@ -96,7 +95,7 @@ def test_sigusr1_then_resume_matches_uninterrupted(tmp_path, uninterrupted, capf
     log = proc.communicate(timeout=120)[0]
     assert proc.returncode == 128 + signal.SIGUSR1, log[-3000:]  # checkpointed, told apart from success
     assert "stopping on signal" in log, "the run ended before the signal arrived:\n" + log[-2000:]
-    from rl.checkpoint import latest_checkpoint
+    from rl.engine.state import latest_checkpoint
 
     ckpt = latest_checkpoint(out)
     stopped_at = int(ckpt.name.split("-")[1])
@@ -129,7 +128,7 @@ runpy.run_path("launch/sft.py", run_name="__main__")
 
 def test_sigkill_during_checkpoint_write(tmp_path, uninterrupted, capfd, monkeypatch):
     """The killed run is a process of its own; the resumed one runs in this process (conftest.run_main)."""
-    from rl.checkpoint import latest_checkpoint
+    from rl.engine.state import latest_checkpoint
 
     out, mark, wrapper = tmp_path / "run", tmp_path / "writing", tmp_path / "kill_during_save.py"
     wrapper.write_text(KILL_DURING_SAVE)

@@ -12,10 +12,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from rl import tracking
-from rl.config import ConfigError, build
-from rl.sft import SFTConfig
-from rl.tracking import Tracker, flat_config, quiet_third_party, report_to_problem, y_label
+from rl.config.fields import build
+from rl.config.schema import report_to_problem
+from rl.engine import tracking
+from rl.engine.tracking import Tracker, flat_config, quiet_third_party, y_label
+from rl.errors import ConfigError
+from rl.trainers.sft import SFTConfig
 
 
 def test_tensorboard_holds_what_jsonl_holds(tmp_path):
@@ -83,7 +85,7 @@ def test_quiet_third_party_hides_future_warnings_unless_verbose(monkeypatch):
 
 def test_correct_tokens_by_hand():
     """Labels shift by one: position t's logits predict label t+1; -100 labels are not counted."""
-    from rl.sft import correct_tokens
+    from rl.trainers.sft import correct_tokens
 
     logits = torch.zeros(1, 4, 5)
     logits[0, 0, 2] = logits[0, 1, 3] = logits[0, 2, 1] = 1.0  # argmax 2, 3, 1 (and 0 at the last position)
@@ -95,8 +97,8 @@ def test_correct_tokens_by_hand():
 def test_model_card_lists_what_the_run_was(tmp_path):
     from huggingface_hub import ModelCard
 
-    from rl.dpo import DPOConfig
-    from rl.model_card import card_text, final_metrics, write_model_card
+    from rl.models.card import card_text, final_metrics, write_model_card
+    from rl.trainers.dpo import DPOConfig
 
     cfg = build(DPOConfig, {"model_name": "Qwen/Qwen2.5-0.5B-Instruct", "output_dir": str(tmp_path),
                             "loss_type": "ipo", "data": {"path": "data/pairs.jsonl"}})
@@ -123,8 +125,8 @@ def test_checkpoint_of_a_full_model_loads_with_from_pretrained(tiny_llama, tiny_
     from safetensors.torch import save_file
     from transformers import AutoModelForCausalLM
 
-    from rl.checkpoint import make_loadable
-    from rl.forward_backward import _dedupe_shared
+    from rl.engine.state import _dedupe_shared
+    from rl.models.saving import make_loadable
 
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_pretrained(tiny_llama).eval()
@@ -153,8 +155,8 @@ def _perturbed(model, seed: int = 0):
 def _round_trip(make_model, tmp_path):
     """save_state of a fresh model's engine, then load_state into another fresh one: (saved model,
     checkpoint dir, reloaded model); the reload must equal the saved model tensor for tensor."""
-    from rl.checkpoint import make_loadable
-    from rl.forward_backward import ForwardBackwardPipeline
+    from rl.engine.pipeline import ForwardBackwardPipeline
+    from rl.models.saving import make_loadable
 
     def pipeline(model):
         opt = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.1)
@@ -180,8 +182,8 @@ def test_ppo_checkpoint_loads_with_from_pretrained_and_resumes(tiny_llama, tmp_p
     from safetensors.torch import load_file
     from transformers import AutoModelForCausalLM
 
-    from rl.models import apply_lora
-    from rl.ppo_model import PPOModel, ValueHead
+    from rl.models.loading import apply_lora
+    from rl.models.value import PPOModel, ValueHead
 
     def make():
         torch.manual_seed(0)
@@ -204,8 +206,8 @@ def test_ppo_checkpoint_loads_with_from_pretrained_and_resumes(tiny_llama, tmp_p
         assert torch.allclose(out.logits, ours.logits, atol=1e-6)
         assert torch.allclose(head(out.hidden_states[-1]), ours.value, atol=1e-6)
         assert ours.value.abs().max() > 0  # the head moved: the comparison can fail
-    from rl.model_card import card_text, output_contents
-    from rl.ppo import PPOConfig
+    from rl.models.card import card_text, output_contents
+    from rl.trainers.ppo_config import PPOConfig
 
     card = card_text(build(PPOConfig, {"model_name": "tiny:llama", "output_dir": str(ckpt)}), [], "ppo", argv=[],
                      contents=output_contents(ckpt))
@@ -223,10 +225,9 @@ def test_reward_checkpoint_loads_as_a_sequence_classifier_and_resumes(tiny_llama
     from peft import PeftModel
     from transformers import AutoModelForSequenceClassification
 
-    from rl.model_card import _loading, output_contents
-    from rl.reward import load_reward_model
-    from rl.reward_io import pad_batch
-    from rl.reward_model import RewardModel, RewardModelConfig
+    from rl.data.preference import pad_batch
+    from rl.models.card import _loading, output_contents
+    from rl.models.reward import RewardModel, RewardModelConfig, load_reward_model
 
     cfg = RewardModelConfig(model_name=tiny_llama, use_lora=lora, lora_rank=4, lora_dropout=0.0, dropout_prob=0.0,
                             temperature=2.0, dtype="float32")
@@ -252,8 +253,8 @@ def test_reward_checkpoint_loads_as_a_sequence_classifier_and_resumes(tiny_llama
     loading = "\n".join(_loading("reward", str(ckpt)))
     assert ("PeftModel.from_pretrained(base" in loading) is lora and "AutoModelForSequenceClassification" in loading
     if lora:  # its PEFT adapter is a classifier's: as a policy (chat, a next stage's model_name) one line
-        from rl.config import ConfigError
-        from rl.models import load_causal_lm
+        from rl.errors import ConfigError
+        from rl.models.loading import load_causal_lm
 
         with pytest.raises(ConfigError, match="is a reward model .LoRA adapter of a classifier., not a causal LM"):
             load_causal_lm(str(ckpt))
@@ -266,8 +267,8 @@ def test_ppo_sampling_warns_nothing_and_its_output_is_a_model_output(tiny_llama,
     from transformers import AutoModelForCausalLM
     from transformers.utils import ModelOutput
 
-    from rl.generation import generate
-    from rl.ppo_model import PPOModel
+    from rl.engine.generation import generate
+    from rl.models.value import PPOModel
 
     model = PPOModel(AutoModelForCausalLM.from_pretrained(tiny_llama)).eval()
     prompts = [tiny_tokenizer("1+1=")["input_ids"], tiny_tokenizer("12+30=")["input_ids"]]

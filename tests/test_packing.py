@@ -1,4 +1,4 @@
-"""Padding-free packed batches (rl.packing) for SFT, DPO and reward models: per-token log-probs,
+"""Padding-free packed batches (rl.engine.packing) for SFT, DPO and reward models: per-token log-probs,
 per-sequence log-prob sums and pooled rewards, losses and gradients equal the padded path's, so
 attention does not cross sequence boundaries (SDPA and eager, every tiny family), with negative controls."""
 
@@ -8,16 +8,27 @@ import random
 import pytest
 import torch
 
-from rl.chunked import capture_head
-from rl.dpo import concatenated_logps, dpo_batch_loss
-from rl.dpo_data import collate_pairs, pack_pairs, sequence_logps
-from rl.losses import token_logprobs
-from rl.grpo import grpo_loss_fn
-from rl.packing import pack_examples, pack_padded, pack_sequences, pool_packed, segment_sum, unpack_targets
-from rl.ppo_model import Critic, PPOModel, critic_loss, policy_loss
-from rl.reward import RewardModel, RewardModelConfig, bradley_terry_loss, pad_batch
-from rl.sft import collate, sum_normalised_nll
-from rl.tiny import build_config
+from rl.algos.preference import bradley_terry_loss
+from rl.data.preference import collate_pairs, pack_pairs, pad_batch
+from rl.data.sft import collate
+from rl.engine.chunked import capture_head
+from rl.engine.losses import token_logprobs
+from rl.engine.packing import (
+    pack_examples,
+    pack_padded,
+    pack_sequences,
+    pool_packed,
+    segment_sum,
+    unpack_targets,
+)
+from rl.engine.scoring import concatenated_logps, sequence_logps
+from rl.models.reward import RewardModel, RewardModelConfig
+from rl.models.tiny import build_config
+from rl.models.value import Critic, PPOModel
+from rl.trainers.dpo import dpo_batch_loss
+from rl.trainers.grpo import grpo_loss_fn
+from rl.trainers.ppo_math import critic_loss, policy_loss
+from rl.trainers.sft import sum_normalised_nll
 
 EXAMPLES = [  # unequal lengths; labels -100 on a "prompt"; the last is one token long
     {"input_ids": [5, 17, 42, 9, 100, 7], "labels": [-100, -100, 42, 9, 100, 7]},
@@ -92,8 +103,8 @@ def test_without_position_ids_the_packed_row_would_attend_across_examples():
 def test_sft_trainer_packing_equals_padding(tmp_path, tiny_llama):
     """Two SFT steps (4 examples per micro-batch, 2 micro-batches per step): the same losses and
     grad norms with packing=true as with padded micro-batches."""
-    from rl.config import build
-    from rl.sft import SFTConfig, SFTTrainer
+    from rl.config.fields import build
+    from rl.trainers.sft import SFTConfig, SFTTrainer
 
     data = [{"input_ids": list(range(3, 3 + n)), "labels": [-100] * (n // 3) + list(range(3 + n // 3, 3 + n))}
             for n in (5, 12, 3, 9, 7, 16, 4, 10)] * 2
@@ -278,12 +289,13 @@ def test_dpo_and_reward_trainers_packing_equals_padding(tmp_path, tiny_llama, ti
     """Two optimizer steps (4 pairs per micro-batch, 2 micro-batches per step) of the DPO trainer
     (frozen-copy reference, scored packed too) and of the reward-model trainer: the same losses,
     metrics and grad norms with packing=true as with padded micro-batches, and the same evaluation."""
-    from rl.config import build
-    from rl.dpo import DPOConfig, DPOTrainer, PreferenceDataset
-    from rl.reward import RewardModelTrainer
+    from rl.config.fields import build
+    from rl.data.preference import PreferenceDataset
+    from rl.trainers.dpo import DPOConfig, DPOTrainer
+    from rl.trainers.reward import RewardModelTrainer
 
-    monkeypatch.setattr("rl.tracking.plot_history", lambda *a, **k: None)  # the metrics plot: 3-7 s a run
-    packs = _count_calls(monkeypatch, "rl.dpo.pack_pairs", "rl.reward.pack_sequences")
+    monkeypatch.setattr("rl.engine.tracking.plot_history", lambda *a, **k: None)  # the metrics plot: 3-7 s a run
+    packs = _count_calls(monkeypatch, "rl.trainers.dpo.pack_pairs", "rl.trainers.reward.pack_sequences")
     assert build(DPOConfig, dict(model_name=tiny_llama, output_dir=str(tmp_path), padding_free=True)).packing  # TRL
     rng = random.Random(0)
     P = [f"q{i}: " + "z" * rng.randint(0, 12) for i in range(16)]
@@ -306,7 +318,7 @@ def test_dpo_and_reward_trainers_packing_equals_padding(tmp_path, tiny_llama, ti
         trainer.train_on_preferences(C, R, prompts=P, batch_size=4)
         rm[packing] = (trainer.history, trainer.evaluate(C[:6], R[:6], P[:6]))
     # 2 steps x 2 micro-batches (DPO's reference scores the same packed rows) + the eval batches
-    assert packs == {"rl.dpo.pack_pairs": 4 + 2, "rl.reward.pack_sequences": 4 + 1}
+    assert packs == {"rl.trainers.dpo.pack_pairs": 4 + 2, "rl.trainers.reward.pack_sequences": 4 + 1}
     for (a_rows, a_eval), (b_rows, b_eval) in ((dpo[False], dpo[True]), (rm[False], rm[True])):
         assert len(a_rows) == len(b_rows) == 2
         for a, b in zip(a_rows, b_rows):
@@ -449,12 +461,14 @@ def test_grpo_and_ppo_trainers_packing_equals_padding(tmp_path, tiny_llama, monk
     """One generation and optimizer step of the GRPO trainer (KL to a reference, 2 micro-batches) and
     one PPO iteration (separate critic, 2 micro-batches), packing=true vs padded: the same rollout
     (same seed, same weights), so the same losses, metrics and grad norms."""
-    from rl.config import build
-    from rl.grpo import GRPOConfig, GRPOTrainer
-    from rl.ppo import PPOConfig, PPOTrainer
+    from rl.config.fields import build
+    from rl.trainers.grpo import GRPOTrainer
+    from rl.trainers.grpo_config import GRPOConfig
+    from rl.trainers.ppo import PPOTrainer
+    from rl.trainers.ppo_config import PPOConfig
 
-    monkeypatch.setattr("rl.tracking.plot_history", lambda *a, **k: None)
-    packs = _count_calls(monkeypatch, "rl.grpo.pack_padded", "rl.ppo.pack_padded")
+    monkeypatch.setattr("rl.engine.tracking.plot_history", lambda *a, **k: None)
+    packs = _count_calls(monkeypatch, "rl.trainers.grpo.pack_padded", "rl.trainers.ppo.pack_padded")
     rows = [{"prompt": f"{a}+{b}=" + "?" * a} for a in range(4) for b in range(4)]  # prompts of unequal length
 
     def length_reward(prompts, completions, **kw):
@@ -473,7 +487,7 @@ def test_grpo_and_ppo_trainers_packing_equals_padding(tmp_path, tiny_llama, monk
                         report_to=["none"], packing=packing)
         ppo[packing] = PPOTrainer(cfg, reward_fn=lambda p, r, m=None: [len(x) / 6 for x in r]).train(
             [r["prompt"] for r in rows[::2]])
-    assert packs == {"rl.grpo.pack_padded": 2, "rl.ppo.pack_padded": 2}  # the packed runs' micro-batches
+    assert packs == {"rl.trainers.grpo.pack_padded": 2, "rl.trainers.ppo.pack_padded": 2}  # the packed runs' micro-batches
     for runs, keys in ((grpo, ("loss", "kl", "clip_ratio/region_mean", "grad_norm")),
                        (ppo, ("loss/policy", "loss/value", "policy/entropy", "objective/kl"))):
         assert len(runs[False]) == len(runs[True]) == 1

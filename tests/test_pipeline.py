@@ -38,7 +38,7 @@ def test_tiny_pipeline_raises_heldout_accuracy(tmp_path):
 
 
 def test_pipeline_bad_key_fails_fast(tmp_path):
-    from rl.config import ConfigError
+    from rl.errors import ConfigError
 
     sys.path.insert(0, str(ROOT / "launch"))
     try:

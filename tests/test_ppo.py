@@ -7,11 +7,17 @@ import sys
 import pytest
 import torch
 
-from rl.ppo import (AdaptiveKLController, FixedKLController, PPOConfig, PPOModel, ValueHead,
-                    check_reward_source, explained_variance, gae, kl_penalized_rewards, per_token_kl,
-                    policy_loss, response_logprobs, whiten)
+from rl.algos.advantages import gae, whiten
+from rl.algos.kl import (
+    AdaptiveKLController,
+    FixedKLController,
+    kl_penalized_rewards,
+    per_token_kl,
+)
+from rl.models.value import PPOModel, ValueHead
+from rl.trainers.ppo_config import PPOConfig, check_reward_source
+from rl.trainers.ppo_math import explained_variance, policy_loss, response_logprobs
 from tests.conftest import ROOT
-
 
 # ------------------------------------------------------------------------------------------- GAE
 
@@ -133,7 +139,8 @@ def test_whiten_and_explained_variance():
 # ------------------------------------------------------------------------------------ loss pieces
 
 def test_policy_value_entropy_loss_pieces():
-    from rl.losses import masked_mean, ppo_policy_loss, ppo_value_loss
+    from rl.algos.policy_losses import ppo_policy_loss, ppo_value_loss
+    from rl.algos.reduce import masked_mean
 
     g = torch.Generator().manual_seed(0)
     B, P, N, V = 3, 4, 5, 11
@@ -178,8 +185,8 @@ def test_policy_value_entropy_loss_pieces():
 def test_response_logprobs_align_with_sampled_tokens(tiny_llama, tiny_tokenizer):
     """The recomputed log-probs of the sampled tokens equal the sampler's; the unshifted logits do not;
     left padding changes nothing; the value head gives one value per token."""
-    from rl.generation import generate
-    from rl.models import load_causal_lm
+    from rl.engine.generation import generate
+    from rl.models.loading import load_causal_lm
 
     torch.manual_seed(0)
     model = PPOModel(load_causal_lm(tiny_llama, dtype="float32")).eval()
@@ -220,7 +227,7 @@ def test_value_head_shape_and_zero_init():
 # ------------------------------------------------------------------------------------ config
 
 def test_reference_cli_names_are_aliases_with_reference_defaults():
-    from rl.config import parse_config
+    from rl.config.parse import parse_config
 
     cfg = parse_config(PPOConfig, ["model_name=tiny:llama", "--rl-gamma", "0.9", "--rl-gae-lambda", "0.8",
                                    "--rl-kl-coef", "0.05", "--rl-value-loss-coef", "0.7", "--rl-clip-range", "0.1",
@@ -250,14 +257,14 @@ def test_reference_cli_names_are_aliases_with_reference_defaults():
     (dict(max_steps=3), "num_iterations"),
 ])
 def test_config_errors(kw, needle):
-    from rl.config import ConfigError
+    from rl.errors import ConfigError
 
     with pytest.raises(ConfigError, match=needle):
         PPOConfig(model_name="m", **kw)
 
 
 def test_no_reward_source_is_one_clear_error(tmp_path):
-    from rl.config import ConfigError
+    from rl.errors import ConfigError
 
     with pytest.raises(ConfigError, match="no reward source"):
         check_reward_source(PPOConfig(model_name="m"))
@@ -272,14 +279,14 @@ def test_no_reward_source_is_one_clear_error(tmp_path):
 
 def test_reward_sources(tiny_tokenizer):
     """Named functions, module:function, a two-argument callable, the multi-objective environment."""
-    from rl.config import ConfigError
-    from rl.ppo import build_reward_source
-    from rl.reward_sources import RewardError
+    from rl.errors import ConfigError
+    from rl.trainers.ppo_rewards import build_reward_source
+    from rl.trainers.rewards import RewardError
 
     prompts, responses = ["a: ", "b: "], ["one two three", "Answer: 4"]
     src = build_reward_source(PPOConfig(model_name="m", reward_fn="default"), tiny_tokenizer)
     torch.testing.assert_close(src(prompts, responses, {})[0], torch.tensor([0.03, 0.02]))
-    src = build_reward_source(PPOConfig(model_name="m", reward_fn="custom", custom_reward="rl.ppo:char_fraction_reward"),
+    src = build_reward_source(PPOConfig(model_name="m", reward_fn="custom", custom_reward="rl.rewards.functions:char_fraction_reward"),
                               tiny_tokenizer)
     torch.testing.assert_close(src(["p"], ["aab"], {})[0], torch.tensor([2 / 3]))
     src = build_reward_source(PPOConfig(model_name="m"), tiny_tokenizer, reward_fn=lambda p, r: [len(x) for x in r])

@@ -8,7 +8,9 @@ import re
 import pytest
 import torch
 
-from rl.ppo import PPOConfig, PPOTrainer, char_fraction_reward
+from rl.rewards.functions import char_fraction_reward
+from rl.trainers.ppo import PPOTrainer
+from rl.trainers.ppo_config import PPOConfig
 from tests.conftest import LEARN_SEED, accelerate_cmd, learned, run_cmd
 
 PROMPTS = [f"{w} {v}: " for w in ("tell", "write", "why", "how") for v in ("sea", "cat", "sky", "poem")]

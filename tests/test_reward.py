@@ -12,11 +12,20 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from rl.config import ConfigError
+from rl.algos.preference import bradley_terry_loss
+from rl.algos.reduce import masked_mse
+from rl.data.preference import load_preference_pairs, pad_batch
+from rl.errors import ConfigError
+from rl.models.reward import (
+    MultiObjectiveRewardModel,
+    PairwiseRewardModel,
+    RewardModel,
+    RewardModelConfig,
+    load_reward_model,
+    pool_hidden,
+)
+from rl.trainers.reward import RewardModelTrainer
 from tests.conftest import LEARN_SEED, learned
-from rl.reward import (MultiObjectiveRewardModel, PairwiseRewardModel, RewardModel, RewardModelConfig,
-                       RewardModelTrainer, bradley_terry_loss, load_preference_pairs, load_reward_model,
-                       masked_mse, pad_batch, pool_hidden)
 
 GOOD = ["good", "nice", "great", "fine"]
 BAD = ["bad", "poor", "awful", "rude"]
@@ -84,7 +93,7 @@ def test_bradley_terry_matches_trl_reward_trainer(tiny_cache):
     from datasets import Dataset
     from trl import RewardConfig, RewardTrainer
 
-    from rl.models import load_causal_lm, load_tokenizer
+    from rl.models.loading import load_causal_lm, load_tokenizer
 
     tok = load_tokenizer("tiny:llama")
     hf = load_causal_lm("tiny:llama", task="classifier", dtype="float32")
@@ -302,7 +311,7 @@ def test_it_learns_held_out_accuracy(tiny_cache):
 def test_qlora_4bit_trains_on_cpu(tiny_cache, tmp_path):
     import bitsandbytes as bnb
 
-    from rl.models import trainable_fraction
+    from rl.models.loading import trainable_fraction
 
     prompts, chosen, rejected = synthetic_pairs(64, seed=1)
     m = make(use_lora=True, load_in_4bit=True, lora_rank=8, lora_alpha=16, lora_dropout=0.0,
@@ -326,7 +335,7 @@ def test_qlora_4bit_trains_on_cpu(tiny_cache, tmp_path):
 # -------------------------------------------------------------------------------- data and recipe
 
 def test_bad_preference_rows_reported_with_line_numbers(tmp_path):
-    from rl.data import DataError
+    from rl.errors import DataError
 
     rows = [{"prompt": "q", "chosen": "a", "rejected": "b"}, {"prompt": "q", "chosen": "a"},
             {"prompt": "q", "chosen": "  ", "rejected": "b"}, {"prompt": "q", "chosen": "same", "rejected": "same"},
@@ -344,8 +353,8 @@ def test_bad_preference_rows_reported_with_line_numbers(tmp_path):
 
 
 def test_recipe_schema_aliases_and_recipes_validate():
-    from rl.config import parse_config
-    from rl.reward import RewardTrainConfig
+    from rl.config.parse import parse_config
+    from rl.trainers.reward_config import RewardTrainConfig
 
     cfg = parse_config(RewardTrainConfig, ["--config", "recipes/tiny/reward.yaml", "--prompt-text-column", "question",
                                            "--text-column", "good", "--rejected-text-column", "bad"])

@@ -23,7 +23,7 @@ def _renamed_data(tmp_path, n=64):
 
 
 def test_launch_reward_with_reference_column_flags(tiny_cache, tmp_path):
-    from rl.reward import load_reward_model
+    from rl.models.reward import load_reward_model
 
     out = tmp_path / "rm"
     proc = run_cmd([sys.executable, "launch/reward.py", "--config", "recipes/tiny/reward.yaml",
@@ -52,7 +52,7 @@ def test_launch_reward_reports_bad_rows(tmp_path):
 
 
 def test_launch_reward_zero3_two_processes(tiny_cache, tmp_path):
-    from rl.reward import load_reward_model
+    from rl.models.reward import load_reward_model
 
     out = tmp_path / "z3"
     proc = run_cmd(accelerate_cmd("launch/reward.py", "--config", "recipes/tiny/reward.yaml", f"output_dir={out}",

@@ -1,4 +1,4 @@
-"""The one reward protocol (rl/reward_sources.py): each adapter with hand-checked values, weighted sums
+"""The one reward protocol (rl/trainers/rewards.py): each adapter with hand-checked values, weighted sums
 with None, named failures, the config rules (combine with reward_weights, command line replaces the
 recipe, ref_model alone -> reward_fn=default), and GRPO / PPO scoring with a reward model."""
 
@@ -15,13 +15,25 @@ from pathlib import Path
 import pytest
 import torch
 
-from rl.config import ConfigError, build, parse_config
-from rl.environments import create_math_problem_env
-from rl.grpo import GRPOConfig, GRPOTrainer
-from rl.ppo import PPOConfig, PPOTrainer, build_reward_source, check_reward_source
-from rl.reward_sources import (EnvironmentReward, FunctionReward, RewardError, RewardModelReward, WeightedSum,
-                               combine_rewards, resolve_reward_func, rows_to_columns)
-from rl.trainers.base import RunError
+from rl.config.fields import build
+from rl.config.parse import parse_config
+from rl.envs.math import create_math_problem_env
+from rl.errors import ConfigError, RunError
+from rl.trainers.grpo import GRPOTrainer
+from rl.trainers.grpo_config import GRPOConfig
+from rl.trainers.ppo import PPOTrainer
+from rl.trainers.ppo_config import PPOConfig, check_reward_source
+from rl.trainers.ppo_rewards import build_reward_source
+from rl.trainers.rewards import (
+    EnvironmentReward,
+    FunctionReward,
+    RewardError,
+    RewardModelReward,
+    WeightedSum,
+    combine_rewards,
+    resolve_reward_func,
+    rows_to_columns,
+)
 
 ROOT = Path(__file__).resolve().parents[1]
 P, C = ["p1 ", "p2 "], ["one two", "Answer: 4"]
@@ -51,7 +63,7 @@ def test_named_and_module_functions():
     torch.testing.assert_close(values, torch.tensor([0.02, 0.02]))  # words / 100
     f = resolve_reward_func("correctness")
     assert f.name == "correctness" and f(P, C, {"answer": ["3", "4"]})[0].tolist() == [0.0, 1.0]
-    g = resolve_reward_func("rl.ppo:char_fraction_reward")
+    g = resolve_reward_func("rl.rewards.functions:char_fraction_reward")
     assert g.name == "char_fraction_reward"
     torch.testing.assert_close(g(["p"], ["aab"], {})[0], torch.tensor([2 / 3]))
     with pytest.raises(ConfigError, match="unknown reward function 'nope'"):
@@ -184,7 +196,7 @@ def test_command_line_reward_source_replaces_the_recipes():
 
 def test_ref_model_alone_uses_the_default_reward(caplog):
     cfg = PPOConfig(model_name="m", ref_model="tiny:qwen2")
-    with caplog.at_level(logging.WARNING, logger="rl.ppo"):
+    with caplog.at_level(logging.WARNING, logger="rl.trainers.ppo_config"):
         check_reward_source(cfg)
     assert cfg.reward_fn == "default" and len(caplog.records) == 1
     assert "using reward_fn=default" in caplog.records[0].getMessage()
@@ -211,8 +223,8 @@ def test_ppo_mapping_weights_sources_and_components(tiny_tokenizer):
 @pytest.fixture(scope="module")
 def tiny_rm(tiny_llama, tmp_path_factory):
     """A reward model trained 0 steps, saved as launch/reward.py saves one."""
-    from rl.models import load_tokenizer
-    from rl.reward import RewardModel, RewardModelConfig
+    from rl.models.loading import load_tokenizer
+    from rl.models.reward import RewardModel, RewardModelConfig
 
     rm = RewardModel(RewardModelConfig(model_name=tiny_llama, use_lora=False, dtype="float32"),
                      tokenizer=load_tokenizer(tiny_llama))

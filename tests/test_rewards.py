@@ -1,4 +1,4 @@
-"""Answer extraction, numeric comparison and the named reward functions (rl/rewards.py)."""
+"""Answer extraction, numeric comparison and the named reward functions (rl/rewards/answers.py)."""
 
 from __future__ import annotations
 
@@ -7,7 +7,8 @@ from fractions import Fraction
 
 import pytest
 
-from rl import rewards as R
+from rl.rewards import answers as R
+from rl.rewards import functions as RF
 
 # (completion, expected answer, should match) -- hand-written; each row is a case a verifier must get right.
 MATCH_TABLE = [
@@ -83,7 +84,7 @@ def test_math_verify_in_a_worker_thread_and_the_env():
     process answers there too; the math environment's correctness uses the same check."""
     import threading
 
-    from rl.environments import create_math_problem_env
+    from rl.envs.math import create_math_problem_env
 
     out = []
     t = threading.Thread(target=lambda: out.append([R.answers_match("\\boxed{2^{1/2}}", "\\sqrt{2}"),
@@ -161,27 +162,27 @@ def test_has_answer_format(text, style, ok):
 def test_named_reward_functions():
     prompts = ["p"] * 3
     responses = ["one two three", "", " ".join(["w"] * 100)]
-    assert R.get_reward_fn("default")(prompts, responses) == [0.03, 0.0, 1.0]
-    assert R.get_reward_fn("length_penalty")(prompts, responses) == [-47 / 50, -1.0, -1.0]
-    assert R.get_reward_fn("length_penalty", target_words=3)(prompts, responses) == [0.0, -1.0, -97 / 3]
+    assert RF.get_reward_fn("default")(prompts, responses) == [0.03, 0.0, 1.0]
+    assert RF.get_reward_fn("length_penalty")(prompts, responses) == [-47 / 50, -1.0, -1.0]
+    assert RF.get_reward_fn("length_penalty", target_words=3)(prompts, responses) == [0.0, -1.0, -97 / 3]
     meta = [{"answer": "3"}, {"answer": "0"}, {"answer": "w"}]
-    assert R.get_reward_fn("correctness")(prompts, ["Answer: 3", "incorrect", "w"], meta) == [1.0, 0.0, 1.0]
+    assert RF.get_reward_fn("correctness")(prompts, ["Answer: 3", "incorrect", "w"], meta) == [1.0, 0.0, 1.0]
 
 
 def test_correctness_needs_answers():
     with pytest.raises(ValueError, match="metadata"):
-        R.correctness_reward(["p"], ["1"])
+        RF.correctness_reward(["p"], ["1"])
     with pytest.raises(ValueError, match="no 'answer'"):
-        R.correctness_reward(["p"], ["1"], [{"solution": "1"}])
+        RF.correctness_reward(["p"], ["1"], [{"solution": "1"}])
 
 
 def test_custom_reward_loaded_by_importlib(tmp_path, monkeypatch):
     (tmp_path / "my_rewards_mod.py").write_text(
         "def score(prompts, responses, metadata=None):\n    return [float(len(r)) for r in responses]\n")
     monkeypatch.syspath_prepend(str(tmp_path))
-    fn = R.get_reward_fn("custom", custom="my_rewards_mod:score")
+    fn = RF.get_reward_fn("custom", custom="my_rewards_mod:score")
     assert fn(["a", "b"], ["xy", ""]) == [2.0, 0.0]
-    assert R.get_reward_fn("my_rewards_mod:score")(["a"], ["abc"]) == [3.0]
+    assert RF.get_reward_fn("my_rewards_mod:score")(["a"], ["abc"]) == [3.0]
     sys.modules.pop("my_rewards_mod", None)
 
 
@@ -194,4 +195,4 @@ def test_custom_reward_loaded_by_importlib(tmp_path, monkeypatch):
 ])
 def test_reward_fn_errors(name, kw, msg):
     with pytest.raises(ValueError, match=msg):
-        R.get_reward_fn(name, **kw)
+        RF.get_reward_fn(name, **kw)

@@ -1,4 +1,4 @@
-"""The sandbox runs model code in a limited child process and always comes back (rl/sandbox.py)."""
+"""The sandbox runs model code in a limited child process and always comes back (rl/envs/sandbox.py)."""
 
 from __future__ import annotations
 
@@ -7,7 +7,8 @@ import time
 
 import pytest
 
-from rl.sandbox import namespaces_available, run_python
+from rl.envs.isolation import namespaces_available
+from rl.envs.sandbox import run_python
 
 
 def test_runs_a_program_in_a_temporary_directory():

@@ -20,10 +20,18 @@ from pathlib import Path
 import pytest
 import torch
 
-import rl.environments as E
-from rl import sandbox
-from rl.config import ConfigError
-from rl.sandbox import run_python
+from rl.envs import isolation, sandbox
+from rl.envs.code import (
+    DEFAULT_CODE_PROBLEMS,
+    MAX_RESULT_CHARS,
+    create_code_generation_env,
+    parse_unit_test,
+    read_results,
+    run_unit_tests,
+    unit_test_passes,
+)
+from rl.envs.sandbox import run_python
+from rl.errors import ConfigError
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -33,11 +41,11 @@ ROOT = Path(__file__).resolve().parents[1]
 def mechanism(request, monkeypatch):
     """Each private-root mechanism that works here: bubblewrap, and util-linux's unshare (the
     fallback where bubblewrap is missing)."""
-    works = sandbox._bwrap_works() if request.param == "bwrap" else sandbox._unshare_root_works()
+    works = isolation._bwrap_works() if request.param == "bwrap" else isolation._unshare_root_works()
     if not works:
         pytest.skip(f"{request.param} cannot give the sandbox a private root here")
     if request.param == "unshare":
-        monkeypatch.setattr(sandbox, "_bwrap_works", lambda: False)
+        monkeypatch.setattr(isolation, "_bwrap_works", lambda: False)
     return request.param
 
 
@@ -71,7 +79,7 @@ def secret_files(tmp_path):
 
 
 def _code_env(tok, **kw):
-    return E.create_code_generation_env(tok, run_tests=True, timeout=3.0, **kw)
+    return create_code_generation_env(tok, run_tests=True, timeout=3.0, **kw)
 
 
 def _tests_reward(env, codes: list[str]) -> list[float]:
@@ -106,7 +114,7 @@ def test_reads_outside_get_nothing(secret_files, mechanism):
 
 
 def _python_roots() -> set[str]:
-    return {d.strip("/").split("/")[0] for d in sandbox._python_dirs()}
+    return {d.strip("/").split("/")[0] for d in isolation._python_dirs()}
 
 
 def test_writes_outside_get_nothing(tmp_path, mechanism):
@@ -187,22 +195,22 @@ def test_forging_the_unit_test_reward_earns_nothing(tok, mechanism):
 def test_the_forging_attack_is_real_without_a_private_root(monkeypatch):
     # Proof that the attack above can win: seeing the host's files (no private root), it reads the
     # built-in tests in rl/environments.py and earns the full reward with a wrong add.
-    monkeypatch.setattr(sandbox, "private_root_available", lambda: False)
+    monkeypatch.setattr(isolation, "private_root_available", lambda: False)
     forge = FORGE_EVERYTHING.replace("CHECKOUT", repr(str(ROOT / "rl")))
-    assert E.run_unit_tests(forge, E.DEFAULT_CODE_PROBLEMS[0]["tests"], require_private_root=False) == 1.0
+    assert run_unit_tests(forge, DEFAULT_CODE_PROBLEMS[0]["tests"], require_private_root=False) == 1.0
 
 
 def test_result_lines_are_judged_here():
-    t = E.parse_unit_test("assert add(1, 2) == 3")
+    t = parse_unit_test("assert add(1, 2) == 3")
     lines = "\n".join(['__rl_result__ {"i": 0, "repr": "3"}', '__rl_result__ {"i": 0, "repr": "4"}',
                        '__rl_result__ {"i": true, "repr": "3"}', '__rl_result__ {"i": 1, "repr": "3"}',
                        '__rl_result__ [1]', "__rl_result__ " + "[" * 100_000])
-    results = E.read_results(lines, 2)
+    results = read_results(lines, 2)
     assert results[0] == {"i": 0, "repr": "3"} and results[1] == {"i": 1, "repr": "3"}  # first line per call
-    assert E.unit_test_passes(t, {"repr": "3"}) and not E.unit_test_passes(t, {"repr": "3.5"})
+    assert unit_test_passes(t, {"repr": "3"}) and not unit_test_passes(t, {"repr": "3.5"})
     for forged in ({"repr": "__import__('os')"}, {"repr": "X()"}, {"error": "AssertionError"}, None,
-                   {"repr": "3" * (E.MAX_RESULT_CHARS + 1)}, {"repr": 3}):
-        assert not E.unit_test_passes(t, forged)
+                   {"repr": "3" * (MAX_RESULT_CHARS + 1)}, {"repr": 3}):
+        assert not unit_test_passes(t, forged)
 
 
 # ------------------------------------------------------------------------------ network
@@ -333,13 +341,13 @@ def test_every_attack_in_the_code_env_gets_nothing_and_the_honest_solution_every
 # ------------------------------------------------------------------------------ without a private root
 
 def test_without_private_root_the_code_env_refuses_unless_unisolated(tok, monkeypatch, caplog):
-    monkeypatch.setattr(sandbox, "isolation_level", lambda: "network")
+    monkeypatch.setattr(isolation, "isolation_level", lambda: "network")
     with pytest.raises(ConfigError, match=r"^sandbox: .*bubblewrap.*sandbox: unisolated$"):
         _code_env(tok)
     with pytest.raises(RuntimeError, match="private root"):
         run_python("print(1)", require_private_root=True)
-    E.create_code_generation_env(tok)  # no unit tests, nothing to refuse
-    with caplog.at_level(logging.WARNING, logger="rl.environments"):
+    create_code_generation_env(tok)  # no unit tests, nothing to refuse
+    with caplog.at_level(logging.WARNING, logger="rl.envs.code"):
         env = _code_env(tok, sandbox="unisolated")
     lines = [r.getMessage() for r in caplog.records if "unisolated" in r.getMessage()]
     assert len(lines) == 1 and "\n" not in lines[0]
@@ -349,7 +357,7 @@ def test_without_private_root_the_code_env_refuses_unless_unisolated(tok, monkey
 
 
 def test_without_a_private_root_the_limits_still_hold(monkeypatch):
-    monkeypatch.setattr(sandbox, "private_root_available", lambda: False)
+    monkeypatch.setattr(isolation, "private_root_available", lambda: False)
     res = run_python("import os\nprint(os.path.exists('/work') or os.path.exists('/usr'))")
     assert res.ok and res.isolation in ("network", "none") and not res.filesystem_isolated
     assert res.stdout.strip() == "True"  # the host's file system: why the code env refuses this level
@@ -383,10 +391,10 @@ def _arm(directory: Path, marker: Path) -> None:
 
 
 def test_model_and_reward_model_directories_cannot_enable_remote_code(tmp_path, tiny_llama, caplog, monkeypatch):
-    from rl.launch_utils import load_model_config
-    from rl.models import load_causal_lm, load_tokenizer
-    from rl.reward import RewardModel, RewardModelConfig, load_reward_model
-    from rl.tiny import write_tiny_model
+    from rl.models.loading import load_causal_lm, load_tokenizer
+    from rl.models.reward import RewardModel, RewardModelConfig, load_reward_model
+    from rl.models.tiny import write_tiny_model
+    from rl.scripts.dryrun import load_model_config
 
     marker = tmp_path / "remote-code-ran"
     model_dir = write_tiny_model(tmp_path / "model")
@@ -395,7 +403,7 @@ def test_model_and_reward_model_directories_cannot_enable_remote_code(tmp_path, 
                      tokenizer=load_tokenizer(tiny_llama))
     rm_dir = rm.save(tmp_path / "rm")
     _arm(rm_dir, marker)
-    with caplog.at_level(logging.WARNING, logger="rl.reward"):
+    with caplog.at_level(logging.WARNING, logger="rl.trainers.reward"):
         loaded = load_reward_model(rm_dir)
     assert "trust_remote_code; ignored" in caplog.text
     assert loaded.score(["hello"]).shape == (1,)
@@ -416,8 +424,8 @@ def test_model_and_reward_model_directories_cannot_enable_remote_code(tmp_path, 
 
 
 def test_a_downloaded_model_type_with_custom_code_is_refused(tmp_path):
-    from rl.models import load_causal_lm
-    from rl.tiny import write_tiny_model
+    from rl.models.loading import load_causal_lm
+    from rl.models.tiny import write_tiny_model
 
     marker = tmp_path / "remote-code-ran"
     model_dir = write_tiny_model(tmp_path / "model")
@@ -443,8 +451,8 @@ class _Payload:
 def test_checkpoints_and_recipes_run_no_code(tmp_path, tiny_llama):
     from transformers import AutoModelForCausalLM
 
-    from rl.config import load_recipe
-    from rl.forward_backward import ForwardBackwardPipeline
+    from rl.config.parse import load_recipe
+    from rl.engine.pipeline import ForwardBackwardPipeline
 
     marker = tmp_path / "payload-ran"
     model = AutoModelForCausalLM.from_pretrained(tiny_llama)

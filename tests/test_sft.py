@@ -40,7 +40,7 @@ def test_tiny_sft_learns_and_saves_a_loadable_model(tmp_path):
 @pytest.mark.parametrize("zero3", [False, True], ids=["ddp", "zero3"])
 def test_two_processes_match_one(tmp_path, zero3):
     """Same global batch (16) as 1 x 16 and 2 x 8: the loss curves agree to 1e-5. The 2-process run
-    computes its log-probs with the chunked LM head (rl.chunked, under DDP and ZeRO-3), the 1-process
+    computes its log-probs with the chunked LM head (rl.engine.chunked, under DDP and ZeRO-3), the 1-process
     run from full logits."""
     common = ["--config", RECIPE, "num_epochs=2", "log_every=1"]
     one = tmp_path / "one"
@@ -134,8 +134,10 @@ def test_lora_adapter_and_merged_saves_equal_peft_forward(tiny_llama, tmp_path):
     from peft import AutoPeftModelForCausalLM, PeftModel
     from transformers import AutoModelForCausalLM
 
-    from rl.launch_utils import load_model_config, model_problem
-    from rl.models import MERGED_DIR, apply_lora, load_causal_lm, load_tokenizer, save_pretrained
+    from rl.models.loading import apply_lora, load_causal_lm, load_tokenizer
+    from rl.models.saving import MERGED_DIR, save_pretrained
+    from rl.scripts.common import model_problem
+    from rl.scripts.dryrun import load_model_config
 
     for family in ("llama", "gpt2"):  # gpt2: Conv1D stores W transposed
         torch.manual_seed(0)
@@ -173,9 +175,9 @@ def test_lora_adapter_and_merged_saves_equal_peft_forward(tiny_llama, tmp_path):
     chained = load_causal_lm(str(tmp_path / "stacked"), dtype="float32")
     assert (chained(input_ids=ids).logits - expected).abs().max() < 1e-4
     # PEFT's loaders would drop the first adapter: the card says how to load it instead
-    from rl.config import build
-    from rl.model_card import write_model_card
-    from rl.sft import SFTConfig
+    from rl.config.fields import build
+    from rl.models.card import write_model_card
+    from rl.trainers.sft import SFTConfig
 
     cfg = build(SFTConfig, {"model_name": str(out), "output_dir": str(tmp_path / "stacked"), "lora": {"enabled": True}})
     assert "**Stacked adapter**" in write_model_card(tmp_path / "stacked", cfg, [], "sft", argv=[]).read_text()

@@ -7,11 +7,13 @@ from __future__ import annotations
 import pytest
 import torch
 
-from rl import grpo, ppo, ppo_model
-from rl.config import build
-from rl.generation import sequence_logprobs
-from rl.grpo import GRPOConfig, GRPOTrainer, grpo_loss_fn
-from rl.ppo import PPOConfig, PPOTrainer
+from rl.config.fields import build
+from rl.engine.scoring import sequence_logprobs
+from rl.trainers import grpo, ppo, ppo_math
+from rl.trainers.grpo import GRPOTrainer, grpo_loss_fn
+from rl.trainers.grpo_config import GRPOConfig
+from rl.trainers.ppo import PPOTrainer
+from rl.trainers.ppo_config import PPOConfig
 
 
 def _count_scoring(monkeypatch, module) -> list:
@@ -50,7 +52,7 @@ def test_grpo_on_policy_without_kl_runs_no_scoring_forward(tiny_llama, tmp_path,
 def test_grpo_on_policy_old_logprobs_are_the_detached_current_ones(tiny_llama):
     """What num_iterations = 1 skips: old log-probs from a separate no-grad forward give the same loss
     and gradients as the detached current log-probs the loss uses instead (ratio 1)."""
-    from rl.models import load_causal_lm
+    from rl.models.loading import load_causal_lm
 
     model = load_causal_lm(tiny_llama, dtype=torch.float32)
     g = torch.Generator().manual_seed(0)
@@ -87,7 +89,7 @@ def test_ppo_without_kl_penalty_runs_no_reference(tmp_path, tiny_cache, monkeypa
     """kl_penalty_coef = 0 (adaptive or not, it stays 0): no reference model and no reference forward,
     and the same iteration as with a reference whose KL term is multiplied by 0."""
     prompts = ["tell sea: ", "why cat: ", "how sky: ", "write poem: "]
-    calls = _count_scoring(monkeypatch, ppo_model)
+    calls = _count_scoring(monkeypatch, ppo_math)
     skip = _ppo(tmp_path / "skip", kl_penalty_coef=0.0)
     assert not skip.reference.exists and skip.reference.model is None
     h_skip = skip.train(prompts)

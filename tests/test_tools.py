@@ -1,4 +1,4 @@
-"""Multi-turn tool use (rl.tools, rl.tool_env): the calculator and the call parser against hand-computed
+"""Multi-turn tool use (rl.envs.tools, rl.envs.tool_math, rl.rollout.episodes): the calculator and the call parser against hand-computed
 values, an episode of a scripted policy (no sampling from a random model), the exclusion of tool-result
 tokens from the GRPO loss and KL, the environment's registry entry and errors, and one slow "it learns"
 run: SFT on a teacher that calls the calculator 30% of the time, then GRPO, on held-out problems."""
@@ -10,15 +10,29 @@ import math
 import pytest
 import torch
 
-from rl.config import ConfigError, build
-from rl.environments import ENV_TYPES, make_env
-from rl.generation import Rollout, left_pad
-from rl.grpo import GRPOConfig, GRPOTrainer, grpo_loss, grpo_loss_fn
-from rl.grpo_sampling import select_rollout
-from rl.losses import token_logprobs
-from rl.tiny import build_tokenizer
-from rl.tool_env import (EpisodeRollout, create_tool_math_env, final_turn, run_episodes, tool_message_text)
-from rl.tools import MAX_RESULT_CHARS, ToolCall, ToolError, calculator, parse_tool_call, run_tool
+from rl.algos.policy_losses import grpo_loss
+from rl.config.fields import build
+from rl.engine.generation import Rollout
+from rl.engine.losses import token_logprobs
+from rl.engine.packing import left_pad
+from rl.envs.registry import ENV_TYPES, make_env
+from rl.envs.tool_math import create_tool_math_env
+from rl.envs.tools import (
+    MAX_RESULT_CHARS,
+    ToolCall,
+    ToolError,
+    calculator,
+    final_turn,
+    parse_tool_call,
+    run_tool,
+    tool_message_text,
+)
+from rl.errors import ConfigError
+from rl.models.tiny import build_tokenizer
+from rl.rollout.episodes import EpisodeRollout, run_episodes
+from rl.trainers.grpo import GRPOTrainer, grpo_loss_fn
+from rl.trainers.grpo_batch import select_rollout
+from rl.trainers.grpo_config import GRPOConfig
 from tests.conftest import LEARN_SEED, learned
 
 TOK = build_tokenizer()
@@ -69,10 +83,10 @@ def test_run_tool_errors_are_results():
 
 
 def test_python_tool_runs_only_in_the_sandbox():
-    from rl import sandbox
-    from rl.tools import python_tool
+    from rl.envs import isolation
+    from rl.envs.tools import python_tool
 
-    if sandbox.isolation_level() != "private-root":
+    if isolation.isolation_level() != "private-root":
         with pytest.raises(ToolError, match="private root"):
             python_tool("print(1)")
         return
@@ -286,19 +300,20 @@ def test_ppo_trains_on_episodes_with_tool_tokens_out_of_the_loss(tiny_llama, tmp
     calls the calculator and copies the result), the advantages' mask is the loss mask (0 on the tool
     message, 1 on both policy turns), and the episode's final answer is scored (the score's place after
     the gap: test_ppo.py's test_score_only_at_last_response_token)."""
-    import rl.ppo
-    from rl.ppo import PPOConfig, PPOTrainer
+    import rl.trainers.ppo
+    from rl.trainers.ppo import PPOTrainer
+    from rl.trainers.ppo_config import PPOConfig
 
-    monkeypatch.setattr(rl.ppo, "run_episodes", lambda *a, **k: run_episodes(*a, **k, generate_fn=scripted_generate()))
+    monkeypatch.setattr(rl.trainers.ppo, "run_episodes", lambda *a, **k: run_episodes(*a, **k, generate_fn=scripted_generate()))
     seen = {}
-    real = rl.ppo.ppo_advantages
+    real = rl.trainers.ppo.ppo_advantages
 
     def spy(cfg, scores, eos_missing, old_logp, ref_logp, old_values, mask, kl_coef):
         out = real(cfg, scores, eos_missing, old_logp, ref_logp, old_values, mask, kl_coef)
         seen.update(mask=mask.clone(), scores=scores.clone())
         return out
 
-    monkeypatch.setattr(rl.ppo, "ppo_advantages", spy)
+    monkeypatch.setattr(rl.trainers.ppo, "ppo_advantages", spy)
     cfg = PPOConfig(model_name=tiny_llama, output_dir=str(tmp_path), env_type="tool_math",
                     env_config={"digits": [2, 2], "answer_digits": 4, "num_problems": 8, "max_turns": 2},
                     num_iterations=1, batch_size=4, mini_batch_size=4, ppo_epochs=1, max_new_tokens=64,

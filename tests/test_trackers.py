@@ -9,8 +9,9 @@ import json
 
 import pytest
 
-from rl.config import build
-from rl.sft import SFTConfig, SFTTrainer, tokenize_examples
+from rl.config.fields import build
+from rl.data.sft import tokenize_examples
+from rl.trainers.sft import SFTConfig, SFTTrainer
 
 
 def _tiny_sft(tiny_llama, out, sink: str) -> list[dict]:

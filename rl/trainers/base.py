@@ -30,28 +30,31 @@ from __future__ import annotations
 import errno
 import logging
 import math
-import re
 import shutil
 import signal
 from pathlib import Path
 
 import torch
 
-from rl.checkpoint import StopSignal, checkpoint_dir, checkpoint_name, make_loadable, resolve_resume
-from rl.forward_backward import COMPLETE_MARKER, ForwardBackwardPipeline
-from rl.models import build_optimizer, build_scheduler
+from rl.engine.optim import build_optimizer, build_scheduler
+from rl.engine.pipeline import ForwardBackwardPipeline
+from rl.engine.state import (
+    StopSignal,
+    checkpoint_dir,
+    checkpoint_name,
+    complete_checkpoints,
+    previous_run,
+    prune_checkpoints,
+    resolve_resume,
+)
+from rl.errors import RunError
+from rl.models.saving import make_loadable
 
 logger = logging.getLogger(__name__)
-
-_STEP = re.compile(r"^checkpoint-(\d+)$")
 # metrics whose non-finite value means the weights are, or are about to be, garbage: the loss and its
 # parts (PPO logs loss/policy, loss/value, loss/total) and the gradient norm
 def _guarded(key: str) -> bool:
     return key in ("loss", "grad_norm") or key.startswith("loss/")
-
-
-class RunError(RuntimeError):
-    """A failure during training that the user can act on; its message is one line."""
 
 
 class NonFiniteError(RunError):
@@ -64,38 +67,6 @@ def check_finite(row: dict) -> None:
         if _guarded(key) and isinstance(v, (int, float)) and not math.isfinite(v):
             raise NonFiniteError(f"step {row.get('step')}: {key} is {v}; training diverged (lower "
                                  f"learning_rate, or check the data and rewards); nothing was saved at this step")
-
-
-def complete_checkpoints(output_dir: str | Path) -> list[Path]:
-    """Complete checkpoints under `<output_dir>/checkpoints`, newest first."""
-    root = checkpoint_dir(output_dir)
-    if not root.is_dir():
-        return []
-    found = [(int(m.group(1)), d) for d in root.iterdir()
-             if (m := _STEP.match(d.name)) and d.is_dir() and (d / COMPLETE_MARKER).exists()]
-    return [d for _, d in sorted(found, reverse=True)]
-
-
-def prune_checkpoints(output_dir: str | Path, keep: int | None) -> list[Path]:
-    """Delete all but the newest `keep` complete checkpoints (and their critic twins); return the deleted."""
-    if not keep:
-        return []
-    gone = complete_checkpoints(output_dir)[keep:]
-    for d in gone:
-        shutil.rmtree(d, ignore_errors=True)
-        shutil.rmtree(d.parent / "critic" / d.name, ignore_errors=True)
-    return gone
-
-
-def previous_run(output_dir: str | Path) -> str | None:
-    """What in `output_dir` shows an earlier run (None when it is empty or fresh)."""
-    out = Path(output_dir)
-    for name in ("metrics.jsonl", "model.safetensors", "adapter_model.safetensors", "reward_config.json"):
-        if (out / name).exists():
-            return name
-    if complete_checkpoints(out):
-        return "checkpoints/"
-    return None
 
 
 def check_output_dir(cfg) -> None:

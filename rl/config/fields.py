@@ -1,0 +1,285 @@
+"""Typed recipe configs: a YAML recipe as the base, command-line overrides on top, strict validation.
+
+Every trainer has one dataclass schema whose fields carry a one-line help text (`opt(default,
+"help")`). `parse_config(Schema, argv)` reads `--config recipe.yaml`, applies `--key value`,
+`--key=value` and `key=value` overrides (dotted keys such as `lora.rank=16` reach nested sections),
+converts each value to the field's type and builds the dataclass. Mistakes become one `ConfigError`
+line naming the key, the value and what was expected; the launch scripts print it and exit with 2.
+
+Why not plain argparse or HfArgumentParser: neither merges a YAML base with overrides of nested
+sections, nor suggests the closest key for a typo, which is most of what goes wrong with recipes.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import types
+import typing
+from typing import Any, Literal, Union, get_args, get_origin
+
+import yaml
+
+from rl.errors import ConfigError
+
+REQUIRED = dataclasses.MISSING
+
+
+def opt(default: Any = REQUIRED, help: str = "", **kw) -> Any:
+    """A schema field with a default (`REQUIRED` for none) and a one-line help text."""
+    meta = {"help": help}
+    if isinstance(default, (list, dict, set)):
+        return dataclasses.field(default_factory=lambda d=default: type(d)(d), metadata=meta, **kw)
+    if dataclasses.is_dataclass(default) and isinstance(default, type):
+        return dataclasses.field(default_factory=default, metadata=meta, **kw)
+    return dataclasses.field(default=default, metadata=meta, **kw)
+
+
+def section(cls: type, help: str = "") -> Any:
+    """A nested config section (itself a dataclass), filled from a YAML mapping or dotted keys."""
+    return dataclasses.field(default_factory=cls, metadata={"help": help})
+
+
+# --------------------------------------------------------------------------------------------------
+# Type conversion
+# --------------------------------------------------------------------------------------------------
+
+_TRUE = {"true", "yes", "on", "1"}
+_FALSE = {"false", "no", "off", "0"}
+
+
+def _type_name(tp: Any) -> str:
+    origin = get_origin(tp)
+    if origin is Literal:
+        return " | ".join(repr(a) for a in get_args(tp))
+    if origin in (Union, types.UnionType):
+        return " or ".join(_type_name(a) for a in get_args(tp))
+    if origin is not None:
+        return f"{origin.__name__}[{', '.join(_type_name(a) for a in get_args(tp))}]"
+    return "null" if tp is type(None) else getattr(tp, "__name__", str(tp))
+
+
+def _load_inline(text: str) -> Any:
+    """An inline YAML/JSON value from the command line or a recipe string; a syntax error becomes a
+    TypeError that says what was expected (build() names the key)."""
+    try:
+        return yaml.safe_load(text)
+    except yaml.YAMLError as e:
+        problem = getattr(e, "problem", None) or str(e).splitlines()[0]
+        raise TypeError(f"valid inline YAML/JSON such as {{a: 1}} or [1, 2] ({problem}; quote the "
+                        f"whole value in the shell)") from None
+
+
+def _convert(value: Any, tp: Any) -> Any:
+    """Convert a YAML/CLI value to `tp`, raising TypeError(expected-type) when it cannot."""
+    origin = get_origin(tp)
+    if tp is Any:
+        return value
+    if origin in (Union, types.UnionType):
+        args = get_args(tp)
+        if value is None or (isinstance(value, str) and value.lower() in ("none", "null")):
+            if type(None) in args:
+                return None
+        errors = []
+        for a in args:
+            if a is type(None):
+                continue
+            try:
+                return _convert(value, a)
+            except (TypeError, ValueError) as e:
+                errors.append(e.args[0] if isinstance(e, TypeError) and e.args else _type_name(a))
+        if len(errors) == 1 and type(None) in args:  # `X | None`: say what was wrong with X
+            raise TypeError(f"{errors[0]}, or null")
+        raise TypeError(_type_name(tp))
+    if origin is Literal:
+        choices = get_args(tp)
+        if value in choices:
+            return value
+        raise TypeError(_type_name(tp))
+    if origin in (list, tuple):
+        if isinstance(value, str):
+            parsed = _load_inline(value) if value.strip().startswith("[") else value.split(",")
+            value = parsed if isinstance(parsed, list) else [parsed]
+        if not isinstance(value, (list, tuple)):
+            raise TypeError(_type_name(tp))
+        (inner, *_) = get_args(tp) or (Any,)
+        out = []
+        for i, v in enumerate(value):
+            try:
+                out.append(_convert(v, inner))
+            except (TypeError, ValueError):
+                raise TypeError(f"a list of {_type_name(inner)}, but item {i} is {v!r}") from None
+        return out
+    if origin is dict or tp is dict:
+        if isinstance(value, str):
+            value = _load_inline(value)
+        if not isinstance(value, dict):
+            raise TypeError(f"{_type_name(tp)} (a mapping such as {{a: 1, b: 2}})")
+        key_tp, val_tp = get_args(tp) or (Any, Any)
+        out = {}
+        for k, v in value.items():
+            try:
+                out[_convert(k, key_tp)] = _convert(v, val_tp)
+            except (TypeError, ValueError):
+                raise TypeError(f"{_type_name(val_tp)} for every value, but {k!r} is {v!r}") from None
+        return out
+    if tp is bool:
+        if isinstance(value, bool):
+            return value
+        if isinstance(value, str) and value.lower() in _TRUE | _FALSE:
+            return value.lower() in _TRUE
+        if isinstance(value, int) and value in (0, 1):
+            return bool(value)
+        raise TypeError("bool (true or false)")
+    if tp is int:
+        if isinstance(value, bool):
+            raise TypeError("int")
+        if isinstance(value, int):
+            return value
+        if isinstance(value, float) and value.is_integer():
+            return int(value)
+        if isinstance(value, str):
+            try:
+                return int(value)
+            except ValueError:
+                f = float(value)  # accepts "1e3"
+                if f.is_integer():
+                    return int(f)
+        raise TypeError("int")
+    if tp is float:
+        if isinstance(value, bool):
+            raise TypeError("float")
+        if isinstance(value, (int, float)):
+            return float(value)
+        if isinstance(value, str):
+            try:
+                return float(value)
+            except ValueError:
+                pass
+        raise TypeError("float")
+    if tp is str:
+        if isinstance(value, (str, int, float)) and not isinstance(value, bool):
+            return str(value)
+        raise TypeError("str")
+    return value
+
+
+# --------------------------------------------------------------------------------------------------
+# Building a schema from a nested mapping
+# --------------------------------------------------------------------------------------------------
+
+def _fields(cls: type) -> dict[str, dataclasses.Field]:
+    return {f.name: f for f in dataclasses.fields(cls) if f.init}
+
+
+def _hints(cls: type) -> dict[str, Any]:
+    return typing.get_type_hints(cls)
+
+
+# The one alias table: the reference docs' and CLI's names and TRL's names, each mapped to our key. An
+# alias lists candidate targets in order and a schema takes the first that is one of its fields (so
+# `rl_kl_coef` is PPO's kl_penalty_coef and GRPO's beta); a name that is a field itself is never an alias
+# there (GRPO's max_completion_length is its own key, PPO's alias for max_new_tokens). A schema's own
+# ALIASES (rare) win.
+ALIASES: dict[str, tuple[str, ...]] = {
+    # the reference's generic names
+    "lr": ("learning_rate",), "epochs": ("num_epochs",), "model": ("model_name",), "project_name": ("output_dir",),
+    # the reference CLI's rl_* names
+    "rl_gamma": ("gamma",), "rl_gae_lambda": ("lam",), "rl_kl_coef": ("kl_penalty_coef", "beta"),
+    "rl_value_loss_coef": ("value_coef",), "rl_clip_range": ("clip_ratio", "epsilon_low"),
+    "rl_value_clip_range": ("value_clip",), "rl_num_ppo_epochs": ("ppo_epochs",),
+    "rl_mini_batch_size": ("mini_batch_size",), "rl_max_new_tokens": ("max_new_tokens", "max_completion_length"),
+    "rl_top_k": ("top_k",), "rl_top_p": ("top_p",), "rl_temperature": ("temperature",),
+    "rl_reward_model_path": ("reward_model_path",), "rl_reward_fn": ("reward_fn",),
+    "rl_multi_objective": ("multi_objective",), "rl_reward_weights": ("reward_weights",),
+    "rl_env_type": ("env_type",), "rl_env_config": ("env_config",), "model_ref": ("ref_model", "ref_model_name"),
+    "dpo_beta": ("beta",),
+    # TRL's names (TrainingArguments and the DPO/GRPO/PPO/Reward configs)
+    "per_device_train_batch_size": ("batch_size",), "num_train_epochs": ("num_epochs",),
+    "logging_steps": ("log_every",), "save_steps": ("save_every",), "eval_steps": ("eval_every",),
+    "lr_scheduler_type": ("lr_scheduler",), "max_completion_length": ("max_new_tokens",),
+    "max_new_tokens": ("max_completion_length",), "num_generations": ("num_generations",),
+    "group_size": ("num_generations",), "epsilon": ("epsilon_low", "clip_ratio"), "kl_coef": ("kl_penalty_coef", "beta"),
+    "vf_coef": ("value_coef",), "cliprange": ("clip_ratio",), "cliprange_value": ("value_clip",),
+    "num_ppo_epochs": ("ppo_epochs",), "gae_lambda": ("lam",), "precompute_ref_log_probs": ("precompute_ref_logps",),
+    "ref_model": ("ref_model_name",), "padding_free": ("packing",),
+}
+# TRL's boolean precision flags: an alias whose value is mapped too
+VALUE_ALIASES: dict[str, tuple[str, dict]] = {"bf16": ("dtype", {True: "bfloat16", False: "float32"})}
+
+
+def _aliases(cls: type) -> dict[str, str]:
+    """This schema's alternative key names -> its keys (see ALIASES)."""
+    fields = _fields(cls)
+    out = {a: next(t for t in targets if t in fields) for a, targets in ALIASES.items()
+           if a not in fields and any(t in fields for t in targets)}
+    out.update({a: t for a, (t, _) in VALUE_ALIASES.items() if a not in fields and t in fields})
+    out.update(getattr(cls, "ALIASES", {}))
+    return out
+
+
+def _all_keys(cls: type, prefix: str = "", aliases: bool = False) -> list[str]:
+    """Every dotted key of `cls` (with `aliases`, the alias names instead)."""
+    keys = [] if aliases else [prefix + name for name in _fields(cls)]
+    if aliases:
+        keys += [prefix + a for a in _aliases(cls)]
+    hints = _hints(cls)
+    for name in _fields(cls):
+        if dataclasses.is_dataclass(hints[name]):
+            keys += _all_keys(hints[name], f"{prefix}{name}.", aliases)
+    return keys
+
+
+def _unknown(key: str, cls: type, where: str) -> ConfigError:
+    # our own keys first; an alias (a reference CLI or TRL name) only when no key is close
+    close = (difflib.get_close_matches(key, _all_keys(cls), n=3, cutoff=0.6)
+             or difflib.get_close_matches(key, _all_keys(cls, aliases=True), n=3, cutoff=0.6))
+    hint = f" (did you mean {', '.join(close)}?)" if close else " (run with --help to list the keys)"
+    return ConfigError(f"{where}: unknown key '{key}'{hint}")
+
+
+def build(cls: type, data: dict, where: str = "config", prefix: str = "", root: type | None = None,
+          require: bool = True):
+    """Instantiate dataclass `cls` from a (possibly nested) mapping, validating every key.
+
+    With `require=False` only the keys and types are checked (a recipe may leave a required key to
+    the command line) and None is returned."""
+    root = root or cls
+    fields, hints, aliases = _fields(cls), _hints(cls), _aliases(cls)
+    kwargs: dict[str, Any] = {}
+    for raw_key, value in data.items():
+        key = aliases.get(raw_key, raw_key)
+        if key not in fields:
+            raise _unknown(prefix + raw_key, root, where)
+        if raw_key in VALUE_ALIASES and key == VALUE_ALIASES[raw_key][0] and raw_key not in fields:
+            try:
+                value = VALUE_ALIASES[raw_key][1][_convert(value, bool)]
+            except TypeError:
+                raise ConfigError(f"{where}: key '{prefix}{raw_key}' has value {value!r}, expected bool "
+                                  f"(true or false)") from None
+        tp = hints[key]
+        if dataclasses.is_dataclass(tp):
+            if value is None:
+                value = {}
+            if not isinstance(value, dict):
+                raise ConfigError(f"{where}: key '{prefix}{raw_key}' is a section; give it a mapping "
+                                  f"of keys, e.g. {prefix}{raw_key}.<key>=<value>")
+            kwargs[key] = build(tp, value, where, f"{prefix}{key}.", root, require)
+            continue
+        try:
+            kwargs[key] = _convert(value, tp)
+        except (TypeError, ValueError) as e:
+            expected = e.args[0] if isinstance(e, TypeError) and e.args else _type_name(tp)
+            raise ConfigError(f"{where}: key '{prefix}{raw_key}' has value {value!r}, "
+                              f"expected {expected}") from None
+    if not require:
+        return None
+    missing = [n for n, f in fields.items() if n not in kwargs and f.default is REQUIRED
+               and f.default_factory is REQUIRED]
+    if missing:
+        name = prefix + missing[0]
+        raise ConfigError(f"missing required key '{name}': set it in the recipe or pass --{name} VALUE")
+    try:
+        return cls(**kwargs)
+    except ConfigError as e:
+        raise ConfigError(f"{where}: {e}") from None

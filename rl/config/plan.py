@@ -1,0 +1,41 @@
+"""Typed recipe configs: a YAML recipe as the base, command-line overrides on top, strict validation.
+
+Every trainer has one dataclass schema whose fields carry a one-line help text (`opt(default,
+"help")`). `parse_config(Schema, argv)` reads `--config recipe.yaml`, applies `--key value`,
+`--key=value` and `key=value` overrides (dotted keys such as `lora.rank=16` reach nested sections),
+converts each value to the field's type and builds the dataclass. Mistakes become one `ConfigError`
+line naming the key, the value and what was expected; the launch scripts print it and exit with 2.
+
+Why not plain argparse or HfArgumentParser: neither merges a YAML base with overrides of nested
+sections, nor suggests the closest key for a typo, which is most of what goes wrong with recipes.
+"""
+
+from __future__ import annotations
+
+import math
+
+from rl.errors import ConfigError
+
+
+def epoch_plan(cfg, n_examples: int, world: int, what: str = "examples") -> dict:
+    """Derived sizes of an epoch-based trainer, computed once: global batch, steps per epoch and
+    total optimizer steps (`max_steps` wins over `num_epochs`).
+
+    As a data loader without drop_last: an incomplete last global batch (or an only one, when the data
+    is smaller than a global batch) is a smaller last step, steps_per_epoch = ceil(n / global_batch).
+    The trainers weight it so that its loss is still the mean over the examples it holds, and every
+    process still runs gradient_accumulation_steps micro-batches in it (ZeRO-3). `warning` is the one
+    line to print about it, or None."""
+    if n_examples < 1:
+        raise ConfigError(f"no training {what}")
+    global_batch = cfg.batch_size * cfg.gradient_accumulation_steps * world
+    steps_per_epoch = math.ceil(n_examples / global_batch)
+    last = n_examples - (steps_per_epoch - 1) * global_batch
+    warning = None
+    if last < global_batch:
+        warning = (f"warning: {n_examples} training {what} do not fill the global batch of {global_batch} "
+                   f"(batch_size {cfg.batch_size} x gradient_accumulation_steps {cfg.gradient_accumulation_steps} "
+                   f"x {world} processes): the last step of each epoch trains on {last}")
+    total = cfg.max_steps or steps_per_epoch * cfg.num_epochs
+    return {"global_batch": global_batch, "steps_per_epoch": steps_per_epoch, "total_steps": total,
+            "last_batch": last, "warning": warning}

@@ -1,0 +1,200 @@
+"""RL environments: episodes and rewards for text generation, multiple objectives, preferences, math, code.
+
+Two APIs over the same reward logic:
+
+* The reference's per-token API: `obs = env.reset()`, `result = env.step(token)` until `result.done`,
+  `env.render()`. The reward is terminal (0.0 until the episode ends), as in the reference.
+* The batched episode API the trainers use (PPO/GRPO/RLOO):
+
+      batch = env.sample_prompts(n, seed)              # [{"prompt": str, "metadata": dict}, ...]
+      rewards, metrics = env.score(prompts, completions, metadata)
+      # rewards: list[float], one per completion; metrics: {name: list[float]} aligned with it
+
+  `env(prompts, responses, metadata=None) -> list[float]` is the same as `score(...)[0]`, so an
+  environment can be passed wherever a `reward_fn(prompts, responses, metadata)` is expected.
+  `sample_prompts` is deterministic in `seed` (every rank of a distributed run gets the same batch and
+  shards it); for GRPO, repeat each prompt `num_generations` times before generating.
+
+Episodes end at EOS, at the first stop sequence, or when prompt + completion reaches `max_length`
+tokens. Scoring sees the completion cut before its first stop sequence, in `step()` and `score()` alike.
+
+Reward functions given to the environments may be per-sample, `fn(prompt, generated, full_text)` (the
+reference's signature; a `metadata` keyword is passed when the function accepts one), or batched,
+`fn(prompts, responses, metadata=None) -> list[float]` (rl.rewards.answers' signature, recognised by its first
+parameter being named `prompts`).
+
+Deviations from the reference implementation (see shared/reference/README.md): the math environment
+parses the answer and compares numbers (the substring "correct" earns nothing), the code environment
+rewards only non-empty parseable code and runs unit tests only in `rl.envs.sandbox`, which returns the
+candidate's outputs while the expected values stay in the trainer (see `run_unit_tests`), and the preference
+environment scores with the given model or callback, never a random number.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from typing import Callable, Sequence
+
+import torch
+
+from rl.envs.base import Observation, StepResult, TextGenerationEnv, batch_reward
+
+logger = logging.getLogger(__name__)
+
+
+# --------------------------------------------------------------------------- multi-objective
+
+
+class MultiObjectiveRewardEnv(TextGenerationEnv):
+    """Reward = sum_k w_k * component_k; each component reported as `reward_<name>`, plus `reward_total`."""
+
+    def __init__(self, tokenizer, prompts: Sequence[str], reward_components: dict[str, Callable],
+                 reward_weights: dict[str, float] | None = None, **kwargs):
+        if not reward_components:
+            raise ValueError("reward_components must name at least one reward function")
+        weights = dict(reward_weights or {})
+        unknown = sorted(set(weights) - set(reward_components))
+        if unknown:
+            raise ValueError(f"reward_weights name {', '.join(unknown)} but the components are "
+                             f"{', '.join(reward_components)}; weight only existing components")
+        self.reward_components = dict(reward_components)
+        self.reward_weights = {k: float(weights.get(k, 1.0)) for k in self.reward_components}
+        self._components = {k: batch_reward(fn) for k, fn in self.reward_components.items()}
+        kwargs.setdefault("reward_fn", None)
+        super().__init__(tokenizer, prompts, **kwargs)
+
+    def _score_batch(self, prompts, gens, metas):
+        metrics, total = {}, [0.0] * len(gens)
+        for name, fn in self._components.items():
+            values = fn(prompts, gens, metas)
+            metrics[f"reward_{name}"] = values
+            w = self.reward_weights[name]
+            total = [t + w * v for t, v in zip(total, values)]
+        metrics["reward_total"] = list(total)
+        return total, metrics
+
+
+# ----------------------------------------------------------------------------- preferences
+
+
+class PreferenceComparisonEnv(TextGenerationEnv):
+    """Two responses per prompt; the second `step()` compares them.
+
+    preference_model: an HF sequence classifier (scored on prompt + response with `reward_tokenizer`,
+    default the env's tokenizer), anything with `score(texts) -> tensor|list`, or a callable
+    `texts -> scores`. The pair's reward is the Bradley-Terry margin score(r1) - score(r2) (positive when
+    response 1 is preferred; `metrics["preference_prob"]` is its sigmoid).
+    human_feedback_fn: `fn(prompt, response1, response2) -> float`, positive when response 1 is preferred;
+    used when no preference_model is given. One of the two is required.
+    Batched API: `score()` gives each completion its model score (needs preference_model);
+    `compare(prompts, a, b)` scores pairs with either source.
+    """
+
+    def __init__(self, tokenizer, prompts: Sequence[str], preference_model=None,
+                 human_feedback_fn: Callable | None = None, max_length: int = 512, reward_tokenizer=None,
+                 batch_size: int = 8, **kwargs):
+        if preference_model is None and human_feedback_fn is None:
+            raise ValueError("PreferenceComparisonEnv needs a preference_model (reward model or scorer) or a "
+                             "human_feedback_fn(prompt, response1, response2); it never guesses a preference")
+        self.preference_model = preference_model
+        self.human_feedback_fn = human_feedback_fn
+        self.reward_tokenizer = reward_tokenizer
+        self.batch_size = int(batch_size)
+        super().__init__(tokenizer, prompts, max_length=max_length, **kwargs)
+        self.responses: list[str] = []
+
+    # ------------------------------------------------------------ scoring sources
+
+    def _is_hf_model(self) -> bool:
+        m = self.preference_model
+        return isinstance(m, torch.nn.Module) and hasattr(m, "config") and hasattr(m.config, "num_labels")
+
+    @torch.no_grad()
+    def model_scores(self, texts: list[str]) -> list[float]:
+        """Scalar preference-model score of each text."""
+        m = self.preference_model
+        if m is None:
+            raise ValueError("no preference_model given; scoring single responses needs one")
+        if self._is_hf_model():
+            tok = self.reward_tokenizer or self.tokenizer
+            device = next(m.parameters()).device
+            was_training = m.training
+            m.eval()
+            out = []
+            for i in range(0, len(texts), self.batch_size):
+                enc = tok(texts[i:i + self.batch_size], return_tensors="pt", padding=True, truncation=True,
+                          max_length=self.max_length)
+                logits = m(input_ids=enc["input_ids"].to(device),
+                           attention_mask=enc["attention_mask"].to(device)).logits
+                out.extend(logits[:, 0].float().cpu().tolist())
+            m.train(was_training)
+            return out
+        scorer = m.score if callable(getattr(m, "score", None)) else m
+        if not callable(scorer):
+            raise TypeError("preference_model must be an HF sequence classifier, have score(texts), or be callable")
+        scores = scorer(list(texts))
+        if isinstance(scores, torch.Tensor):
+            scores = scores.detach().float().flatten().cpu().tolist()
+        scores = [float(s) for s in scores]
+        if len(scores) != len(texts):
+            raise ValueError(f"preference_model returned {len(scores)} scores for {len(texts)} texts")
+        return scores
+
+    def compare(self, prompts: Sequence[str], responses_a: Sequence[str], responses_b: Sequence[str]):
+        """Batched pair comparison: rewards (positive when a is preferred) and metrics."""
+        if not (len(prompts) == len(responses_a) == len(responses_b)):
+            raise ValueError("compare needs as many responses_a and responses_b as prompts")
+        if self.preference_model is not None:
+            s = self.model_scores([p + r for p, r in zip(prompts, responses_a)]
+                                  + [p + r for p, r in zip(prompts, responses_b)])
+            sa, sb = s[: len(prompts)], s[len(prompts):]
+            margins = [a - b for a, b in zip(sa, sb)]
+            return margins, {"score_1": sa, "score_2": sb,
+                             "preference_prob": [1 / (1 + math.exp(-x)) for x in margins]}
+        values = [float(self.human_feedback_fn(p, a, b)) for p, a, b in zip(prompts, responses_a, responses_b)]
+        return values, {"human_preference": values}
+
+    def _score_batch(self, prompts, gens, metas):
+        scores = self.model_scores([p + g for p, g in zip(prompts, gens)])
+        return scores, {"reward_model_score": list(scores)}
+
+    # ------------------------------------------------------------ per-response API (reference)
+
+    def reset(self, index: int | None = None) -> Observation:
+        obs = super().reset(index)
+        self.responses = []
+        obs.metadata["comparison_round"] = 0
+        return obs
+
+    def step(self, action) -> StepResult:
+        """Submit a whole response (token ids or a string); the second one ends the episode."""
+        if self.current_prompt is None:
+            raise RuntimeError("call env.reset() before env.step()")
+        if self.done:
+            raise RuntimeError("the comparison is over; call env.reset() to start a new one")
+        if isinstance(action, str):
+            text = action
+        else:
+            text = self.tokenizer.decode(self._as_ids(action), skip_special_tokens=True)
+        self.responses.append(self.truncate(text))
+        self.steps += 1
+        info = {"responses": list(self.responses)}
+        if len(self.responses) < 2:
+            obs = self._observation(self._prompt_ids, comparison_round=1)
+            return StepResult(reward=0.0, done=False, next_observation=obs, info=info,
+                              metrics={"num_responses": 1.0})
+        rewards, metrics = self.compare([self.current_prompt], [self.responses[0]], [self.responses[1]])
+        reward = rewards[0]
+        self.done, self.last_reward = True, reward
+        info["preferred"] = 0 if reward >= 0 else 1
+        out = {k: float(v[0]) for k, v in metrics.items()}
+        out.update(num_responses=2.0, reward=reward)
+        return StepResult(reward=reward, done=True, next_observation=None, info=info, metrics=out)
+
+    def render(self) -> str:
+        lines = [f"Prompt: {self.current_prompt}"]
+        lines += [f"Response {i + 1}: {r}" for i, r in enumerate(self.responses)]
+        if self.done:
+            lines.append(f"Preference (reward for response 1): {self.last_reward:.4f}")
+        return "\n".join(lines)

@@ -1,0 +1,153 @@
+"""Loading models and building optimizers: dtype, LoRA, 4-bit, gradient checkpointing, frozen copies.
+
+Every trainer loads through here so that `tiny:<family>` names, `trust_remote_code` (off unless the
+user asks), attention kernels and LoRA targets behave the same everywhere.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from rl.errors import ConfigError
+from rl.models.saving import adapter_base
+from rl.models.sources import resolve_model_path
+from rl.models.tiny import _without_zero3_init
+
+
+def resolve_dtype(name: str | None) -> torch.dtype:
+    """'auto' -> bfloat16 on a CUDA GPU that supports it, else float32 (CPU bf16 is slow here)."""
+    if name in (None, "auto"):
+        if torch.cuda.is_available() and torch.cuda.is_bf16_supported():
+            return torch.bfloat16
+        return torch.float32
+    return {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16,
+            "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16}[name]
+
+
+def not_loadable(name: str, what: str, error: Exception) -> ConfigError:
+    """One line for a model/tokenizer the loader could not find or read (a hub id offline, a typo)."""
+    first = (str(error).strip().splitlines() or [type(error).__name__])[0][:200]
+    return ConfigError(f"model {name!r}: cannot load its {what} ({first}); check the name, or download it "
+                       f"first (hf download {name}) when this machine is offline")
+
+
+def load_tokenizer(name: str, trust_remote_code: bool = False, padding_side: str = "right"):
+    from transformers import AutoTokenizer
+
+    try:
+        tok = AutoTokenizer.from_pretrained(resolve_model_path(name), trust_remote_code=trust_remote_code)
+    except OSError as e:  # transformers' "not a valid model identifier / no such file" family
+        raise not_loadable(name, "tokenizer", e) from None
+    if tok.pad_token is None:
+        # Many causal LMs ship without a pad token; reuse EOS (masked out everywhere we pad).
+        tok.pad_token = tok.eos_token
+    tok.padding_side = padding_side
+    return tok
+
+
+def load_causal_lm(name: str, dtype: str | torch.dtype | None = "auto", trust_remote_code: bool = False,
+                   attn_implementation: str | None = None, gradient_checkpointing: bool = False,
+                   quantization: str | None = None, task: str = "causal-lm", num_labels: int = 1):
+    """Load a causal LM (or, with task='classifier', a sequence classifier) by id, path or tiny:name.
+
+    `quantization` = '4bit' | '8bit' loads the weights through bitsandbytes (QLoRA). A PEFT adapter
+    directory (a LoRA run's output) loads as its base model with the adapter merged, so one stage's
+    output is the next stage's `model_name` whether or not it trained LoRA."""
+    from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
+
+    # A causal-LM checkpoint loads as a classifier too (new score head): how reward models start.
+    path = resolve_model_path(name)
+    base = adapter_base(path)
+    if base is not None and task != "classifier" and (Path(path) / "reward_config.json").is_file():
+        # a LoRA reward model's directory holds a PEFT sequence-classification adapter: not a policy
+        raise ConfigError(f"model {name!r} is a reward model (LoRA adapter of a classifier), not a causal LM; "
+                          f"load it with rl.models.reward.load_reward_model or use it as reward_model_path")
+    if base is not None:  # a LoRA run's output: its base with the adapter merged in, a plain model again
+        from peft import PeftModel
+
+        # Merged on whole tensors: under a ZeRO-3 launch, zero.Init would leave each process a shard to
+        # merge into; DeepSpeed partitions the merged model when the engine is built instead.
+        with _without_zero3_init():
+            model = load_causal_lm(base, dtype, trust_remote_code, attn_implementation, gradient_checkpointing,
+                                   quantization, task, num_labels)
+            model = PeftModel.from_pretrained(model, path).merge_and_unload()
+        # named after the adapter, so that a LoRA run on top records this directory as its base
+        # (adapter_config.json's base_model_name_or_path), not the model under it
+        model.name_or_path = model.config._name_or_path = str(path)
+        return model
+    torch_dtype = dtype if isinstance(dtype, torch.dtype) else resolve_dtype(dtype)
+    kwargs = dict(dtype=torch_dtype, trust_remote_code=trust_remote_code)
+    if attn_implementation:
+        kwargs["attn_implementation"] = attn_implementation
+    if quantization in ("4bit", "8bit"):
+        from transformers import BitsAndBytesConfig
+
+        kwargs["quantization_config"] = (
+            BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4",
+                               bnb_4bit_compute_dtype=torch_dtype, bnb_4bit_use_double_quant=True)
+            if quantization == "4bit" else BitsAndBytesConfig(load_in_8bit=True))
+    try:
+        if task == "classifier":
+            model = AutoModelForSequenceClassification.from_pretrained(path, num_labels=num_labels, **kwargs)
+        else:
+            model = AutoModelForCausalLM.from_pretrained(path, **kwargs)
+    except OSError as e:
+        raise not_loadable(name, "weights", e) from None
+    if task == "classifier" and model.config.pad_token_id is None:
+        model.config.pad_token_id = model.config.eos_token_id
+    if gradient_checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        model.config.use_cache = False
+    return model
+
+
+def load_trainable_policy(cfg):
+    """The policy a trainer optimises, from a TrainConfig: fp32 master weights (bf16 compute comes
+    from autocast / DeepSpeed), the recipe's attention kernel and gradient checkpointing."""
+    return load_causal_lm(cfg.model_name, dtype=torch.float32, trust_remote_code=cfg.trust_remote_code,
+                          attn_implementation=cfg.attn_implementation,
+                          gradient_checkpointing=cfg.gradient_checkpointing)
+
+
+def apply_lora(model, rank: int = 16, alpha: int = 32, dropout: float = 0.05,
+               target_modules: str | list[str] = "all-linear", task_type: str = "CAUSAL_LM",
+               modules_to_save: list[str] | None = None):
+    """Wrap `model` with LoRA adapters. 'all-linear' adapts every linear layer but the output head,
+    so GPT-2 (Conv1D c_attn), Llama, Qwen2 and Gemma all work without naming their modules."""
+    from peft import LoraConfig, get_peft_model, prepare_model_for_kbit_training
+
+    if getattr(model, "is_loaded_in_4bit", False) or getattr(model, "is_loaded_in_8bit", False):
+        model = prepare_model_for_kbit_training(model, use_gradient_checkpointing=False)
+    if isinstance(target_modules, str) and target_modules != "all-linear":
+        target_modules = [m.strip() for m in target_modules.split(",") if m.strip()]
+    cfg = LoraConfig(r=rank, lora_alpha=alpha, lora_dropout=dropout, target_modules=target_modules,
+                     task_type=task_type, modules_to_save=modules_to_save)
+    return get_peft_model(model, cfg)
+
+
+def freeze(model):
+    """A frozen copy for reference/reward use: eval mode, no gradients."""
+    model.eval()
+    for p in model.parameters():
+        p.requires_grad_(False)
+    return model
+
+
+def trainable_fraction(model) -> tuple[int, int]:
+    """(trainable parameters, all parameters)."""
+    def numel(p):  # ZeRO-3 partitions parameters at load time; ds_numel is the full size
+        return getattr(p, "ds_numel", None) or p.numel()
+
+    total = sum(numel(p) for p in model.parameters())
+    train = sum(numel(p) for p in model.parameters() if p.requires_grad)
+    return train, total
+
+
+def release_device_cache() -> None:
+    """Hand the accelerator's cached, unused memory back (`optimize_device_cache`): generation's KV cache
+    and training's activations then do not both sit in the allocator's cache. Costs a little speed; a
+    no-op on the CPU."""
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()

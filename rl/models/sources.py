@@ -1,0 +1,35 @@
+"""Tiny offline models: a byte-level tokenizer and a small causal LM or sequence classifier.
+
+Nothing here downloads anything. The model is built from a config with random weights, saved with
+`save_pretrained`, and meant to be loaded back through `AutoTokenizer` / `AutoModelForCausalLM` /
+`AutoModelForSequenceClassification`, which is the same loading path a real checkpoint takes.
+
+    python -m rl.models.tiny --family llama --out /tmp/tiny-llama
+    python -m rl.models.tiny --family qwen2 --task classifier --out /tmp/tiny-rm
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from rl.models.tiny import write_tiny_model
+
+TINY_PREFIX = "tiny:"
+
+
+def resolve_model_path(name: str, cache_dir: str | os.PathLike | None = None) -> str:
+    """Map `tiny:<family>[-classifier]` to a locally written tiny model, a GGUF file or packaged real
+    model (`smollm2-135m-instruct`) to its converted directory (see rl.models.gguf); others pass through.
+
+    Recipes name `model_name: tiny:llama` so that a fresh machine runs them without any download.
+    """
+    if not name.startswith(TINY_PREFIX):
+        from rl.models.gguf import resolve
+
+        return resolve(name)
+    spec = name[len(TINY_PREFIX):]
+    family, _, task = spec.partition("-")
+    task = "classifier" if task == "classifier" else "causal-lm"
+    root = Path(cache_dir or os.environ.get("RL_TINY_CACHE", Path.home() / ".cache" / "rl-tiny"))
+    return str(write_tiny_model(root / spec, family=family, task=task))

@@ -1,0 +1,68 @@
+"""GRPO's rollout side: prompt rows and their encoding, DAPO's dynamic-sampling batch assembly, and
+the reward metrics of a step (rl.trainers.grpo re-exports the public names).
+
+Dynamic sampling (DAPO, Yu et al. 2025, sec. 3.2): each round every process samples and scores its
+share of fresh prompts; rewards are gathered, so every process sees the same keep mask (W, k) per
+round (`rl.algos.dapo.groups_with_spread`) and takes the same decisions without another collective.
+Rounds continue until every process holds k groups with reward spread, or max_sampling_rounds; each
+process then trains on its own first k kept groups (shapes stay those of a plain step), and a process
+still short takes dropped groups (advantage 0, counted as dapo/filled_groups) rather than stopping a
+run on an unlucky step. Groups never move between processes.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from rl.data.records import (
+    read_records,
+    render_chat,
+    source_name,
+    source_options,
+    where,
+    with_bos,
+)
+from rl.errors import DataError
+
+
+def encode_prompt(tokenizer, prompt: str, budget: int, chat: bool = False) -> list[int]:
+    """BOS + prompt tokens (as the SFT trainer tokenises prompts), keeping the last `budget` tokens;
+    with `chat`, the prompt is first rendered as a user turn followed by the assistant's header."""
+    if chat:
+        prompt = render_chat(tokenizer, [{"role": "user", "content": prompt}], add_generation_prompt=True)
+    return with_bos(tokenizer, tokenizer(prompt, add_special_tokens=False)["input_ids"])[-budget:]
+
+
+def load_prompt_rows(path: str, cfg) -> list[dict]:
+    """Rows of a data file with a prompt column (data.prompt_column, else data.text_column); the other
+    columns are passed to the reward functions as keyword arguments (TRL's convention)."""
+    rows = read_records(path, **source_options(cfg.data, seed=cfg.seed))
+    if cfg.data.max_examples:
+        rows = rows[:cfg.data.max_examples]
+    if not rows:
+        raise DataError(f"{source_name(path)}: no rows")
+    col = cfg.data.prompt_column if cfg.data.prompt_column in rows[0] else cfg.data.text_column
+    out = []
+    for row in rows:
+        p = row.get(col)
+        if not isinstance(p, str) or not p:
+            raise DataError(f"{where(path, row)}: column '{col}' must be a non-empty string "
+                            f"(set data.prompt_column to the prompt column)")
+        out.append({"prompt": p, **{k: v for k, v in row.items() if k not in (col, "_line")}})
+    return out
+
+
+def step_prompts(env, train_prompts: list[dict] | None, seed: int, generation: int, n: int,
+                 round_: int = 0) -> list[dict]:
+    """A step's n prompt rows, the same on every process: from the environment (seeded by the
+    generation index) or the data rows (a pass over a seeded permutation per epoch). A dynamic-sampling
+    round after the first draws n more at random, from a seed stream of its own."""
+    extra = round_ * 2 ** 40  # far from every first round's seed
+    if env is not None:
+        rows = env.sample_prompts(n, seed=seed * 1_000_003 + generation + extra)
+        return [{"prompt": r["prompt"], **r["metadata"]} for r in rows]
+    epoch, index = divmod(generation, len(train_prompts) // n)
+    if round_:
+        epoch, index = seed * 1_000_003 + generation + extra, 0
+    order = torch.randperm(len(train_prompts), generator=torch.Generator().manual_seed(seed + epoch))
+    return [train_prompts[i] for i in order[index * n:(index + 1) * n].tolist()]

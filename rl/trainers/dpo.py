@@ -1,0 +1,361 @@
+"""The DPO family: DPO (sigmoid, conservative label smoothing), IPO, hinge (SLiC), reference-free DPO, ORPO.
+
+Objective (Rafailov et al. 2023, "Direct Preference Optimization", eq. 7): for a prompt x with a chosen
+answer y_w and a rejected answer y_l,
+
+    h = beta * [(log pi(y_w|x) - log ref(y_w|x)) - (log pi(y_l|x) - log ref(y_l|x))]
+    sigmoid:  -log sigmoid(h)                                   (DPO)
+              -(1-eps) log sigmoid(h) - eps log sigmoid(-h)      (conservative DPO, label_smoothing=eps;
+                                                                  Mitchell 2023, "A note on DPO with noisy
+                                                                  preferences")
+    hinge:    max(0, 1 - h)                                     (SLiC-HF, Zhao et al. 2023)
+    ipo:      (h_avg/beta - 1/(2 beta))^2                       (IPO, Azar et al. 2023, eq. 17)
+    orpo:     NLL(y_w) - beta * log sigmoid(log odds(y_w) - log odds(y_l))   (ORPO, Hong et al. 2024, eq. 6)
+
+log pi(y|x) is the SUM of the answer tokens' log-probs: prompt and padding tokens never count, so a pair
+scores the same whatever its batch neighbours, the padding side or max_length (the reference
+implementation summed over pad tokens and used one prompt length for the whole batch).
+
+Deviations, all as in TRL 1.16 (which the tests cross-check against):
+* IPO uses per-token averaged log-ratios (h_avg), which the IPO authors confirmed to TRL is what the paper's
+  experiments used; the paper writes sequence sums.
+* ORPO uses per-token averaged log-probs for the odds (as the paper) and the chosen answer's mean token
+  NLL per pair; its "rewards" are beta * mean log-prob (no reference exists).
+* An EOS token is appended to plain-text answers so the model learns to stop.
+
+Reference model, in order of preference for memory: none (reference_free, ORPO); precomputed log-probs
+(one no-grad pass before training, then no reference in memory at all); the policy with its LoRA adapters
+disabled (no second copy); a frozen copy, sharded as its own DeepSpeed engine under ZeRO-3.
+
+Chosen and rejected answers go through ONE forward of the concatenated batch [chosen..., rejected...].
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import gc
+import logging
+import time
+from functools import partial
+from pathlib import Path
+from typing import Literal
+
+import torch
+
+from rl.algos import names
+from rl.algos.preference import (
+    preference_loss,
+)
+from rl.config.fields import opt
+from rl.config.parse import save_config, to_dict
+from rl.config.plan import epoch_plan
+from rl.config.schema import TrainConfig
+from rl.data.preference import (
+    PreferenceDataset,
+    _shards,
+    collate_pairs,
+    load_pair_records,
+    pack_pairs,
+)
+from rl.engine.dist import build_accelerator, zero_stage
+from rl.engine.scoring import concatenated_logps, sequence_logps
+from rl.engine.tracking import Tracker
+from rl.errors import ConfigError
+from rl.models.loading import (
+    apply_lora,
+    load_tokenizer,
+    load_trainable_policy,
+    resolve_dtype,
+    trainable_fraction,
+)
+from rl.models.reference import ReferencePolicy
+from rl.models.saving import save_pretrained
+from rl.trainers.base import EpochTrainer
+
+logger = logging.getLogger(__name__)
+
+
+# ============================================================================== pure loss functions
+# The per-pair losses (sigmoid, ipo, hinge, orpo) and preference_loss are in rl.algos.preference (names
+# kept importable from here); the per-sequence log-probs of a collated batch are in rl.data.preference.
+
+def dpo_batch_loss(logits, labels, attention_mask, *, loss_type: str, beta: float, label_smoothing: float = 0.0,
+                   ref_chosen_logps=None, ref_rejected_logps=None, pair_weight=None, sequence_index=None):
+    """The engine's loss callable: logits of the concatenated batch [chosen..., rejected...] (2B, T, V),
+    or of its packed rows (R, W, V) with their `sequence_index` (R, W) (`rl.data.preference.pack_pairs`).
+
+    Returns (mean loss over the B pairs, batch-mean metrics); with `pair_weight` (B,) the weighted sums
+    sum_i w_i l_i instead. The trainer gives w_i = world * accumulation / pairs-in-the-step (0 for a
+    padding pair), so that the engine's 1/accumulation and DDP's 1/world leave the exact mean over the
+    optimizer step's pairs even when its micro-batches are unequal (a short last batch)."""
+    logps, lengths = sequence_logps(logits, labels, sequence_index)
+    chosen, rejected = logps.chunk(2)
+    c_len, r_len = lengths.chunk(2)
+    per_pair, stats = preference_loss(loss_type, chosen, rejected, ref_chosen_logps, ref_rejected_logps,
+                                      c_len, r_len, beta, label_smoothing)
+    if pair_weight is None:
+        loss = per_pair.mean()
+        metrics = {k: v.mean() for k, v in stats.items()}
+    else:
+        w = pair_weight.to(per_pair.dtype)
+        loss = (per_pair * w).sum()
+        metrics = {k: (v * w).sum() for k, v in stats.items()}
+    metrics["loss"] = loss.detach()
+    return loss, metrics
+
+
+# ================================================================================= configuration
+
+@dataclasses.dataclass
+class DPOConfig(TrainConfig):
+    learning_rate: float = opt(1e-6, "peak learning rate of AdamW (DPO wants it small: 1e-6 to 1e-5)")
+    beta: float = opt(0.1, "DPO temperature beta (IPO: tau; ORPO: lambda, the weight of the odds-ratio term)")
+    label_smoothing: float = opt(0.0, "conservative DPO: probability a preference label is flipped, in [0, 0.5)")
+    loss_type: Literal[names("preference_loss")] = opt(
+        "sigmoid", "sigmoid (DPO), ipo, hinge (SLiC) or orpo (reference-free odds ratio + chosen NLL)")
+    reference_free: bool = opt(False, "no reference model: its log-probs count as 0")
+    precompute_ref_logps: bool = opt(False, "compute reference log-probs in one pass before training, then "
+                                     "train without any reference forward or reference model in memory")
+    ref_model_name: str | None = opt(None, "reference model id/path (default: the initial policy)")
+    max_prompt_length: int = opt(256, "prompts longer than this keep their last tokens (left truncation)")
+    add_eos: bool = opt(True, "append EOS to plain-text answers so the model learns to stop")
+    chat_template: bool = opt(False, "render plain-text prompt/answers as user/assistant turns with the "
+                              "tokenizer's chat template (message-list data always uses it)")
+    eval_batch_size: int | None = opt(None, "pairs per evaluation forward (default: batch_size)")
+    packing: bool = opt(False, "padding-free micro-batches: each micro-batch's chosen and rejected sequences "
+                        "packed into rows no longer than its longest, with per-sequence position_ids "
+                        "(rl.engine.packing); same loss, no compute on padding (training, reference and eval forwards)")
+    device: str | None = opt(None, "cpu or cuda (null: auto-detected)")
+
+
+    def __post_init__(self):
+        super().__post_init__()
+        if self.beta <= 0:
+            raise ConfigError(f"key 'beta' must be > 0, got {self.beta}")
+        if not 0.0 <= self.label_smoothing < 0.5:
+            raise ConfigError(f"key 'label_smoothing' must be in [0, 0.5), got {self.label_smoothing}")
+        if self.label_smoothing and self.loss_type != "sigmoid":
+            raise ConfigError(f"label_smoothing={self.label_smoothing} applies to loss_type=sigmoid only "
+                              f"(got loss_type={self.loss_type}); set label_smoothing=0")
+        if not 1 <= self.max_prompt_length < self.max_length:
+            raise ConfigError(f"max_prompt_length={self.max_prompt_length} must be at least 1 and below "
+                              f"max_length={self.max_length}, or no answer token fits")
+        if self.precompute_ref_logps and self.uses_no_reference:
+            raise ConfigError(f"precompute_ref_logps=true has nothing to precompute with "
+                              f"{'loss_type=orpo' if self.loss_type == 'orpo' else 'reference_free=true'}; "
+                              f"set precompute_ref_logps=false")
+        if self.eval_batch_size is not None and self.eval_batch_size < 1:
+            raise ConfigError(f"key 'eval_batch_size' must be at least 1, got {self.eval_batch_size}")
+        if self.device not in (None, "cpu", "cuda"):
+            raise ConfigError(f"key 'device' must be cpu, cuda or null, got {self.device!r}")
+
+    @property
+    def uses_no_reference(self) -> bool:
+        return self.reference_free or self.loss_type == "orpo"
+
+
+# ===================================================================================== trainer
+
+class DPOTrainer(EpochTrainer):
+    """DPO-family training on one ForwardBackwardPipeline (single process, DDP or DeepSpeed ZeRO-2/3).
+
+    `DPOTrainer(config, *, model=None, tokenizer=None, ref_model=None)`: missing pieces are loaded from
+    `config.model_name`. `.train(dataset, eval_dataset=None)` returns the metric history, a list with
+    one dict per optimizer step (`step`, `loss`, `rewards/*`, `logps/*`, `grad_norm`, `lr`, and the
+    `eval_*` metrics on evaluation steps).
+    """
+
+    def __init__(self, config: DPOConfig, *, model=None, tokenizer=None, ref_model=None):
+        cfg = self.cfg = self.config = config
+        torch.manual_seed(cfg.seed)
+        train_dtype = resolve_dtype(cfg.dtype)
+        self.accelerator = build_accelerator(
+            cfg.gradient_accumulation_steps, device=cfg.device, micro_batch_size=cfg.batch_size,
+            max_grad_norm=cfg.max_grad_norm, mixed_precision="bf16" if train_dtype == torch.bfloat16 else "no",
+            deepspeed_config=cfg.deepspeed)
+        self.tokenizer = tokenizer or load_tokenizer(cfg.model_name, cfg.trust_remote_code)
+        if model is None:
+            model = load_trainable_policy(cfg)
+        is_peft = hasattr(model, "disable_adapter")
+        # The reference: decided once, here, before LoRA (a copy is the initial policy)
+        self.reference = ReferencePolicy.build(cfg, model, self.accelerator, needed=not cfg.uses_no_reference,
+                                               name=cfg.ref_model_name, model=ref_model)
+        if cfg.lora.enabled and not is_peft:
+            model = apply_lora(model, cfg.lora.rank, cfg.lora.alpha, cfg.lora.dropout, cfg.lora.target_modules)
+        self.trainable, self.total_params = trainable_fraction(model)
+        self._model = model
+        self.pipeline = None
+
+    @property
+    def ref_mode(self) -> str:
+        return self.reference.mode
+
+    # ------------------------------------------------------------------------------------ data
+    @staticmethod
+    def load_data(cfg: DPOConfig) -> tuple[list[dict], list[dict] | None]:
+        """The recipe's validated training rows and eval rows (data.eval_path or data.eval_fraction)."""
+        return load_pair_records(cfg)
+
+    @staticmethod
+    def dry_run_models(cfg: DPOConfig) -> dict:
+        """The models a run holds, for the dry-run memory plan: the reference as `ReferencePolicy` decides."""
+        models = {"policy (trainable)": cfg.model_name}
+        if not cfg.uses_no_reference:
+            models["reference (frozen)"] = ("precomputed log-probs of " if cfg.precompute_ref_logps else "") + \
+                (cfg.ref_model_name or ("policy with LoRA disabled" if cfg.lora.enabled else cfg.model_name))
+        return models
+
+    # ----------------------------------------------------------------------------------- sizes
+    def plan(self, n_pairs: int) -> dict:
+        """Derived sizes, computed once (see `rl.config.fields.epoch_plan`)."""
+        return epoch_plan(self.config, n_pairs, self.world, "pairs")
+
+    def _collate(self, examples: list[dict], pad_token_id: int) -> dict[str, torch.Tensor]:
+        """A micro-batch of pairs: packed rows with `packing` (`pack_pairs`), else padded (`collate_pairs`)."""
+        return (pack_pairs if self.config.packing else collate_pairs)(examples, pad_token_id)
+
+    # ------------------------------------------------------------------------------- reference
+    def _setup(self, total_steps: int) -> None:
+        cfg = self.config
+        self.pipeline = self.build_pipeline(self._model, total_steps, cfg.batch_size)
+        self.reference.place(self.accelerator)
+
+    def _reference_logps(self, batch: dict) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """Reference log-probs of a collated batch: precomputed, a forward of the frozen copy or of the
+        policy with adapters disabled, or (None, None) when there is no reference."""
+        if "ref_chosen_logps" in batch:
+            return batch["ref_chosen_logps"], batch["ref_rejected_logps"]
+        if not self.reference.exists:
+            return None, None
+        batch = {k: v.to(self.accelerator.device) for k, v in batch.items()}
+        with self.reference.use(self.pipeline) as model:
+            c, r, _, _ = concatenated_logps(model, batch, self.cfg.logprob_chunk_size)
+        return c, r
+
+    def precompute_reference(self, dataset: PreferenceDataset) -> None:
+        """One no-grad pass that stores every pair's reference log-probs in `dataset.ref_logps` (N, 2).
+        Pairs are split across processes and the results gathered, so each pair is scored once."""
+        acc, cfg = self.accelerator, self.config
+        bs = cfg.eval_batch_size or cfg.batch_size
+        out = torch.zeros(len(dataset), 2)
+        for idx, weight in _shards(len(dataset), bs, acc.num_processes, acc.process_index):
+            batch = self._collate([dataset.examples[i] for i in idx], dataset.pad_token_id)
+            c, r = self._reference_logps(batch)
+            local = torch.stack([torch.tensor(idx, device=acc.device, dtype=torch.float32),
+                                 weight.to(acc.device), c.float(), r.float()], dim=1)
+            rows = acc.gather(local).cpu() if acc.num_processes > 1 else local.cpu()
+            for i, w, cv, rv in rows.tolist():
+                if w > 0:
+                    out[int(i)] = torch.tensor([cv, rv])
+        dataset.ref_logps = out
+
+    # ----------------------------------------------------------------------------------- train
+    def train(self, dataset: PreferenceDataset, eval_dataset: PreferenceDataset | None = None) -> list[dict]:
+        cfg, acc = self.config, self.accelerator
+        plan = self._plan = self.plan(len(dataset))
+        out = Path(cfg.output_dir)
+        if self.pipeline is None:
+            self._setup(plan["total_steps"])
+        if acc.is_main_process:
+            save_config(cfg, out)
+        tracker = Tracker(out, cfg.report_to, cfg.run_name, to_dict(cfg), plan["total_steps"],
+                          acc.is_main_process, desc=f"dpo[{cfg.loss_type}]")
+        tracker.write(f"dpo: {len(dataset)} pairs, {plan['total_steps']} steps, global batch {plan['global_batch']} "
+                      f"pairs ({self.world} processes, ZeRO stage {zero_stage(acc)}), loss {cfg.loss_type}, "
+                      f"reference {'precomputed' if cfg.precompute_ref_logps else self.ref_mode}, trainable "
+                      f"{self.trainable:,}/{self.total_params:,} parameters")
+        if plan["warning"]:
+            tracker.write(plan["warning"])
+        if cfg.precompute_ref_logps:
+            t0 = time.time()
+            for ds in (dataset, eval_dataset):
+                if ds is not None and ds.ref_logps is None:
+                    self.precompute_reference(ds)
+            self.reference.release()  # no reference forward from here on: free its memory
+            gc.collect()
+            tracker.write(f"reference log-probs precomputed in {time.time() - t0:.1f}s")
+        self._train = dataset
+        self.start_epochs(len(dataset), eval_dataset)
+        self._loss_fn = partial(dpo_batch_loss, loss_type=cfg.loss_type, beta=cfg.beta,
+                                label_smoothing=cfg.label_smoothing)
+        return self.fit(plan["total_steps"], tracker)
+
+    def train_step(self) -> list[dict]:
+        cfg, acc, pipe, dataset = self.config, self.accelerator, self.pipeline, self._train
+        t0 = time.time()
+        N = cfg.gradient_accumulation_steps
+        step_pairs = self.next_global_batch()
+        mine = step_pairs[acc.process_index::self.world]
+        unit = self.world * N / len(step_pairs)  # see dpo_batch_loss: exact step mean for any split
+        sums: dict[str, float] = {}
+        for m in range(N):
+            idx = mine[m * cfg.batch_size:(m + 1) * cfg.batch_size]
+            # a short last step can leave this process a micro-batch with no pair: it still runs one
+            # forward/backward (ZeRO-3 needs every rank in every forward) on a pair weighted 0
+            weight = torch.full((len(idx),), unit) if idx else torch.zeros(1)
+            b = self._collate([dataset[i] for i in (idx or step_pairs[:1])], dataset.pad_token_id)
+            ref_c, ref_r = self._reference_logps(b)
+            # Padded: right padding, so the engine's default positions equal b["position_ids"]. Packed: the
+            # position ids and no mask (the engine then gives the model none), the sequence index to the loss.
+            packed = {k: b[k] for k in ("position_ids", "sequence_index")} if cfg.packing else {}
+            r = pipe.forward_backward(b["input_ids"], None if cfg.packing else b["attention_mask"], b["labels"],
+                                      loss_fn=self._loss_fn, ref_chosen_logps=ref_c, ref_rejected_logps=ref_r,
+                                      pair_weight=weight, **packed).result()
+            for k, v in r.metrics.items():
+                sums[k] = sums.get(k, 0.0) + v / N
+        o = pipe.optim_step(max_grad_norm=cfg.max_grad_norm).result()
+        row = _mean_across(acc, sums)
+        row.update({"grad_norm": o.grad_norm, "learning_rate": o.learning_rate, "epoch": self.epoch_progress,
+                    "step_time": time.time() - t0})
+        return [{"step": pipe.step, **row}]
+
+    @torch.no_grad()
+    def evaluate(self, dataset: PreferenceDataset) -> dict[str, float]:
+        """Pair-weighted means of loss and rewards/logps metrics over `dataset`, as `eval_<name>`.
+        Pairs are split across processes (padded so every rank runs the same forwards, as ZeRO-3 needs)."""
+        cfg, acc = self.config, self.accelerator
+        if self.pipeline is None:
+            raise RuntimeError("evaluate() needs the trained model: call train() first")
+        model = self.pipeline.model
+        was_training = model.training
+        model.eval()
+        totals: dict[str, torch.Tensor] = {}
+        bs = cfg.eval_batch_size or cfg.batch_size
+        for idx, weight in _shards(len(dataset), bs, acc.num_processes, acc.process_index):
+            b = self._collate([dataset[i] for i in idx], dataset.pad_token_id)
+            ref_c, ref_r = self._reference_logps(b)
+            b = {k: v.to(acc.device) for k, v in b.items()}
+            c, r, cl, rl = concatenated_logps(model, b)
+            per_pair, stats = preference_loss(cfg.loss_type, c, r, _dev(ref_c, acc), _dev(ref_r, acc), cl, rl,
+                                              cfg.beta, cfg.label_smoothing)
+            w = weight.to(acc.device)
+            for k, v in {"loss": per_pair, **stats}.items():
+                totals[k] = totals.get(k, 0.0) + (v.float() * w).sum()
+            totals["_n"] = totals.get("_n", 0.0) + w.sum()
+        model.train(was_training)
+        keys = sorted(totals)
+        vec = torch.stack([totals[k] for k in keys])
+        if acc.num_processes > 1:
+            vec = acc.reduce(vec, "sum")
+        n = vec[keys.index("_n")].clamp(min=1)
+        return {f"eval/{k}": float(v / n) for k, v in zip(keys, vec) if k != "_n"}
+
+    def save(self, out_dir: str | None = None) -> str:
+        """Write the final model and tokenizer (LoRA: the PEFT adapter); every process must call it."""
+        out = out_dir or self.config.output_dir
+        save_pretrained(self.pipeline.model, self.tokenizer, out, self.accelerator, merged=self.config.save_merged)
+        self.accelerator.wait_for_everyone()
+        return out
+
+
+def _dev(t, acc):
+    return None if t is None else t.to(acc.device)
+
+
+def _mean_across(acc, values: dict[str, float]) -> dict[str, float]:
+    """Average per-process metric means across processes (equal pairs per process)."""
+    if acc.num_processes == 1 or not values:
+        return dict(values)
+    keys = sorted(values)
+    vec = acc.reduce(torch.tensor([values[k] for k in keys], device=acc.device, dtype=torch.float64), "mean")
+    return {k: float(v) for k, v in zip(keys, vec)}

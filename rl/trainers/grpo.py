@@ -1,0 +1,406 @@
+"""GRPO and its critic-free relatives: sample a group of completions per prompt, score them with
+reward functions or an environment, use the group as the baseline, and take clipped policy steps.
+
+Objective (Shao et al. 2024, DeepSeekMath, eq. 3; the per-token form TRL implements):
+
+    L = agg_t [ -min(r_t A, clip(r_t, 1 - eps_low, 1 + eps_high) A) + beta * r_t * k3_t ]
+    r_t = pi(o_t | q, o_<t) / pi_old(o_t | q, o_<t)
+    k3_t = exp(ref_t - logp_t) - (ref_t - logp_t) - 1        (Schulman's k3, always >= 0)
+    (the r_t factor on the KL term is TRL 1.16's default use_bias_correction_kl; set it false for plain k3)
+
+Advantages (one scalar per completion, broadcast over its tokens), rewards grouped per prompt:
+    grpo          (r - mean_group) / (std_group + 1e-4)       GRPO (Shao et al. 2024); TRL scale_rewards="group"
+    dr_grpo       r - mean_group                               Dr. GRPO (Liu et al. 2025); TRL scale_rewards="none"
+    rloo          r - mean of the other G-1 rewards            RLOO (Ahmadian et al. 2024); TRL RLOOTrainer
+    reinforce_pp  (r - mean_group), then normalised by the     REINFORCE++-baseline (Hu et al. 2025)
+                  mean/std of the whole batch
+std is Bessel-corrected (torch.std, TRL's nanstd). A reward function may return None for a completion
+(TRL semantics): None counts as NaN, weighted rewards are summed over the functions that answered,
+a completion nobody scored gets advantage 0 and is left out of its group's statistics.
+
+Aggregation over tokens (`loss_aggregation`):
+    token_mean     sum over all completion tokens of the optimizer step / their number (DAPO; TRL
+                   loss_type="dapo"). Computed exactly across micro-batches and processes.
+    sequence_mean  mean over sequences of each sequence's token mean (the GRPO paper; TRL "grpo").
+    constant       sum / (sequences * max_completion_length) (Dr. GRPO; TRL "dr_grpo"): no length bias.
+
+GSPO (Zheng et al. 2025; importance_sampling_level=sequence, TRL's name): r_t is the sequence's
+s_i = exp(mean_t (logp_t - old_t)), in the surrogate and the KL factor. DAPO (Yu et al. 2025):
+epsilon_high, token_mean, dynamic_sampling (rl.trainers.grpo_batch), overlong_buffer (rl.algos.dapo).
+Schema and sizes: rl.trainers.grpo_config; evaluation: rl.rollout.eval (public names importable from here).
+
+Deviations and choices: with num_iterations = 1 the old policy is the current one (ratio 1, as TRL
+does); with more iterations the old log-probs are recomputed by a no-grad forward before the first
+update. Log-probs use logits / temperature, like the sampler (TRL does the same). Groups never span
+processes: each process generates whole groups, rewards are gathered so that advantages and reward
+metrics are computed on the global batch (reinforce_pp needs it). Micro-batches are length-grouped
+(rows sorted by length, cut into equal groups, each padded only to its own longest row:
+`rl.trainers.grpo_batch.length_grouped_slices`, `take_micro_batch`); TRL pads every micro-batch to the
+longest completion of the step. Checked against TRL 1.16's GRPOTrainer/RLOOTrainer formulas in
+tests/test_grpo.py.
+"""
+
+from __future__ import annotations
+
+import time
+from functools import partial
+from pathlib import Path
+from typing import Callable, Sequence
+
+import torch
+
+from rl.algos.advantages import (
+    compute_advantages,
+)
+from rl.algos.dapo import groups_with_spread, overlong_penalty
+from rl.algos.policy_losses import grpo_loss
+from rl.config.parse import save_config, to_dict
+from rl.data.records import has_data
+from rl.engine import losses
+from rl.engine.dist import build_accelerator, zero_stage
+from rl.engine.generation import generate
+from rl.engine.packing import pack_padded, position_ids_from_mask, unpack_targets
+from rl.engine.scoring import sequence_logprobs
+from rl.engine.tracking import Tracker
+from rl.envs.registry import make_env
+from rl.errors import ConfigError
+from rl.models.loading import (
+    apply_lora,
+    load_tokenizer,
+    load_trainable_policy,
+    release_device_cache,
+    resolve_dtype,
+    trainable_fraction,
+)
+from rl.models.reference import ReferencePolicy
+from rl.models.saving import save_pretrained
+from rl.rollout.episodes import run_episodes
+from rl.rollout.eval import greedy_eval, unique_eval_set
+from rl.rollout.prompts import encode_prompt, load_prompt_rows, step_prompts
+from rl.trainers.base import Trainer
+from rl.trainers.grpo_batch import (
+    length_grouped_slices,
+    pick_groups,
+    picked_rows,
+    reward_metrics,
+    select_rollout,
+    take_global,
+    take_micro_batch,
+)
+from rl.trainers.grpo_config import GRPOConfig, grpo_sizes
+from rl.trainers.rewards import (
+    RewardModelReward,
+    build_reward_fns,
+    combine_rewards,
+)
+
+# ============================================================================ pure math
+# Advantages and the loss are in rl.algos, the reward sources and combine_rewards in rl.trainers.rewards
+# (names kept importable from here).
+
+def grpo_loss_fn(logits, labels, attention_mask=None, *, advantages, old_logprobs=None, ref_logprobs=None,
+                 temperature: float = 1.0, target_index=None, **kw):
+    """Engine signature `(logits, labels, attention_mask, **kw) -> (loss, metrics)`.
+
+    old_logprobs/ref_logprobs are (B, T-1) aligned with labels[:, 1:]; old_logprobs None means the
+    current policy (detached), i.e. ratio 1 (num_iterations = 1). Packed rows (`rl.engine.packing.pack_padded`):
+    logits and labels are the packed rows' and `target_index` (B, T-1) brings their log-probs back to
+    the rollout's padded layout, where the rest of the loss runs as before."""
+    if temperature and temperature != 1.0:
+        logits = logits / temperature
+    logp, mask = losses.token_logprobs(logits, labels)
+    if target_index is not None:
+        logp, mask = unpack_targets(logp, target_index), unpack_targets(mask, target_index)
+    old = logp.detach() if old_logprobs is None else old_logprobs
+    return grpo_loss(logp, old, advantages, mask, ref_logp=ref_logprobs, **kw)
+
+
+# ============================================================================ trainer
+
+class GRPOTrainer(Trainer):
+    """GRPO-family trainer on the shared engine.
+
+    `GRPOTrainer(config, *, model=None, tokenizer=None, reward_funcs=None, train_prompts=None)`:
+    reward_funcs are extra callables in TRL's signature (added after the config's); train_prompts is a
+    list of {"prompt": str, <column>: value, ...} rows when no environment is configured (the launch
+    script reads them from data.path)."""
+
+    def __init__(self, config: GRPOConfig, *, model=None, tokenizer=None,
+                 reward_funcs: Sequence[Callable] | None = None, train_prompts: list[dict] | None = None):
+        self.cfg = cfg = config
+        torch.manual_seed(cfg.seed)
+        self.tokenizer = tokenizer or load_tokenizer(cfg.model_name, cfg.trust_remote_code)
+        # reward sources (rl.trainers.rewards): the environment, the reward model, the configured names, then
+        # the callables; built before the accelerator so that a reward model is not ZeRO-3 partitioned
+        self.env = None
+        try:
+            if cfg.env_type:
+                self.env = make_env(cfg.env_type, self.tokenizer, dict(cfg.env_config))
+            self.eval_env = (make_env(cfg.env_type, self.tokenizer, {**cfg.env_config, **cfg.eval_env_config})
+                             if cfg.env_type and cfg.eval_env_config is not None else None)
+        except (ValueError, TypeError) as e:
+            raise ConfigError(f"env_type={cfg.env_type}: {e}") from None
+        self.reward = build_reward_fns(cfg, self.tokenizer, reward_funcs=reward_funcs or (), env=self.env,
+                                       missing="no reward source: set env_type (e.g. env_type=math), "
+                                       "reward_model_path or reward_funcs (e.g. reward_funcs=[correctness]), "
+                                       "or pass reward_funcs= to GRPOTrainer")
+        train_dtype = resolve_dtype(cfg.dtype)
+        self.accelerator = build_accelerator(
+            cfg.gradient_accumulation_steps, micro_batch_size=cfg.batch_size, max_grad_norm=cfg.max_grad_norm,
+            mixed_precision="bf16" if train_dtype == torch.bfloat16 else "no", deepspeed_config=cfg.deepspeed)
+        rm = self.reward.find(RewardModelReward)
+        if rm is not None and not getattr(rm.model.config, "quantization", None):
+            rm.model.to(self.accelerator.device)
+        if self.env is None and not train_prompts:
+            raise ConfigError("no prompts: set env_type or data.path (rows with a 'prompt' column)")
+        self.train_prompts = train_prompts
+        if model is None:
+            model = load_trainable_policy(cfg)
+        # beta = 0: no reference model at all (no memory, no forward); decided before LoRA
+        self.reference = ReferencePolicy.build(cfg, model, self.accelerator, needed=cfg.beta > 0)
+        if cfg.lora.enabled:
+            model = apply_lora(model, cfg.lora.rank, cfg.lora.alpha, cfg.lora.dropout, cfg.lora.target_modules)
+        self.trainable, self.total_params = trainable_fraction(model)
+        self._model = model
+        self.pipeline = None
+
+    @staticmethod
+    def load_data(cfg: GRPOConfig) -> list[dict] | None:
+        """The recipe's prompt rows (data.path), or None when the environment supplies the prompts."""
+        if cfg.env_type is not None:
+            return None
+        if not has_data(cfg.data):
+            raise ConfigError("no prompts: set env_type (e.g. env_type=math), data.path or data.mixture "
+                              "(rows with a 'prompt' column)")
+        return load_prompt_rows(cfg.data.path, cfg)
+
+    @staticmethod
+    def dry_run_models(cfg: GRPOConfig) -> dict:
+        """The models a run holds, for the dry-run memory plan: the reference as `ReferencePolicy` decides."""
+        models = {"policy (trainable)": cfg.model_name}
+        if cfg.beta > 0:  # beta = 0 loads no reference model
+            # LoRA: the reference is the policy with the adapters off (no copy is loaded)
+            models["reference (frozen)"] = "policy without adapters" if cfg.lora.enabled else cfg.model_name
+        if cfg.reward_model_path:
+            models["reward model (frozen)"] = cfg.reward_model_path
+        return models
+
+    def plan(self) -> dict:
+        """Derived sizes, computed once: completions and prompts per step (global and per process)."""
+        cfg = self.cfg
+        from_rows = self.train_prompts is not None and self.env is None
+        sizes = grpo_sizes(cfg, self.world, len(self.train_prompts) if from_rows else None)
+        per_process, prompts_per_step = sizes["completions_per_process"], sizes["prompts_per_step"]
+        prompts_per_process, steps_per_epoch = sizes["prompts_per_process"], sizes["steps_per_epoch"]
+        # checked with max_steps too: a step draws prompts_per_step distinct rows (ZeroDivisionError before)
+        if steps_per_epoch == 0:
+            raise ConfigError(f"{len(self.train_prompts)} training prompts are fewer than one step's "
+                              f"{prompts_per_step} (batch_size {cfg.batch_size} x gradient_accumulation_steps "
+                              f"{cfg.gradient_accumulation_steps} x {self.world} processes / num_generations "
+                              f"{cfg.num_generations}); add prompts or lower batch_size")
+        if cfg.max_steps:
+            total = cfg.max_steps
+        elif from_rows:
+            total = steps_per_epoch * cfg.num_epochs * cfg.num_iterations
+        else:
+            raise ConfigError("an environment draws prompts without end: set max_steps")
+        return {"completions_per_step": per_process * self.world, "completions_per_process": per_process,
+                "prompts_per_step": prompts_per_step, "prompts_per_process": prompts_per_process,
+                "total_steps": total}
+
+    # ------------------------------------------------------------------ rollout pieces
+    @torch.no_grad()
+    def _logprobs(self, model, batch: dict, micro: list[torch.Tensor] | None = None) -> torch.Tensor:
+        """(B, T-1) log-probs of the batch's labels under `model` at the sampling temperature, with the
+        sampler's positions (counted from each row's first real token of the left-padded prompt).
+
+        Scored one micro-batch of rows at a time (`micro`, from `length_grouped_slices`; default all rows at
+        once), each trimmed to its own widest row by `take_micro_batch`; the results are put back in the batch's
+        row order and width (0 outside the labels), so they index like the batch itself."""
+        micro = [torch.arange(batch["input_ids"].shape[0])] if micro is None else micro
+        out = torch.zeros(batch["input_ids"].shape[0], batch["input_ids"].shape[1] - 1, dtype=torch.float32,
+                          device=batch["input_ids"].device)
+        for rows in micro:
+            mb, (a, b) = take_micro_batch(batch, rows, with_span=True)
+            mask = mb["attention_mask"]
+            lp = sequence_logprobs(model, mb["input_ids"], mask, mb["labels"], chunk_size=self.cfg.logprob_chunk_size,
+                                   position_ids=position_ids_from_mask(mask), temperature=self.cfg.temperature)[0]
+            out[rows.to(out.device)[:, None], torch.arange(a, b - 1, device=out.device)] = lp.float()
+        return out
+
+    def _ref_logprobs(self, batch: dict, micro: list[torch.Tensor] | None = None) -> torch.Tensor:
+        with self.reference.use(self.pipeline) as model:
+            return self._logprobs(model, batch, micro)
+
+    # ------------------------------------------------------------------ training
+    def train(self) -> list[dict]:
+        cfg, acc = self.cfg, self.accelerator
+        plan = self._plan = self.plan()
+        out = Path(cfg.output_dir)
+        self.pipeline = self.build_pipeline(self._model, plan["total_steps"], cfg.batch_size)
+        self.reference.place(acc)
+        if acc.is_main_process:
+            save_config(cfg, out)
+        tracker = Tracker(out, cfg.report_to, cfg.run_name, to_dict(cfg), plan["total_steps"], acc.is_main_process,
+                          desc="grpo", plot_keys=["reward", "eval/accuracy", "reward_std", "frac_reward_zero_std",
+                                                  "kl", "completions/mean_length", "loss", "grad_norm",
+                                                  "clip_ratio/region_mean"])
+        tracker.write(f"grpo ({cfg.advantage_estimator}, {cfg.loss_aggregation}): {plan['total_steps']} steps of "
+                      f"{plan['prompts_per_step']} prompts x {cfg.num_generations} generations "
+                      f"({self.world} processes, ZeRO stage {zero_stage(acc)}), beta {cfg.beta}, "
+                      f"trainable {self.trainable:,}/{self.total_params:,} parameters")
+        self._eval_set = unique_eval_set(self.eval_env, cfg.eval_num_prompts) if self.eval_env is not None else None
+        # the held-out accuracy before the first step is the starting point's (the pipeline reports it)
+        return self.fit(plan["total_steps"], tracker, eval_at_start=True)
+
+    def evaluate_now(self) -> dict | None:
+        return self.evaluate(self._eval_set) if self._eval_set is not None else None
+
+    def checkpoint_extra(self) -> dict:
+        return {"step": self.pipeline.step}
+
+    def _sample_round(self, generation: int, round_: int) -> dict:
+        """Sample and score this process's groups of one round; the rewards (overlong shaping included),
+        per-source rewards, components, lengths and truncation flags gathered over processes."""
+        cfg, acc, plan = self.cfg, self.accelerator, self._plan
+        k = plan["prompts_per_process"]
+        rows = step_prompts(self.env, self.train_prompts, cfg.seed, generation, plan["prompts_per_step"], round_)
+        mine = rows[acc.process_index * k:(acc.process_index + 1) * k]
+        prompt_ids = [encode_prompt(self.tokenizer, r["prompt"], cfg.prompt_budget, cfg.chat_template)
+                      for r in mine]
+        # distinct, reproducible sampling seeds per step, round and process (row r of a call uses seed + r)
+        seed = (cfg.seed * 7_919 + (generation * self.world + acc.process_index) * plan["completions_per_process"]
+                + round_ * 2 ** 40)
+        t_gen = time.time()
+        # a multi-turn environment (rl.envs.tool_math) runs whole episodes: tool tokens get labels -100 in to_batch
+        sample = partial(run_episodes, env=self.env) if getattr(self.env, "multi_turn", False) else generate
+        rollout = sample(self.pipeline.model, self.tokenizer, prompt_ids, max_new_tokens=cfg.max_completion_length,
+                         temperature=cfg.temperature, top_k=cfg.top_k, top_p=cfg.top_p, seed=seed,
+                         num_samples=cfg.num_generations)
+        t_gen = time.time() - t_gen
+        if cfg.optimize_device_cache:
+            release_device_cache()
+        completions = self.tokenizer.batch_decode(rollout.completions(), skip_special_tokens=True)
+        rep = [r for r in mine for _ in range(cfg.num_generations)]
+        columns = {c: [r.get(c) for r in rep] for c in rep[0] if c not in ("prompt", "_line")}
+        local, components = self.reward.score_each([r["prompt"] for r in rep], completions, columns)
+
+        def gather(t: torch.Tensor) -> torch.Tensor:
+            t = t.to(acc.device)
+            return (acc.gather(t) if self.world > 1 else t).cpu()
+
+        lengths = gather(rollout.lengths.float())
+        truncated = gather(torch.tensor([float(r == "length") for r in rollout.finish_reasons]))
+        per_func = gather(local)
+        penalty = overlong_penalty(lengths, cfg.max_completion_length, cfg.overlong_buffer, cfg.overlong_penalty)
+        return {"rollout": rollout, "rewards": combine_rewards(per_func, self.reward.weights) + penalty,
+                "per_func": per_func, "lengths": lengths, "truncated": truncated, "penalty": penalty,
+                "t_gen": t_gen, "components": {name: gather(v) for name, v in components.items()}}
+
+    def _rollout(self, generation: int) -> tuple:
+        """The step's groups: one round, or with dynamic sampling rounds until every process holds
+        prompts_per_process groups with reward spread (rl.trainers.grpo_batch). Returns (this process's
+        rollout, the picked rounds' gathered tensors by key, dapo/* metrics)."""
+        cfg, W, k, G = self.cfg, self.world, self._plan["prompts_per_process"], self.cfg.num_generations
+        rounds, keep = [], []
+        for r in range(cfg.max_sampling_rounds if cfg.dynamic_sampling else 1):
+            rounds.append(self._sample_round(generation, r))
+            keep.append(groups_with_spread(rounds[-1]["rewards"], G).view(W, k) if cfg.dynamic_sampling
+                        else torch.ones(W, k, dtype=torch.bool))
+            if (torch.cat(keep, dim=1).sum(1) >= k).all():
+                break
+        picks, filled = pick_groups(keep, k)
+        rows = picked_rows(picks, G)
+        picked = {key: take_global([ro[key] for ro in rounds], rows)
+                  for key in ("rewards", "per_func", "lengths", "truncated", "penalty")}
+        picked["components"] = {name: take_global([ro["components"][name] for ro in rounds], rows)
+                                for name in rounds[0]["components"]}
+        rollout = select_rollout([ro["rollout"] for ro in rounds], rows[self.accelerator.process_index].tolist())
+        dapo = {}
+        if cfg.dynamic_sampling:
+            dapo = {"dapo/sampling_rounds": len(rounds), "dapo/dropped_groups": int((~torch.cat(keep)).sum()),
+                    "dapo/filled_groups": filled}
+        if cfg.overlong_buffer:
+            dapo["dapo/overlong_penalty"] = float(picked["penalty"].mean())
+        picked["t_gen"] = sum(ro["t_gen"] for ro in rounds)
+        return rollout, picked, dapo
+
+    def train_step(self) -> list[dict]:
+        """One generation batch: sample (dynamic sampling: several rounds), score, advantages,
+        num_iterations optimizer steps."""
+        cfg, acc, pipe = self.cfg, self.accelerator, self.pipeline
+        t0 = time.time()
+        generation = pipe.step // cfg.num_iterations
+        rollout, g, dapo = self._rollout(generation)
+        advantages_all = compute_advantages(g["rewards"], cfg.num_generations, cfg.advantage_estimator)
+        n_local = rollout.tokens.shape[0]
+        advantages = advantages_all[acc.process_index * n_local:(acc.process_index + 1) * n_local]
+        metrics = {**reward_metrics(g["rewards"], g["per_func"], self.reward.names, g["components"], g["lengths"],
+                                    g["truncated"], advantages_all, cfg.num_generations), **dapo}
+        batch = {k: v.to(acc.device) for k, v in rollout.to_batch().items()}
+        adv = advantages.to(acc.device)
+        ref_lp = old_lp = None
+        # length-grouped micro-batches, each padded only to its own longest row (rl.trainers.grpo_batch)
+        micro = length_grouped_slices(batch["attention_mask"], cfg.gradient_accumulation_steps)
+        if cfg.beta > 0:
+            # in this thread, not the engine's worker: ZeRO-3's parameter fetching is per thread
+            ref_lp = self._ref_logprobs(batch, micro)
+        if cfg.num_iterations > 1:
+            old_lp = self._logprobs(pipe.model, batch, micro)
+        per_row = {k: v for k, v in {"advantages": adv, "old": old_lp, "ref": ref_lp}.items() if v is not None}
+        # token_mean over the whole step: the engine divides by accumulation, DDP/ZeRO average processes
+        n_tokens = acc.reduce(batch["labels"][:, 1:].ne(-100).sum().float(), "sum") if self.world > 1 else \
+            batch["labels"][:, 1:].ne(-100).sum().float()
+        num_items = float(n_tokens.clamp(min=1)) / (self.world * cfg.gradient_accumulation_steps)
+        out_rows = []
+        for _ in range(cfg.num_iterations):
+            t_train = time.time()
+            sums: dict[str, float] = {}
+            for s in micro:
+                mb = take_micro_batch({**batch, **per_row}, s)
+                kw = dict(advantages=mb["advantages"], old_logprobs=mb.get("old"), ref_logprobs=mb.get("ref"),
+                          temperature=cfg.temperature,
+                          beta=cfg.beta, epsilon_low=cfg.epsilon_low, epsilon_high=cfg.epsilon_high,
+                          loss_aggregation=cfg.loss_aggregation, max_completion_length=cfg.max_completion_length,
+                          num_items=num_items, use_bias_correction_kl=cfg.use_bias_correction_kl,
+                          importance_sampling_level=cfg.importance_sampling_level)
+                if cfg.packing:  # the rows' real tokens packed; positions restart per row, as the sampler counts
+                    b = pack_padded(mb["input_ids"], mb["attention_mask"], mb["labels"],
+                                    self.tokenizer.pad_token_id or 0)
+                    r = pipe.forward_backward(b["input_ids"], None, b["labels"], position_ids=b["position_ids"],
+                                              target_index=b["target_index"], loss_fn=partial(grpo_loss_fn, **kw)
+                                              ).result()
+                else:  # the sampler's positions: on absolute-position models (GPT-2) left padding shifts them
+                    r = pipe.forward_backward(mb["input_ids"], mb["attention_mask"], mb["labels"],
+                                              loss_fn=partial(grpo_loss_fn, **kw),
+                                              position_ids=position_ids_from_mask(mb["attention_mask"])).result()
+                for key, v in {"loss": r.loss, **r.metrics}.items():
+                    sums[key] = sums.get(key, 0.0) + v / len(micro)
+            o = pipe.optim_step(max_grad_norm=cfg.max_grad_norm).result()
+            keys = sorted(sums)
+            vals = torch.tensor([sums[key] for key in keys], device=acc.device, dtype=torch.float64)
+            if self.world > 1:
+                vals = acc.reduce(vals, "mean")
+            row = {"step": pipe.step, **metrics, **{key: float(v) for key, v in zip(keys, vals)},
+                   "grad_norm": o.grad_norm, "learning_rate": o.learning_rate}
+            completion_tokens = float(g["lengths"].sum())
+            row["step_time"] = time.time() - t0
+            row["time/generation"] = g["t_gen"]
+            row["time/train"] = time.time() - t_train
+            row["completion_tokens_per_s"] = completion_tokens / max(row["step_time"], 1e-9)
+            out_rows.append(row)
+            t0 = time.time()
+        return out_rows
+
+    def evaluate(self, eval_set) -> dict:
+        prompts, metas = eval_set
+        model = self.pipeline.model if self.pipeline is not None else self._model
+        return greedy_eval(model, self.tokenizer, self.eval_env, prompts, metas, self.cfg.max_completion_length,
+                           self.cfg.prompt_budget, chat=self.cfg.chat_template)
+
+    def save(self, out_dir: str | None = None) -> str:
+        """Write the final model and tokenizer (LoRA: the PEFT adapter); every process must call it."""
+        out = out_dir or self.cfg.output_dir
+        save_pretrained(self.pipeline.model, self.tokenizer, out, self.accelerator, merged=self.cfg.save_merged)
+        self.accelerator.wait_for_everyone()
+        return out

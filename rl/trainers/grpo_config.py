@@ -1,0 +1,75 @@
+"""GRPO's config schema and its batch arithmetic (rl.trainers.grpo re-exports both; the objective is documented there)."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Literal
+
+from rl.algos import names
+from rl.algos.policy_losses import IMPORTANCE_SAMPLING_LEVELS, LOSS_AGGREGATIONS
+from rl.config.fields import opt
+from rl.config.schema import OnlineConfig
+from rl.errors import ConfigError
+
+
+@dataclasses.dataclass
+class GRPOConfig(OnlineConfig):
+    num_generations: int = opt(8, "completions sampled per prompt (the group size G)")
+    advantage_estimator: Literal[names("advantage_estimator")] = opt(
+        "grpo", "grpo (group mean/std), dr_grpo (group mean only), rloo (leave-one-out), reinforce_pp (batch-normalised)")
+    loss_aggregation: Literal[LOSS_AGGREGATIONS] = opt(
+        "token_mean", "token_mean (DAPO), sequence_mean (GRPO paper) or constant (Dr. GRPO: / max_completion_length)")
+    epsilon_low: float = opt(0.2, "clip the ratio below at 1 - epsilon_low")
+    epsilon_high: float = opt(0.2, "clip the ratio above at 1 + epsilon_high (DAPO recommends 0.28)")
+    beta: float = opt(0.0, "k3 KL penalty to the reference model; 0 loads no reference model")
+    use_bias_correction_kl: bool = opt(True, "multiply the k3 term by the importance ratio (unbiased reverse-KL "
+                                       "gradient, DeepSeek-V3.2; TRL 1.16's default)")
+    num_iterations: int = opt(1, "policy updates per generated batch (mu in the GRPO paper)")
+    importance_sampling_level: Literal[IMPORTANCE_SAMPLING_LEVELS] = opt(
+        "token", "token (GRPO: a ratio per token) or sequence (GSPO, Zheng et al. 2025: one length-normalised "
+        "ratio per completion, clipped per completion; the paper uses epsilon_low=3e-4 epsilon_high=4e-4)")
+    dynamic_sampling: bool = opt(False, "DAPO dynamic sampling: drop prompt groups whose rewards are all equal "
+                                 "(advantage 0) and sample more prompts until the step's batch is full")
+    max_sampling_rounds: int = opt(3, "dynamic sampling: generation rounds per step at most (the first included); "
+                                   "a batch still short after them is filled with dropped groups (dapo/filled_groups)")
+    overlong_buffer: int = opt(0, "DAPO overlong shaping (eq. 13): completions longer than max_completion_length - "
+                               "overlong_buffer tokens lose reward linearly, down to -overlong_penalty at the "
+                               "maximum (0: off)")
+    overlong_penalty: float = opt(1.0, "DAPO overlong shaping: the reward penalty at max_completion_length")
+    def __post_init__(self):
+        super().__post_init__()
+        if self.num_generations < 2:
+            raise ConfigError(f"key 'num_generations' must be at least 2 (the group is the baseline), "
+                              f"got {self.num_generations}")
+        per_process = self.batch_size * self.gradient_accumulation_steps
+        if per_process % self.num_generations:
+            raise ConfigError(f"batch_size x gradient_accumulation_steps = {self.batch_size} x "
+                              f"{self.gradient_accumulation_steps} = {per_process} completions per process must be "
+                              f"a multiple of num_generations={self.num_generations} (whole groups per process)")
+        for name in ("epsilon_low", "epsilon_high", "beta"):
+            if getattr(self, name) < 0:
+                raise ConfigError(f"key '{name}' must be >= 0, got {getattr(self, name)}")
+        if self.temperature < 0:
+            raise ConfigError(f"key 'temperature' must be >= 0, got {self.temperature}")
+        if self.num_iterations < 1:
+            raise ConfigError(f"key 'num_iterations' must be at least 1, got {self.num_iterations}")
+        if self.max_sampling_rounds < 1:
+            raise ConfigError(f"key 'max_sampling_rounds' must be at least 1, got {self.max_sampling_rounds}")
+        if not 0 <= self.overlong_buffer <= self.max_completion_length:
+            raise ConfigError(f"key 'overlong_buffer' must be between 0 and max_completion_length="
+                              f"{self.max_completion_length}, got {self.overlong_buffer}")
+        if self.overlong_penalty < 0:
+            raise ConfigError(f"key 'overlong_penalty' must be >= 0 (it is subtracted), got {self.overlong_penalty}")
+
+
+def grpo_sizes(cfg: GRPOConfig, world: int, n_prompts: int | None = None) -> dict:
+    """GRPO's batch arithmetic in its own units (also what --dry-run prints): completions per micro-batch
+    (per_device_batch) and per optimizer step (global_batch), whole groups of num_generations each, so
+    prompts per step = global_batch / num_generations; steps per pass over `n_prompts` data rows."""
+    per_process = cfg.batch_size * cfg.gradient_accumulation_steps
+    prompts_per_process = per_process // cfg.num_generations
+    prompts_per_step = prompts_per_process * world
+    return {"per_device_batch": cfg.batch_size, "global_batch": per_process * world,
+            "completions_per_process": per_process, "prompts_per_process": prompts_per_process,
+            "prompts_per_step": prompts_per_step,
+            "steps_per_epoch": n_prompts // prompts_per_step if n_prompts is not None else None}

@@ -1,0 +1,326 @@
+"""Online DPO: per prompt, sample two completions from the current policy, let the reward protocol pick
+the preferred one, and take a DPO-family step on that fresh pair against the frozen reference.
+
+Objective (Guo et al. 2024, "Direct Language Model Alignment from Online AI Feedback", OAIF, alg. 1):
+for a prompt x and two samples y_1, y_2 ~ pi(.|x), score both with the reward r; y_w is the higher one,
+y_l the other, and with
+
+    h = beta * [(log pi(y_w|x) - log ref(y_w|x)) - (log pi(y_l|x) - log ref(y_l|x))]
+
+the loss per pair is the offline DPO family's (rl.algos.preference, the same function the offline
+trainer calls: `rl.dpo.dpo_batch_loss`): sigmoid -log sigmoid(h) (cDPO with label_smoothing), ipo on
+per-token averaged log-ratios, hinge max(0, 1 - h). log pi(y|x) is the sum of the completion tokens'
+log-probs at temperature 1 (the model's own distribution, whatever the sampling temperature).
+
+Deviations and choices:
+* Ties carry no preference: a pair whose two rewards are equal (or that no reward source scored) is left
+  out of the loss, and `online_dpo/ties` reports the fraction of such pairs. TRL 1.16's experimental
+  OnlineDPOTrainer instead prefers the first sample (`first >= second`); on untied pairs the two agree
+  (tests/test_online_dpo.py runs TRL's training_step on identical completions). A step whose pairs
+  are all ties still takes its optimizer step with a zero gradient (no skipped step numbers, so resume
+  and the learning-rate schedule stay step-exact).
+* The loss is the exact mean over the step's untied pairs, across micro-batches and processes (the pair
+  weights of `dpo_batch_loss`), not the mean of micro-batch means.
+* IPO averages log-ratios per token as our offline DPO and TRL's DPOTrainer do; TRL's online DPO sums them.
+* `missing_eos_penalty` (TRL's name) is subtracted from the reward of a completion that hit
+  max_completion_length before its end-of-sequence token.
+
+Metrics: loss, rewards/{chosen,rejected,margins,accuracies}, logps/{chosen,rejected} (TRL's names, over
+untied pairs; 0 on a step whose pairs all tie); objective/scores (mean reward of all completions), objective/scores_margin (mean reward of
+the chosen minus the rejected answer), objective/kl (mean of log pi - log ref over the trained answers);
+online_dpo/ties; completions/mean_length, completions/clipped_ratio; eval/* with eval_env_config.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from functools import partial
+from pathlib import Path
+from typing import Callable, Literal, Sequence
+
+import torch
+
+from rl.config.fields import opt
+from rl.config.parse import save_config, to_dict
+from rl.config.schema import OnlineConfig
+from rl.engine.dist import build_accelerator, zero_stage
+from rl.engine.generation import generate
+from rl.engine.packing import IGNORE_INDEX, pack_sequences, position_ids_from_mask
+from rl.engine.scoring import sequence_logprobs
+from rl.engine.tracking import Tracker
+from rl.envs.registry import make_env
+from rl.errors import ConfigError
+from rl.models.loading import (
+    apply_lora,
+    load_tokenizer,
+    load_trainable_policy,
+    release_device_cache,
+    resolve_dtype,
+    trainable_fraction,
+)
+from rl.models.reference import ReferencePolicy
+from rl.models.saving import save_pretrained
+from rl.rollout.eval import greedy_eval, unique_eval_set
+from rl.rollout.prompts import encode_prompt
+from rl.trainers.base import Trainer
+from rl.trainers.dpo import dpo_batch_loss
+from rl.trainers.grpo import GRPOTrainer
+from rl.trainers.rewards import RewardModelReward, build_reward_fns, combine_rewards
+
+# the DPO-family losses that compare against a reference (ORPO has none)
+LOSS_TYPES = ("sigmoid", "ipo", "hinge")
+
+
+@dataclasses.dataclass
+class OnlineDPOConfig(OnlineConfig):
+    learning_rate: float = opt(5e-7, "peak learning rate of AdamW (TRL's online DPO default; DPO wants it small)")
+    batch_size: int = opt(8, "prompts per device per micro-batch (each gives one pair: 2 completions)")
+    beta: float = opt(0.1, "DPO temperature beta (IPO: tau)")
+    loss_type: Literal[LOSS_TYPES] = opt("sigmoid", "sigmoid (DPO), ipo or hinge (SLiC)")
+    label_smoothing: float = opt(0.0, "conservative DPO (sigmoid only): probability a preference is flipped")
+    ref_model_name: str | None = opt(None, "reference model id/path (default: the initial policy; with LoRA "
+                                     "the policy without adapters)")
+    temperature: float = opt(1.0, "sampling temperature (the loss scores the model itself, temperature 1)")
+    missing_eos_penalty: float | None = opt(None, "subtracted from the reward of a completion cut at "
+                                            "max_completion_length (TRL's name); null: none")
+
+    def __post_init__(self):
+        super().__post_init__()
+        if self.beta <= 0:
+            raise ConfigError(f"key 'beta' must be > 0, got {self.beta}")
+        if not 0.0 <= self.label_smoothing < 0.5 or (self.label_smoothing and self.loss_type != "sigmoid"):
+            raise ConfigError(f"key 'label_smoothing' must be in [0, 0.5) and needs loss_type=sigmoid, got "
+                              f"{self.label_smoothing} with loss_type={self.loss_type}")
+        if self.temperature <= 0:
+            raise ConfigError(f"key 'temperature' must be > 0 (two greedy samples are the same answer), "
+                              f"got {self.temperature}")
+
+
+# ============================================================================ pure pieces
+
+def pack_rollout_rows(rollout, rows: list[int]) -> dict[str, torch.Tensor]:
+    """The rollout rows `rows` (prompt + completion, no padding) packed by `rl.engine.packing.pack_sequences`:
+    input_ids, labels (-100 on the prompt), position_ids and sequence_index (k for rows[k]), each (R, W)."""
+    completions = rollout.completions()
+    return pack_sequences([(rollout.prompts[i] + completions[i], [IGNORE_INDEX] * len(rollout.prompts[i]) +
+                            completions[i]) for i in rows], rollout.pad_token_id or 0)
+
+
+def pair_up(rewards: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(2B,) rewards of B consecutive sample pairs [x0 a, x0 b, x1 a, ...] -> (chosen rows (B,),
+    rejected rows (B,), tie (B,) bool). A tie (equal rewards, or a NaN: no source scored it) keeps
+    sample a as "chosen"; the caller gives it weight 0."""
+    r = rewards.view(-1, 2)
+    second = r[:, 1] > r[:, 0]
+    base = torch.arange(r.shape[0]) * 2
+    tie = (r[:, 0] == r[:, 1]) | torch.isnan(r).any(dim=1)
+    return base + second.long(), base + 1 - second.long(), tie
+
+
+def pair_weights(tie: torch.Tensor, untied_in_step: int, units: int) -> torch.Tensor:
+    """(B,) weights w_i = units / untied pairs of the whole step (0 for a tie), units = processes x
+    accumulation: the engine's 1/accumulation and DDP's 1/processes then leave the exact mean over the
+    step's untied pairs (`rl.dpo.dpo_batch_loss`). No untied pair at all: all zero."""
+    w = torch.full(tie.shape, units / max(untied_in_step, 1))
+    return w.masked_fill(tie, 0.0)
+
+
+# ============================================================================ trainer
+
+class OnlineDPOTrainer(Trainer):
+    """Online DPO on the shared engine. `OnlineDPOTrainer(config, *, model=None, tokenizer=None,
+    reward_funcs=None, train_prompts=None)`, arguments as `rl.trainers.grpo.GRPOTrainer`'s."""
+
+    def __init__(self, config: OnlineDPOConfig, *, model=None, tokenizer=None,
+                 reward_funcs: Sequence[Callable] | None = None, train_prompts: list[dict] | None = None):
+        self.cfg = cfg = config
+        torch.manual_seed(cfg.seed)
+        self.tokenizer = tokenizer or load_tokenizer(cfg.model_name, cfg.trust_remote_code)
+        self.env = self.eval_env = None
+        try:
+            if cfg.env_type:
+                self.env = make_env(cfg.env_type, self.tokenizer, dict(cfg.env_config))
+                if cfg.eval_env_config is not None:
+                    self.eval_env = make_env(cfg.env_type, self.tokenizer, {**cfg.env_config, **cfg.eval_env_config})
+        except (ValueError, TypeError) as e:
+            raise ConfigError(f"env_type={cfg.env_type}: {e}") from None
+        # built before the accelerator, so that a reward model is not ZeRO-3 partitioned
+        self.reward = build_reward_fns(cfg, self.tokenizer, reward_funcs=reward_funcs or (), env=self.env,
+                                       missing="no reward source to rank the two samples: set env_type, "
+                                       "reward_model_path or reward_funcs, or pass reward_funcs=")
+        self.accelerator = build_accelerator(
+            cfg.gradient_accumulation_steps, micro_batch_size=2 * cfg.batch_size, max_grad_norm=cfg.max_grad_norm,
+            mixed_precision="bf16" if resolve_dtype(cfg.dtype) == torch.bfloat16 else "no",
+            deepspeed_config=cfg.deepspeed)
+        rm = self.reward.find(RewardModelReward)
+        if rm is not None and not getattr(rm.model.config, "quantization", None):
+            rm.model.to(self.accelerator.device)
+        if self.env is None and not train_prompts:
+            raise ConfigError("no prompts: set env_type or data.path (rows with a 'prompt' column)")
+        self.train_prompts = train_prompts
+        model = model if model is not None else load_trainable_policy(cfg)
+        self.reference = ReferencePolicy.build(cfg, model, self.accelerator, name=cfg.ref_model_name)  # before LoRA
+        if cfg.lora.enabled and not hasattr(model, "disable_adapter"):
+            model = apply_lora(model, cfg.lora.rank, cfg.lora.alpha, cfg.lora.dropout, cfg.lora.target_modules)
+        self.trainable, self.total_params = trainable_fraction(model)
+        self._model, self.pipeline = model, None
+
+    load_data = staticmethod(GRPOTrainer.load_data)  # prompt rows of data.path, or None with an environment
+
+    @staticmethod
+    def dry_run_models(cfg: OnlineDPOConfig) -> dict:
+        """The models a run holds, for the dry-run memory plan: the reference as `ReferencePolicy` decides."""
+        models = {"policy (trainable)": cfg.model_name,
+                  "reference (frozen)": cfg.ref_model_name or ("policy without adapters" if cfg.lora.enabled
+                                                               else cfg.model_name)}
+        if cfg.reward_model_path:
+            models["reward model (frozen)"] = cfg.reward_model_path
+        return models
+
+    def plan(self) -> dict:
+        """Derived sizes, computed once: prompts (= pairs) per step, per process and in all; total steps."""
+        cfg = self.cfg
+        per_process = cfg.batch_size * cfg.gradient_accumulation_steps
+        per_step = per_process * self.world
+        from_rows = self.env is None
+        if from_rows and len(self.train_prompts) < per_step:
+            raise ConfigError(f"{len(self.train_prompts)} training prompts are fewer than one step's {per_step} "
+                              f"(batch_size {cfg.batch_size} x gradient_accumulation_steps "
+                              f"{cfg.gradient_accumulation_steps} x {self.world} processes); add prompts or "
+                              f"lower batch_size")
+        if cfg.max_steps:
+            total = cfg.max_steps
+        elif from_rows:
+            total = len(self.train_prompts) // per_step * cfg.num_epochs
+        else:
+            raise ConfigError("an environment draws prompts without end: set max_steps")
+        return {"prompts_per_process": per_process, "prompts_per_step": per_step, "total_steps": total}
+
+    def _prompts_for(self, step: int, n: int) -> list[dict]:
+        """The step's n prompt rows, identical on every process (a function of the step: resume-exact)."""
+        cfg = self.cfg
+        if self.env is not None:
+            rows = self.env.sample_prompts(n, seed=cfg.seed * 1_000_003 + step)
+            return [{"prompt": r["prompt"], **r["metadata"]} for r in rows]
+        epoch, index = divmod(step, len(self.train_prompts) // n)
+        order = torch.randperm(len(self.train_prompts), generator=torch.Generator().manual_seed(cfg.seed + epoch))
+        return [self.train_prompts[i] for i in order[index * n:(index + 1) * n].tolist()]
+
+    def _ref_logps(self, batch: dict) -> torch.Tensor:
+        """(2b,) reference log-prob sums of a micro-batch's completions; in this thread (ZeRO-3 fetches
+        parameters per thread)."""
+        with self.reference.use(self.pipeline) as model:
+            logp, _ = sequence_logprobs(model, batch["input_ids"], batch["attention_mask"], batch["labels"],
+                                        chunk_size=self.cfg.logprob_chunk_size,
+                                        position_ids=position_ids_from_mask(batch["attention_mask"]))
+        return logp.sum(-1)
+
+    # ------------------------------------------------------------------ training
+    def train(self) -> list[dict]:
+        cfg, acc = self.cfg, self.accelerator
+        plan = self._plan = self.plan()
+        out = Path(cfg.output_dir)
+        self.pipeline = self.build_pipeline(self._model, plan["total_steps"], 2 * cfg.batch_size)  # 2 per prompt
+        self.reference.place(acc)
+        if acc.is_main_process:
+            save_config(cfg, out)
+        tracker = Tracker(out, cfg.report_to, cfg.run_name, to_dict(cfg), plan["total_steps"], acc.is_main_process,
+                          desc=f"online_dpo[{cfg.loss_type}]",
+                          plot_keys=["objective/scores", "eval/accuracy", "rewards/margins", "rewards/accuracies",
+                                     "online_dpo/ties", "objective/kl", "loss", "grad_norm"])
+        tracker.write(f"online_dpo ({cfg.loss_type}, beta {cfg.beta}): {plan['total_steps']} steps of "
+                      f"{plan['prompts_per_step']} prompts x 2 samples ({self.world} processes, ZeRO stage "
+                      f"{zero_stage(acc)}), reference {self.reference.description}, trainable "
+                      f"{self.trainable:,}/{self.total_params:,} parameters")
+        self._eval_set = unique_eval_set(self.eval_env, cfg.eval_num_prompts) if self.eval_env is not None else None
+        return self.fit(plan["total_steps"], tracker, eval_at_start=True)
+
+    def evaluate_now(self) -> dict | None:
+        if self._eval_set is None:
+            return None
+        model = self.pipeline.model if self.pipeline is not None else self._model
+        return greedy_eval(model, self.tokenizer, self.eval_env, *self._eval_set, self.cfg.max_completion_length,
+                           self.cfg.prompt_budget, chat=self.cfg.chat_template)
+
+    def checkpoint_extra(self) -> dict:
+        return {"step": self.pipeline.step}
+
+    def _gather(self, t: torch.Tensor) -> torch.Tensor:
+        t = t.to(self.accelerator.device)
+        return (self.accelerator.gather(t) if self.world > 1 else t).cpu()
+
+    def train_step(self) -> list[dict]:
+        """Sample two completions per prompt, rank them, one optimizer step on the untied pairs."""
+        cfg, acc, pipe, plan = self.cfg, self.accelerator, self.pipeline, self._plan
+        t0 = time.time()
+        k = plan["prompts_per_process"]
+        mine = self._prompts_for(pipe.step, plan["prompts_per_step"])[acc.process_index * k:(acc.process_index + 1) * k]
+        prompt_ids = [encode_prompt(self.tokenizer, r["prompt"], cfg.prompt_budget, cfg.chat_template) for r in mine]
+        seed = cfg.seed * 7_919 + (pipe.step * self.world + acc.process_index) * 2 * k  # row r samples seed + r
+        rollout = generate(pipe.model, self.tokenizer, prompt_ids, max_new_tokens=cfg.max_completion_length,
+                           temperature=cfg.temperature, top_k=cfg.top_k, top_p=cfg.top_p, seed=seed, num_samples=2)
+        t_gen = time.time() - t0
+        if cfg.optimize_device_cache:
+            release_device_cache()
+        completions = self.tokenizer.batch_decode(rollout.completions(), skip_special_tokens=True)
+        rep = [r for r in mine for _ in range(2)]
+        columns = {c: [r.get(c) for r in rep] for c in rep[0] if c not in ("prompt", "_line")}
+        per_func, _ = self.reward.score_each([r["prompt"] for r in rep], completions, columns)
+        rewards = combine_rewards(per_func, self.reward.weights)
+        clipped = torch.tensor([r == "length" for r in rollout.finish_reasons], dtype=torch.bool)
+        if cfg.missing_eos_penalty is not None:
+            rewards = rewards - cfg.missing_eos_penalty * clipped.float()
+        chosen, rejected, tie = pair_up(rewards)
+        # global counts: every process weighs its pairs by the same step-wide number of untied pairs
+        all_rewards, all_tie = self._gather(rewards), self._gather(tie.float())
+        untied = int((1 - all_tie).sum())
+        weights = pair_weights(tie, untied, self.world * cfg.gradient_accumulation_steps)
+        batch = {key: v.to(acc.device) for key, v in rollout.to_batch().items() if key != "old_logprobs"}
+        sums: dict[str, float] = {}
+        for m in range(cfg.gradient_accumulation_steps):
+            s = slice(m * cfg.batch_size, (m + 1) * cfg.batch_size)
+            rows = torch.cat([chosen[s], rejected[s]]).to(acc.device)  # [chosen..., rejected...] as offline DPO
+            b = {key: v[rows] for key, v in batch.items()}
+            ref_c, ref_r = self._ref_logps(b).chunk(2)
+            loss_fn = partial(dpo_batch_loss, loss_type=cfg.loss_type, beta=cfg.beta,
+                              label_smoothing=cfg.label_smoothing, ref_chosen_logps=ref_c, ref_rejected_logps=ref_r,
+                              pair_weight=weights[s])
+            if cfg.packing:  # the pairs' real tokens packed, as offline DPO's packed micro-batches (pack_pairs)
+                p = {key: v.to(acc.device) for key, v in pack_rollout_rows(rollout, rows.tolist()).items()}
+                r = pipe.forward_backward(p["input_ids"], None, p["labels"], loss_fn=loss_fn,
+                                          position_ids=p["position_ids"], sequence_index=p["sequence_index"]).result()
+            else:
+                r = pipe.forward_backward(b["input_ids"], b["attention_mask"], b["labels"], loss_fn=loss_fn,
+                                          position_ids=position_ids_from_mask(b["attention_mask"])).result()
+            for key, v in r.metrics.items():  # weighted sums: their total over the step is the mean
+                sums[key] = sums.get(key, 0.0) + v / cfg.gradient_accumulation_steps
+        o = pipe.optim_step(max_grad_norm=cfg.max_grad_norm).result()
+        keys = sorted(sums)
+        vals = torch.tensor([sums[key] for key in keys], device=acc.device, dtype=torch.float64)
+        if self.world > 1:
+            vals = acc.reduce(vals, "mean")
+        row = {key: float(v) for key, v in zip(keys, vals)}
+        pairs = all_rewards.view(-1, 2)
+        margin = (pairs.max(dim=1).values - pairs.min(dim=1).values)[all_tie == 0]
+        lengths, clip_all = self._gather(rollout.lengths.float()), self._gather(clipped.float())
+        row.update({
+            "objective/scores": float(torch.nanmean(all_rewards)) if not all_rewards.isnan().all() else 0.0,
+            "objective/scores_margin": float(margin.mean()) if untied else 0.0,
+            # mean over the trained answers of log pi - log ref (rewards/* are beta times it)
+            "objective/kl": (row["rewards/chosen"] + row["rewards/rejected"]) / (2 * cfg.beta),
+            "online_dpo/ties": float(all_tie.mean()), "completions/mean_length": float(lengths.mean()),
+            "completions/clipped_ratio": float(clip_all.mean()), "grad_norm": o.grad_norm, "learning_rate": o.learning_rate,
+            "step_time": time.time() - t0, "time/generation": t_gen,
+        })
+        for j, name in enumerate(self.reward.names):
+            col = self._gather(per_func[:, j])
+            row[f"rewards/{name}/mean"] = float(torch.nanmean(col)) if not col.isnan().all() else 0.0
+        return [{"step": pipe.step, **row}]
+
+    def save(self, out_dir: str | None = None) -> str:
+        """Write the final model and tokenizer (LoRA: the PEFT adapter); every process must call it."""
+        out = out_dir or self.cfg.output_dir
+        save_pretrained(self.pipeline.model, self.tokenizer, out, self.accelerator, merged=self.cfg.save_merged)
+        self.accelerator.wait_for_everyone()
+        return out

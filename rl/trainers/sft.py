@@ -1,0 +1,177 @@
+"""Supervised fine-tuning (SFT): next-token cross-entropy, optionally on the completion only.
+
+Objective: minimise -sum_t log p(x_t | x_<t) over the answer tokens (completion-only) or all tokens,
+normalised by the number of counted tokens in the whole optimizer step (all micro-batches, all
+processes). That normalisation is what makes N micro-batches, or N processes, give exactly the
+gradient of one big batch; a per-micro-batch mean would weight short examples more.
+
+Data: `text` rows, `prompt`/`completion` rows, or chat `messages` rows (rendered with the
+tokenizer's chat template; the last assistant message is the completion).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import time
+from functools import partial
+from pathlib import Path
+
+import torch
+
+from rl.config.fields import opt
+from rl.config.parse import save_config, to_dict
+from rl.config.plan import epoch_plan
+from rl.config.schema import TrainConfig
+from rl.data.sft import collate, counted_tokens
+from rl.engine import losses
+from rl.engine.dist import build_accelerator, zero_stage
+from rl.engine.packing import pack_examples
+from rl.engine.tracking import Tracker
+from rl.models.loading import (
+    apply_lora,
+    load_tokenizer,
+    load_trainable_policy,
+    resolve_dtype,
+    trainable_fraction,
+)
+from rl.models.saving import save_pretrained
+from rl.trainers.base import EpochTrainer
+
+logger = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass
+class SFTConfig(TrainConfig):
+    completion_only_loss: bool = opt(True, "count only completion tokens in the loss (needs prompt/"
+                                     "completion or messages data); false trains on the whole text")
+    add_eos: bool = opt(True, "append the EOS token to every example so the model learns to stop")
+    packing: bool = opt(False, "padding-free micro-batches: each micro-batch's examples concatenated into one "
+                        "row with per-example position_ids (rl.engine.packing); same loss, no compute on padding")
+
+
+def sum_normalised_nll(logits, labels, attention_mask, scale: float):
+    """Summed NLL times `scale` (= world * accumulation / tokens in the optimizer step), so that the
+    engine's 1/accumulation and DDP's 1/world leave exactly sum / tokens."""
+    logp, mask = losses.token_logprobs(logits, labels)
+    nll_sum = -(logp * mask).sum()
+    n = mask.sum().clamp(min=1)
+    return nll_sum * scale, {"nll": nll_sum.detach() / n, "correct": correct_tokens(logits, labels)}
+
+
+def correct_tokens(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """How many counted label tokens (labels != -100, shifted as in the loss) are the argmax of the
+    logits before them: logits (B, T, V), labels (B, T) -> a scalar. Divided by the counted tokens it
+    is TRL's `mean_token_accuracy`."""
+    target, pred = labels[:, 1:], logits[:, :-1].argmax(-1)
+    return ((pred == target) & (target != -100)).sum().detach()
+
+
+# ------------------------------------------------------------------------------------------ trainer
+
+class SFTTrainer(EpochTrainer):
+    """SFT on the shared lifecycle (rl.trainers.base): one `train_step` is one optimizer step."""
+
+    def __init__(self, config: SFTConfig, *, model=None, tokenizer=None):
+        self.cfg = cfg = config
+        torch.manual_seed(cfg.seed)
+        train_dtype = resolve_dtype(cfg.dtype)
+        self.accelerator = build_accelerator(
+            cfg.gradient_accumulation_steps, micro_batch_size=cfg.batch_size, max_grad_norm=cfg.max_grad_norm,
+            mixed_precision="bf16" if train_dtype == torch.bfloat16 else "no", deepspeed_config=cfg.deepspeed)
+        self.tokenizer = tokenizer or load_tokenizer(cfg.model_name, cfg.trust_remote_code)
+        if model is None:
+            model = load_trainable_policy(cfg)
+        if cfg.lora.enabled:
+            model = apply_lora(model, cfg.lora.rank, cfg.lora.alpha, cfg.lora.dropout, cfg.lora.target_modules)
+        self.trainable, self.total_params = trainable_fraction(model)
+        self._model = model
+
+    def plan(self, n_examples: int) -> dict:
+        """Derived sizes, computed once (see `rl.config.fields.epoch_plan`)."""
+        return epoch_plan(self.cfg, n_examples, self.world)
+
+    def train(self, train_examples: list[dict], eval_examples: list[dict] | None = None) -> list[dict]:
+        cfg, acc = self.cfg, self.accelerator
+        plan = self._plan = self.plan(len(train_examples))
+        out = Path(cfg.output_dir)
+        self.pipeline = self.build_pipeline(self._model, plan["total_steps"], cfg.batch_size)
+        if acc.is_main_process:
+            save_config(cfg, out)
+        tracker = Tracker(out, cfg.report_to, cfg.run_name, to_dict(cfg), plan["total_steps"],
+                          acc.is_main_process, desc="sft")
+        tracker.write(f"sft: {len(train_examples)} examples, {plan['total_steps']} steps, global batch "
+                      f"{plan['global_batch']} ({self.world} processes, ZeRO stage {zero_stage(acc)}), "
+                      f"trainable {self.trainable:,}/{self.total_params:,} parameters")
+        if plan["warning"]:
+            tracker.write(plan["warning"])
+        self._train, self._num_tokens = train_examples, 0
+        self.start_epochs(len(train_examples), eval_examples)
+        return self.fit(plan["total_steps"], tracker)
+
+    def train_step(self) -> list[dict]:
+        cfg, acc, pipe = self.cfg, self.accelerator, self.pipeline
+        t0 = time.time()
+        batch = [self._train[i] for i in self.next_global_batch()]
+        scale = self.world * cfg.gradient_accumulation_steps / max(1, counted_tokens(batch))
+        nll_sum, n_tok, correct = 0.0, 0, 0.0
+        for micro in _split(batch[acc.process_index::self.world], cfg.gradient_accumulation_steps):
+            # a short last step can leave this process an empty micro-batch: it still runs one
+            # forward/backward (ZeRO-3 needs every rank in every forward) on an example with no
+            # counted token, so the step's loss stays sum / tokens of the real examples
+            micro = micro or [{"input_ids": batch[0]["input_ids"], "labels": [-100] * len(batch[0]["labels"])}]
+            if cfg.packing:  # one row, no mask: the model separates the examples by their position ids
+                b = pack_examples(micro)
+                r = pipe.forward_backward(b["input_ids"], None, b["labels"], position_ids=b["position_ids"],
+                                          loss_fn=partial(sum_normalised_nll, scale=scale)).result()
+            else:
+                b = collate(micro, self.tokenizer.pad_token_id)
+                r = pipe.forward_backward(b["input_ids"], b["attention_mask"], b["labels"],
+                                          loss_fn=partial(sum_normalised_nll, scale=scale)).result()
+            nll_sum += r.metrics["nll"] * r.num_tokens
+            n_tok += r.num_tokens
+            correct += r.metrics["correct"]
+        o = pipe.optim_step(max_grad_norm=cfg.max_grad_norm).result()
+        totals = acc.reduce(torch.tensor([nll_sum, n_tok, correct], device=acc.device, dtype=torch.float64), "sum")
+        self._num_tokens += sum(len(ex["input_ids"]) for ex in batch)  # input tokens so far, as TRL counts them
+        return [{"step": pipe.step, "loss": float(totals[0] / totals[1].clamp(min=1)), "grad_norm": o.grad_norm,
+                 "learning_rate": o.learning_rate, "epoch": self.epoch_progress, "num_tokens": self._num_tokens,
+                 "mean_token_accuracy": float(totals[2] / totals[1].clamp(min=1)), "step_time": time.time() - t0}]
+
+    def checkpoint_extra(self) -> dict:
+        return {**super().checkpoint_extra(), "num_tokens": self._num_tokens}
+
+    def restore(self, extra: dict) -> None:
+        super().restore(extra)
+        self._num_tokens = int(extra.get("num_tokens", 0))
+
+    @torch.no_grad()
+    def evaluate(self, examples: list[dict]) -> dict:
+        """Token-mean loss on `examples`. Every process evaluates all of them (ZeRO-3 needs every
+        rank in every forward; eval sets are small)."""
+        pipe, pad = self.pipeline, self.tokenizer.pad_token_id
+        nll, n = 0.0, 0
+        for i in range(0, len(examples), self.cfg.batch_size):
+            b = collate(examples[i:i + self.cfg.batch_size], pad)
+            r = pipe.forward(b["input_ids"], b["attention_mask"], b["labels"]).result()
+            nll += r.loss * r.num_tokens
+            n += r.num_tokens
+        return {"eval/loss": nll / max(n, 1)}
+
+    def save(self, out_dir: str | None = None) -> str:
+        """Write the final model and tokenizer (LoRA: the PEFT adapter); every process must call it."""
+        out = out_dir or self.cfg.output_dir
+        save_pretrained(self.pipeline.model, self.tokenizer, out, self.accelerator, merged=self.cfg.save_merged)
+        self.accelerator.wait_for_everyone()
+        return out
+
+
+def _split(items: list, n: int) -> list[list]:
+    """n nearly equal consecutive chunks (the last ones empty when len(items) < n)."""
+    k, r = divmod(len(items), n)
+    chunks, start = [], 0
+    for i in range(n):
+        end = start + k + (1 if i < r else 0)
+        chunks.append(items[start:end])
+        start = end
+    return chunks
