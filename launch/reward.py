@@ -1,71 +1,16 @@
 """Reward-model training on preference pairs (step 1 of RLHF; PPO/GRPO load the result by path).
 
-    python launch/reward.py --config recipes/tiny/reward.yaml
-    accelerate launch --num_processes 2 --use_deepspeed --deepspeed_config_file ds_configs/zero3.json \
-        launch/reward.py --config recipes/tiny/reward.yaml
-    python launch/reward.py --help        # every key, its default and meaning
-
-Data: JSONL (or JSON/CSV/Parquet) rows {"prompt": ..., "chosen": ..., "rejected": ...}; the reference
-CLI's --prompt-text-column / --text-column / --rejected-text-column rename the columns. The model is
-written to output_dir (safetensors + reward_config.json): `rl.models.reward.load_reward_model(output_dir)`.
+The code is `rl/scripts/reward.py` (so that an installed package runs it too: `python -m rl.scripts.reward`,
+`rl-train`); this file is the entry point `python launch/reward.py` / `accelerate launch launch/reward.py` takes.
+`python launch/reward.py --help` lists every option.
 """
 
-from __future__ import annotations
-
-import os
 import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
-os.environ.setdefault("WANDB_MODE", "offline")
 
-from rl.config.parse import save_config  # noqa: E402
-from rl.errors import (
-    ConfigError,  # noqa: E402
-    DataError,  # noqa: E402
-    RunError,  # noqa: E402
-)
-from rl.models.card import write_model_card  # noqa: E402
-from rl.scripts.common import fail, parse_recipe, run_training  # noqa: E402
-from rl.scripts.dryrun import dry_run_report  # noqa: E402
-from rl.trainers.base import check_output_dir  # noqa: E402
-from rl.trainers.reward import RewardModelTrainer  # noqa: E402
-from rl.trainers.reward_config import RewardTrainConfig  # noqa: E402
-
-
-def main(argv=None) -> None:
-    # 1. parse; the data is validated before any model is built, so a bad file fails in seconds
-    cfg = parse_recipe(RewardTrainConfig, argv, "launch/reward.py", __doc__, require_data=True)
-    try:
-        train, evals = RewardModelTrainer.load_data(cfg)
-        cfg.model_config()  # the model settings are checked before any model is built
-        if not cfg.dry_run:
-            check_output_dir(cfg)
-    except (ConfigError, DataError, RunError) as e:
-        fail(str(e))
-    if cfg.dry_run:
-        dry_run_report(cfg, n_examples=len(train), models=RewardModelTrainer.dry_run_models(cfg))
-        return
-
-    # 2. setup
-    try:
-        trainer = RewardModelTrainer.from_recipe(cfg)
-    except ConfigError as e:  # a packaged model that cannot be fetched (rl.models.gguf), a hub id offline
-        fail(str(e))
-    # 3. train (a stop on a signal exits here, after its checkpoint)
-    metrics = run_training(trainer, trainer.train_recipe, cfg, train, evals)
-
-    # 4. save (every process takes part: ZeRO-3 gathers the weights)
-    out = trainer.save_model(cfg.output_dir)
-    if trainer.accelerator.is_main_process:
-        save_config(cfg, cfg.output_dir, "recipe.yaml")
-        write_model_card(out, cfg, trainer.history, "reward")
-        first = trainer.history[0]["loss"] if trainer.history else float("nan")
-        ev = f", eval accuracy {metrics['eval/accuracy']:.3f}" if "eval/accuracy" in metrics else ""
-        print(f"reward done: loss {first:.4f} -> {metrics.get('loss', float('nan')):.4f}, "
-              f"accuracy {metrics.get('accuracy', float('nan')):.3f}{ev} over {trainer.global_step} steps; "
-              f"model saved to {out}")
-
+from rl.scripts.reward import main  # noqa: E402
 
 if __name__ == "__main__":
     main()

@@ -66,16 +66,9 @@ def run_cmd(args: list[str], timeout: int = 600, env: dict | None = None, cwd: P
 
 
 def launch_module(script: str):
-    """launch/<script>.py imported once per session as module `launch_<script>` (registered: its
-    dataclasses resolve their annotations there), so a test can call its `main(argv)` in this process
-    and pay the imports once instead of starting a Python process per run."""
-    name = f"launch_{script}"
-    if name not in sys.modules:
-        spec = importlib.util.spec_from_file_location(name, ROOT / "launch" / f"{script}.py")
-        mod = importlib.util.module_from_spec(spec)
-        sys.modules[name] = mod
-        spec.loader.exec_module(mod)
-    return sys.modules[name]
+    """The code behind launch/<script>.py (`rl.scripts.<script>`), imported once per session, so a test can
+    call its `main(argv)` in this process and pay the imports once instead of starting a process per run."""
+    return importlib.import_module(f"rl.scripts.{script}")
 
 
 def run_main(script: str, argv: list[str], capfd, monkeypatch) -> tuple[int, str, str]:

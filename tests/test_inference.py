@@ -11,17 +11,14 @@ import json
 
 import pytest
 import torch
-from conftest import ROOT
 
 from rl.rewards import answers as R
 from rl.rewards import functions as RF
 
 
 def _launch(name: str):
-    spec = importlib.util.spec_from_file_location(f"launch_{name}_test", ROOT / "launch" / f"{name}.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    """The code behind launch/<name>.py."""
+    return importlib.import_module(f"rl.scripts.{name}")
 
 
 @pytest.fixture(scope="module")

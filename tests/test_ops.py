@@ -230,10 +230,7 @@ def test_recipe_validates_and_dry_runs(recipe, capsys, monkeypatch):
     from rl.config.parse import parse_config
     from rl.scripts.cli import TRAINERS, _schema
 
-    spec = importlib.util.spec_from_file_location(f"launch_{trainer}", script)
-    mod = importlib.util.module_from_spec(spec)
-    monkeypatch.setitem(sys.modules, spec.name, mod)  # dataclasses in the script look their module up
-    spec.loader.exec_module(mod)
+    mod = importlib.import_module(f"rl.scripts.{trainer}")  # the code behind launch/<trainer>.py
     if trainer not in TRAINERS:  # a driver of other launch scripts (launch/pipeline.py): its schema only
         import dataclasses
 

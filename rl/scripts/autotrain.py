@@ -33,7 +33,7 @@ from pathlib import Path
 from typing import Any
 
 from rl.config.parse import parse_config
-from rl.scripts.cli import TRAINERS, _schema, launch_dir, translate
+from rl.scripts.cli import TRAINERS, _schema, command, translate
 
 BACKENDS = ("local",)
 
@@ -107,7 +107,7 @@ class AutoTrainProject:
             raise ValueError(f"params must be an LLMTrainingParams, got {type(params).__name__}")
         if backend not in BACKENDS:
             raise ValueError(f"backend={backend!r} is not supported: only 'local' (this machine runs "
-                             f"launch/{TRAINERS[params.trainer][0]}); for several GPUs or a cluster use "
+                             f"rl.scripts.{TRAINERS[params.trainer][0]}); for several GPUs or a cluster use "
                              f"`accelerate launch -m rl.scripts.cli ...` or launch/slurm/")
         if not isinstance(process, bool):
             raise ValueError(f"process must be True or False, got {process!r}")
@@ -115,11 +115,7 @@ class AutoTrainProject:
 
     def command(self) -> list[str]:
         """The command `create()` runs (the same as `rl-train --trainer <trainer> ...` executes)."""
-        script = launch_dir() / TRAINERS[self.params.trainer][0]
-        if not script.is_file():
-            raise FileNotFoundError(f"{script} not found; AutoTrainProject runs the launch scripts of a "
-                                    f"checkout (pip install -e .) or of RL_LAUNCH_DIR")
-        return [sys.executable, str(script), *self.params.args]
+        return command(self.params.trainer, self.params.args)
 
     def create(self) -> Path | None:
         """Train; returns the project (output) directory when `project_name` was given, else None.

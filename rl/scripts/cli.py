@@ -17,18 +17,17 @@ from __future__ import annotations
 import importlib
 import os
 import sys
-from pathlib import Path
 
 from rl.config.parse import _field_type
 
-# trainer -> (launch script, "module:Schema")
+# trainer -> (its script module rl.scripts.<name>, "module:Schema")
 TRAINERS = {
-    "sft": ("sft.py", "rl.trainers.sft:SFTConfig"),
-    "reward": ("reward.py", "rl.trainers.reward_config:RewardTrainConfig"),
-    "dpo": ("dpo.py", "rl.trainers.dpo:DPOConfig"),
-    "ppo": ("ppo.py", "rl.trainers.ppo_config:PPOConfig"),
-    "grpo": ("grpo.py", "rl.trainers.grpo_config:GRPOConfig"),
-    "online_dpo": ("online_dpo.py", "rl.trainers.online_dpo:OnlineDPOConfig"),
+    "sft": ("sft", "rl.trainers.sft:SFTConfig"),
+    "reward": ("reward", "rl.trainers.reward_config:RewardTrainConfig"),
+    "dpo": ("dpo", "rl.trainers.dpo:DPOConfig"),
+    "ppo": ("ppo", "rl.trainers.ppo_config:PPOConfig"),
+    "grpo": ("grpo", "rl.trainers.grpo_config:GRPOConfig"),
+    "online_dpo": ("online_dpo", "rl.trainers.online_dpo:OnlineDPOConfig"),
 }
 
 # reference flag (dashes as underscores) -> our recipe key; a tuple lists candidates, the first key the
@@ -117,9 +116,10 @@ def _target(trainer: str, flag: str, schema) -> str:
                      f"(no key {' or '.join(candidates)} in its schema); drop it or pick another trainer")
 
 
-def launch_dir() -> Path:
-    """launch/ of the checkout this package lives in (an editable install), or RL_LAUNCH_DIR."""
-    return Path(os.environ.get("RL_LAUNCH_DIR") or Path(__file__).resolve().parents[1] / "launch")
+def command(trainer: str, args: list[str]) -> list[str]:
+    """The process that trains: the trainer's script module of this package, so that an installed wheel
+    trains from any directory (`launch/<name>.py` calls the same `main`)."""
+    return [sys.executable, "-m", f"rl.scripts.{TRAINERS[trainer][0]}", *args]
 
 
 def usage() -> str:
@@ -153,21 +153,16 @@ def main(argv: list[str] | None = None) -> None:
     if trainer not in TRAINERS:
         print(f"error: --trainer {trainer!r} is unknown; choose one of {', '.join(TRAINERS)}", file=sys.stderr)
         raise SystemExit(2)
-    script = launch_dir() / TRAINERS[trainer][0]
-    if not script.is_file():
-        print(f"error: {script} not found; rl-train runs the launch scripts of a checkout "
-              f"(pip install -e .) or of RL_LAUNCH_DIR", file=sys.stderr)
-        raise SystemExit(2)
     try:
         args = translate(trainer, rest, _schema(trainer))
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         raise SystemExit(2) from None
     if os.environ.get("RL_TRAIN_PRINT_ONLY"):  # for tests and for seeing what would run
-        print(" ".join([sys.executable, str(script), *args]))
+        print(" ".join(command(trainer, args)))
         return
     sys.stdout.flush()
-    os.execv(sys.executable, [sys.executable, str(script), *args])
+    os.execv(sys.executable, command(trainer, args))
 
 
 if __name__ == "__main__":

@@ -1,0 +1,166 @@
+"""Held-out accuracy of a model on prompt/answer data, scored by a verifiable reward.
+
+    python launch/eval.py --model tiny:llama --data heldout.jsonl           # before training
+    python launch/eval.py --model runs/grpo  --data heldout.jsonl --out runs/grpo/eval.json   # after
+    python launch/eval.py --model runs/sft --model runs/grpo --data heldout.jsonl   # both, one line each
+
+Each row of --data needs a prompt (column 'prompt', or 'problem' as in the math environment's files)
+and an answer ('answer': a number or a string, e.g. LaTeX). The model answers every prompt (greedy by
+default) and --reward scores each completion against its row; accuracy is the share of rows scoring at
+least --threshold. The default reward, `correctness`, is the math checker the trainers use (exact
+numbers, then math-verify for LaTeX). Prompts are tokenised as in training: BOS once, then the prompt;
+with the chat template when the run was trained with it (its config.yaml), or with --chat-template yes.
+--data takes what data.path takes: a JSONL/JSON/CSV/Parquet file, a dataset folder or a Hub id.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+from numbers import Number
+from pathlib import Path
+
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+from rl.data.records import SUFFIXES, read_records, where
+from rl.errors import (
+    ConfigError,
+    DataError,
+)
+from rl.rewards.functions import get_reward_fn
+from rl.scripts.common import fail
+from rl.scripts.inference import chat_setting, complete, encode, load_for_inference
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="launch/eval.py", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", required=True, action="append",
+                   help="a run's output directory (full model or PEFT adapter), a hub id, or tiny:llama; "
+                        "repeat it to compare models (before/after) on the same rows")
+    p.add_argument("--data", required=True,
+                   help="prompt/answer rows: a .jsonl/.json/.csv/.parquet file, a dataset folder or a Hub id")
+    p.add_argument("--name", default=None, help="config (subset) of a dataset folder or Hub id")
+    p.add_argument("--split", default="test", help="split of a dataset folder, Hub id or saved DatasetDict "
+                                                   "(default test; a single file is its own split)")
+    p.add_argument("--prompt-column", default=None,
+                   help="column with the prompt (default: 'prompt', else 'problem')")
+    p.add_argument("--answer-column", default="answer", help="column with the reference answer (default answer)")
+    p.add_argument("--reward", default="correctness",
+                   help="verifiable reward: correctness (default), another named reward, or "
+                        "module:function with the trainers' signature (prompts, completions, metadata)")
+    p.add_argument("--threshold", type=float, default=1.0,
+                   help="a row counts as correct when its reward is >= this (default 1.0)")
+    p.add_argument("--max-examples", type=int, default=None, help="score only the first N rows")
+    p.add_argument("--max-new-tokens", type=int, default=64, help="most tokens per answer (default 64)")
+    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default); > 0 samples")
+    p.add_argument("--seed", type=int, default=0, help="sampling seed (results repeat for a seed)")
+    p.add_argument("--batch-size", type=int, default=16, help="prompts generated together (default 16)")
+    p.add_argument("--chat-template", choices=("auto", "yes", "no"), default="auto",
+                   help="render prompts with the chat template: auto (default) = as the run was trained "
+                        "(its config.yaml chat_template), else no; yes; no")
+    p.add_argument("--dtype", default="auto", choices=("auto", "float32", "bfloat16", "float16"),
+                   help="weight dtype (auto: bf16 on a GPU that supports it, else fp32)")
+    p.add_argument("--trust-remote-code", action="store_true",
+                   help="allow the model's own Python code (only for models you trust)")
+    p.add_argument("--out", default=None,
+                   help="write a JSON {\"runs\": [one per --model: summary and every example (prompt, "
+                        "answer, completion, reward)]}")
+    a = p.parse_args(argv)
+    for key in ("max_new_tokens", "batch_size", "max_examples"):
+        value = getattr(a, key)
+        if value is not None and value < 1:
+            p.error(f"--{key.replace('_', '-')} must be >= 1, got {value}")
+    if a.temperature < 0:
+        p.error(f"--temperature must be >= 0, got {a.temperature}")
+    return a
+
+
+def load_examples(a) -> list[dict]:
+    """Validated {"prompt", "answer", "meta", "_line"} rows of --data (file:line errors)."""
+    if not Path(a.data).exists() and Path(a.data).suffix.lower() in SUFFIXES:
+        raise DataError(f"--data: data file not found: {a.data}")
+    rows = read_records(a.data, name=a.name, split=a.split)
+    if not rows:
+        raise DataError(f"{a.data}: no examples (the file is empty)")
+    present = sorted({k for r in rows[:1000] for k in r if k != "_line"})
+    col = a.prompt_column or ("prompt" if "prompt" in present or "problem" not in present else "problem")
+    for c in (col, a.answer_column):
+        if c not in present:
+            raise DataError(f"{a.data}: missing column '{c}' (columns present: {', '.join(present) or 'none'}); "
+                            f"pass --prompt-column / --answer-column")
+    out = []
+    for row in rows[:a.max_examples] if a.max_examples else rows:
+        prompt, answer = row.get(col), row.get(a.answer_column)
+        if not isinstance(prompt, str) or not prompt.strip():
+            raise DataError(f"{where(a.data, row)}: column '{col}' must be a non-empty string")
+        if isinstance(answer, bool) or not isinstance(answer, (str, Number)) or str(answer).strip() == "":
+            raise DataError(f"{where(a.data, row)}: column '{a.answer_column}' must be a number or a "
+                            f"non-empty string")
+        meta = {k: v for k, v in row.items() if k not in (col, "_line")}
+        meta["answer"] = answer
+        out.append({"prompt": prompt, "answer": answer, "meta": meta, "_line": row["_line"]})
+    return out
+
+
+def score(reward_fn, examples: list[dict], completions: list[str], threshold: float) -> dict:
+    """Per-example rewards and the summary: accuracy = share of rewards >= threshold, mean reward."""
+    rewards = [float(r) for r in reward_fn([e["prompt"] for e in examples], completions,
+                                           [e["meta"] for e in examples])]
+    if len(rewards) != len(examples):
+        raise ValueError(f"the reward returned {len(rewards)} values for {len(examples)} completions")
+    correct = [r >= threshold for r in rewards]
+    per_example = [{"line": e["_line"], "prompt": e["prompt"], "answer": e["answer"], "completion": c,
+                    "reward": r, "correct": ok}
+                   for e, c, r, ok in zip(examples, completions, rewards, correct)]
+    return {"accuracy": sum(correct) / len(correct), "correct": sum(correct), "n": len(correct),
+            "mean_reward": sum(rewards) / len(rewards), "examples": per_example}
+
+
+def evaluate(a, model_name: str, reward_fn, examples: list[dict]) -> dict:
+    """One model's summary and per-example results on `examples`."""
+    try:
+        model, tok = load_for_inference(model_name, a.dtype, a.trust_remote_code)
+        chat = chat_setting(model_name, a.chat_template, default=False)
+        if chat and not getattr(tok, "chat_template", None):
+            raise ConfigError(f"{model_name}'s tokenizer has no chat template; use --chat-template no")
+        prompt_ids = [encode(tok, e["prompt"], chat) for e in examples]
+    except (ConfigError, DataError, OSError, ValueError, ImportError) as e:
+        fail(str(e).splitlines()[0] if str(e) else type(e).__name__)
+    completions = complete(model, tok, prompt_ids, a.max_new_tokens, a.temperature, seed=a.seed,
+                           batch_size=a.batch_size)
+    try:
+        result = score(reward_fn, examples, completions, a.threshold)
+    except ValueError as e:  # a reward that rejects the rows (e.g. correctness without answers)
+        fail(f"--reward {a.reward}: {e}", code=1)
+    return {"model": model_name, "data": a.data, "reward": a.reward, "threshold": a.threshold,
+            "chat_template": chat, **result}
+
+
+def main(argv=None) -> None:
+    a = parse_args(argv)
+    try:
+        reward_fn = get_reward_fn(a.reward)
+        examples = load_examples(a)  # the data is checked before any model is loaded
+    except (ConfigError, DataError, OSError, ValueError, ImportError) as e:
+        msg = str(e).splitlines()[0] if str(e) else type(e).__name__
+        # the loader speaks of recipe keys; here they are this command's options
+        for key, option in (("data.split (or data.eval_split)", "--split"), ("data.name", "--name"),
+                            ("data.path", "--data")):
+            msg = msg.replace(key, option)
+        fail(msg)
+    runs = []
+    for model_name in a.model:  # one at a time: only one model is in memory
+        run = evaluate(a, model_name, reward_fn, examples)
+        print(f"accuracy {run['accuracy']:.3f} ({run['correct']}/{run['n']})  mean reward "
+              f"{run['mean_reward']:.3f}  model {model_name}  data {a.data}", flush=True)
+        runs.append(run)
+    if a.out:
+        Path(a.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(a.out).write_text(json.dumps({"runs": runs}, indent=1, default=str))
+        print(f"wrote {a.out}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,209 @@
+"""The README's main job: build a model, SFT it on arithmetic, measure held-out exact-match accuracy,
+improve it with GRPO on the math environment, measure again; print both numbers, write the plots.
+
+    python launch/pipeline.py --config recipes/tiny/pipeline.yaml          # ~3 minutes on 2 CPU cores
+    python launch/pipeline.py --config recipes/tiny/pipeline.yaml grpo.max_steps=40
+    python launch/pipeline.py --help
+    OMP_NUM_THREADS=1 python launch/pipeline.py --config recipes/tiny/tool_pipeline.yaml   # tool use
+
+With env_type=tool_math (rl.envs.tool_math) the SFT teacher calls the calculator on tool_fraction of its
+examples and GRPO trains on multi-turn episodes; the summary then adds the tool-call rates.
+
+Stages write under output_dir: model-init/ (the tiny model), sft/ (SFT run and model), grpo/ (GRPO run
+and final model), each with metrics.jsonl and metrics.png; summary.json and accuracy.png hold the
+before/after numbers. Held-out accuracy is greedy decoding on the math environment's test split
+(problems never seen in SFT or GRPO), with the answer extracted and compared by rl.rewards.answers.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import sys
+import time
+from pathlib import Path
+from typing import Literal
+
+from rl.config.fields import build, opt
+from rl.config.parse import cli_config, save_config
+from rl.data.sft import tokenize_examples
+from rl.envs.math import create_math_problem_env
+from rl.envs.tool_math import create_tool_math_env
+from rl.errors import (
+    ConfigError,
+    DataError,
+    RunError,
+)
+from rl.models.card import write_model_card
+from rl.models.tiny import FAMILIES, write_tiny_model
+from rl.scripts.common import fail, preflight
+from rl.trainers.base import check_output_dir
+from rl.trainers.grpo import GRPOTrainer
+from rl.trainers.grpo_config import GRPOConfig
+from rl.trainers.sft import SFTConfig, SFTTrainer
+
+
+@dataclasses.dataclass
+class PipelineConfig:
+    output_dir: str = opt("runs/tiny-pipeline", "root of the stages' outputs")
+    seed: int = opt(0, "seed of the model initialisation, the data and both trainers")
+    model_name: str | None = opt(None, "start from this model (HF id or path); null builds a tiny model")
+    tiny_family: str = opt("llama", "family of the tiny model built when model_name is null")
+    tiny_hidden: int = opt(64, "hidden size of the tiny model")
+    tiny_layers: int = opt(2, "layers of the tiny model")
+    env_config: dict = opt({"problems_path": "data/tiny/math_train.jsonl"},
+                           "training math environment (rl.environments.create_math_problem_env keyword "
+                           "arguments): the SFT examples and GRPO prompts come from it")
+    eval_env_config: dict = opt({"problems_path": "data/tiny/math_test.jsonl"},
+                                "held-out environment: keys that replace env_config's (a disjoint problem file, "
+                                "or {split: test} for generated problems with {split: train} above)")
+    env_type: Literal["math", "tool_math"] = opt("math", "math (answer directly) or tool_math (rl.envs.tool_math: "
+                                                 "the policy may call a calculator, multi-turn episodes)")
+    tool_fraction: float = opt(0.3, "tool_math: fraction of SFT examples the teacher solves with the calculator")
+    num_sft_examples: int = opt(512, "SFT examples drawn from the train split (reference completions)")
+    teacher_error_rate: float = opt(0.0, "fraction of SFT answers replaced by answer + 1: a deliberately "
+                                    "imperfect teacher whose systematic mistake the verifiable reward corrects")
+    eval_num_prompts: int = opt(200, "held-out problems evaluated at most (duplicates removed)")
+    skip_sft: bool = opt(False, "start GRPO from model_name itself (an instruct model that already answers)")
+    chat_template: bool = opt(False, "chat models: SFT examples become user/assistant messages and GRPO renders "
+                              "its prompts with the tokenizer's chat template")
+    min_improvement: float | None = opt(None, "exit with status 1 unless accuracy rises by at least this "
+                                        "(absolute, e.g. 0.15); for CI")
+    sft: dict = opt({}, "SFTConfig keys for the SFT stage (see launch/sft.py --help)")
+    grpo: dict = opt({}, "GRPOConfig keys for the GRPO stage (see launch/grpo.py --help)")
+    report_to: list[str] = opt(["jsonl"], "metric sinks of both stages: jsonl, wandb")
+
+
+def stage_configs(cfg: PipelineConfig, init_model: str, sft_dir: Path, grpo_dir: Path):
+    env = {"seed": cfg.seed, **cfg.env_config}
+    # overwrite: rerunning the demo replaces its stages' previous outputs (metrics, checkpoints, model)
+    sft = build(SFTConfig, {"seed": cfg.seed, "report_to": cfg.report_to, "overwrite": True, **cfg.sft,
+                            "model_name": init_model, "output_dir": str(sft_dir)}, where="sft")
+    grpo = build(GRPOConfig, {"seed": cfg.seed, "report_to": cfg.report_to, "overwrite": True,
+                              "chat_template": cfg.chat_template, **cfg.grpo,
+                              "model_name": init_model if cfg.skip_sft else str(sft_dir),
+                              "output_dir": str(grpo_dir), "env_type": cfg.env_type,
+                              "env_config": env, "eval_env_config": cfg.eval_env_config,
+                              "eval_num_prompts": cfg.eval_num_prompts},
+                 where="grpo")
+    return sft, grpo
+
+
+def sloppy_teacher(records: list[dict], error_rate: float, seed: int) -> list[dict]:
+    """Replace a seeded `error_rate` fraction of integer answers by answer + 1 (an off-by-one teacher).
+
+    SFT imitates the teacher, mistakes included; GRPO's reward checks the true answer, so it can do
+    better than the data it started from. That is the point the tiny pipeline demonstrates."""
+    import random
+
+    if not 0.0 <= error_rate <= 1.0:
+        raise ValueError(f"teacher_error_rate must be in [0, 1], got {error_rate}")
+    rng = random.Random(seed + 7)
+    out = []
+    for r in records:
+        c = r["completion"]
+        if error_rate and c.lstrip("-").isdigit() and rng.random() < error_rate:
+            c = str(int(c) + 1)
+        out.append({**r, "completion": c})
+    return out
+
+
+def plot_accuracy(history: list[dict], before: float, after: float, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    pts = [(r["step"], r["eval/accuracy"]) for r in history if "eval/accuracy" in r]
+    fig, ax = plt.subplots(figsize=(5, 3))
+    ax.plot([p[0] for p in pts], [100 * p[1] for p in pts], marker="o")
+    ax.set_xlabel("GRPO step")
+    ax.set_ylabel("held-out exact match (%)")
+    ax.set_title(f"SFT {100 * before:.1f}% -> GRPO {100 * after:.1f}%", fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=90)
+    plt.close(fig)
+
+
+def main(argv=None) -> None:
+    # 1. parse: every stage's config is built (and validated) before anything runs
+    cfg = cli_config(PipelineConfig, argv, prog="launch/pipeline.py", description=__doc__)
+    preflight(cfg)  # model names, deepspeed file, resume path, output_dir: before any model
+    if cfg.model_name is None and cfg.tiny_family not in FAMILIES:
+        fail(f"key 'tiny_family': unknown family {cfg.tiny_family!r}; use one of {', '.join(FAMILIES)}")
+    out = Path(cfg.output_dir)
+    t0 = time.time()
+    try:
+        init_model = cfg.model_name or str(out / "model-init")
+        sft_cfg, grpo_cfg = stage_configs(cfg, init_model, out / "sft", out / "grpo")
+        if cfg.env_type == "tool_math":  # a teacher that calls the calculator on tool_fraction of the problems
+            env = create_tool_math_env(None, **{"seed": cfg.seed, **cfg.env_config})
+            sft_rows = env.sft_records(cfg.num_sft_examples, seed=cfg.seed + 1, tool_fraction=cfg.tool_fraction)
+        else:
+            env = create_math_problem_env(None, **{"seed": cfg.seed, **cfg.env_config})
+            sft_rows = env.sft_records(cfg.num_sft_examples, seed=cfg.seed + 1)
+        records = sloppy_teacher(sft_rows, cfg.teacher_error_rate, cfg.seed)
+    except (ConfigError, DataError, ValueError, TypeError) as e:
+        fail(str(e))
+    try:
+        for stage in (sft_cfg, grpo_cfg):
+            check_output_dir(stage)
+    except RunError as e:
+        fail(str(e))
+    out.mkdir(parents=True, exist_ok=True)
+    save_config(cfg, out, "pipeline.yaml")
+    # 2. model
+    if cfg.model_name is None:
+        write_tiny_model(init_model, family=cfg.tiny_family, hidden=cfg.tiny_hidden, layers=cfg.tiny_layers,
+                         seed=cfg.seed)
+    # 3. SFT on the train split's reference answers
+    if cfg.chat_template:
+        records = [{"messages": [{"role": "user", "content": r["prompt"]},
+                                 {"role": "assistant", "content": r["completion"]}]} for r in records]
+    if not cfg.skip_sft:
+        sft = SFTTrainer(sft_cfg)
+        sft_history = sft.train(tokenize_examples(records, sft.tokenizer, sft_cfg, "math environment (train split)"))
+        sft.save()
+        if sft.accelerator.is_main_process:
+            write_model_card(sft_cfg.output_dir, sft_cfg, sft_history, "sft")
+    t_sft = time.time() - t0
+    # 4. GRPO on the math environment; it evaluates the held-out split before its first step (= the SFT
+    #    model's accuracy) and after its last one
+    grpo = GRPOTrainer(grpo_cfg)
+    history = grpo.train()
+    grpo.save()
+    if grpo.accelerator.is_main_process:
+        write_model_card(grpo_cfg.output_dir, grpo_cfg, history, "grpo")
+    evals = [r for r in history if "eval/accuracy" in r]
+    before, after = evals[0]["eval/accuracy"], evals[-1]["eval/accuracy"]
+    if grpo.accelerator.is_main_process:
+        # tool_math: the held-out greedy tool-call rate, and the sampled one of the first and last step's episodes
+        sampled = [r["rewards/tool_use/mean"] for r in history if "rewards/tool_use/mean" in r]
+        tools = {k: evals[i]["eval/tool_call_rate"] for k, i in (("sft_tool_call_rate", 0), ("grpo_tool_call_rate", -1))
+                 if "eval/tool_call_rate" in evals[i]}
+        if sampled:
+            tools.update(first_step_sampled_tool_call_rate=sampled[0], last_step_sampled_tool_call_rate=sampled[-1])
+        summary = {"sft_accuracy": before, "grpo_accuracy": after, "improvement": after - before, **tools,
+                   "eval_problems": evals[0]["eval/num_prompts"],
+                   "sft_steps": 0 if cfg.skip_sft else sft_cfg.max_steps,
+                   "grpo_steps": grpo_cfg.max_steps, "seconds": round(time.time() - t0, 1),
+                   "seconds_sft": round(t_sft, 1), "models": {"sft": str(out / "sft"), "grpo": str(out / "grpo")}}
+        (out / "summary.json").write_text(json.dumps(summary, indent=2))
+        plot_accuracy(history, before, after, out / "accuracy.png")
+        start = "start" if cfg.skip_sft else "SFT"
+        print(f"held-out exact match ({summary['eval_problems']} problems): {start} {100 * before:.1f}% -> "
+              f"GRPO {100 * after:.1f}% ({100 * (after - before):+.1f} points) in {summary['seconds']:.0f} s; "
+              f"plots: {out}/accuracy.png, {'' if cfg.skip_sft else f'{out}/sft/metrics.png, '}{out}/grpo/metrics.png")
+        if tools:
+            print(f"tool-call rate: held-out greedy {start} {100 * tools['sft_tool_call_rate']:.1f}% -> GRPO "
+                  f"{100 * tools['grpo_tool_call_rate']:.1f}%; sampled, first -> last GRPO step "
+                  f"{100 * tools['first_step_sampled_tool_call_rate']:.1f}% -> "
+                  f"{100 * tools['last_step_sampled_tool_call_rate']:.1f}%")
+    if cfg.min_improvement is not None and after - before < cfg.min_improvement:
+        print(f"error: accuracy rose by {after - before:.3f}, less than min_improvement={cfg.min_improvement}",
+              file=sys.stderr)
+        raise SystemExit(1)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,66 @@
+"""PPO for RLHF (step 2 of the reference's pipeline: train a reward model with launch/reward.py, then this).
+
+    python launch/ppo.py --config recipes/tiny/ppo.yaml
+    accelerate launch launch/ppo.py --config recipes/gemma.yaml
+    accelerate launch --num_processes 2 --use_deepspeed --deepspeed_config_file ds_configs/zero3.json \
+        launch/ppo.py --config recipes/tiny/ppo.yaml
+    python launch/ppo.py --help        # every key, its default and meaning (rl_* names are aliases)
+
+Data: prompts only, JSONL (or JSON/CSV/Parquet) rows {"text": "..."} (data.text_column); other columns
+(e.g. "answer") are passed to the reward as metadata. Reward: reward_model_path (--rl-reward-model-path),
+reward_fn (--rl-reward-fn default|length_penalty|correctness|custom) or an environment (--rl-env-type,
+--rl-env-config); several combine when reward_weights (--rl-reward-weights) is given. A reward source on
+the command line replaces the recipe's. With only ref_model (--model-ref) reward_fn=default is used; with
+none the run stops at once. An environment may also supply the prompts when data.path is not set.
+"""
+
+from __future__ import annotations
+
+import os
+
+from rl.errors import (
+    ConfigError,
+    DataError,
+    RunError,
+)
+from rl.models.card import write_model_card
+from rl.scripts.common import fail, parse_recipe, run_training
+from rl.scripts.dryrun import dry_run_report
+from rl.trainers.base import check_output_dir
+from rl.trainers.ppo import PPOTrainer
+from rl.trainers.ppo_config import PPOConfig, check_reward_source, ppo_plan
+
+
+def main(argv=None) -> None:
+    # 1. parse; reward source and data are checked before any model is built
+    cfg = parse_recipe(PPOConfig, argv, "launch/ppo.py", __doc__)
+    try:
+        check_reward_source(cfg)
+        prompts, metadata, eval_prompts = PPOTrainer.load_data(cfg)
+        if cfg.dry_run:
+            n = len(prompts) if prompts else None
+            plan = ppo_plan(cfg, n, int(os.environ.get("WORLD_SIZE", "1")))
+            dry_run_report(cfg, n_examples=n, models=PPOTrainer.dry_run_models(cfg), extra=plan)
+            return
+        # 2. setup
+        check_output_dir(cfg)
+        trainer = PPOTrainer(cfg)
+    except (ConfigError, DataError, FileNotFoundError, RunError) as e:
+        fail(str(e))
+    # 3. train (a stop on a signal exits here, after its checkpoint; without data.path the environment
+    # supplies the prompts)
+    history = run_training(trainer, trainer.train, prompts, metadata=metadata, eval_prompts=eval_prompts)
+    # 4. save (every process takes part: ZeRO-3 gathers the weights)
+    out = trainer.save()
+    if trainer.accelerator.is_main_process:
+        write_model_card(out, cfg, history, "ppo")
+    if trainer.accelerator.is_main_process and history:
+        first, last = history[0], history[-1]
+        print(f"ppo done: objective/scores {first['objective/scores']:.4f} -> {last['objective/scores']:.4f}, "
+              f"objective/kl {last['objective/kl']:.4f}, kl_coef {last['kl_coef']:.4f} over {len(history)} "
+              f"iterations; seconds per iteration: generation {last['time/generation']:.2f}, scoring "
+              f"{last['time/scoring']:.2f}, training {last['time/training']:.2f}; model saved to {out}")
+
+
+if __name__ == "__main__":
+    main()
