@@ -70,7 +70,7 @@ from rl.models.loading import (
 )
 from rl.models.reference import ReferencePolicy
 from rl.models.saving import save_pretrained
-from rl.trainers.base import EpochTrainer
+from rl.trainers.epoch import EpochTrainer
 
 logger = logging.getLogger(__name__)
 

@@ -36,7 +36,7 @@ from rl.models.loading import (
     trainable_fraction,
 )
 from rl.models.saving import save_pretrained
-from rl.trainers.base import EpochTrainer
+from rl.trainers.epoch import EpochTrainer
 
 logger = logging.getLogger(__name__)
 
