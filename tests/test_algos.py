@@ -32,7 +32,8 @@ def test_registry_lists_every_kind_and_errors_name_the_valid_choices():
     with pytest.raises(ValueError) as e:
         algos.get("advantage_estimator", "gpro")
     msg = str(e.value)
-    assert msg == "unknown advantage_estimator 'gpro'; choose one of: grpo, dr_grpo, rloo, reinforce_pp"
+    assert msg == ("unknown advantage_estimator 'gpro'; choose one of: grpo, dr_grpo, rloo, reinforce_pp (or give "
+                   "'package.module:function')")
     assert "\n" not in msg
     with pytest.raises(ValueError, match="unknown registry kind 'advantage'; kinds: .*advantage_estimator"):
         algos.get("advantage", "grpo")
@@ -294,3 +295,25 @@ def test_grpo_training_logprobs_equal_the_samplers_on_gpt2(tmp_path, monkeypatch
         logits = ref_model.eval()(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
     no_pos = token_logprobs(logits / cfg.temperature, batch["labels"])[0]
     assert (no_pos - sampled).abs()[mask].max().item() > 1e-3
+
+
+def test_grpo_policy_loss_dispatches_through_the_registry():
+    """GRPO's `policy_loss` key picks the per-token term from the "grpo_policy_loss" registry: "cispo" gives
+    the registered CISPO policy loss's value and gradient (beta 0, token mean), "clip" PPO's surrogate."""
+    from rl.algos.policy_losses import cispo_loss, grpo_loss, ppo_policy_loss
+
+    torch.manual_seed(0)
+    old = torch.randn(3, 5)
+    mask = torch.tensor([[1, 1, 1, 0, 0], [1, 1, 1, 1, 1], [1, 0, 0, 0, 0]])
+    adv = torch.tensor([1.0, -0.5, 2.0])
+    for name, reference in (("cispo", cispo_loss), ("clip", ppo_policy_loss)):
+        a = (old + 0.3 * torch.randn(3, 5)).requires_grad_(True)
+        b = a.detach().clone().requires_grad_(True)
+        got, _ = grpo_loss(a, old, adv, mask, epsilon_low=0.2, epsilon_high=0.28, policy_loss=name)
+        want, _ = reference(b, old, adv[:, None].expand(3, 5), mask, 0.2, 0.28, "token_mean")
+        got.backward()
+        want.backward()
+        assert got.item() == pytest.approx(want.item(), abs=1e-6), name
+        assert torch.allclose(a.grad, b.grad, atol=1e-6), name
+    with pytest.raises(ValueError, match="unknown grpo_policy_loss 'nope'"):
+        grpo_loss(a, old, adv, mask, policy_loss="nope")

@@ -280,3 +280,41 @@ def test_chunked_reference_scoring_equals_full(tiny_model, tiny_tokenizer):
         chunked = concatenated_logps(tiny_model, b, chunk_size=2)
     for x, y in zip(full, chunked):
         assert torch.allclose(x, y, atol=1e-5)
+
+
+# --------------------------------------------------------------------- a user's loss, by dotted path
+
+USER_LOSSES = '''
+import torch.nn.functional as F
+
+
+def doubled_sigmoid(pair, beta, label_smoothing=0.0):
+    """DPO's sigmoid loss at twice the beta: -log sigmoid(2 beta (chosen log-ratio - rejected log-ratio))."""
+    c, r = pair.logratios()
+    return -F.logsigmoid(2 * beta * (c - r)), {}
+'''
+
+
+def test_a_users_preference_loss_by_dotted_path(tmp_path, monkeypatch, tiny_llama, tiny_tokenizer):
+    """`loss_type: my_module:my_function` needs no edit of the package: the config accepts it, the registry
+    imports it on first use, and a DPO step with it equals the built-in sigmoid loss at twice the beta."""
+    (tmp_path / "user_dpo_losses.py").write_text(USER_LOSSES)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    c, r = torch.tensor([-3.0, -5.0]), torch.tensor([-4.0, -2.0])
+    rc, rr = torch.tensor([-3.5, -4.0]), torch.tensor([-3.0, -2.5])
+    n = torch.tensor([2.0, 3.0])
+    mine, stats = preference_loss("user_dpo_losses:doubled_sigmoid", c, r, rc, rr, n, n, beta=0.1)
+    # chosen log-ratios (0.5, -1), rejected (-1, 0.5): deltas 1.5, -1.5 -> softplus(-0.3), softplus(0.3)
+    assert mine.tolist() == pytest.approx([_softplus(-0.3), _softplus(0.3)], abs=1e-6)
+    assert stats["rewards/margins"].tolist() == pytest.approx([0.15, -0.15], abs=1e-6)
+    with pytest.raises(ConfigError, match="no function 'nope'"):
+        _cfg(loss_type="user_dpo_losses:nope")
+    tok = tiny_tokenizer
+    ds = PreferenceDataset(["hello ", "what is 2+3? "], ["world", "5"], ["moon", "six"], tok, 64, 32)
+    first = {}
+    for name, loss_type, beta in (("user", "user_dpo_losses:doubled_sigmoid", 0.1), ("builtin", "sigmoid", 0.2)):
+        cfg = _cfg(output_dir=str(tmp_path / name), loss_type=loss_type, beta=beta, batch_size=2, max_steps=1,
+                   model_name=tiny_llama)
+        first[name] = DPOTrainer(cfg, tokenizer=tok).train(ds)[0]
+    assert first["user"]["loss"] == pytest.approx(first["builtin"]["loss"], abs=1e-6)
+    assert first["user"]["grad_norm"] == pytest.approx(first["builtin"]["grad_norm"], rel=1e-5)

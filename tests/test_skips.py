@@ -9,7 +9,8 @@ import torch
 
 from rl.config.fields import build
 from rl.engine.scoring import sequence_logprobs
-from rl.trainers import grpo, ppo, ppo_math
+from rl.models.reference import ReferencePolicy
+from rl.trainers import grpo, ppo_math
 from rl.trainers.grpo import GRPOTrainer, grpo_loss_fn
 from rl.trainers.grpo_config import GRPOConfig
 from rl.trainers.ppo import PPOTrainer
@@ -95,8 +96,8 @@ def test_ppo_without_kl_penalty_runs_no_reference(tmp_path, tiny_cache, monkeypa
     h_skip = skip.train(prompts)
     assert calls == []
     # the same run with the reference forced on (what the code did before): one reference forward
-    real_build = ppo.ReferencePolicy.build
-    monkeypatch.setattr(ppo.ReferencePolicy, "build", lambda *a, needed=True, **k: real_build(*a, needed=True, **k))
+    real_build = ReferencePolicy.build
+    monkeypatch.setattr(ReferencePolicy, "build", lambda *a, needed=True, **k: real_build(*a, needed=True, **k))
     with_ref = _ppo(tmp_path / "ref", kl_penalty_coef=0.0)
     assert with_ref.reference.exists
     h_ref = with_ref.train(prompts)

@@ -17,7 +17,7 @@ import torch
 
 from rl.algos.kl import k2_kl, k3_kl
 from rl.algos.reduce import aggregate, masked_mean
-from rl.algos.registry import register
+from rl.algos.registry import get, register
 
 KIND = "policy_loss"
 LOSS_AGGREGATIONS = ("token_mean", "sequence_mean", "constant")  # GRPO's `loss_aggregation` choices
@@ -60,6 +60,7 @@ def sequence_log_ratio(logp: torch.Tensor, old_logp: torch.Tensor, mask: torch.T
     return (((logp - old_logp) * mask).sum(-1) / mask.sum(-1).clamp(min=1))[:, None]
 
 
+@register("grpo_policy_loss", "clip")
 def clipped_surrogate(logp: torch.Tensor, old_logp: torch.Tensor, adv: torch.Tensor, clip_low: float,
                       clip_high: float, level: str = "token", mask: torch.Tensor | None = None,
                       ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -75,6 +76,20 @@ def clipped_surrogate(logp: torch.Tensor, old_logp: torch.Tensor, adv: torch.Ten
     unclipped = ratio * adv
     clipped = torch.clamp(ratio, 1.0 - clip_low, 1.0 + clip_high) * adv
     return -torch.min(unclipped, clipped), ratio, (clipped < unclipped).detach()
+
+
+@register("grpo_policy_loss", "cispo")
+def cispo_surrogate(logp: torch.Tensor, old_logp: torch.Tensor, adv: torch.Tensor, clip_low: float,
+                    clip_high: float, level: str = "token", mask: torch.Tensor | None = None,
+                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """CISPO's per-token term (MiniMax-M1, Chen et al. 2025): loss_t = -sg(clip(r_t, 1-clip_low, 1+clip_high))
+    * A_t * logp_t; every token keeps its gradient, only the importance weight is clipped. Same signature
+    and returns as `clipped_surrogate` (taken_clipped: where the weight was clipped)."""
+    if level not in IMPORTANCE_SAMPLING_LEVELS:
+        raise ValueError(f"importance_sampling_level must be token or sequence, got {level!r}")
+    ratio = torch.exp(logp - old_logp if level == "token" else sequence_log_ratio(logp, old_logp, mask))
+    weight = torch.clamp(ratio, 1.0 - clip_low, 1.0 + clip_high).detach()
+    return -weight * adv * logp, ratio, ((ratio < 1.0 - clip_low) | (ratio > 1.0 + clip_high)).expand_as(logp)
 
 
 @register(KIND, "importance_sampling")
@@ -157,11 +172,14 @@ def grpo_loss(logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Tens
               epsilon_high: float = 0.2, loss_aggregation: str = "token_mean",
               max_completion_length: int | None = None, num_items: float | None = None,
               use_bias_correction_kl: bool = True, importance_sampling_level: str = "token",
-              ) -> tuple[torch.Tensor, dict]:
+              policy_loss: str = "clip") -> tuple[torch.Tensor, dict]:
     """GRPO's objective (Shao et al. 2024, eq. 3; the per-token form TRL 1.16 implements):
 
-        L = agg_t [ clipped_surrogate_t + beta * r_t * k3_t ]
+        L = agg_t [ surrogate_t + beta * r_t * k3_t ]
 
+    `policy_loss` names the per-token policy-gradient term in the "grpo_policy_loss" registry (as verl's
+    `loss_mode`): "clip" (PPO's clipped surrogate, `clipped_surrogate`; GRPO, DAPO, GSPO), "cispo"
+    (`cispo_surrogate`), or a user's `module:function` with `clipped_surrogate`'s signature.
     With importance_sampling_level "sequence" r_t is GSPO's per-sequence s_i (`gspo_loss`), in the
     surrogate and in the KL factor, as TRL 1.16 does; the clip_ratio metrics then count sequences.
 
@@ -180,8 +198,8 @@ def grpo_loss(logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Tens
     """
     mask = mask.to(logp.dtype)
     adv = advantages[:, None] if advantages.dim() == 1 else advantages
-    per_tok, ratio, _ = clipped_surrogate(logp, old_logp, adv, epsilon_low, epsilon_high,
-                                          importance_sampling_level, mask)
+    surrogate = get("grpo_policy_loss", policy_loss)
+    per_tok, ratio, _ = surrogate(logp, old_logp, adv, epsilon_low, epsilon_high, importance_sampling_level, mask)
     metrics: dict[str, torch.Tensor] = {}
     if beta != 0.0:
         if ref_logp is None:

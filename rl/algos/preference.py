@@ -23,7 +23,7 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 
-from rl.algos.registry import get, register
+from rl.algos.registry import flag, get, register
 
 KIND = "preference_loss"
 
@@ -136,13 +136,19 @@ def _hinge(pair: PairLogps, beta: float, label_smoothing: float = 0.0):  # noqa:
     return hinge_loss(c - r, beta), {}
 
 
-@register(KIND, "orpo")
+@register(KIND, "orpo", needs_reference=False)
 def _orpo(pair: PairLogps, beta: float, label_smoothing: float = 0.0):  # noqa: ARG001
     per_pair, nll, ratio = orpo_loss(pair.chosen, pair.rejected, pair.chosen_lengths, pair.rejected_lengths, beta)
     # no reference: the "rewards" are beta * mean answer log-prob (TRL's ORPO)
     return per_pair, {"rewards/chosen": beta * pair.chosen.detach() / pair.chosen_lengths.clamp(min=1),
                       "rewards/rejected": beta * pair.rejected.detach() / pair.rejected_lengths.clamp(min=1),
                       "nll_loss": nll.detach(), "log_odds_ratio": ratio.detach()}
+
+
+def needs_reference(loss_type: str) -> bool:
+    """Whether the registered preference loss compares against a reference model (ORPO does not; a user's
+    `module:function` does unless registered with needs_reference=False)."""
+    return bool(flag(KIND, loss_type, "needs_reference", True))
 
 
 def preference_loss(loss_type: str, chosen_logps: torch.Tensor, rejected_logps: torch.Tensor,

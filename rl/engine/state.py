@@ -180,14 +180,15 @@ def complete_checkpoints(output_dir: str | Path) -> list[Path]:
     return [d for _, d in sorted(found, reverse=True)]
 
 
-def prune_checkpoints(output_dir: str | Path, keep: int | None) -> list[Path]:
-    """Delete all but the newest `keep` complete checkpoints (and their critic twins); return the deleted."""
+def prune_checkpoints(output_dir: str | Path, keep: int | None, parts=lambda name: ()) -> list[Path]:
+    """Delete all but the newest `keep` complete checkpoints, each with the directories `parts(name)` that
+    belong to it (a trainer's second engine, e.g. PPO's critic); return the deleted."""
     if not keep:
         return []
     gone = complete_checkpoints(output_dir)[keep:]
     for d in gone:
-        shutil.rmtree(d, ignore_errors=True)
-        shutil.rmtree(d.parent / "critic" / d.name, ignore_errors=True)
+        for path in (d, *parts(d.name)):
+            shutil.rmtree(path, ignore_errors=True)
     return gone
 
 

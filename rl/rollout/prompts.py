@@ -25,12 +25,36 @@ from rl.data.records import (
 from rl.errors import DataError
 
 
-def encode_prompt(tokenizer, prompt: str, budget: int, chat: bool = False) -> list[int]:
-    """BOS + prompt tokens (as the SFT trainer tokenises prompts), keeping the last `budget` tokens;
-    with `chat`, the prompt is first rendered as a user turn followed by the assistant's header."""
-    if chat:
+def encode_prompt(tokenizer, prompt: str | list[dict], budget: int | None = None, chat: bool = False) -> list[int]:
+    """Token ids of one prompt, as every trainer, chat and eval build them: BOS exactly once, then the
+    prompt (with `chat`, rendered as a user turn followed by the assistant's header; a list of
+    {"role", "content"} messages is always rendered with the chat template). A prompt over `budget`
+    tokens keeps its BOS and its last tokens (left truncation: the question's end, next to where the
+    answer starts, is what the model needs)."""
+    if isinstance(prompt, list):
+        prompt = render_chat(tokenizer, prompt, add_generation_prompt=True)
+    elif chat:
         prompt = render_chat(tokenizer, [{"role": "user", "content": prompt}], add_generation_prompt=True)
-    return with_bos(tokenizer, tokenizer(prompt, add_special_tokens=False)["input_ids"])[-budget:]
+    ids = with_bos(tokenizer, tokenizer(prompt, add_special_tokens=False)["input_ids"])
+    if budget is not None and len(ids) > budget:
+        bos = getattr(tokenizer, "bos_token_id", None)
+        head = ids[:1] if bos is not None and ids[:1] == [bos] else []
+        ids = head + ids[len(ids) - budget + len(head):]
+    return ids
+
+
+def prompt_order(step: int, n: int, per_step: int, seed: int) -> list[int]:
+    """The step's `per_step` indices out of n prompt rows: consecutive slices of per-epoch seeded
+    shuffles (every row once per epoch; a step that crosses an epoch's end continues into the next
+    shuffle), identical on every process and a function of the step alone (resume-exact)."""
+    out, pos = [], step * per_step
+    while len(out) < per_step:
+        epoch, offset = divmod(pos, n)
+        order = torch.randperm(n, generator=torch.Generator().manual_seed(seed + epoch)).tolist()
+        take = order[offset:offset + per_step - len(out)]
+        out += take
+        pos += len(take)
+    return out
 
 
 def load_prompt_rows(path: str, cfg) -> list[dict]:
@@ -52,17 +76,17 @@ def load_prompt_rows(path: str, cfg) -> list[dict]:
     return out
 
 
-def step_prompts(env, train_prompts: list[dict] | None, seed: int, generation: int, n: int,
+def step_prompts(env, train_prompts: list[dict] | None, seed: int, step: int, n: int,
                  round_: int = 0) -> list[dict]:
-    """A step's n prompt rows, the same on every process: from the environment (seeded by the
-    generation index) or the data rows (a pass over a seeded permutation per epoch). A dynamic-sampling
-    round after the first draws n more at random, from a seed stream of its own."""
+    """The one prompt schedule of the online trainers (GRPO family, online DPO): a step's n prompt rows,
+    the same on every process. From the environment, seeded by the step; from data rows, `prompt_order`.
+    A dynamic-sampling round after the first (DAPO) draws n more at random, from a seed stream of its own."""
     extra = round_ * 2 ** 40  # far from every first round's seed
     if env is not None:
-        rows = env.sample_prompts(n, seed=seed * 1_000_003 + generation + extra)
+        rows = env.sample_prompts(n, seed=seed * 1_000_003 + step + extra)
         return [{"prompt": r["prompt"], **r["metadata"]} for r in rows]
-    epoch, index = divmod(generation, len(train_prompts) // n)
     if round_:
-        epoch, index = seed * 1_000_003 + generation + extra, 0
-    order = torch.randperm(len(train_prompts), generator=torch.Generator().manual_seed(seed + epoch))
-    return [train_prompts[i] for i in order[index * n:(index + 1) * n].tolist()]
+        order = torch.randperm(len(train_prompts),
+                               generator=torch.Generator().manual_seed(seed + seed * 1_000_003 + step + extra))
+        return [train_prompts[i] for i in order[:n].tolist()]
+    return [train_prompts[i] for i in prompt_order(step, len(train_prompts), n, seed)]

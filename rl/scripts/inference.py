@@ -23,10 +23,10 @@ from pathlib import Path
 import torch
 import yaml
 
-from rl.data.records import render_chat, with_bos
 from rl.engine.generation import generate
 from rl.errors import ConfigError
 from rl.models.loading import load_causal_lm, load_tokenizer
+from rl.rollout.prompts import encode_prompt
 
 
 def load_for_inference(name: str, dtype: str = "auto", trust_remote_code: bool = False):
@@ -74,16 +74,8 @@ def chat_setting(model_name: str, choice: str, default: bool) -> bool:
 
 
 def encode(tokenizer, prompt: str | list[dict], chat: bool) -> list[int]:
-    """Token ids of one prompt as the trainers build them: BOS once + the (chat-rendered) prompt.
-
-    A list of {"role", "content"} messages is always rendered with the chat template."""
-    if isinstance(prompt, list):
-        text = render_chat(tokenizer, prompt, add_generation_prompt=True)
-    elif chat:
-        text = render_chat(tokenizer, [{"role": "user", "content": prompt}], add_generation_prompt=True)
-    else:
-        text = prompt
-    return with_bos(tokenizer, tokenizer(text, add_special_tokens=False)["input_ids"])
+    """Token ids of one prompt as the trainers build them (`rl.rollout.prompts.encode_prompt`)."""
+    return encode_prompt(tokenizer, prompt, None, chat)
 
 
 @torch.no_grad()

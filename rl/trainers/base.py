@@ -33,7 +33,12 @@ import math
 import shutil
 import signal
 from pathlib import Path
+from typing import Callable
 
+import torch
+
+from rl.config.parse import save_config, to_dict
+from rl.engine.dist import build_accelerator
 from rl.engine.optim import build_optimizer, build_scheduler
 from rl.engine.pipeline import ForwardBackwardPipeline
 from rl.engine.state import (
@@ -45,8 +50,18 @@ from rl.engine.state import (
     prune_checkpoints,
     resolve_resume,
 )
+from rl.engine.tracking import Tracker
 from rl.errors import RunError
-from rl.models.saving import make_loadable
+from rl.models.loading import (
+    apply_lora,
+    load_tokenizer,
+    load_trainable_policy,
+    resolve_dtype,
+    trainable_fraction,
+)
+from rl.models.reference import ReferencePolicy
+from rl.models.saving import make_loadable, save_pretrained
+from rl.trainers.rewards import RewardModelReward
 
 logger = logging.getLogger(__name__)
 # metrics whose non-finite value means the weights are, or are about to be, garbage: the loss and its
@@ -133,6 +148,20 @@ class Trainer:
     def restore(self, extra: dict) -> None:  # noqa: B027 - optional hook
         pass
 
+    def checkpoint_parts(self, name: str) -> list[Path]:
+        """Directories besides `<run_dir>/checkpoints/<name>` that checkpoint `name` consists of (a second
+        engine's state, e.g. PPO's critic): cleaned up with it on a full disk and pruned with it."""
+        return []
+
+    @property
+    def config(self):
+        """The trainer's config (the reference docs' name for it)."""
+        return self.cfg
+
+    @config.setter
+    def config(self, value) -> None:
+        self.cfg = value
+
     @property
     def current_step(self) -> int:
         return self.pipeline.step
@@ -145,7 +174,62 @@ class Trainer:
     def save_checkpoint(self, name: str, extra: dict) -> None:
         self.pipeline.save_state(name, extra)
 
-    # ------------------------------------------------------------------ setup shared by the trainers
+    # ------------------------------------------------------------------ construction shared by the trainers
+    def build(self, config, *, model=None, tokenizer=None, micro_batch_size: int | None = None,
+              padding_side: str = "right", rewards: Callable[[], object] | None = None,
+              reference: dict | None = None):
+        """What every trainer builds, in one order: seed; tokenizer; the reward sources (`rewards()`, before
+        the accelerator, so that a reward model is not ZeRO-3 partitioned at load time; it is moved to the
+        device after); accelerator; policy (loaded under the accelerator's ZeRO-3 context); the frozen
+        reference (`reference`: the keywords of `ReferencePolicy.build`, decided before LoRA, since with
+        LoRA the reference is the policy with its adapters off); LoRA; parameter counts. Returns the policy."""
+        self.cfg = cfg = config
+        torch.manual_seed(cfg.seed)
+        self.tokenizer = tokenizer or load_tokenizer(cfg.model_name, cfg.trust_remote_code, padding_side=padding_side)
+        self.reward = rewards() if rewards is not None else None
+        self.accelerator = build_accelerator(
+            cfg.gradient_accumulation_steps, device=getattr(cfg, "device", None),
+            micro_batch_size=micro_batch_size or cfg.batch_size, max_grad_norm=cfg.max_grad_norm,
+            mixed_precision="bf16" if resolve_dtype(cfg.dtype) == torch.bfloat16 else "no",
+            deepspeed_config=cfg.deepspeed)
+        rm = self.reward.find(RewardModelReward) if self.reward is not None else None
+        if rm is not None and not getattr(rm.model.config, "quantization", None):
+            rm.model.to(self.accelerator.device)
+        if model is None:
+            model = load_trainable_policy(cfg)
+        self.reference = (ReferencePolicy.build(cfg, model, self.accelerator, **reference)
+                          if reference is not None else None)
+        if cfg.lora.enabled and not hasattr(model, "disable_adapter"):  # a PEFT model given keeps its adapters
+            model = apply_lora(model, cfg.lora.rank, cfg.lora.alpha, cfg.lora.dropout, cfg.lora.target_modules)
+        self.trainable, self.total_params = trainable_fraction(model)
+        self._model, self.pipeline = model, None
+        return model
+
+    def open_run(self, total_steps: int, desc: str, plot_keys: list[str] | None = None):
+        """The run's tracker (metrics.jsonl, the configured sinks, the progress bar) after the recipe is
+        saved beside the outputs (`config.yaml`, main process only)."""
+        cfg, acc = self.cfg, self.accelerator
+        if acc.is_main_process:
+            save_config(cfg, cfg.output_dir)
+        return Tracker(cfg.output_dir, cfg.report_to, cfg.run_name, to_dict(cfg), total_steps, acc.is_main_process,
+                       desc=desc, plot_keys=plot_keys)
+
+    def save(self, out_dir: str | None = None) -> str:
+        """Write the final model and tokenizer (LoRA: the PEFT adapter; `save_merged`: also the merged model);
+        every process must call it (ZeRO-3 gathers the weights)."""
+        out = out_dir or self.cfg.output_dir
+        save_pretrained(self.pipeline.model, self.tokenizer, out, self.accelerator, merged=self.cfg.save_merged)
+        self.accelerator.wait_for_everyone()
+        return out
+
+    def reduce(self, values: dict[str, float], op: str = "mean") -> dict[str, float]:
+        """Cross-process reduction of scalar metrics ("mean" or "sum"), in float64; one process: unchanged."""
+        if self.world == 1 or not values:
+            return dict(values)
+        keys = list(values)
+        vec = torch.tensor([float(values[k]) for k in keys], device=self.accelerator.device, dtype=torch.float64)
+        return dict(zip(keys, self.accelerator.reduce(vec, op).tolist()))
+
     def build_pipeline(self, model, total_steps: int, micro_batch_size: int, *, learning_rate: float | None = None,
                        ckpt: Path | None = None) -> ForwardBackwardPipeline:
         """The engine of `model` with the recipe's AdamW, schedule, gradient accumulation and chunked LM
@@ -236,12 +320,12 @@ class Trainer:
             if e.errno != errno.ENOSPC:
                 raise
             root = checkpoint_dir(self.run_dir)
-            for tmp in (root / f".tmp-{name}", root / "critic" / f".tmp-{name}"):
-                shutil.rmtree(tmp, ignore_errors=True)
+            for part in (root / name, *self.checkpoint_parts(name)):  # the half-written ones
+                shutil.rmtree(part.parent / f".tmp-{part.name}", ignore_errors=True)
             raise RunError(f"no space left on {root} while writing {name}; the previous checkpoint is kept "
                            f"(free space or lower save_total_limit, then resume=auto)") from None
         if self.accelerator.is_main_process:
             make_loadable(checkpoint_dir(self.run_dir) / name, self.pipeline.unwrapped_model,
                           getattr(self, "tokenizer", None))
-            prune_checkpoints(self.run_dir, getattr(self.cfg, "save_total_limit", None))
+            prune_checkpoints(self.run_dir, getattr(self.cfg, "save_total_limit", None), self.checkpoint_parts)
         self.accelerator.wait_for_everyone()

@@ -37,17 +37,15 @@ import gc
 import logging
 import time
 from functools import partial
-from pathlib import Path
-from typing import Literal
 
 import torch
 
-from rl.algos import names
 from rl.algos.preference import (
+    needs_reference,
     preference_loss,
 )
+from rl.algos.registry import check, choices
 from rl.config.fields import opt
-from rl.config.parse import save_config, to_dict
 from rl.config.plan import epoch_plan
 from rl.config.schema import TrainConfig
 from rl.data.preference import (
@@ -57,19 +55,9 @@ from rl.data.preference import (
     load_pair_records,
     pack_pairs,
 )
-from rl.engine.dist import build_accelerator, zero_stage
+from rl.engine.dist import zero_stage
 from rl.engine.scoring import concatenated_logps, sequence_logps
-from rl.engine.tracking import Tracker
 from rl.errors import ConfigError
-from rl.models.loading import (
-    apply_lora,
-    load_tokenizer,
-    load_trainable_policy,
-    resolve_dtype,
-    trainable_fraction,
-)
-from rl.models.reference import ReferencePolicy
-from rl.models.saving import save_pretrained
 from rl.trainers.epoch import EpochTrainer
 
 logger = logging.getLogger(__name__)
@@ -111,8 +99,8 @@ class DPOConfig(TrainConfig):
     learning_rate: float = opt(1e-6, "peak learning rate of AdamW (DPO wants it small: 1e-6 to 1e-5)")
     beta: float = opt(0.1, "DPO temperature beta (IPO: tau; ORPO: lambda, the weight of the odds-ratio term)")
     label_smoothing: float = opt(0.0, "conservative DPO: probability a preference label is flipped, in [0, 0.5)")
-    loss_type: Literal[names("preference_loss")] = opt(
-        "sigmoid", "sigmoid (DPO), ipo, hinge (SLiC) or orpo (reference-free odds ratio + chosen NLL)")
+    loss_type: str = opt("sigmoid", f"preference loss ({choices('preference_loss')}): sigmoid (DPO), ipo, hinge "
+                         "(SLiC), orpo (reference-free odds ratio + chosen NLL), or your own function")
     reference_free: bool = opt(False, "no reference model: its log-probs count as 0")
     precompute_ref_logps: bool = opt(False, "compute reference log-probs in one pass before training, then "
                                      "train without any reference forward or reference model in memory")
@@ -130,6 +118,10 @@ class DPOConfig(TrainConfig):
 
     def __post_init__(self):
         super().__post_init__()
+        try:
+            check("preference_loss", self.loss_type, "loss_type")
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
         if self.beta <= 0:
             raise ConfigError(f"key 'beta' must be > 0, got {self.beta}")
         if not 0.0 <= self.label_smoothing < 0.5:
@@ -142,7 +134,7 @@ class DPOConfig(TrainConfig):
                               f"max_length={self.max_length}, or no answer token fits")
         if self.precompute_ref_logps and self.uses_no_reference:
             raise ConfigError(f"precompute_ref_logps=true has nothing to precompute with "
-                              f"{'loss_type=orpo' if self.loss_type == 'orpo' else 'reference_free=true'}; "
+                              f"{'reference_free=true' if self.reference_free else f'loss_type={self.loss_type}'}; "
                               f"set precompute_ref_logps=false")
         if self.eval_batch_size is not None and self.eval_batch_size < 1:
             raise ConfigError(f"key 'eval_batch_size' must be at least 1, got {self.eval_batch_size}")
@@ -151,7 +143,7 @@ class DPOConfig(TrainConfig):
 
     @property
     def uses_no_reference(self) -> bool:
-        return self.reference_free or self.loss_type == "orpo"
+        return self.reference_free or not needs_reference(self.loss_type)
 
 
 # ===================================================================================== trainer
@@ -166,25 +158,8 @@ class DPOTrainer(EpochTrainer):
     """
 
     def __init__(self, config: DPOConfig, *, model=None, tokenizer=None, ref_model=None):
-        cfg = self.cfg = self.config = config
-        torch.manual_seed(cfg.seed)
-        train_dtype = resolve_dtype(cfg.dtype)
-        self.accelerator = build_accelerator(
-            cfg.gradient_accumulation_steps, device=cfg.device, micro_batch_size=cfg.batch_size,
-            max_grad_norm=cfg.max_grad_norm, mixed_precision="bf16" if train_dtype == torch.bfloat16 else "no",
-            deepspeed_config=cfg.deepspeed)
-        self.tokenizer = tokenizer or load_tokenizer(cfg.model_name, cfg.trust_remote_code)
-        if model is None:
-            model = load_trainable_policy(cfg)
-        is_peft = hasattr(model, "disable_adapter")
-        # The reference: decided once, here, before LoRA (a copy is the initial policy)
-        self.reference = ReferencePolicy.build(cfg, model, self.accelerator, needed=not cfg.uses_no_reference,
-                                               name=cfg.ref_model_name, model=ref_model)
-        if cfg.lora.enabled and not is_peft:
-            model = apply_lora(model, cfg.lora.rank, cfg.lora.alpha, cfg.lora.dropout, cfg.lora.target_modules)
-        self.trainable, self.total_params = trainable_fraction(model)
-        self._model = model
-        self.pipeline = None
+        self.build(config, model=model, tokenizer=tokenizer,
+                   reference=dict(needed=not config.uses_no_reference, name=config.ref_model_name, model=ref_model))
 
     @property
     def ref_mode(self) -> str:
@@ -208,15 +183,15 @@ class DPOTrainer(EpochTrainer):
     # ----------------------------------------------------------------------------------- sizes
     def plan(self, n_pairs: int) -> dict:
         """Derived sizes, computed once (see `rl.config.fields.epoch_plan`)."""
-        return epoch_plan(self.config, n_pairs, self.world, "pairs")
+        return epoch_plan(self.cfg, n_pairs, self.world, "pairs")
 
     def _collate(self, examples: list[dict], pad_token_id: int) -> dict[str, torch.Tensor]:
         """A micro-batch of pairs: packed rows with `packing` (`pack_pairs`), else padded (`collate_pairs`)."""
-        return (pack_pairs if self.config.packing else collate_pairs)(examples, pad_token_id)
+        return (pack_pairs if self.cfg.packing else collate_pairs)(examples, pad_token_id)
 
     # ------------------------------------------------------------------------------- reference
     def _setup(self, total_steps: int) -> None:
-        cfg = self.config
+        cfg = self.cfg
         self.pipeline = self.build_pipeline(self._model, total_steps, cfg.batch_size)
         self.reference.place(self.accelerator)
 
@@ -235,7 +210,7 @@ class DPOTrainer(EpochTrainer):
     def precompute_reference(self, dataset: PreferenceDataset) -> None:
         """One no-grad pass that stores every pair's reference log-probs in `dataset.ref_logps` (N, 2).
         Pairs are split across processes and the results gathered, so each pair is scored once."""
-        acc, cfg = self.accelerator, self.config
+        acc, cfg = self.accelerator, self.cfg
         bs = cfg.eval_batch_size or cfg.batch_size
         out = torch.zeros(len(dataset), 2)
         for idx, weight in _shards(len(dataset), bs, acc.num_processes, acc.process_index):
@@ -251,15 +226,11 @@ class DPOTrainer(EpochTrainer):
 
     # ----------------------------------------------------------------------------------- train
     def train(self, dataset: PreferenceDataset, eval_dataset: PreferenceDataset | None = None) -> list[dict]:
-        cfg, acc = self.config, self.accelerator
+        cfg, acc = self.cfg, self.accelerator
         plan = self._plan = self.plan(len(dataset))
-        out = Path(cfg.output_dir)
         if self.pipeline is None:
             self._setup(plan["total_steps"])
-        if acc.is_main_process:
-            save_config(cfg, out)
-        tracker = Tracker(out, cfg.report_to, cfg.run_name, to_dict(cfg), plan["total_steps"],
-                          acc.is_main_process, desc=f"dpo[{cfg.loss_type}]")
+        tracker = self.open_run(plan["total_steps"], desc=f"dpo[{cfg.loss_type}]")
         tracker.write(f"dpo: {len(dataset)} pairs, {plan['total_steps']} steps, global batch {plan['global_batch']} "
                       f"pairs ({self.world} processes, ZeRO stage {zero_stage(acc)}), loss {cfg.loss_type}, "
                       f"reference {'precomputed' if cfg.precompute_ref_logps else self.ref_mode}, trainable "
@@ -281,7 +252,7 @@ class DPOTrainer(EpochTrainer):
         return self.fit(plan["total_steps"], tracker)
 
     def train_step(self) -> list[dict]:
-        cfg, acc, pipe, dataset = self.config, self.accelerator, self.pipeline, self._train
+        cfg, acc, pipe, dataset = self.cfg, self.accelerator, self.pipeline, self._train
         t0 = time.time()
         N = cfg.gradient_accumulation_steps
         step_pairs = self.next_global_batch()
@@ -304,7 +275,7 @@ class DPOTrainer(EpochTrainer):
             for k, v in r.metrics.items():
                 sums[k] = sums.get(k, 0.0) + v / N
         o = pipe.optim_step(max_grad_norm=cfg.max_grad_norm).result()
-        row = _mean_across(acc, sums)
+        row = self.reduce(sums)
         row.update({"grad_norm": o.grad_norm, "learning_rate": o.learning_rate, "epoch": self.epoch_progress,
                     "step_time": time.time() - t0})
         return [{"step": pipe.step, **row}]
@@ -313,7 +284,7 @@ class DPOTrainer(EpochTrainer):
     def evaluate(self, dataset: PreferenceDataset) -> dict[str, float]:
         """Pair-weighted means of loss and rewards/logps metrics over `dataset`, as `eval_<name>`.
         Pairs are split across processes (padded so every rank runs the same forwards, as ZeRO-3 needs)."""
-        cfg, acc = self.config, self.accelerator
+        cfg, acc = self.cfg, self.accelerator
         if self.pipeline is None:
             raise RuntimeError("evaluate() needs the trained model: call train() first")
         model = self.pipeline.model
@@ -340,22 +311,6 @@ class DPOTrainer(EpochTrainer):
         n = vec[keys.index("_n")].clamp(min=1)
         return {f"eval/{k}": float(v / n) for k, v in zip(keys, vec) if k != "_n"}
 
-    def save(self, out_dir: str | None = None) -> str:
-        """Write the final model and tokenizer (LoRA: the PEFT adapter); every process must call it."""
-        out = out_dir or self.config.output_dir
-        save_pretrained(self.pipeline.model, self.tokenizer, out, self.accelerator, merged=self.config.save_merged)
-        self.accelerator.wait_for_everyone()
-        return out
-
 
 def _dev(t, acc):
     return None if t is None else t.to(acc.device)
-
-
-def _mean_across(acc, values: dict[str, float]) -> dict[str, float]:
-    """Average per-process metric means across processes (equal pairs per process)."""
-    if acc.num_processes == 1 or not values:
-        return dict(values)
-    keys = sorted(values)
-    vec = acc.reduce(torch.tensor([values[k] for k in keys], device=acc.device, dtype=torch.float64), "mean")
-    return {k: float(v) for k, v in zip(keys, vec)}

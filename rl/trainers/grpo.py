@@ -55,29 +55,20 @@ from rl.algos.advantages import (
 from rl.algos.dapo import groups_with_spread, overlong_penalty
 from rl.algos.policy_losses import grpo_loss
 from rl.config.parse import save_config, to_dict
-from rl.data.records import has_data
 from rl.engine import losses
-from rl.engine.dist import build_accelerator, zero_stage
+from rl.engine.dist import zero_stage
 from rl.engine.generation import generate
 from rl.engine.packing import pack_padded, position_ids_from_mask, unpack_targets
 from rl.engine.scoring import sequence_logprobs
 from rl.engine.tracking import Tracker
-from rl.envs.registry import make_env
 from rl.errors import ConfigError
 from rl.models.loading import (
-    apply_lora,
-    load_tokenizer,
-    load_trainable_policy,
     release_device_cache,
-    resolve_dtype,
-    trainable_fraction,
 )
-from rl.models.reference import ReferencePolicy
 from rl.models.saving import save_pretrained
 from rl.rollout.episodes import run_episodes
 from rl.rollout.eval import greedy_eval, unique_eval_set
-from rl.rollout.prompts import encode_prompt, load_prompt_rows, step_prompts
-from rl.trainers.base import Trainer
+from rl.rollout.prompts import encode_prompt, step_prompts
 from rl.trainers.grpo_batch import (
     length_grouped_slices,
     pick_groups,
@@ -88,9 +79,8 @@ from rl.trainers.grpo_batch import (
     take_micro_batch,
 )
 from rl.trainers.grpo_config import GRPOConfig, grpo_sizes
+from rl.trainers.online import OnlineTrainer
 from rl.trainers.rewards import (
-    RewardModelReward,
-    build_reward_fns,
     combine_rewards,
 )
 
@@ -117,7 +107,7 @@ def grpo_loss_fn(logits, labels, attention_mask=None, *, advantages, old_logprob
 
 # ============================================================================ trainer
 
-class GRPOTrainer(Trainer):
+class GRPOTrainer(OnlineTrainer):
     """GRPO-family trainer on the shared engine.
 
     `GRPOTrainer(config, *, model=None, tokenizer=None, reward_funcs=None, train_prompts=None)`:
@@ -127,52 +117,12 @@ class GRPOTrainer(Trainer):
 
     def __init__(self, config: GRPOConfig, *, model=None, tokenizer=None,
                  reward_funcs: Sequence[Callable] | None = None, train_prompts: list[dict] | None = None):
-        self.cfg = cfg = config
-        torch.manual_seed(cfg.seed)
-        self.tokenizer = tokenizer or load_tokenizer(cfg.model_name, cfg.trust_remote_code)
-        # reward sources (rl.trainers.rewards): the environment, the reward model, the configured names, then
-        # the callables; built before the accelerator so that a reward model is not ZeRO-3 partitioned
-        self.env = None
-        try:
-            if cfg.env_type:
-                self.env = make_env(cfg.env_type, self.tokenizer, dict(cfg.env_config))
-            self.eval_env = (make_env(cfg.env_type, self.tokenizer, {**cfg.env_config, **cfg.eval_env_config})
-                             if cfg.env_type and cfg.eval_env_config is not None else None)
-        except (ValueError, TypeError) as e:
-            raise ConfigError(f"env_type={cfg.env_type}: {e}") from None
-        self.reward = build_reward_fns(cfg, self.tokenizer, reward_funcs=reward_funcs or (), env=self.env,
-                                       missing="no reward source: set env_type (e.g. env_type=math), "
-                                       "reward_model_path or reward_funcs (e.g. reward_funcs=[correctness]), "
-                                       "or pass reward_funcs= to GRPOTrainer")
-        train_dtype = resolve_dtype(cfg.dtype)
-        self.accelerator = build_accelerator(
-            cfg.gradient_accumulation_steps, micro_batch_size=cfg.batch_size, max_grad_norm=cfg.max_grad_norm,
-            mixed_precision="bf16" if train_dtype == torch.bfloat16 else "no", deepspeed_config=cfg.deepspeed)
-        rm = self.reward.find(RewardModelReward)
-        if rm is not None and not getattr(rm.model.config, "quantization", None):
-            rm.model.to(self.accelerator.device)
-        if self.env is None and not train_prompts:
-            raise ConfigError("no prompts: set env_type or data.path (rows with a 'prompt' column)")
-        self.train_prompts = train_prompts
-        if model is None:
-            model = load_trainable_policy(cfg)
-        # beta = 0: no reference model at all (no memory, no forward); decided before LoRA
-        self.reference = ReferencePolicy.build(cfg, model, self.accelerator, needed=cfg.beta > 0)
-        if cfg.lora.enabled:
-            model = apply_lora(model, cfg.lora.rank, cfg.lora.alpha, cfg.lora.dropout, cfg.lora.target_modules)
-        self.trainable, self.total_params = trainable_fraction(model)
-        self._model = model
-        self.pipeline = None
-
-    @staticmethod
-    def load_data(cfg: GRPOConfig) -> list[dict] | None:
-        """The recipe's prompt rows (data.path), or None when the environment supplies the prompts."""
-        if cfg.env_type is not None:
-            return None
-        if not has_data(cfg.data):
-            raise ConfigError("no prompts: set env_type (e.g. env_type=math), data.path or data.mixture "
-                              "(rows with a 'prompt' column)")
-        return load_prompt_rows(cfg.data.path, cfg)
+        # beta = 0: no reference model at all (no memory, no forward)
+        self.build(config, model=model, tokenizer=tokenizer, reference=dict(needed=config.beta > 0),
+                   rewards=lambda: self.build_env_rewards(
+                       reward_funcs, train_prompts, "no reward source: set env_type (e.g. env_type=math), "
+                       "reward_model_path or reward_funcs (e.g. reward_funcs=[correctness]), or pass "
+                       "reward_funcs= to GRPOTrainer"))
 
     @staticmethod
     def dry_run_models(cfg: GRPOConfig) -> dict:
@@ -285,10 +235,7 @@ class GRPOTrainer(Trainer):
         columns = {c: [r.get(c) for r in rep] for c in rep[0] if c not in ("prompt", "_line")}
         local, components = self.reward.score_each([r["prompt"] for r in rep], completions, columns)
 
-        def gather(t: torch.Tensor) -> torch.Tensor:
-            t = t.to(acc.device)
-            return (acc.gather(t) if self.world > 1 else t).cpu()
-
+        gather = self.gather
         lengths = gather(rollout.lengths.float())
         truncated = gather(torch.tensor([float(r == "length") for r in rollout.finish_reasons]))
         per_func = gather(local)
@@ -363,7 +310,7 @@ class GRPOTrainer(Trainer):
                           beta=cfg.beta, epsilon_low=cfg.epsilon_low, epsilon_high=cfg.epsilon_high,
                           loss_aggregation=cfg.loss_aggregation, max_completion_length=cfg.max_completion_length,
                           num_items=num_items, use_bias_correction_kl=cfg.use_bias_correction_kl,
-                          importance_sampling_level=cfg.importance_sampling_level)
+                          importance_sampling_level=cfg.importance_sampling_level, policy_loss=cfg.policy_loss)
                 if cfg.packing:  # the rows' real tokens packed; positions restart per row, as the sampler counts
                     b = pack_padded(mb["input_ids"], mb["attention_mask"], mb["labels"],
                                     self.tokenizer.pad_token_id or 0)
@@ -377,11 +324,7 @@ class GRPOTrainer(Trainer):
                 for key, v in {"loss": r.loss, **r.metrics}.items():
                     sums[key] = sums.get(key, 0.0) + v / len(micro)
             o = pipe.optim_step(max_grad_norm=cfg.max_grad_norm).result()
-            keys = sorted(sums)
-            vals = torch.tensor([sums[key] for key in keys], device=acc.device, dtype=torch.float64)
-            if self.world > 1:
-                vals = acc.reduce(vals, "mean")
-            row = {"step": pipe.step, **metrics, **{key: float(v) for key, v in zip(keys, vals)},
+            row = {"step": pipe.step, **metrics, **self.reduce(sums),
                    "grad_norm": o.grad_norm, "learning_rate": o.learning_rate}
             completion_tokens = float(g["lengths"].sum())
             row["step_time"] = time.time() - t0

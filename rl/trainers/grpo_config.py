@@ -7,6 +7,7 @@ from typing import Literal
 
 from rl.algos import names
 from rl.algos.policy_losses import IMPORTANCE_SAMPLING_LEVELS, LOSS_AGGREGATIONS
+from rl.algos.registry import check, choices
 from rl.config.fields import opt
 from rl.config.schema import OnlineConfig
 from rl.errors import ConfigError
@@ -19,6 +20,8 @@ class GRPOConfig(OnlineConfig):
         "grpo", "grpo (group mean/std), dr_grpo (group mean only), rloo (leave-one-out), reinforce_pp (batch-normalised)")
     loss_aggregation: Literal[LOSS_AGGREGATIONS] = opt(
         "token_mean", "token_mean (DAPO), sequence_mean (GRPO paper) or constant (Dr. GRPO: / max_completion_length)")
+    policy_loss: str = opt("clip", f"per-token policy-gradient term ({choices('grpo_policy_loss')}): clip (PPO's "
+                           "clipped surrogate: GRPO, DAPO, GSPO) or cispo (clipped, detached importance weight)")
     epsilon_low: float = opt(0.2, "clip the ratio below at 1 - epsilon_low")
     epsilon_high: float = opt(0.2, "clip the ratio above at 1 + epsilon_high (DAPO recommends 0.28)")
     beta: float = opt(0.0, "k3 KL penalty to the reference model; 0 loads no reference model")
@@ -38,6 +41,10 @@ class GRPOConfig(OnlineConfig):
     overlong_penalty: float = opt(1.0, "DAPO overlong shaping: the reward penalty at max_completion_length")
     def __post_init__(self):
         super().__post_init__()
+        try:
+            check("grpo_policy_loss", self.policy_loss, "policy_loss")
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
         if self.num_generations < 2:
             raise ConfigError(f"key 'num_generations' must be at least 2 (the group is the baseline), "
                               f"got {self.num_generations}")

@@ -37,39 +37,31 @@ import dataclasses
 import time
 from functools import partial
 from pathlib import Path
-from typing import Callable, Literal, Sequence
+from typing import Callable, Sequence
 
 import torch
 
+from rl.algos import names
+from rl.algos.preference import needs_reference
+from rl.algos.registry import check
 from rl.config.fields import opt
 from rl.config.parse import save_config, to_dict
 from rl.config.schema import OnlineConfig
-from rl.engine.dist import build_accelerator, zero_stage
+from rl.engine.dist import zero_stage
 from rl.engine.generation import generate
 from rl.engine.packing import IGNORE_INDEX, pack_sequences, position_ids_from_mask
 from rl.engine.scoring import sequence_logprobs
 from rl.engine.tracking import Tracker
-from rl.envs.registry import make_env
 from rl.errors import ConfigError
 from rl.models.loading import (
-    apply_lora,
-    load_tokenizer,
-    load_trainable_policy,
     release_device_cache,
-    resolve_dtype,
-    trainable_fraction,
 )
-from rl.models.reference import ReferencePolicy
 from rl.models.saving import save_pretrained
 from rl.rollout.eval import greedy_eval, unique_eval_set
-from rl.rollout.prompts import encode_prompt
-from rl.trainers.base import Trainer
+from rl.rollout.prompts import encode_prompt, step_prompts
 from rl.trainers.dpo import dpo_batch_loss
-from rl.trainers.grpo import GRPOTrainer
-from rl.trainers.rewards import RewardModelReward, build_reward_fns, combine_rewards
-
-# the DPO-family losses that compare against a reference (ORPO has none)
-LOSS_TYPES = ("sigmoid", "ipo", "hinge")
+from rl.trainers.online import OnlineTrainer
+from rl.trainers.rewards import combine_rewards
 
 
 @dataclasses.dataclass
@@ -77,7 +69,9 @@ class OnlineDPOConfig(OnlineConfig):
     learning_rate: float = opt(5e-7, "peak learning rate of AdamW (TRL's online DPO default; DPO wants it small)")
     batch_size: int = opt(8, "prompts per device per micro-batch (each gives one pair: 2 completions)")
     beta: float = opt(0.1, "DPO temperature beta (IPO: tau)")
-    loss_type: Literal[LOSS_TYPES] = opt("sigmoid", "sigmoid (DPO), ipo or hinge (SLiC)")
+    loss_type: str = opt("sigmoid", "a preference loss that compares against the reference: "
+                         + " | ".join(n for n in names("preference_loss") if needs_reference(n))
+                         + " | package.module:function")
     label_smoothing: float = opt(0.0, "conservative DPO (sigmoid only): probability a preference is flipped")
     ref_model_name: str | None = opt(None, "reference model id/path (default: the initial policy; with LoRA "
                                      "the policy without adapters)")
@@ -87,6 +81,14 @@ class OnlineDPOConfig(OnlineConfig):
 
     def __post_init__(self):
         super().__post_init__()
+        try:
+            check("preference_loss", self.loss_type, "loss_type")
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
+        if not needs_reference(self.loss_type):
+            raise ConfigError(f"loss_type={self.loss_type} has no reference model, which online DPO's pairs are "
+                              f"scored against; choose one of "
+                              f"{', '.join(n for n in names('preference_loss') if needs_reference(n))}")
         if self.beta <= 0:
             raise ConfigError(f"key 'beta' must be > 0, got {self.beta}")
         if not 0.0 <= self.label_smoothing < 0.5 or (self.label_smoothing and self.loss_type != "sigmoid"):
@@ -128,45 +130,17 @@ def pair_weights(tie: torch.Tensor, untied_in_step: int, units: int) -> torch.Te
 
 # ============================================================================ trainer
 
-class OnlineDPOTrainer(Trainer):
+class OnlineDPOTrainer(OnlineTrainer):
     """Online DPO on the shared engine. `OnlineDPOTrainer(config, *, model=None, tokenizer=None,
     reward_funcs=None, train_prompts=None)`, arguments as `rl.trainers.grpo.GRPOTrainer`'s."""
 
     def __init__(self, config: OnlineDPOConfig, *, model=None, tokenizer=None,
                  reward_funcs: Sequence[Callable] | None = None, train_prompts: list[dict] | None = None):
-        self.cfg = cfg = config
-        torch.manual_seed(cfg.seed)
-        self.tokenizer = tokenizer or load_tokenizer(cfg.model_name, cfg.trust_remote_code)
-        self.env = self.eval_env = None
-        try:
-            if cfg.env_type:
-                self.env = make_env(cfg.env_type, self.tokenizer, dict(cfg.env_config))
-                if cfg.eval_env_config is not None:
-                    self.eval_env = make_env(cfg.env_type, self.tokenizer, {**cfg.env_config, **cfg.eval_env_config})
-        except (ValueError, TypeError) as e:
-            raise ConfigError(f"env_type={cfg.env_type}: {e}") from None
-        # built before the accelerator, so that a reward model is not ZeRO-3 partitioned
-        self.reward = build_reward_fns(cfg, self.tokenizer, reward_funcs=reward_funcs or (), env=self.env,
-                                       missing="no reward source to rank the two samples: set env_type, "
-                                       "reward_model_path or reward_funcs, or pass reward_funcs=")
-        self.accelerator = build_accelerator(
-            cfg.gradient_accumulation_steps, micro_batch_size=2 * cfg.batch_size, max_grad_norm=cfg.max_grad_norm,
-            mixed_precision="bf16" if resolve_dtype(cfg.dtype) == torch.bfloat16 else "no",
-            deepspeed_config=cfg.deepspeed)
-        rm = self.reward.find(RewardModelReward)
-        if rm is not None and not getattr(rm.model.config, "quantization", None):
-            rm.model.to(self.accelerator.device)
-        if self.env is None and not train_prompts:
-            raise ConfigError("no prompts: set env_type or data.path (rows with a 'prompt' column)")
-        self.train_prompts = train_prompts
-        model = model if model is not None else load_trainable_policy(cfg)
-        self.reference = ReferencePolicy.build(cfg, model, self.accelerator, name=cfg.ref_model_name)  # before LoRA
-        if cfg.lora.enabled and not hasattr(model, "disable_adapter"):
-            model = apply_lora(model, cfg.lora.rank, cfg.lora.alpha, cfg.lora.dropout, cfg.lora.target_modules)
-        self.trainable, self.total_params = trainable_fraction(model)
-        self._model, self.pipeline = model, None
-
-    load_data = staticmethod(GRPOTrainer.load_data)  # prompt rows of data.path, or None with an environment
+        self.build(config, model=model, tokenizer=tokenizer, micro_batch_size=2 * config.batch_size,  # 2 per prompt
+                   reference=dict(name=config.ref_model_name),
+                   rewards=lambda: self.build_env_rewards(
+                       reward_funcs, train_prompts, "no reward source to rank the two samples: set env_type, "
+                       "reward_model_path or reward_funcs, or pass reward_funcs="))
 
     @staticmethod
     def dry_run_models(cfg: OnlineDPOConfig) -> dict:
@@ -196,16 +170,6 @@ class OnlineDPOTrainer(Trainer):
         else:
             raise ConfigError("an environment draws prompts without end: set max_steps")
         return {"prompts_per_process": per_process, "prompts_per_step": per_step, "total_steps": total}
-
-    def _prompts_for(self, step: int, n: int) -> list[dict]:
-        """The step's n prompt rows, identical on every process (a function of the step: resume-exact)."""
-        cfg = self.cfg
-        if self.env is not None:
-            rows = self.env.sample_prompts(n, seed=cfg.seed * 1_000_003 + step)
-            return [{"prompt": r["prompt"], **r["metadata"]} for r in rows]
-        epoch, index = divmod(step, len(self.train_prompts) // n)
-        order = torch.randperm(len(self.train_prompts), generator=torch.Generator().manual_seed(cfg.seed + epoch))
-        return [self.train_prompts[i] for i in order[index * n:(index + 1) * n].tolist()]
 
     def _ref_logps(self, batch: dict) -> torch.Tensor:
         """(2b,) reference log-prob sums of a micro-batch's completions; in this thread (ZeRO-3 fetches
@@ -246,16 +210,12 @@ class OnlineDPOTrainer(Trainer):
     def checkpoint_extra(self) -> dict:
         return {"step": self.pipeline.step}
 
-    def _gather(self, t: torch.Tensor) -> torch.Tensor:
-        t = t.to(self.accelerator.device)
-        return (self.accelerator.gather(t) if self.world > 1 else t).cpu()
-
     def train_step(self) -> list[dict]:
         """Sample two completions per prompt, rank them, one optimizer step on the untied pairs."""
         cfg, acc, pipe, plan = self.cfg, self.accelerator, self.pipeline, self._plan
         t0 = time.time()
         k = plan["prompts_per_process"]
-        mine = self._prompts_for(pipe.step, plan["prompts_per_step"])[acc.process_index * k:(acc.process_index + 1) * k]
+        mine = step_prompts(self.env, self.train_prompts, cfg.seed, pipe.step, plan["prompts_per_step"])[acc.process_index * k:(acc.process_index + 1) * k]
         prompt_ids = [encode_prompt(self.tokenizer, r["prompt"], cfg.prompt_budget, cfg.chat_template) for r in mine]
         seed = cfg.seed * 7_919 + (pipe.step * self.world + acc.process_index) * 2 * k  # row r samples seed + r
         rollout = generate(pipe.model, self.tokenizer, prompt_ids, max_new_tokens=cfg.max_completion_length,
@@ -273,7 +233,7 @@ class OnlineDPOTrainer(Trainer):
             rewards = rewards - cfg.missing_eos_penalty * clipped.float()
         chosen, rejected, tie = pair_up(rewards)
         # global counts: every process weighs its pairs by the same step-wide number of untied pairs
-        all_rewards, all_tie = self._gather(rewards), self._gather(tie.float())
+        all_rewards, all_tie = self.gather(rewards), self.gather(tie.float())
         untied = int((1 - all_tie).sum())
         weights = pair_weights(tie, untied, self.world * cfg.gradient_accumulation_steps)
         batch = {key: v.to(acc.device) for key, v in rollout.to_batch().items() if key != "old_logprobs"}
@@ -296,14 +256,10 @@ class OnlineDPOTrainer(Trainer):
             for key, v in r.metrics.items():  # weighted sums: their total over the step is the mean
                 sums[key] = sums.get(key, 0.0) + v / cfg.gradient_accumulation_steps
         o = pipe.optim_step(max_grad_norm=cfg.max_grad_norm).result()
-        keys = sorted(sums)
-        vals = torch.tensor([sums[key] for key in keys], device=acc.device, dtype=torch.float64)
-        if self.world > 1:
-            vals = acc.reduce(vals, "mean")
-        row = {key: float(v) for key, v in zip(keys, vals)}
+        row = self.reduce(sums)
         pairs = all_rewards.view(-1, 2)
         margin = (pairs.max(dim=1).values - pairs.min(dim=1).values)[all_tie == 0]
-        lengths, clip_all = self._gather(rollout.lengths.float()), self._gather(clipped.float())
+        lengths, clip_all = self.gather(rollout.lengths.float()), self.gather(clipped.float())
         row.update({
             "objective/scores": float(torch.nanmean(all_rewards)) if not all_rewards.isnan().all() else 0.0,
             "objective/scores_margin": float(margin.mean()) if untied else 0.0,
@@ -314,7 +270,7 @@ class OnlineDPOTrainer(Trainer):
             "step_time": time.time() - t0, "time/generation": t_gen,
         })
         for j, name in enumerate(self.reward.names):
-            col = self._gather(per_func[:, j])
+            col = self.gather(per_func[:, j])
             row[f"rewards/{name}/mean"] = float(torch.nanmean(col)) if not col.isnan().all() else 0.0
         return [{"step": pipe.step, **row}]
 

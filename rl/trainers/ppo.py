@@ -45,7 +45,7 @@ from rl.algos.kl import (
     FixedKLController,
 )
 from rl.config.parse import save_config, to_dict
-from rl.engine.dist import build_accelerator, is_deepspeed, zero_stage
+from rl.engine.dist import is_deepspeed, zero_stage
 from rl.engine.generation import generate
 from rl.engine.packing import pack_padded
 from rl.engine.pipeline import ForwardBackwardPipeline
@@ -53,17 +53,14 @@ from rl.engine.state import checkpoint_dir
 from rl.engine.tracking import Tracker
 from rl.errors import ConfigError
 from rl.models.loading import (
-    apply_lora,
-    load_tokenizer,
-    load_trainable_policy,
     release_device_cache,
     resolve_dtype,
     trainable_fraction,
 )
-from rl.models.reference import ReferencePolicy
 from rl.models.reward import load_reward_model
 from rl.models.value import Critic, PPOModel
 from rl.rollout.episodes import run_episodes
+from rl.rollout.prompts import prompt_order
 from rl.trainers.base import Trainer
 from rl.trainers.ppo_config import (
     PPOConfig,
@@ -71,7 +68,6 @@ from rl.trainers.ppo_config import (
     load_prompt_data,
     ppo_dry_run_models,
     ppo_plan,
-    prompt_order,
 )
 from rl.trainers.ppo_math import (
     critic_loss,
@@ -86,7 +82,6 @@ from rl.trainers.ppo_rewards import (
     build_reward_source,
     ppo_scores,
 )
-from rl.trainers.rewards import RewardModelReward
 
 
 class PPOTrainer(Trainer):
@@ -100,39 +95,28 @@ class PPOTrainer(Trainer):
 
     def __init__(self, config: PPOConfig, *, model: nn.Module | None = None, tokenizer=None,
                  reward_fn: Callable | None = None, reward_model=None):
-        cfg = self.cfg = self.config = config
-        torch.manual_seed(cfg.seed)
-        self.tokenizer = tokenizer or load_tokenizer(cfg.model_name, cfg.trust_remote_code, padding_side="left")
-        # Rewards first: a missing source fails in a second, and a reward model loaded before the
-        # accelerator is not partitioned by ZeRO-3's load-time sharding (nothing would gather it).
-        self.reward = build_reward_source(cfg, self.tokenizer, reward_fn, reward_model)
-        critic_rm = None
-        if cfg.value_model == "critic":
-            critic_rm = load_reward_model(cfg.critic_model_path or cfg.reward_model_path or cfg.model_name,
-                                          dtype="float32", trainable=True, trust_remote_code=cfg.trust_remote_code)
-            for p in critic_rm.head.parameters():
-                p.requires_grad_(True)
-        self.train_dtype = resolve_dtype(cfg.dtype)
-        self.accelerator = build_accelerator(
-            cfg.gradient_accumulation_steps, device=cfg.device, micro_batch_size=cfg.micro_batch_size,
-            max_grad_norm=cfg.max_grad_norm, mixed_precision="bf16" if self.train_dtype == torch.bfloat16 else "no",
-            deepspeed_config=cfg.deepspeed)
-        if critic_rm is not None and is_deepspeed(self.accelerator):
+        cfg = config
+        self._critic_rm = None
+
+        def rewards():  # before the accelerator: a missing source fails in a second, nothing is ZeRO-3 sharded
+            if cfg.value_model == "critic":
+                self._critic_rm = load_reward_model(cfg.critic_model_path or cfg.reward_model_path or cfg.model_name,
+                                                    dtype="float32", trainable=True,
+                                                    trust_remote_code=cfg.trust_remote_code)
+                for p in self._critic_rm.head.parameters():
+                    p.requires_grad_(True)
+            return build_reward_source(cfg, self.tokenizer, reward_fn, reward_model)
+
+        # kl_penalty_coef = 0 stays 0 (adaptive KL multiplies it): no KL penalty, so no reference at all
+        model = self.build(config, model=model, tokenizer=tokenizer, micro_batch_size=cfg.micro_batch_size,
+                           padding_side="left", rewards=rewards,
+                           reference=dict(name=cfg.ref_model, needed=cfg.kl_penalty_coef > 0))
+        if self._critic_rm is not None and is_deepspeed(self.accelerator):
             raise ConfigError("value_model=critic is not supported under DeepSpeed yet; use value_model=shared "
                               "(the value head is sharded with the policy)")
-        rm = self.reward.find(RewardModelReward)
-        if rm is not None and not getattr(rm.model.config, "quantization", None):
-            rm.model.to(self.accelerator.device)
-        if model is None:
-            model = load_trainable_policy(cfg)
-        # decided before LoRA: with LoRA and no explicit ref_model the policy without adapters is the reference
-        # kl_penalty_coef = 0 stays 0 (adaptive KL multiplies it): no KL penalty, so no reference at all
-        self.reference = ReferencePolicy.build(cfg, model, self.accelerator, name=cfg.ref_model,
-                                               needed=cfg.kl_penalty_coef > 0)
-        if cfg.lora.enabled:
-            model = apply_lora(model, cfg.lora.rank, cfg.lora.alpha, cfg.lora.dropout, cfg.lora.target_modules)
+        self.train_dtype = resolve_dtype(cfg.dtype)
         self.policy = PPOModel(model, value_head=cfg.value_model == "shared")
-        self.critic = Critic(critic_rm) if critic_rm is not None else None
+        self.critic = Critic(self._critic_rm) if self._critic_rm is not None else None
         self.kl_ctl = (AdaptiveKLController(cfg.kl_penalty_coef, cfg.kl_target, cfg.kl_horizon) if cfg.adaptive_kl
                        else FixedKLController(cfg.kl_penalty_coef))
         self.pipeline = None
@@ -262,15 +246,9 @@ class PPOTrainer(Trainer):
         t_train = time.time() - t2
         # 5. metrics (averaged over processes), KL controller
         local = rollout_stats(exp, raw_scores.to(dev), eos_missing, maskf)
-        for k in sums:
-            local[k] = torch.tensor(sums[k] / counts[k], device=dev)
-        for k, v in extra.items():
-            local[k] = torch.tensor(v, device=dev)
-        keys = sorted(local)
-        vec = torch.stack([torch.as_tensor(local[k], device=dev, dtype=torch.float32).reshape(()) for k in keys])
-        if self.world > 1:
-            vec = acc.reduce(vec, "mean")
-        metrics = {k: float(x) for k, x in zip(keys, vec.tolist())}
+        local = {k: float(v) for k, v in local.items()}
+        local.update({k: sums[k] / counts[k] for k in sums}, **extra)
+        metrics = self.reduce(local)
         self.kl_ctl.update(metrics["objective/kl"], cfg.batch_size * self.world)
         metrics.update({"kl_coef": kl_coef, "learning_rate": lr, "grad_norm": sum(grad_norms) / max(1, len(grad_norms)),
                         "time/generation": t_gen, "time/scoring": t_score, "time/training": t_train,
@@ -352,6 +330,10 @@ class PPOTrainer(Trainer):
         self._iteration = int(extra["iteration"])
         self.kl_ctl.value = float(extra["kl_coef"])
 
+    def checkpoint_parts(self, name: str) -> list[Path]:
+        """The critic's engine state lives in `checkpoints/critic/<name>` beside the policy's."""
+        return [checkpoint_dir(self.run_dir) / "critic" / name] if self.critic_pipeline is not None else []
+
     def save_checkpoint(self, name: str, extra: dict) -> None:
         self.pipeline.save_state(name, extra)
         if self.critic_pipeline is not None:
@@ -391,10 +373,8 @@ class PPOTrainer(Trainer):
         texts = [prompts[i] for i in idx]
         rollout = self._rollout(self.encode_prompts(texts), seed=self.cfg.seed + 1_000_000_007)
         scores, _ = ppo_scores(self.reward, texts, self._decode(rollout), [metadata[i] for i in idx] if metadata else None)
-        vec = torch.stack([scores.mean(), rollout.mask.sum(-1).float().mean().cpu()]).to(acc.device)
-        if self.world > 1:
-            vec = acc.reduce(vec, "mean")
-        return {"eval/scores": float(vec[0]), "eval/response_length": float(vec[1])}
+        return self.reduce({"eval/scores": float(scores.mean()),
+                            "eval/response_length": float(rollout.mask.sum(-1).float().mean())})
 
     # ------------------------------------------------------------------ saving
     def save(self, out_dir: str | None = None) -> str:

@@ -9,8 +9,6 @@ import math
 from pathlib import Path
 from typing import Literal, Sequence
 
-import torch
-
 from rl.algos import names
 from rl.config.fields import opt
 from rl.config.schema import TrainConfig
@@ -18,10 +16,10 @@ from rl.data.records import (
     has_data,
     load_records,
     read_records,
-    render_chat,
     source_options,
 )
 from rl.errors import ConfigError
+from rl.rollout.prompts import encode_prompt
 
 logger = logging.getLogger(__name__)
 
@@ -222,37 +220,17 @@ def load_prompt_data(cfg: PPOConfig) -> tuple[list[str] | None, list[dict] | Non
 
 
 def encode_prompts(tok, prompts: Sequence[str], cfg: PPOConfig) -> list[list[int]]:
-    """Token ids of each prompt (BOS first when the tokenizer `tok` has one), keeping the LAST
-    max_length - max_new_tokens tokens of a prompt that is too long."""
+    """Token ids of each prompt (`rl.rollout.prompts.encode_prompt`: BOS once, the chat template with
+    chat_template), keeping BOS and the LAST max_length - max_new_tokens tokens of a prompt that is too long."""
     room = cfg.max_length - cfg.max_new_tokens
-    bos = [tok.bos_token_id] if getattr(tok, "bos_token_id", None) is not None else []
-    out, cut = [], 0
+    out = []
     for p in prompts:
         if not isinstance(p, str):
             raise ConfigError(f"prompts must be strings, got {type(p).__name__}")
-        if cfg.chat_template:
-            p = render_chat(tok, [{"role": "user", "content": p}], add_generation_prompt=True)
-        ids = tok(p, add_special_tokens=False)["input_ids"]
-        if bos and ids[:1] == bos:
-            ids = ids[1:]
-        ids = bos + ids
-        if len(ids) > room:
-            ids, cut = bos + ids[len(ids) - room + len(bos):], cut + 1
-        out.append(ids)
+        out.append(encode_prompt(tok, p, None, cfg.chat_template))
+    cut = sum(len(ids) > room for ids in out)
     if cut:
         logger.warning("%d prompts were longer than max_length - max_new_tokens = %d tokens and lost their "
                        "beginning", cut, room)
-    return out
-
-
-def prompt_order(iteration: int, n: int, global_batch: int, seed: int) -> list[int]:
-    """The iteration's `global_batch` prompt indices out of n: consecutive slices of per-epoch seeded
-    shuffles (so every prompt is used once per epoch), identical on every process."""
-    out, pos = [], iteration * global_batch
-    while len(out) < global_batch:
-        epoch, offset = divmod(pos, n)
-        order = torch.randperm(n, generator=torch.Generator().manual_seed(seed + epoch)).tolist()
-        take = order[offset:offset + global_batch - len(out)]
-        out += take
-        pos += len(take)
-    return out
+    return [encode_prompt(tok, p, room, cfg.chat_template) if len(ids) > room else ids
+            for p, ids in zip(prompts, out)]

@@ -15,27 +15,16 @@ import dataclasses
 import logging
 import time
 from functools import partial
-from pathlib import Path
 
 import torch
 
 from rl.config.fields import opt
-from rl.config.parse import save_config, to_dict
 from rl.config.plan import epoch_plan
 from rl.config.schema import TrainConfig
 from rl.data.sft import collate, counted_tokens
 from rl.engine import losses
-from rl.engine.dist import build_accelerator, zero_stage
+from rl.engine.dist import zero_stage
 from rl.engine.packing import pack_examples
-from rl.engine.tracking import Tracker
-from rl.models.loading import (
-    apply_lora,
-    load_tokenizer,
-    load_trainable_policy,
-    resolve_dtype,
-    trainable_fraction,
-)
-from rl.models.saving import save_pretrained
 from rl.trainers.epoch import EpochTrainer
 
 logger = logging.getLogger(__name__)
@@ -73,19 +62,7 @@ class SFTTrainer(EpochTrainer):
     """SFT on the shared lifecycle (rl.trainers.base): one `train_step` is one optimizer step."""
 
     def __init__(self, config: SFTConfig, *, model=None, tokenizer=None):
-        self.cfg = cfg = config
-        torch.manual_seed(cfg.seed)
-        train_dtype = resolve_dtype(cfg.dtype)
-        self.accelerator = build_accelerator(
-            cfg.gradient_accumulation_steps, micro_batch_size=cfg.batch_size, max_grad_norm=cfg.max_grad_norm,
-            mixed_precision="bf16" if train_dtype == torch.bfloat16 else "no", deepspeed_config=cfg.deepspeed)
-        self.tokenizer = tokenizer or load_tokenizer(cfg.model_name, cfg.trust_remote_code)
-        if model is None:
-            model = load_trainable_policy(cfg)
-        if cfg.lora.enabled:
-            model = apply_lora(model, cfg.lora.rank, cfg.lora.alpha, cfg.lora.dropout, cfg.lora.target_modules)
-        self.trainable, self.total_params = trainable_fraction(model)
-        self._model = model
+        self.build(config, model=model, tokenizer=tokenizer)
 
     def plan(self, n_examples: int) -> dict:
         """Derived sizes, computed once (see `rl.config.fields.epoch_plan`)."""
@@ -94,12 +71,8 @@ class SFTTrainer(EpochTrainer):
     def train(self, train_examples: list[dict], eval_examples: list[dict] | None = None) -> list[dict]:
         cfg, acc = self.cfg, self.accelerator
         plan = self._plan = self.plan(len(train_examples))
-        out = Path(cfg.output_dir)
         self.pipeline = self.build_pipeline(self._model, plan["total_steps"], cfg.batch_size)
-        if acc.is_main_process:
-            save_config(cfg, out)
-        tracker = Tracker(out, cfg.report_to, cfg.run_name, to_dict(cfg), plan["total_steps"],
-                          acc.is_main_process, desc="sft")
+        tracker = self.open_run(plan["total_steps"], desc="sft")
         tracker.write(f"sft: {len(train_examples)} examples, {plan['total_steps']} steps, global batch "
                       f"{plan['global_batch']} ({self.world} processes, ZeRO stage {zero_stage(acc)}), "
                       f"trainable {self.trainable:,}/{self.total_params:,} parameters")
@@ -132,11 +105,12 @@ class SFTTrainer(EpochTrainer):
             n_tok += r.num_tokens
             correct += r.metrics["correct"]
         o = pipe.optim_step(max_grad_norm=cfg.max_grad_norm).result()
-        totals = acc.reduce(torch.tensor([nll_sum, n_tok, correct], device=acc.device, dtype=torch.float64), "sum")
+        t = self.reduce({"nll": nll_sum, "tokens": n_tok, "correct": correct}, "sum")
         self._num_tokens += sum(len(ex["input_ids"]) for ex in batch)  # input tokens so far, as TRL counts them
-        return [{"step": pipe.step, "loss": float(totals[0] / totals[1].clamp(min=1)), "grad_norm": o.grad_norm,
+        n = max(t["tokens"], 1)
+        return [{"step": pipe.step, "loss": t["nll"] / n, "grad_norm": o.grad_norm,
                  "learning_rate": o.learning_rate, "epoch": self.epoch_progress, "num_tokens": self._num_tokens,
-                 "mean_token_accuracy": float(totals[2] / totals[1].clamp(min=1)), "step_time": time.time() - t0}]
+                 "mean_token_accuracy": t["correct"] / n, "step_time": time.time() - t0}]
 
     def checkpoint_extra(self) -> dict:
         return {**super().checkpoint_extra(), "num_tokens": self._num_tokens}
@@ -157,13 +131,6 @@ class SFTTrainer(EpochTrainer):
             nll += r.loss * r.num_tokens
             n += r.num_tokens
         return {"eval/loss": nll / max(n, 1)}
-
-    def save(self, out_dir: str | None = None) -> str:
-        """Write the final model and tokenizer (LoRA: the PEFT adapter); every process must call it."""
-        out = out_dir or self.cfg.output_dir
-        save_pretrained(self.pipeline.model, self.tokenizer, out, self.accelerator, merged=self.cfg.save_merged)
-        self.accelerator.wait_for_everyone()
-        return out
 
 
 def _split(items: list, n: int) -> list[list]:
