@@ -42,6 +42,41 @@ import torch
 
 logger = logging.getLogger(__name__)
 
+# ------------------------------------------------------------------------------------ registry
+
+# env_type name -> factory(tokenizer, **env_config) -> environment. Each environment module registers its
+# own factory (`@register_env("math")` above `create_math_problem_env`); rl.envs.registry imports them all.
+ENV_REGISTRY: dict[str, Callable[..., Any]] = {}
+
+
+def register_env(name: str, factory: Callable[..., Any] | None = None):
+    """Register `factory(tokenizer, **env_config) -> environment` as the environment type `name` (what
+    `make_env`, `env_type` and `rl_env_type` accept): `register_env(name, factory)`, or `@register_env(name)`
+    above the factory. A name is a non-empty string without ':' (that means 'module:function'); another
+    factory under a taken name is a ValueError. Returns the factory (the decorator form: a decorator)."""
+    if not isinstance(name, str) or not name.strip() or ":" in name:
+        raise ValueError(f"environment type names are non-empty strings without ':', got {name!r}")
+
+    def add(fn: Callable[..., Any]) -> Callable[..., Any]:
+        if not callable(fn):
+            raise TypeError(f"register_env({name!r}): {fn!r} is not callable")
+        prev = ENV_REGISTRY.get(name)
+        same = prev is fn or (prev is not None and (prev.__module__, prev.__qualname__)
+                              == (getattr(fn, "__module__", None), getattr(fn, "__qualname__", None)))  # a reload
+        if prev is not None and not same:
+            where = f"{getattr(prev, '__module__', '?')}.{getattr(prev, '__qualname__', prev)}"
+            raise ValueError(f"environment type {name!r} is already registered ({where}); pick another name")
+        ENV_REGISTRY[name] = fn
+        return fn
+
+    return add if factory is None else add(factory)
+
+
+def env_types() -> tuple[str, ...]:
+    """The registered environment type names, sorted (the same whichever module was imported first)."""
+    return tuple(sorted(ENV_REGISTRY))
+
+
 # ------------------------------------------------------------------------------------ dataclasses
 
 

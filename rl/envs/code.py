@@ -44,7 +44,8 @@ from typing import Any, Callable, Sequence
 
 from rl.data.records import read_records
 from rl.envs import isolation, sandbox
-from rl.envs.objectives import MultiObjectiveRewardEnv
+from rl.envs.base import register_env
+from rl.envs.objectives import NAMED_COMPONENTS, MultiObjectiveRewardEnv
 from rl.errors import ConfigError, DataError
 
 logger = logging.getLogger(__name__)
@@ -107,6 +108,14 @@ def style_score(code: str, tree: ast.Module | None = None) -> float:
         not any(isinstance(n, ast.ImportFrom) and any(a.name == "*" for a in n.names) for n in ast.walk(tree)),
     ]
     return sum(checks) / len(checks)
+
+
+# The multi_objective environment's named components for code (next to correctness, formatting, ...).
+NAMED_COMPONENTS.update(
+    syntax=lambda prompt, generated, full_text: 1.0 if parse_code(extract_code(generated, prompt)) else 0.0,
+    style=lambda prompt, generated, full_text: style_score(extract_code(generated, prompt)))
+
+
 _AST_OPS = {ast.Eq: "==", ast.NotEq: "!=", ast.Lt: "<", ast.LtE: "<=", ast.Gt: ">", ast.GtE: ">=",
             ast.In: "in", ast.NotIn: "not in", ast.Is: "is", ast.IsNot: "is not"}
 # `3 == f(x)` is `f(x) == 3`: the comparison seen from the call's side.
@@ -347,6 +356,7 @@ class CodeGenerationEnv(MultiObjectiveRewardEnv):
             return list(pool.map(one, jobs))
 
 
+@register_env("code")
 def create_code_generation_env(tokenizer, problems_path: str | None = None, run_tests: bool = False,
                                syntax_weight: float = 1.0, style_weight: float = 0.1, tests_weight: float = 1.0,
                                timeout: float = 5.0, memory_mb: int = 512, max_workers: int = 2,

@@ -38,6 +38,7 @@ import zlib
 from typing import Callable, Sequence
 
 from rl.data.records import read_records
+from rl.envs.base import register_env
 from rl.envs.objectives import MultiObjectiveRewardEnv
 from rl.errors import DataError
 from rl.rewards import answers as R
@@ -166,6 +167,7 @@ def load_math_problems(path: str, max_examples: int | None = None) -> list[dict]
     return out
 
 
+@register_env("math")
 def create_math_problem_env(tokenizer, problems_path: str | None = None, num_problems: int = 1000,
                             difficulty: str = "easy", seed: int = 0, split: str = "train",
                             holdout_fraction: float = 0.2, answer_format: str = "plain",

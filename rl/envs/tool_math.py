@@ -33,6 +33,7 @@ from __future__ import annotations
 import random
 from typing import Sequence
 
+from rl.envs.base import register_env
 from rl.envs.code import check_sandbox
 from rl.envs.math import MathProblemEnv, load_math_problems, problem_split
 from rl.envs.tools import (
@@ -122,6 +123,7 @@ def generate_product_problem(rng: random.Random, digits: Sequence[int] = (3, 2),
             return f"{a}*{b}", str(a * b)
 
 
+@register_env("tool_math")
 def create_tool_math_env(tokenizer, problems_path: str | None = None, num_problems: int = 1000,
                          digits: Sequence[int] = (3, 2), answer_digits: int | None = None, seed: int = 0,
                          split: str = "train",
