@@ -53,7 +53,7 @@ def pad_batch(seqs: Sequence[Sequence[int]], pad_id: int, side: str = "right") -
     return ids, mask
 
 
-def _stack_pair(ids_a, mask_a, ids_b, mask_b, pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+def stack_pair(ids_a, mask_a, ids_b, mask_b, pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Concatenate two (B, Ta) / (B, Tb) batches along the batch, right-padding the shorter."""
     if mask_a is None:
         mask_a = torch.ones_like(ids_a)
@@ -351,7 +351,7 @@ def pack_pairs(examples: list[dict], pad_token_id: int) -> dict[str, torch.Tenso
     return out
 
 
-def _shards(n: int, batch_size: int, world: int, rank: int):
+def shard_batches(n: int, batch_size: int, world: int, rank: int):
     """Yield (indices, weights) micro-batches of this rank's share of range(n); every rank gets the same
     number of batches of the same size, padding with index 0 at weight 0."""
     per_rank = math.ceil(n / world)

@@ -53,15 +53,16 @@ import subprocess
 import sys
 import tempfile
 
-_NS_ARGV = ["unshare", "--user", "--map-root-user", "--net", "--pid", "--fork", "--kill-child"]
+# `unshare` without a private root: the "network" level (empty network namespace, private PID namespace).
+NS_ARGV = ["unshare", "--user", "--map-root-user", "--net", "--pid", "--fork", "--kill-child"]
 INPUT_DIR = "/.rl-input"  # where, under a private root, the program's files arrive read-only
 ISOLATION_LEVELS = ("private-root", "network", "none")
-_JOIN_CGROUP = 'echo $$ > "$0/cgroup.procs"'  # sh: move this shell into the cgroup named by $0
+JOIN_CGROUP = 'echo $$ > "$0/cgroup.procs"'  # sh: move this shell into the cgroup named by $0
 # System directories bound read-only into a private root (or recreated as the symlinks they are).
 _SYSTEM_DIRS = ("/usr", "/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32")
 
 
-def _interpreter() -> str:
+def interpreter() -> str:
     """The real Python binary (not a venv's link to it): the child needs only the standard library,
     and with a private root only the base installation is bound in, never the venv or checkout."""
     return os.path.realpath(getattr(sys, "_base_executable", None) or sys.executable)
@@ -71,7 +72,7 @@ def _python_dirs() -> list[str]:
     """Directories of the Python installation outside the system directories (e.g. pyenv under
     /root): bound read-only so the interpreter finds its standard library."""
     dirs = []
-    for d in (sys.base_prefix, sys.base_exec_prefix, os.path.dirname(_interpreter())):
+    for d in (sys.base_prefix, sys.base_exec_prefix, os.path.dirname(interpreter())):
         d = os.path.realpath(d)
         if d in ("/", "") or any(d == s or d.startswith(s + "/") for s in _SYSTEM_DIRS):
             continue
@@ -135,7 +136,9 @@ def _unshare_root_argv(mountpoint: str, workdir: str, srcdir: str, disk_bytes: i
             "--kill-child", "/bin/sh", "-c", "\n".join(lines), "rl-sandbox-root"]
 
 
-def _private_root_argv(mechanism: str, workdir: str, srcdir: str, disk_bytes: int, mountpoint: str) -> list[str]:
+def private_root_argv(mechanism: str, workdir: str, srcdir: str, disk_bytes: int, mountpoint: str) -> list[str]:
+    """The command prefix that runs a program under a private root built by `mechanism` ('bwrap' or
+    'unshare', see `private_root_mechanism`); `mountpoint` is an empty host directory (unshare only)."""
     if mechanism == "bwrap":
         return _bwrap_argv(workdir, srcdir, disk_bytes)
     return _unshare_root_argv(mountpoint, workdir, srcdir, disk_bytes)
@@ -152,7 +155,7 @@ def _private_root_works(mechanism: str) -> bool:
         os.mkdir(mnt)
         secret = os.path.join(tmp, "outside")
         open(secret, "w").close()
-        argv = [*_private_root_argv(mechanism, "/tmp/probe", src, 1 << 20, mnt), _interpreter(), "-I", "-S", "-c",
+        argv = [*private_root_argv(mechanism, "/tmp/probe", src, 1 << 20, mnt), interpreter(), "-I", "-S", "-c",
                 f"import os; assert not os.path.exists({secret!r}) and os.getcwd() == '/tmp/probe'"]
         proc = subprocess.run(argv, capture_output=True, timeout=10, env={"PATH": os.defpath}, cwd=tmp)
     except (OSError, subprocess.TimeoutExpired):
@@ -193,7 +196,7 @@ def namespaces_available() -> bool:
     if shutil.which("unshare") is None:
         return False
     try:
-        proc = subprocess.run([*_NS_ARGV, _interpreter(), "-I", "-S", "-c", "pass"],
+        proc = subprocess.run([*NS_ARGV, interpreter(), "-I", "-S", "-c", "pass"],
                               capture_output=True, timeout=10)
     except (OSError, subprocess.TimeoutExpired):
         return False

@@ -159,7 +159,7 @@ def _pids_cgroup_parent() -> str | None:
         try:
             # Creating is not joining (cgroup v2 refuses tasks in an inner node): try what run_python does.
             ok = (probe / "pids.max").exists() and subprocess.run(
-                ["/bin/sh", "-c", isolation._JOIN_CGROUP, str(probe)], capture_output=True, timeout=10).returncode == 0
+                ["/bin/sh", "-c", isolation.JOIN_CGROUP, str(probe)], capture_output=True, timeout=10).returncode == 0
         except (OSError, subprocess.TimeoutExpired):
             ok = False
         _remove_cgroup(str(probe))
@@ -254,7 +254,7 @@ def run_python(code: str, *, timeout: float = 5.0, cpu_seconds: int | None = Non
                 fh.write(text)
         # Inside a user namespace RLIMIT_NPROC counts only the sandbox's own processes.
         nproc = max_processes if level != "none" else 0
-        argv = [isolation._interpreter(), "-I", "-S", "-c", _RUNNER, str(cpu), str(memory_mb << 20),
+        argv = [isolation.interpreter(), "-I", "-S", "-c", _RUNNER, str(cpu), str(memory_mb << 20),
                 str(max_output_bytes), "256", str(nproc), "1" if isolate_network else "0", prog,
                 isolation.INPUT_DIR if level == "private-root" else "-"]
         if level == "private-root":
@@ -262,14 +262,14 @@ def run_python(code: str, *, timeout: float = 5.0, cpu_seconds: int | None = Non
             mountpoint = os.path.join(iodir, "root")  # empty on the host; the root's tmpfs covers it inside
             os.mkdir(mountpoint)
             mechanism = isolation.private_root_mechanism()
-            argv = [*isolation._private_root_argv(mechanism, workdir, workdir, disk_mb << 20, mountpoint), *argv]
+            argv = [*isolation.private_root_argv(mechanism, workdir, workdir, disk_mb << 20, mountpoint), *argv]
         elif level == "network":
             mechanism = "unshare"
-            argv = [*isolation._NS_ARGV, *argv]
+            argv = [*isolation.NS_ARGV, *argv]
         cgroup = _make_pids_cgroup(max_processes)
         if cgroup is not None:
             # Join the cgroup before anything forks: the shell moves itself in, then becomes the sandbox.
-            argv = ["/bin/sh", "-c", isolation._JOIN_CGROUP + ' && exec "$@"', cgroup, *argv]
+            argv = ["/bin/sh", "-c", isolation.JOIN_CGROUP + ' && exec "$@"', cgroup, *argv]
         env = {"PATH": os.defpath, "HOME": workdir, "TMPDIR": workdir, "LANG": "C.UTF-8"}
         out_path, err_path = os.path.join(iodir, "stdout"), os.path.join(iodir, "stderr")
         start = time.monotonic()

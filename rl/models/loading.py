@@ -13,7 +13,7 @@ import torch
 from rl.errors import ConfigError
 from rl.models.saving import adapter_base
 from rl.models.sources import resolve_model_path
-from rl.models.tiny import _without_zero3_init
+from rl.models.tiny import without_zero3_init
 
 
 def resolve_dtype(name: str | None) -> torch.dtype:
@@ -69,7 +69,7 @@ def load_causal_lm(name: str, dtype: str | torch.dtype | None = "auto", trust_re
 
         # Merged on whole tensors: under a ZeRO-3 launch, zero.Init would leave each process a shard to
         # merge into; DeepSpeed partitions the merged model when the engine is built instead.
-        with _without_zero3_init():
+        with without_zero3_init():
             model = load_causal_lm(base, dtype, trust_remote_code, attn_implementation, gradient_checkpointing,
                                    quantization, task, num_labels)
             model = PeftModel.from_pretrained(model, path).merge_and_unload()

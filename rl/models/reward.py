@@ -31,7 +31,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from rl.algos.reduce import masked_mse
-from rl.data.preference import _stack_pair, encode_texts, pad_batch
+from rl.data.preference import stack_pair, encode_texts, pad_batch
 from rl.engine.packing import pool_packed, position_ids_from_mask
 from rl.errors import ConfigError
 from rl.models.loading import apply_lora, load_causal_lm, load_tokenizer
@@ -277,7 +277,7 @@ class PairwiseRewardModel(RewardModel):
     def forward_pair(self, input_ids_a, attention_mask_a, input_ids_b, attention_mask_b) -> torch.Tensor:
         """(B,) logit that A is preferred; A and B go through the backbone as one batch of 2B rows,
         so any B >= 1 works and both sides see the same dropout mode."""
-        ids, mask = _stack_pair(input_ids_a, attention_mask_a, input_ids_b, attention_mask_b, self.pad_token_id)
+        ids, mask = stack_pair(input_ids_a, attention_mask_a, input_ids_b, attention_mask_b, self.pad_token_id)
         r = self.rewards(ids, mask)[:, 0]
         n = input_ids_a.shape[0]
         return r[:n] - r[n:]

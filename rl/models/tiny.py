@@ -138,7 +138,7 @@ def _build_into(tmp: Path, family: str, task: str, hidden: int, layers: int, hea
                        pad_id=tok.pad_token_id, bos_id=tok.bos_token_id, eos_id=tok.eos_token_id)
     torch.manual_seed(seed)
     cls = AutoModelForSequenceClassification if task == "classifier" else AutoModelForCausalLM
-    with _without_zero3_init():
+    with without_zero3_init():
         model = cls.from_config(cfg)
     # Written piece by piece, not with model.save_pretrained: that writes only on torch.distributed
     # rank 0, and under `accelerate launch` the rank that takes the lock first may be another one
@@ -156,7 +156,7 @@ def _build_into(tmp: Path, family: str, task: str, hidden: int, layers: int, hea
 
 
 @contextlib.contextmanager
-def _without_zero3_init():
+def without_zero3_init():
     """Build the full tiny model locally even inside a ZeRO-3 run.
 
     Under `accelerate launch --use_deepspeed` transformers would build it with `zero.Init`, a
