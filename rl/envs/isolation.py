@@ -1,46 +1,28 @@
-"""Run untrusted, model-generated Python in a separate, resource-limited, isolated process.
+"""Isolation for the sandbox (rl.envs.sandbox): which namespaces this machine lets a child have, probed
+once per process, and the command prefixes that put a program inside them.
 
-Nothing here executes model code in the calling process: every program runs in a child
-`python -I -S` (isolated mode: PYTHON* variables, the user site and `site`/`sitecustomize`/`.pth`
-hooks are all off) started in its own session, so a timeout kills its whole process group.
-
-Isolation levels (`isolation_level()`, best first; `SandboxResult.isolation` says which one ran):
+Isolation levels (`isolation_level()`, best first, one of ISOLATION_LEVELS):
 - "private-root": new user, mount, PID, network, IPC and UTS namespaces and a root of its own: /usr
   (and the /bin, /lib* links) plus the Python installation read-only, a fresh /proc of its own PID
   namespace, a minimal /dev, a read-only root, and one writable, size-capped tmpfs at /tmp holding
-  its working directory. Nothing else exists in it: not the checkout, /home, /root, /work, the
-  output or cache directories, /etc, /var or the host's /tmp. All capabilities are dropped, so it
-  cannot remount anything. Built by Debian's `bubblewrap` (`bwrap`) where it works, else by
-  util-linux alone (`unshare` + `mount` + `pivot_root` + `setpriv`, see `_unshare_root_argv`);
-  `SandboxResult.mechanism` says which.
-- "network": `unshare --user --map-root-user --net --pid --fork --kill-child` (no private root
-  possible): an empty network namespace and a private PID namespace, but the file system is the host's.
+  its working directory; the program's files are bound read-only at INPUT_DIR. Nothing else exists
+  in it: not the checkout, /home, /root, /work, the output or cache directories, /etc, /var or the
+  host's /tmp. All capabilities are dropped, so it cannot remount anything. Built by Debian's
+  `bubblewrap` (`bwrap`, `_bwrap_argv`) where it works, else by util-linux alone (`unshare` + `mount`
+  + `pivot_root` + `setpriv`, `_unshare_root_argv`); `private_root_mechanism()` says which, and
+  `private_root_argv(mechanism, ...)` gives its command prefix.
+- "network": `NS_ARGV`, i.e. `unshare --user --map-root-user --net --pid --fork --kill-child` (no
+  private root possible): an empty network namespace and a private PID namespace, but the file
+  system is the host's.
 - "none": resource limits only (no namespaces at all).
-`run_python(..., require_private_root=True)` raises rather than run below "private-root"; the code
-environment does that unless its config says `sandbox: unisolated`.
 
-Limits (every level)
-- Wall time: the parent waits `timeout` seconds, then SIGKILLs the process group (and, with namespaces,
-  the whole PID namespace, which also catches children that called `setsid`).
-- CPU time: RLIMIT_CPU (the kernel kills the process when it is spent).
-- Memory: RLIMIT_AS (address space) per process; allocations past it raise MemoryError in the child.
-- Processes: where this user may create a pids cgroup (root in a container with cgroup v1, or a
-  delegated v2 subtree), the child runs in one with `pids.max = max_processes`, so a fork bomb stops
-  at that many; inside a user namespace RLIMIT_NPROC is set too (the kernel ignores it for real root).
-- Files written: RLIMIT_FSIZE per file (which also bounds captured stdout/stderr); RLIMIT_NOFILE; no
-  core; with a private root all writes land in the `disk_mb` tmpfs.
-- Network: no route out in a network namespace ("Network is unreachable"); as a second, weaker layer
-  the runner replaces `socket.socket` before user code runs.
-- Environment: reduced to PATH/HOME/TMPDIR/LANG; HOME and TMPDIR are the working directory.
+Each mechanism is probed by running it (`_private_root_works`: the probe must start Python and must not
+see a file of this process), because a tool may be installed yet unable to create namespaces. The
+child's interpreter is the base installation's real binary (`interpreter()`), never a venv's link, so
+only the standard library needs binding in. `NO_PRIVATE_ROOT` is the one-line refusal with its fixes;
+`JOIN_CGROUP` is the shell line that moves the sandbox's first process into its pids cgroup.
 
-What is NOT isolated
-- Below "private-root", the file system: the child runs as the trainer's user and can read and write
-  whatever that user can.
-- The kernel: namespaces are not a VM; a kernel exploit escapes them. /proc shows host-wide
-  information (CPU, memory, kernel version), not other processes.
-- Without a pids cgroup and as root, a fork bomb is bounded by the wall-time kill and the PID
-  namespace (its lifetime), not by a process count; total memory is per-process times processes.
-- Without user namespaces, the socket block is Python-level only and can be bypassed (e.g. `_socket`).
+Not isolated at any level: the kernel (namespaces are not a VM; see rl.envs.sandbox for the rest).
 """
 
 from __future__ import annotations

@@ -1,33 +1,23 @@
-"""RL environments: episodes and rewards for text generation, multiple objectives, preferences, math, code.
+"""Environments over several reward sources, and the factories of the three environments built from a
+list of prompts (text_generation, multi_objective, preference_comparison).
 
-Two APIs over the same reward logic:
+`MultiObjectiveRewardEnv`: reward = sum_k w_k * component_k (weights default to 1.0); each component
+is reported as `reward_<name>`, the sum as `reward_total`, and `reward_functions()` gives GRPO the
+components one by one with their weights. A config names its components from `NAMED_COMPONENTS`
+(correctness, formatting, length, length_penalty; rl.envs.code adds syntax and style) or as
+`module:function`.
 
-* The reference's per-token API: `obs = env.reset()`, `result = env.step(token)` until `result.done`,
-  `env.render()`. The reward is terminal (0.0 until the episode ends), as in the reference.
-* The batched episode API the trainers use (PPO/GRPO/RLOO):
+`PreferenceComparisonEnv`: two responses per prompt, the second `step()` compares them. With a
+preference model (an HF sequence classifier, anything with `score(texts)`, or a callable) the pair's
+reward is the Bradley-Terry margin s(r1) - s(r2), and `preference_prob` = sigmoid(margin) is
+P(r1 preferred); without one, `human_feedback_fn(prompt, r1, r2)` gives it. Deviation from the
+reference implementation (see shared/reference/README.md): it scores with the given model or callback,
+never a random number, and refuses to start with neither.
 
-      batch = env.sample_prompts(n, seed)              # [{"prompt": str, "metadata": dict}, ...]
-      rewards, metrics = env.score(prompts, completions, metadata)
-      # rewards: list[float], one per completion; metrics: {name: list[float]} aligned with it
-
-  `env(prompts, responses, metadata=None) -> list[float]` is the same as `score(...)[0]`, so an
-  environment can be passed wherever a `reward_fn(prompts, responses, metadata)` is expected.
-  `sample_prompts` is deterministic in `seed` (every rank of a distributed run gets the same batch and
-  shards it); for GRPO, repeat each prompt `num_generations` times before generating.
-
-Episodes end at EOS, at the first stop sequence, or when prompt + completion reaches `max_length`
-tokens. Scoring sees the completion cut before its first stop sequence, in `step()` and `score()` alike.
-
-Reward functions given to the environments may be per-sample, `fn(prompt, generated, full_text)` (the
-reference's signature; a `metadata` keyword is passed when the function accepts one), or batched,
-`fn(prompts, responses, metadata=None) -> list[float]` (rl.rewards.answers' signature, recognised by its first
-parameter being named `prompts`).
-
-Deviations from the reference implementation (see shared/reference/README.md): the math environment
-parses the answer and compares numbers (the substring "correct" earns nothing), the code environment
-rewards only non-empty parseable code and runs unit tests only in `rl.envs.sandbox`, which returns the
-candidate's outputs while the expected values stay in the trainer (see `run_unit_tests`), and the preference
-environment scores with the given model or callback, never a random number.
+Factories (registered with `register_env`): `create_text_generation_env`, `create_multi_objective_env`,
+`create_preference_comparison_env`. Each takes its prompts as `prompts` (+ `metadata`, one dict per
+prompt) or as the rows of `prompts_path` (a 'prompt' or 'text' column; the other columns become the
+prompt's metadata), then the environment's own keywords.
 """
 
 from __future__ import annotations

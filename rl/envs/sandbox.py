@@ -1,28 +1,24 @@
-"""Run untrusted, model-generated Python in a separate, resource-limited, isolated process.
+"""Run untrusted, model-generated Python in a separate, resource-limited, isolated process:
+`run_python(code, ...) -> SandboxResult`.
 
 Nothing here executes model code in the calling process: every program runs in a child
 `python -I -S` (isolated mode: PYTHON* variables, the user site and `site`/`sitecustomize`/`.pth`
-hooks are all off) started in its own session, so a timeout kills its whole process group.
+hooks are all off) started in its own session, so a timeout kills its whole process group. The
+program and its `files` are written to a fresh working directory; the runner (`_RUNNER`) applies the
+limits inside the child, then runs the program as __main__.
 
-Isolation levels (`isolation_level()`, best first; `SandboxResult.isolation` says which one ran):
-- "private-root": new user, mount, PID, network, IPC and UTS namespaces and a root of its own: /usr
-  (and the /bin, /lib* links) plus the Python installation read-only, a fresh /proc of its own PID
-  namespace, a minimal /dev, a read-only root, and one writable, size-capped tmpfs at /tmp holding
-  its working directory. Nothing else exists in it: not the checkout, /home, /root, /work, the
-  output or cache directories, /etc, /var or the host's /tmp. All capabilities are dropped, so it
-  cannot remount anything. Built by Debian's `bubblewrap` (`bwrap`) where it works, else by
-  util-linux alone (`unshare` + `mount` + `pivot_root` + `setpriv`, see `_unshare_root_argv`);
-  `SandboxResult.mechanism` says which.
-- "network": `unshare --user --map-root-user --net --pid --fork --kill-child` (no private root
-  possible): an empty network namespace and a private PID namespace, but the file system is the host's.
-- "none": resource limits only (no namespaces at all).
+Isolation: the child gets the best level this machine gives (`rl.envs.isolation.isolation_level()`:
+"private-root", "network" or "none"; that module says what each holds and how it is built);
+`SandboxResult.isolation` and `.mechanism` say which one ran. Under a private root the files arrive
+read-only at `isolation.INPUT_DIR` and are copied into a working directory on the root's tmpfs.
 `run_python(..., require_private_root=True)` raises rather than run below "private-root"; the code
-environment does that unless its config says `sandbox: unisolated`.
+environment and the python tool do that unless their config says `sandbox: unisolated`.
 
 Limits (every level)
 - Wall time: the parent waits `timeout` seconds, then SIGKILLs the process group (and, with namespaces,
   the whole PID namespace, which also catches children that called `setsid`).
-- CPU time: RLIMIT_CPU (the kernel kills the process when it is spent).
+- CPU time: RLIMIT_CPU (the kernel kills the process when it is spent; the soft limit's SIGXCPU
+  becomes exit status 152, `SandboxResult.cpu_exceeded`).
 - Memory: RLIMIT_AS (address space) per process; allocations past it raise MemoryError in the child.
 - Processes: where this user may create a pids cgroup (root in a container with cgroup v1, or a
   delegated v2 subtree), the child runs in one with `pids.max = max_processes`, so a fork bomb stops
