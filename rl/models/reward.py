@@ -262,7 +262,7 @@ class RewardModel(nn.Module):
         """Load head and adapters (LoRA) or all weights (full) saved by `save` into this model."""
         load_reward_weights(self, path)
 
-    # the engine's checkpoint hooks (rl.forward_backward): `checkpoint-N/` holds what `save` writes, so it
+    # the engine's checkpoint hooks (rl.engine.pipeline): `checkpoint-N/` holds what `save` writes, so it
     # loads as the final output does (AutoModelForSequenceClassification, PeftModel, load_reward_model)
     def save_checkpoint_weights(self, state_dict: dict, path: Path) -> None:
         save_reward_model(self, path, state_dict)

@@ -1,8 +1,12 @@
-"""Tiny offline models: a byte-level tokenizer and a small causal LM or sequence classifier.
+r"""Tiny offline models: a byte-level tokenizer and a small causal LM or sequence classifier.
 
 Nothing here downloads anything. The model is built from a config with random weights, saved with
 `save_pretrained`, and meant to be loaded back through `AutoTokenizer` / `AutoModelForCausalLM` /
-`AutoModelForSequenceClassification`, which is the same loading path a real checkpoint takes.
+`AutoModelForSequenceClassification`, which is the same loading path a real checkpoint takes. The
+tokenizer has one token per byte plus pad/bos/eos (259 ids) and a chat template that renders any role,
+`tool` included, as `<|role|>\ncontent\n`. `write_tiny_model` is idempotent per spec and safe when
+several processes build the same model at once (a lock file, a temporary directory renamed into
+place); `without_zero3_init` lets it, and other local builds, run inside a ZeRO-3 launch.
 
     python -m rl.models.tiny --family llama --out /tmp/tiny-llama
     python -m rl.models.tiny --family qwen2 --task classifier --out /tmp/tiny-rm
