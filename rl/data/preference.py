@@ -1,6 +1,20 @@
-"""DPO data: preference pairs from a file, tokenised (TRL's prompt/answer split), collated into one
-concatenated batch [chosen..., rejected...] and sharded across processes, and the per-sequence
-answer log-probs of such a batch (prompt and padding never count)."""
+"""Preference data for DPO and reward models: pairs from a file, validated, tokenised, and batched.
+
+Files: `{"prompt", "chosen", "rejected"[, margin]}` rows (`load_preference_pairs`, `load_pairs`;
+`load_pair_records` adds the eval rows: data.eval_path, else a seeded data.eval_fraction split).
+`PreferenceDataset` tokenises them the way TRL does: the prompt alone and prompt + answer are
+tokenised and the answer starts where the two token lists diverge; a too-long prompt keeps its last
+tokens, then answers are cut to fit `max_length`, and message-list rows are rendered with the chat
+template.
+
+Batches: `collate_pairs` puts B pairs into one concatenated batch of 2B rows [chosen..., rejected...],
+padded to this batch's longest row, labels -100 on prompt and padding (so a sequence log-prob sums
+over answer tokens only, whatever the padding), position ids counted over real tokens; `pack_pairs`
+packs the same 2B sequences padding-free. `shard_batches` gives each process its share of the data in
+micro-batches of one size on every rank (padding with weight-0 rows). The reward model's texts are
+`encode_texts` (prompt + answer + EOS, too-long texts keeping their end), `pad_batch` and `pair_batch`
+/ `stack_pair` (the two sides of a pair as one batch).
+"""
 
 from __future__ import annotations
 
