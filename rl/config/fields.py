@@ -1,13 +1,18 @@
-"""Typed recipe configs: a YAML recipe as the base, command-line overrides on top, strict validation.
+"""Schema fields and building a config from a mapping: `opt` and `section` declare fields, `build` turns
+a (nested) mapping into the dataclass, validating every key and value.
 
 Every trainer has one dataclass schema whose fields carry a one-line help text (`opt(default,
-"help")`). `parse_config(Schema, argv)` reads `--config recipe.yaml`, applies `--key value`,
-`--key=value` and `key=value` overrides (dotted keys such as `lora.rank=16` reach nested sections),
-converts each value to the field's type and builds the dataclass. Mistakes become one `ConfigError`
-line naming the key, the value and what was expected; the launch scripts print it and exit with 2.
+"help")`; `REQUIRED` for no default); nested sections (`section(LoraSection, ...)`) are filled from a
+YAML mapping or from dotted keys. `build` converts each value to the field's type (`_convert`: YAML
+and command-line strings alike, so `"3"` is an int where an int is expected and `yes`/`off` a bool,
+`TRUE_WORDS` / `FALSE_WORDS`) and raises one `ConfigError` line naming the key, the value and what was
+expected (`type_name`). An unknown key suggests the closest known one, our own keys before aliases:
+most of what goes wrong with recipes is a typo.
 
-Why not plain argparse or HfArgumentParser: neither merges a YAML base with overrides of nested
-sections, nor suggests the closest key for a typo, which is most of what goes wrong with recipes.
+`ALIASES` is the one alias table: the reference docs' and CLI's names (`rl_kl_coef`, `lr`, ...) and
+TRL's (`per_device_train_batch_size`, `kl_coef`, ...) mapped to our keys, the first target that is a
+field of the schema at hand (`aliases_of`); `VALUE_ALIASES` maps a value too (`bf16: true` ->
+`dtype: bfloat16`).
 """
 
 from __future__ import annotations

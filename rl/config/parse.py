@@ -1,13 +1,16 @@
-"""Typed recipe configs: a YAML recipe as the base, command-line overrides on top, strict validation.
+"""Parsing a trainer's config from the command line: a YAML recipe as the base, overrides on top.
 
-Every trainer has one dataclass schema whose fields carry a one-line help text (`opt(default,
-"help")`). `parse_config(Schema, argv)` reads `--config recipe.yaml`, applies `--key value`,
-`--key=value` and `key=value` overrides (dotted keys such as `lora.rank=16` reach nested sections),
-converts each value to the field's type and builds the dataclass. Mistakes become one `ConfigError`
-line naming the key, the value and what was expected; the launch scripts print it and exit with 2.
+`parse_config(Schema, argv)` reads `--config recipe.yaml`, applies `--key value`, `--key=value` and
+`key=value` overrides (dotted keys such as `lora.rank=16` reach nested sections; a value is read as
+YAML would read it, '3' -> 3, '[1,2]' -> a list, with the field's type deciding what a bare flag
+means), and builds the dataclass with rl.config.fields.build. Mistakes become one `ConfigError` line;
+`cli_config` prints it as `error: ...` and exits with 2, as the launch scripts do. `--help` lists
+every key with its type, default and help text (`help_text`). A reward source given on the command
+line replaces the recipe's reward sources rather than clashing with them.
 
 Why not plain argparse or HfArgumentParser: neither merges a YAML base with overrides of nested
 sections, nor suggests the closest key for a typo, which is most of what goes wrong with recipes.
+`save_config` writes the resolved config (defaults included) beside a run's outputs.
 """
 
 from __future__ import annotations
