@@ -65,15 +65,20 @@ def register_env(name: str, factory: Callable[..., Any] | None = None):
         if not callable(fn):
             raise TypeError(f"register_env({name!r}): {fn!r} is not callable")
         prev = ENV_REGISTRY.get(name)
-        same = prev is fn or (prev is not None and (prev.__module__, prev.__qualname__)
-                              == (getattr(fn, "__module__", None), getattr(fn, "__qualname__", None)))  # a reload
+        where = _qualified_name(prev)
+        # the same function again (its module reloaded) re-registers; a lambda or partial is never the same
+        same = prev is fn or (where == _qualified_name(fn) and "<" not in where)
         if prev is not None and not same:
-            where = f"{getattr(prev, '__module__', '?')}.{getattr(prev, '__qualname__', prev)}"
             raise ValueError(f"environment type {name!r} is already registered ({where}); pick another name")
         ENV_REGISTRY[name] = fn
         return fn
 
     return add if factory is None else add(factory)
+
+
+def _qualified_name(fn) -> str:
+    qualname = getattr(fn, "__qualname__", None)
+    return f"{getattr(fn, '__module__', '?')}.{qualname}" if qualname else repr(fn)
 
 
 def env_types() -> tuple[str, ...]:
