@@ -6,6 +6,8 @@ import json
 import math
 import os
 import re
+import sys
+import textwrap
 from fractions import Fraction
 
 import pytest
@@ -13,7 +15,7 @@ import torch
 
 import rl
 import rl.environments as E
-from rl.envs.base import TextGenerationEnv, run_episode
+from rl.envs.base import ENV_REGISTRY, TextGenerationEnv, register_env, run_episode
 from rl.envs.code import (
     CodeGenerationEnv,
     create_code_generation_env,
@@ -24,7 +26,7 @@ from rl.envs.code import (
 from rl.envs.isolation import private_root_available
 from rl.envs.math import create_math_problem_env
 from rl.envs.objectives import MultiObjectiveRewardEnv, PreferenceComparisonEnv
-from rl.envs.registry import make_env
+from rl.envs.registry import ENV_TYPES, env_types, make_env
 from rl.errors import DataError
 from rl.rewards.answers import parse_number
 
@@ -416,6 +418,72 @@ def test_make_env_all_types(tok, tmp_path):
         make_env("math", tok, "{oops")
     with pytest.raises(ValueError, match="'prompts'"):
         make_env("text_generation", tok, {})
+
+
+def test_env_registry(tok):
+    assert ENV_TYPES == ("code", "math", "multi_objective", "preference_comparison", "text_generation", "tool_math")
+    assert env_types() == tuple(sorted(ENV_REGISTRY)) == ENV_TYPES
+
+    def make(tokenizer, **config):
+        return TextGenerationEnv(tokenizer, ["Q"], **config)
+
+    assert register_env("test_echo", make) is make
+    try:
+        @register_env("test_echo_2")
+        def make_2(tokenizer, **config):
+            return TextGenerationEnv(tokenizer, ["R"], **config)
+
+        assert env_types() == tuple(sorted((*ENV_TYPES, "test_echo", "test_echo_2")))
+        assert make_env("test_echo", tok, {"max_length": 64}).max_length == 64
+        assert make_env("test_echo_2", tok, None).prompts == ["R"]
+        assert register_env("test_echo", make) is make  # the same factory again (a module reload) is fine
+        with pytest.raises(ValueError, match=r"'test_echo' is already registered \(.*make\)"):
+            register_env("test_echo", make_2)
+        with pytest.raises(ValueError, match="'math' is already registered"):
+            register_env("math")(make)
+        with pytest.raises(ValueError, match="bad config for environment 'test_echo'"):
+            make_env("test_echo", tok, {"max_lenght": 64})
+    finally:
+        ENV_REGISTRY.pop("test_echo", None)
+        ENV_REGISTRY.pop("test_echo_2", None)
+    for bad in ("", "pkg:make", None):
+        with pytest.raises(ValueError, match="without ':'"):
+            register_env(bad)
+    with pytest.raises(ValueError, match=r"unknown environment type 'atari'; choose one of code, math, "
+                                         r"multi_objective, .*, tool_math or give 'module:function'"):
+        make_env("atari", tok, {})
+
+
+def test_make_env_from_a_user_module(tok, tmp_path, monkeypatch):
+    (tmp_path / "mymod.py").write_text(textwrap.dedent('''
+        from rl.envs.base import TextGenerationEnv
+
+        def make(tokenizer, prompts, bonus=0.0, max_length=32):
+            return TextGenerationEnv(tokenizer, prompts, max_length=max_length,
+                                     reward_fn=lambda prompt, generated, full_text: len(generated) + bonus)
+
+        not_a_factory = 3
+        '''))
+    monkeypatch.syspath_prepend(str(tmp_path))
+    try:
+        env = make_env("mymod:make", tok, {"prompts": ["Q", "R"], "bonus": 0.5})
+        assert isinstance(env, TextGenerationEnv) and env.prompts == ["Q", "R"] and env.max_length == 32
+        assert env.score(["Q"], ["abc"])[0] == [3.5]
+        assert make_env("mymod:make", tok, '{"prompts": ["Q"]}').score(["Q"], ["ab"])[0] == [2.0]  # JSON config
+        obs = env.reset(0)  # the per-token API works as for a built-in environment
+        assert obs.prompt == "Q" and env.step(tok.eos_token_id).done
+        with pytest.raises(ValueError, match="bad config for environment 'mymod:make'"):
+            make_env("mymod:make", tok, {"prompts": ["Q"], "malus": 1})
+        with pytest.raises(ValueError, match="module 'mymod' has no callable 'not_a_factory'"):
+            make_env("mymod:not_a_factory", tok, {})
+        with pytest.raises(ValueError, match="cannot import environment module 'no_such_module_here'"):
+            make_env("no_such_module_here:make", tok, {})
+        for bad in ("mymod:", ":make", "mymod:make:extra"):
+            with pytest.raises(ValueError, match="'package.module:function'"):
+                make_env(bad, tok, {})
+        assert "mymod:make" not in env_types()  # a path is looked up each time, never registered
+    finally:
+        sys.modules.pop("mymod", None)
 
 
 # ------------------------------------------------------------------------------- trainer adapters

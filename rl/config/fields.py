@@ -1,13 +1,18 @@
-"""Typed recipe configs: a YAML recipe as the base, command-line overrides on top, strict validation.
+"""Schema fields and building a config from a mapping: `opt` and `section` declare fields, `build` turns
+a (nested) mapping into the dataclass, validating every key and value.
 
 Every trainer has one dataclass schema whose fields carry a one-line help text (`opt(default,
-"help")`). `parse_config(Schema, argv)` reads `--config recipe.yaml`, applies `--key value`,
-`--key=value` and `key=value` overrides (dotted keys such as `lora.rank=16` reach nested sections),
-converts each value to the field's type and builds the dataclass. Mistakes become one `ConfigError`
-line naming the key, the value and what was expected; the launch scripts print it and exit with 2.
+"help")`; `REQUIRED` for no default); nested sections (`section(LoraSection, ...)`) are filled from a
+YAML mapping or from dotted keys. `build` converts each value to the field's type (`_convert`: YAML
+and command-line strings alike, so `"3"` is an int where an int is expected and `yes`/`off` a bool,
+`TRUE_WORDS` / `FALSE_WORDS`) and raises one `ConfigError` line naming the key, the value and what was
+expected (`type_name`). An unknown key suggests the closest known one, our own keys before aliases:
+most of what goes wrong with recipes is a typo.
 
-Why not plain argparse or HfArgumentParser: neither merges a YAML base with overrides of nested
-sections, nor suggests the closest key for a typo, which is most of what goes wrong with recipes.
+`ALIASES` is the one alias table: the reference docs' and CLI's names (`rl_kl_coef`, `lr`, ...) and
+TRL's (`per_device_train_batch_size`, `kl_coef`, ...) mapped to our keys, the first target that is a
+field of the schema at hand (`aliases_of`); `VALUE_ALIASES` maps a value too (`bf16: true` ->
+`dtype: bfloat16`).
 """
 
 from __future__ import annotations
@@ -44,18 +49,20 @@ def section(cls: type, help: str = "") -> Any:
 # Type conversion
 # --------------------------------------------------------------------------------------------------
 
-_TRUE = {"true", "yes", "on", "1"}
-_FALSE = {"false", "no", "off", "0"}
+# What a bool field accepts as text (any case), on the command line and in a recipe.
+TRUE_WORDS = {"true", "yes", "on", "1"}
+FALSE_WORDS = {"false", "no", "off", "0"}
 
 
-def _type_name(tp: Any) -> str:
+def type_name(tp: Any) -> str:
+    """How a type reads in a message or in --help: `int or null`, `list[str]`, `'a' | 'b'`."""
     origin = get_origin(tp)
     if origin is Literal:
         return " | ".join(repr(a) for a in get_args(tp))
     if origin in (Union, types.UnionType):
-        return " or ".join(_type_name(a) for a in get_args(tp))
+        return " or ".join(type_name(a) for a in get_args(tp))
     if origin is not None:
-        return f"{origin.__name__}[{', '.join(_type_name(a) for a in get_args(tp))}]"
+        return f"{origin.__name__}[{', '.join(type_name(a) for a in get_args(tp))}]"
     return "null" if tp is type(None) else getattr(tp, "__name__", str(tp))
 
 
@@ -87,47 +94,47 @@ def _convert(value: Any, tp: Any) -> Any:
             try:
                 return _convert(value, a)
             except (TypeError, ValueError) as e:
-                errors.append(e.args[0] if isinstance(e, TypeError) and e.args else _type_name(a))
+                errors.append(e.args[0] if isinstance(e, TypeError) and e.args else type_name(a))
         if len(errors) == 1 and type(None) in args:  # `X | None`: say what was wrong with X
             raise TypeError(f"{errors[0]}, or null")
-        raise TypeError(_type_name(tp))
+        raise TypeError(type_name(tp))
     if origin is Literal:
         choices = get_args(tp)
         if value in choices:
             return value
-        raise TypeError(_type_name(tp))
+        raise TypeError(type_name(tp))
     if origin in (list, tuple):
         if isinstance(value, str):
             parsed = _load_inline(value) if value.strip().startswith("[") else value.split(",")
             value = parsed if isinstance(parsed, list) else [parsed]
         if not isinstance(value, (list, tuple)):
-            raise TypeError(_type_name(tp))
+            raise TypeError(type_name(tp))
         (inner, *_) = get_args(tp) or (Any,)
         out = []
         for i, v in enumerate(value):
             try:
                 out.append(_convert(v, inner))
             except (TypeError, ValueError):
-                raise TypeError(f"a list of {_type_name(inner)}, but item {i} is {v!r}") from None
+                raise TypeError(f"a list of {type_name(inner)}, but item {i} is {v!r}") from None
         return out
     if origin is dict or tp is dict:
         if isinstance(value, str):
             value = _load_inline(value)
         if not isinstance(value, dict):
-            raise TypeError(f"{_type_name(tp)} (a mapping such as {{a: 1, b: 2}})")
+            raise TypeError(f"{type_name(tp)} (a mapping such as {{a: 1, b: 2}})")
         key_tp, val_tp = get_args(tp) or (Any, Any)
         out = {}
         for k, v in value.items():
             try:
                 out[_convert(k, key_tp)] = _convert(v, val_tp)
             except (TypeError, ValueError):
-                raise TypeError(f"{_type_name(val_tp)} for every value, but {k!r} is {v!r}") from None
+                raise TypeError(f"{type_name(val_tp)} for every value, but {k!r} is {v!r}") from None
         return out
     if tp is bool:
         if isinstance(value, bool):
             return value
-        if isinstance(value, str) and value.lower() in _TRUE | _FALSE:
-            return value.lower() in _TRUE
+        if isinstance(value, str) and value.lower() in TRUE_WORDS | FALSE_WORDS:
+            return value.lower() in TRUE_WORDS
         if isinstance(value, int) and value in (0, 1):
             return bool(value)
         raise TypeError("bool (true or false)")
@@ -168,11 +175,13 @@ def _convert(value: Any, tp: Any) -> Any:
 # Building a schema from a nested mapping
 # --------------------------------------------------------------------------------------------------
 
-def _fields(cls: type) -> dict[str, dataclasses.Field]:
+def fields_of(cls: type) -> dict[str, dataclasses.Field]:
+    """The schema's settable fields by name (`init` fields only)."""
     return {f.name: f for f in dataclasses.fields(cls) if f.init}
 
 
-def _hints(cls: type) -> dict[str, Any]:
+def hints_of(cls: type) -> dict[str, Any]:
+    """The schema's field types, string annotations resolved (`typing.get_type_hints`)."""
     return typing.get_type_hints(cls)
 
 
@@ -208,9 +217,9 @@ ALIASES: dict[str, tuple[str, ...]] = {
 VALUE_ALIASES: dict[str, tuple[str, dict]] = {"bf16": ("dtype", {True: "bfloat16", False: "float32"})}
 
 
-def _aliases(cls: type) -> dict[str, str]:
+def aliases_of(cls: type) -> dict[str, str]:
     """This schema's alternative key names -> its keys (see ALIASES)."""
-    fields = _fields(cls)
+    fields = fields_of(cls)
     out = {a: next(t for t in targets if t in fields) for a, targets in ALIASES.items()
            if a not in fields and any(t in fields for t in targets)}
     out.update({a: t for a, (t, _) in VALUE_ALIASES.items() if a not in fields and t in fields})
@@ -220,11 +229,11 @@ def _aliases(cls: type) -> dict[str, str]:
 
 def _all_keys(cls: type, prefix: str = "", aliases: bool = False) -> list[str]:
     """Every dotted key of `cls` (with `aliases`, the alias names instead)."""
-    keys = [] if aliases else [prefix + name for name in _fields(cls)]
+    keys = [] if aliases else [prefix + name for name in fields_of(cls)]
     if aliases:
-        keys += [prefix + a for a in _aliases(cls)]
-    hints = _hints(cls)
-    for name in _fields(cls):
+        keys += [prefix + a for a in aliases_of(cls)]
+    hints = hints_of(cls)
+    for name in fields_of(cls):
         if dataclasses.is_dataclass(hints[name]):
             keys += _all_keys(hints[name], f"{prefix}{name}.", aliases)
     return keys
@@ -245,7 +254,7 @@ def build(cls: type, data: dict, where: str = "config", prefix: str = "", root: 
     With `require=False` only the keys and types are checked (a recipe may leave a required key to
     the command line) and None is returned."""
     root = root or cls
-    fields, hints, aliases = _fields(cls), _hints(cls), _aliases(cls)
+    fields, hints, aliases = fields_of(cls), hints_of(cls), aliases_of(cls)
     kwargs: dict[str, Any] = {}
     for raw_key, value in data.items():
         key = aliases.get(raw_key, raw_key)
@@ -269,7 +278,7 @@ def build(cls: type, data: dict, where: str = "config", prefix: str = "", root: 
         try:
             kwargs[key] = _convert(value, tp)
         except (TypeError, ValueError) as e:
-            expected = e.args[0] if isinstance(e, TypeError) and e.args else _type_name(tp)
+            expected = e.args[0] if isinstance(e, TypeError) and e.args else type_name(tp)
             raise ConfigError(f"{where}: key '{prefix}{raw_key}' has value {value!r}, "
                               f"expected {expected}") from None
     if not require:

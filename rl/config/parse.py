@@ -1,13 +1,16 @@
-"""Typed recipe configs: a YAML recipe as the base, command-line overrides on top, strict validation.
+"""Parsing a trainer's config from the command line: a YAML recipe as the base, overrides on top.
 
-Every trainer has one dataclass schema whose fields carry a one-line help text (`opt(default,
-"help")`). `parse_config(Schema, argv)` reads `--config recipe.yaml`, applies `--key value`,
-`--key=value` and `key=value` overrides (dotted keys such as `lora.rank=16` reach nested sections),
-converts each value to the field's type and builds the dataclass. Mistakes become one `ConfigError`
-line naming the key, the value and what was expected; the launch scripts print it and exit with 2.
+`parse_config(Schema, argv)` reads `--config recipe.yaml`, applies `--key value`, `--key=value` and
+`key=value` overrides (dotted keys such as `lora.rank=16` reach nested sections; a value is read as
+YAML would read it, '3' -> 3, '[1,2]' -> a list, with the field's type deciding what a bare flag
+means), and builds the dataclass with rl.config.fields.build. Mistakes become one `ConfigError` line;
+`cli_config` prints it as `error: ...` and exits with 2, as the launch scripts do. `--help` lists
+every key with its type, default and help text (`help_text`). A reward source given on the command
+line replaces the recipe's reward sources rather than clashing with them.
 
 Why not plain argparse or HfArgumentParser: neither merges a YAML base with overrides of nested
 sections, nor suggests the closest key for a typo, which is most of what goes wrong with recipes.
+`save_config` writes the resolved config (defaults included) beside a run's outputs.
 """
 
 from __future__ import annotations
@@ -20,13 +23,13 @@ from typing import Any
 import yaml
 
 from rl.config.fields import (
-    _FALSE,
-    _TRUE,
+    FALSE_WORDS,
+    TRUE_WORDS,
     REQUIRED,
-    _aliases,
-    _fields,
-    _hints,
-    _type_name,
+    aliases_of,
+    fields_of,
+    hints_of,
+    type_name,
     build,
 )
 from rl.errors import ConfigError
@@ -47,14 +50,14 @@ def _set_dotted(tree: dict, dotted: str, value: Any) -> None:
     node[parts[-1]] = value
 
 
-def _field_type(cls: type, dotted: str) -> Any:
+def field_type(cls: type, dotted: str) -> Any:
     """Type of a dotted key, or None when the key is unknown (reported later by `build`)."""
     tp: Any = cls
     for part in dotted.split("."):
         if not dataclasses.is_dataclass(tp):
             return None
-        part = _aliases(tp).get(part, part)
-        hints = _hints(tp)
+        part = aliases_of(tp).get(part, part)
+        hints = hints_of(tp)
         if part not in hints:
             return None
         tp = hints[part]
@@ -83,10 +86,10 @@ def split_argv(cls: type, argv: list[str]) -> tuple[str | None, dict, bool]:
             key, eq, value = arg[2:].partition("=")
             key = key.replace("-", "_")
             if not eq:
-                tp = _field_type(cls, key)
+                tp = field_type(cls, key)
                 nxt = argv[i + 1] if i + 1 < len(argv) else None
                 takes_flag = tp is bool and (nxt is None or nxt.startswith("--") or "=" in nxt
-                                             or nxt.lower() not in _TRUE | _FALSE)
+                                             or nxt.lower() not in TRUE_WORDS | FALSE_WORDS)
                 if takes_flag:
                     value = "true"
                 elif nxt is None:
@@ -137,8 +140,8 @@ def help_text(cls: type, prog: str, description: str = "") -> str:
               "  --config PATH    YAML recipe used as the base (default: none, all defaults)"]
 
     def walk(c: type, prefix: str) -> None:
-        hints = _hints(c)
-        for name, f in _fields(c).items():
+        hints = hints_of(c)
+        for name, f in fields_of(c).items():
             tp = hints[name]
             if dataclasses.is_dataclass(tp):
                 lines.append(f"\n  [{prefix}{name}] {f.metadata.get('help', '')}")
@@ -150,9 +153,9 @@ def help_text(cls: type, prog: str, description: str = "") -> str:
                 default = f.default_factory()
             else:
                 default = "REQUIRED"
-            lines.append(f"  --{prefix}{name} {_type_name(tp)}  (default: {default})")
+            lines.append(f"  --{prefix}{name} {type_name(tp)}  (default: {default})")
             lines.append(f"        {f.metadata.get('help', '')}")
-        al = _aliases(c)
+        al = aliases_of(c)
         if al:
             lines.append("  aliases: " + ", ".join(f"{prefix}{a} -> {prefix}{t}" for a, t in al.items()))
 
@@ -181,7 +184,7 @@ def _cli_replaces_reward_sources(cls: type, recipe: dict, overrides: dict) -> di
     over a recipe with `reward_fn: custom`). With reward_weights on the command line too the sources
     combine, as reward_weights asks for explicitly."""
     sources = set(getattr(cls, "REWARD_SOURCE_KEYS", ()))
-    aliases = _aliases(cls)
+    aliases = aliases_of(cls)
     # switching a source off (env_type=null) gives none: the recipe's other sources stay
     given = {aliases.get(k, k) for k, v in overrides.items() if v not in (None, [], "null", "none")}
     if not sources & given or "reward_weights" in given:

@@ -1,13 +1,8 @@
-"""Typed recipe configs: a YAML recipe as the base, command-line overrides on top, strict validation.
-
-Every trainer has one dataclass schema whose fields carry a one-line help text (`opt(default,
-"help")`). `parse_config(Schema, argv)` reads `--config recipe.yaml`, applies `--key value`,
-`--key=value` and `key=value` overrides (dotted keys such as `lora.rank=16` reach nested sections),
-converts each value to the field's type and builds the dataclass. Mistakes become one `ConfigError`
-line naming the key, the value and what was expected; the launch scripts print it and exit with 2.
-
-Why not plain argparse or HfArgumentParser: neither merges a YAML base with overrides of nested
-sections, nor suggests the closest key for a typo, which is most of what goes wrong with recipes.
+"""Batch arithmetic of the epoch-based trainers (SFT, reward model, DPO), computed once from the config:
+`epoch_plan` gives the global batch (batch_size x gradient_accumulation_steps x processes), the steps
+per epoch (ceil(n / global batch): an incomplete last batch is a smaller last step, as a data loader
+without drop_last) and the total optimizer steps (`max_steps` wins over `num_epochs`), with the one
+warning line to print when the data does not fill the global batch.
 """
 
 from __future__ import annotations

@@ -1,13 +1,12 @@
-"""Typed recipe configs: a YAML recipe as the base, command-line overrides on top, strict validation.
+"""The config sections and fields every trainer shares: `TrainConfig` (model, precision, optimizer,
+schedule, batch sizes, logging, checkpoints, `data` and `lora` sections), `OnlineConfig` (what the
+trainers that sample from the policy add: generation, reward sources, environments), `DataSection`
+(files, Hub datasets, streaming, mixtures, eval splits, column names) and `LoraSection`.
 
-Every trainer has one dataclass schema whose fields carry a one-line help text (`opt(default,
-"help")`). `parse_config(Schema, argv)` reads `--config recipe.yaml`, applies `--key value`,
-`--key=value` and `key=value` overrides (dotted keys such as `lora.rank=16` reach nested sections),
-converts each value to the field's type and builds the dataclass. Mistakes become one `ConfigError`
-line naming the key, the value and what was expected; the launch scripts print it and exit with 2.
-
-Why not plain argparse or HfArgumentParser: neither merges a YAML base with overrides of nested
-sections, nor suggests the closest key for a typo, which is most of what goes wrong with recipes.
+Checks that need more than a field's type are here too and return one line or None:
+`mixture_problem` (a data.mixture and data.path beside it), `report_to_problem` (an unknown metrics
+sink, or one whose package is not installed; `SINKS`). Each trainer's own schema, in rl.trainers,
+extends these.
 """
 
 from __future__ import annotations
@@ -174,15 +173,16 @@ class OnlineConfig(TrainConfig):
     temperature: float = opt(1.0, "sampling temperature (log-probs in the loss use the same temperature)")
     top_k: int = opt(0, "sample from the k most likely tokens (0: all)")
     top_p: float = opt(1.0, "nucleus sampling mass (1.0: off)")
-    reward_funcs: list[str] = opt([], "reward functions: rl.rewards.answers names (correctness, default, length_penalty) "
+    reward_funcs: list[str] = opt([], "reward functions: rl.rewards.functions names (correctness, default, length_penalty) "
                                   "or 'module:function' with TRL's signature (prompts, completions, **columns)")
     reward_model_path: str | None = opt(None, "reward model directory written by launch/reward.py (scores prompt + "
                                         "completion); one more reward source")
     reward_weights: list[float] | None = opt(None, "one weight per reward source (the environment first, then the "
                                              "reward model, then reward_funcs); default all 1.0")
     reward_timeout: float | None = opt(300.0, "seconds a reward source may take per batch (null or 0: no limit)")
-    env_type: str | None = opt(None, "environment as prompt and reward source: math, code, text_generation, "
-                               "multi_objective, preference_comparison")
+    env_type: str | None = opt(None, "environment as prompt and reward source: math, code, tool_math, "
+                               "text_generation, multi_objective, preference_comparison (rl.envs.registry), "
+                               "or 'module:function' building your own")
     env_config: dict = opt({}, "keyword arguments of the environment (see rl.environments.make_env)")
     eval_env_config: dict | None = opt(None, "environment config for evaluation (e.g. {split: test}); greedy "
                                        "decoding, reports eval/accuracy and eval/reward")

@@ -1,6 +1,20 @@
-"""DPO data: preference pairs from a file, tokenised (TRL's prompt/answer split), collated into one
-concatenated batch [chosen..., rejected...] and sharded across processes, and the per-sequence
-answer log-probs of such a batch (prompt and padding never count)."""
+"""Preference data for DPO and reward models: pairs from a file, validated, tokenised, and batched.
+
+Files: `{"prompt", "chosen", "rejected"[, margin]}` rows (`load_preference_pairs`, `load_pairs`;
+`load_pair_records` adds the eval rows: data.eval_path, else a seeded data.eval_fraction split).
+`PreferenceDataset` tokenises them the way TRL does: the prompt alone and prompt + answer are
+tokenised and the answer starts where the two token lists diverge; a too-long prompt keeps its last
+tokens, then answers are cut to fit `max_length`, and message-list rows are rendered with the chat
+template.
+
+Batches: `collate_pairs` puts B pairs into one concatenated batch of 2B rows [chosen..., rejected...],
+padded to this batch's longest row, labels -100 on prompt and padding (so a sequence log-prob sums
+over answer tokens only, whatever the padding), position ids counted over real tokens; `pack_pairs`
+packs the same 2B sequences padding-free. `shard_batches` gives each process its share of the data in
+micro-batches of one size on every rank (padding with weight-0 rows). The reward model's texts are
+`encode_texts` (prompt + answer + EOS, too-long texts keeping their end), `pad_batch` and `pair_batch`
+/ `stack_pair` (the two sides of a pair as one batch).
+"""
 
 from __future__ import annotations
 
@@ -53,7 +67,7 @@ def pad_batch(seqs: Sequence[Sequence[int]], pad_id: int, side: str = "right") -
     return ids, mask
 
 
-def _stack_pair(ids_a, mask_a, ids_b, mask_b, pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+def stack_pair(ids_a, mask_a, ids_b, mask_b, pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Concatenate two (B, Ta) / (B, Tb) batches along the batch, right-padding the shorter."""
     if mask_a is None:
         mask_a = torch.ones_like(ids_a)
@@ -351,7 +365,7 @@ def pack_pairs(examples: list[dict], pad_token_id: int) -> dict[str, torch.Tenso
     return out
 
 
-def _shards(n: int, batch_size: int, world: int, rank: int):
+def shard_batches(n: int, batch_size: int, world: int, rank: int):
     """Yield (indices, weights) micro-batches of this rank's share of range(n); every rank gets the same
     number of batches of the same size, padding with index 0 at weight 0."""
     per_rank = math.ceil(n / world)

@@ -8,6 +8,10 @@ proportion to their weights (`mix_rows`).
 Every problem is reported before training starts, as a `DataError` whose message names the file, the
 line (for JSONL/JSON/CSV) and the column, and says how to fix it. Records keep their source line in
 `_line` so that later checks (an empty answer, chosen == rejected) can name it too.
+
+Shared by the data modules and the online trainers' prompts: `render_chat` (messages through the
+tokenizer's own chat template), `with_bos` (BOS exactly once), `LengthReport` (examples that did not fit
+`max_length`), `where` ('file:line' of a row) and `split_eval` (a seeded held-out fraction).
 """
 
 from __future__ import annotations

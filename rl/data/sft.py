@@ -1,12 +1,17 @@
-"""Supervised fine-tuning (SFT): next-token cross-entropy, optionally on the completion only.
+"""Supervised fine-tuning data: rows to token ids and labels, micro-batches, and the token count that
+normalises the loss.
 
-Objective: minimise -sum_t log p(x_t | x_<t) over the answer tokens (completion-only) or all tokens,
-normalised by the number of counted tokens in the whole optimizer step (all micro-batches, all
-processes). That normalisation is what makes N micro-batches, or N processes, give exactly the
-gradient of one big batch; a per-micro-batch mean would weight short examples more.
+Data (`load_sft_records` picks the format from the columns present): `text` rows, `prompt`/`completion`
+rows, or chat `messages` rows (rendered with the tokenizer's chat template; the last assistant message
+is the completion). `tokenize_examples` sets labels to -100 on the prompt with completion-only loss,
+so the objective is -sum_t log p(x_t | x_<t) over the answer tokens (or over all tokens). Too-long
+examples are truncated or, when strict, rejected, and counted in a LengthReport.
 
-Data: `text` rows, `prompt`/`completion` rows, or chat `messages` rows (rendered with the
-tokenizer's chat template; the last assistant message is the completion).
+`collate` right-pads a micro-batch to its own longest example. `counted_tokens` is the number of
+tokens that carry loss (labels after the shift); the trainer divides by its sum over the whole
+optimizer step (all micro-batches, all processes), which is what makes N micro-batches, or N
+processes, give exactly the gradient of one big batch (a per-micro-batch mean would weight short
+examples more).
 """
 
 from __future__ import annotations

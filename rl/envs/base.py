@@ -1,9 +1,12 @@
-"""RL environments: episodes and rewards for text generation, multiple objectives, preferences, math, code.
+"""The base of every environment: `TextGenerationEnv`, its episode dataclasses (`Observation`,
+`StepResult`, `Trajectory`), the reward-function adapter `batch_reward`, and the registry of
+environment factories (`register_env`, `ENV_REGISTRY`, `env_types`).
 
 Two APIs over the same reward logic:
 
 * The reference's per-token API: `obs = env.reset()`, `result = env.step(token)` until `result.done`,
-  `env.render()`. The reward is terminal (0.0 until the episode ends), as in the reference.
+  `env.render()` (`run_episode` rolls one such episode with `policy(obs) -> (token, logprob)`). The
+  reward is terminal (0.0 until the episode ends), as in the reference.
 * The batched episode API the trainers use (PPO/GRPO/RLOO):
 
       batch = env.sample_prompts(n, seed)              # [{"prompt": str, "metadata": dict}, ...]
@@ -14,20 +17,21 @@ Two APIs over the same reward logic:
   environment can be passed wherever a `reward_fn(prompts, responses, metadata)` is expected.
   `sample_prompts` is deterministic in `seed` (every rank of a distributed run gets the same batch and
   shards it); for GRPO, repeat each prompt `num_generations` times before generating.
+  `reward_functions()` gives TRL-style per-component functions and their weights.
 
 Episodes end at EOS, at the first stop sequence, or when prompt + completion reaches `max_length`
 tokens. Scoring sees the completion cut before its first stop sequence, in `step()` and `score()` alike.
 
 Reward functions given to the environments may be per-sample, `fn(prompt, generated, full_text)` (the
 reference's signature; a `metadata` keyword is passed when the function accepts one), or batched,
-`fn(prompts, responses, metadata=None) -> list[float]` (rl.rewards.answers' signature, recognised by its first
-parameter being named `prompts`).
+`fn(prompts, responses, metadata=None) -> list[float]` (rl.rewards.functions' signature, recognised by
+its first parameter being named `prompts`), or TRL-style `fn(prompts, completions, **columns)`. The
+default is the reference's, words / 100 (`length_reward`).
 
-Deviations from the reference implementation (see shared/reference/README.md): the math environment
-parses the answer and compares numbers (the substring "correct" earns nothing), the code environment
-rewards only non-empty parseable code and runs unit tests only in `rl.envs.sandbox`, which returns the
-candidate's outputs while the expected values stay in the trainer (see `run_unit_tests`), and the preference
-environment scores with the given model or callback, never a random number.
+The registry: `register_env(name)` above a factory (or `register_env(name, factory)`) records
+`factory(tokenizer, **env_config) -> environment` under `name`. Each environment module registers its
+own; rl.envs.registry imports them all and builds by name (`make_env`). This module imports no other
+environment module, so every one of them can import it.
 """
 
 from __future__ import annotations
@@ -41,6 +45,46 @@ from typing import Any, Callable, Sequence
 import torch
 
 logger = logging.getLogger(__name__)
+
+# ------------------------------------------------------------------------------------ registry
+
+# env_type name -> factory(tokenizer, **env_config) -> environment. Each environment module registers its
+# own factory (`@register_env("math")` above `create_math_problem_env`); rl.envs.registry imports them all.
+ENV_REGISTRY: dict[str, Callable[..., Any]] = {}
+
+
+def register_env(name: str, factory: Callable[..., Any] | None = None):
+    """Register `factory(tokenizer, **env_config) -> environment` as the environment type `name` (what
+    `make_env`, `env_type` and `rl_env_type` accept): `register_env(name, factory)`, or `@register_env(name)`
+    above the factory. A name is a non-empty string without ':' (that means 'module:function'); another
+    factory under a taken name is a ValueError. Returns the factory (the decorator form: a decorator)."""
+    if not isinstance(name, str) or not name.strip() or ":" in name:
+        raise ValueError(f"environment type names are non-empty strings without ':', got {name!r}")
+
+    def add(fn: Callable[..., Any]) -> Callable[..., Any]:
+        if not callable(fn):
+            raise TypeError(f"register_env({name!r}): {fn!r} is not callable")
+        prev = ENV_REGISTRY.get(name)
+        where = _qualified_name(prev)
+        # the same function again (its module reloaded) re-registers; a lambda or partial is never the same
+        same = prev is fn or (where == _qualified_name(fn) and "<" not in where)
+        if prev is not None and not same:
+            raise ValueError(f"environment type {name!r} is already registered ({where}); pick another name")
+        ENV_REGISTRY[name] = fn
+        return fn
+
+    return add if factory is None else add(factory)
+
+
+def _qualified_name(fn) -> str:
+    qualname = getattr(fn, "__qualname__", None)
+    return f"{getattr(fn, '__module__', '?')}.{qualname}" if qualname else repr(fn)
+
+
+def env_types() -> tuple[str, ...]:
+    """The registered environment type names, sorted (the same whichever module was imported first)."""
+    return tuple(sorted(ENV_REGISTRY))
+
 
 # ------------------------------------------------------------------------------------ dataclasses
 

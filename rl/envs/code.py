@@ -1,33 +1,26 @@
-"""RL environments: episodes and rewards for text generation, multiple objectives, preferences, math, code.
+"""The code environment (`env_type: code`): function-writing problems (built in, or "prompt" + "tests"
+rows of a file) whose completions are scored for syntax, style and, with run_tests=True, unit tests
+run only in the sandbox (rl.envs.sandbox).
 
-Two APIs over the same reward logic:
+Components (`CodeGenerationEnv`, a MultiObjectiveRewardEnv): `syntax` 1.0 for non-empty code that
+parses (`extract_code` takes the first fenced block, `parse_code` only parses: nothing runs), `style`
+the fraction of simple checks `style_score` passes, `tests` the fraction of the problem's unit tests
+that pass; default weights 1.0, 0.1 and 1.0.
 
-* The reference's per-token API: `obs = env.reset()`, `result = env.step(token)` until `result.done`,
-  `env.render()`. The reward is terminal (0.0 until the episode ends), as in the reference.
-* The batched episode API the trainers use (PPO/GRPO/RLOO):
+Unit tests: each is one assert statement of the forms `parse_unit_test` accepts (a call with literal
+arguments, compared with a literal), split in two. The sandbox runs the candidate and the calls only
+(`_HARNESS`) and returns the repr of each value; the comparison with the expected value happens here
+(`unit_test_passes`, with `ast.literal_eval`, so no returned text runs). Expected values never enter
+the sandbox: reading its own source, the harness, its environment, the file system or /proc reveals
+none, and printing fake result lines gains nothing (only the first line per call counts).
 
-      batch = env.sample_prompts(n, seed)              # [{"prompt": str, "metadata": dict}, ...]
-      rewards, metrics = env.score(prompts, completions, metadata)
-      # rewards: list[float], one per completion; metrics: {name: list[float]} aligned with it
+Security: generated code runs only under a private root (`sandbox: isolated`, the default);
+`check_sandbox` refuses to build the environment where there is none, unless the config says
+`sandbox: unisolated` (resource limits only, this machine's files visible; one warning line says so).
 
-  `env(prompts, responses, metadata=None) -> list[float]` is the same as `score(...)[0]`, so an
-  environment can be passed wherever a `reward_fn(prompts, responses, metadata)` is expected.
-  `sample_prompts` is deterministic in `seed` (every rank of a distributed run gets the same batch and
-  shards it); for GRPO, repeat each prompt `num_generations` times before generating.
-
-Episodes end at EOS, at the first stop sequence, or when prompt + completion reaches `max_length`
-tokens. Scoring sees the completion cut before its first stop sequence, in `step()` and `score()` alike.
-
-Reward functions given to the environments may be per-sample, `fn(prompt, generated, full_text)` (the
-reference's signature; a `metadata` keyword is passed when the function accepts one), or batched,
-`fn(prompts, responses, metadata=None) -> list[float]` (rl.rewards.answers' signature, recognised by its first
-parameter being named `prompts`).
-
-Deviations from the reference implementation (see shared/reference/README.md): the math environment
-parses the answer and compares numbers (the substring "correct" earns nothing), the code environment
-rewards only non-empty parseable code and runs unit tests only in `rl.envs.sandbox`, which returns the
-candidate's outputs while the expected values stay in the trainer (see `run_unit_tests`), and the preference
-environment scores with the given model or callback, never a random number.
+Deviation from the reference implementation (see shared/reference/README.md): the reference only
+calls `compile()`, so an empty string scores 1.0; here only non-empty code that parses earns `syntax`,
+and unit tests never run in the trainer's process.
 """
 
 from __future__ import annotations
@@ -44,7 +37,8 @@ from typing import Any, Callable, Sequence
 
 from rl.data.records import read_records
 from rl.envs import isolation, sandbox
-from rl.envs.objectives import MultiObjectiveRewardEnv
+from rl.envs.base import register_env
+from rl.envs.objectives import NAMED_COMPONENTS, MultiObjectiveRewardEnv
 from rl.errors import ConfigError, DataError
 
 logger = logging.getLogger(__name__)
@@ -107,6 +101,14 @@ def style_score(code: str, tree: ast.Module | None = None) -> float:
         not any(isinstance(n, ast.ImportFrom) and any(a.name == "*" for a in n.names) for n in ast.walk(tree)),
     ]
     return sum(checks) / len(checks)
+
+
+# The multi_objective environment's named components for code (next to correctness, formatting, ...).
+NAMED_COMPONENTS.update(
+    syntax=lambda prompt, generated, full_text: 1.0 if parse_code(extract_code(generated, prompt)) else 0.0,
+    style=lambda prompt, generated, full_text: style_score(extract_code(generated, prompt)))
+
+
 _AST_OPS = {ast.Eq: "==", ast.NotEq: "!=", ast.Lt: "<", ast.LtE: "<=", ast.Gt: ">", ast.GtE: ">=",
             ast.In: "in", ast.NotIn: "not in", ast.Is: "is", ast.IsNot: "is not"}
 # `3 == f(x)` is `f(x) == 3`: the comparison seen from the call's side.
@@ -347,6 +349,7 @@ class CodeGenerationEnv(MultiObjectiveRewardEnv):
             return list(pool.map(one, jobs))
 
 
+@register_env("code")
 def create_code_generation_env(tokenizer, problems_path: str | None = None, run_tests: bool = False,
                                syntax_weight: float = 1.0, style_weight: float = 0.1, tests_weight: float = 1.0,
                                timeout: float = 5.0, memory_mb: int = 512, max_workers: int = 2,

@@ -1,46 +1,28 @@
-"""Run untrusted, model-generated Python in a separate, resource-limited, isolated process.
+"""Isolation for the sandbox (rl.envs.sandbox): which namespaces this machine lets a child have, probed
+once per process, and the command prefixes that put a program inside them.
 
-Nothing here executes model code in the calling process: every program runs in a child
-`python -I -S` (isolated mode: PYTHON* variables, the user site and `site`/`sitecustomize`/`.pth`
-hooks are all off) started in its own session, so a timeout kills its whole process group.
-
-Isolation levels (`isolation_level()`, best first; `SandboxResult.isolation` says which one ran):
+Isolation levels (`isolation_level()`, best first, one of ISOLATION_LEVELS):
 - "private-root": new user, mount, PID, network, IPC and UTS namespaces and a root of its own: /usr
   (and the /bin, /lib* links) plus the Python installation read-only, a fresh /proc of its own PID
   namespace, a minimal /dev, a read-only root, and one writable, size-capped tmpfs at /tmp holding
-  its working directory. Nothing else exists in it: not the checkout, /home, /root, /work, the
-  output or cache directories, /etc, /var or the host's /tmp. All capabilities are dropped, so it
-  cannot remount anything. Built by Debian's `bubblewrap` (`bwrap`) where it works, else by
-  util-linux alone (`unshare` + `mount` + `pivot_root` + `setpriv`, see `_unshare_root_argv`);
-  `SandboxResult.mechanism` says which.
-- "network": `unshare --user --map-root-user --net --pid --fork --kill-child` (no private root
-  possible): an empty network namespace and a private PID namespace, but the file system is the host's.
+  its working directory; the program's files are bound read-only at INPUT_DIR. Nothing else exists
+  in it: not the checkout, /home, /root, /work, the output or cache directories, /etc, /var or the
+  host's /tmp. All capabilities are dropped, so it cannot remount anything. Built by Debian's
+  `bubblewrap` (`bwrap`, `_bwrap_argv`) where it works, else by util-linux alone (`unshare` + `mount`
+  + `pivot_root` + `setpriv`, `_unshare_root_argv`); `private_root_mechanism()` says which, and
+  `private_root_argv(mechanism, ...)` gives its command prefix.
+- "network": `NS_ARGV`, i.e. `unshare --user --map-root-user --net --pid --fork --kill-child` (no
+  private root possible): an empty network namespace and a private PID namespace, but the file
+  system is the host's.
 - "none": resource limits only (no namespaces at all).
-`run_python(..., require_private_root=True)` raises rather than run below "private-root"; the code
-environment does that unless its config says `sandbox: unisolated`.
 
-Limits (every level)
-- Wall time: the parent waits `timeout` seconds, then SIGKILLs the process group (and, with namespaces,
-  the whole PID namespace, which also catches children that called `setsid`).
-- CPU time: RLIMIT_CPU (the kernel kills the process when it is spent).
-- Memory: RLIMIT_AS (address space) per process; allocations past it raise MemoryError in the child.
-- Processes: where this user may create a pids cgroup (root in a container with cgroup v1, or a
-  delegated v2 subtree), the child runs in one with `pids.max = max_processes`, so a fork bomb stops
-  at that many; inside a user namespace RLIMIT_NPROC is set too (the kernel ignores it for real root).
-- Files written: RLIMIT_FSIZE per file (which also bounds captured stdout/stderr); RLIMIT_NOFILE; no
-  core; with a private root all writes land in the `disk_mb` tmpfs.
-- Network: no route out in a network namespace ("Network is unreachable"); as a second, weaker layer
-  the runner replaces `socket.socket` before user code runs.
-- Environment: reduced to PATH/HOME/TMPDIR/LANG; HOME and TMPDIR are the working directory.
+Each mechanism is probed by running it (`_private_root_works`: the probe must start Python and must not
+see a file of this process), because a tool may be installed yet unable to create namespaces. The
+child's interpreter is the base installation's real binary (`interpreter()`), never a venv's link, so
+only the standard library needs binding in. `NO_PRIVATE_ROOT` is the one-line refusal with its fixes;
+`JOIN_CGROUP` is the shell line that moves the sandbox's first process into its pids cgroup.
 
-What is NOT isolated
-- Below "private-root", the file system: the child runs as the trainer's user and can read and write
-  whatever that user can.
-- The kernel: namespaces are not a VM; a kernel exploit escapes them. /proc shows host-wide
-  information (CPU, memory, kernel version), not other processes.
-- Without a pids cgroup and as root, a fork bomb is bounded by the wall-time kill and the PID
-  namespace (its lifetime), not by a process count; total memory is per-process times processes.
-- Without user namespaces, the socket block is Python-level only and can be bypassed (e.g. `_socket`).
+Not isolated at any level: the kernel (namespaces are not a VM; see rl.envs.sandbox for the rest).
 """
 
 from __future__ import annotations
@@ -53,15 +35,16 @@ import subprocess
 import sys
 import tempfile
 
-_NS_ARGV = ["unshare", "--user", "--map-root-user", "--net", "--pid", "--fork", "--kill-child"]
+# `unshare` without a private root: the "network" level (empty network namespace, private PID namespace).
+NS_ARGV = ["unshare", "--user", "--map-root-user", "--net", "--pid", "--fork", "--kill-child"]
 INPUT_DIR = "/.rl-input"  # where, under a private root, the program's files arrive read-only
 ISOLATION_LEVELS = ("private-root", "network", "none")
-_JOIN_CGROUP = 'echo $$ > "$0/cgroup.procs"'  # sh: move this shell into the cgroup named by $0
+JOIN_CGROUP = 'echo $$ > "$0/cgroup.procs"'  # sh: move this shell into the cgroup named by $0
 # System directories bound read-only into a private root (or recreated as the symlinks they are).
 _SYSTEM_DIRS = ("/usr", "/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32")
 
 
-def _interpreter() -> str:
+def interpreter() -> str:
     """The real Python binary (not a venv's link to it): the child needs only the standard library,
     and with a private root only the base installation is bound in, never the venv or checkout."""
     return os.path.realpath(getattr(sys, "_base_executable", None) or sys.executable)
@@ -71,7 +54,7 @@ def _python_dirs() -> list[str]:
     """Directories of the Python installation outside the system directories (e.g. pyenv under
     /root): bound read-only so the interpreter finds its standard library."""
     dirs = []
-    for d in (sys.base_prefix, sys.base_exec_prefix, os.path.dirname(_interpreter())):
+    for d in (sys.base_prefix, sys.base_exec_prefix, os.path.dirname(interpreter())):
         d = os.path.realpath(d)
         if d in ("/", "") or any(d == s or d.startswith(s + "/") for s in _SYSTEM_DIRS):
             continue
@@ -135,7 +118,9 @@ def _unshare_root_argv(mountpoint: str, workdir: str, srcdir: str, disk_bytes: i
             "--kill-child", "/bin/sh", "-c", "\n".join(lines), "rl-sandbox-root"]
 
 
-def _private_root_argv(mechanism: str, workdir: str, srcdir: str, disk_bytes: int, mountpoint: str) -> list[str]:
+def private_root_argv(mechanism: str, workdir: str, srcdir: str, disk_bytes: int, mountpoint: str) -> list[str]:
+    """The command prefix that runs a program under a private root built by `mechanism` ('bwrap' or
+    'unshare', see `private_root_mechanism`); `mountpoint` is an empty host directory (unshare only)."""
     if mechanism == "bwrap":
         return _bwrap_argv(workdir, srcdir, disk_bytes)
     return _unshare_root_argv(mountpoint, workdir, srcdir, disk_bytes)
@@ -152,7 +137,7 @@ def _private_root_works(mechanism: str) -> bool:
         os.mkdir(mnt)
         secret = os.path.join(tmp, "outside")
         open(secret, "w").close()
-        argv = [*_private_root_argv(mechanism, "/tmp/probe", src, 1 << 20, mnt), _interpreter(), "-I", "-S", "-c",
+        argv = [*private_root_argv(mechanism, "/tmp/probe", src, 1 << 20, mnt), interpreter(), "-I", "-S", "-c",
                 f"import os; assert not os.path.exists({secret!r}) and os.getcwd() == '/tmp/probe'"]
         proc = subprocess.run(argv, capture_output=True, timeout=10, env={"PATH": os.defpath}, cwd=tmp)
     except (OSError, subprocess.TimeoutExpired):
@@ -193,7 +178,7 @@ def namespaces_available() -> bool:
     if shutil.which("unshare") is None:
         return False
     try:
-        proc = subprocess.run([*_NS_ARGV, _interpreter(), "-I", "-S", "-c", "pass"],
+        proc = subprocess.run([*NS_ARGV, interpreter(), "-I", "-S", "-c", "pass"],
                               capture_output=True, timeout=10)
     except (OSError, subprocess.TimeoutExpired):
         return False

@@ -1,33 +1,22 @@
-"""RL environments: episodes and rewards for text generation, multiple objectives, preferences, math, code.
+r"""The math environment (`env_type: math`): arithmetic problems generated from a seed, or
+{"problem", "answer"} rows of a file, scored by parsing the completion's answer.
 
-Two APIs over the same reward logic:
+`generate_arithmetic_problem` draws one problem of a difficulty (tiny: a+b with digits 0-9; easy: + or -
+up to 20; medium: +, -, * up to 99; hard: (a o b) o c with exact division, fractions as answers).
+`problem_split` puts a stable `holdout_fraction` of problem texts in 'test' (CRC32 of the text), so a
+train and a test environment never share a problem; generated environments draw fresh problems of
+their split in `sample_prompts`.
 
-* The reference's per-token API: `obs = env.reset()`, `result = env.step(token)` until `result.done`,
-  `env.render()`. The reward is terminal (0.0 until the episode ends), as in the reference.
-* The batched episode API the trainers use (PPO/GRPO/RLOO):
+`MathProblemEnv` (a MultiObjectiveRewardEnv): reward = correctness_weight * correctness +
+formatting_weight * formatting (default 1.0 and 0.1). correctness is 1.0 when the extracted answer
+equals metadata['answer'] (rl.rewards.answers: exact on rationals, math-verify for LaTeX); formatting
+is 1.0 when the completion has the form of `answer_format`: 'plain' exactly one number (the prompt
+"12+7=", the ideal completion "19"), 'answer' an `Answer: <number>` line, 'boxed' a `\boxed{}`.
+`reference_completion` and `sft_records` give the ideal completions, for an SFT warm-up.
 
-      batch = env.sample_prompts(n, seed)              # [{"prompt": str, "metadata": dict}, ...]
-      rewards, metrics = env.score(prompts, completions, metadata)
-      # rewards: list[float], one per completion; metrics: {name: list[float]} aligned with it
-
-  `env(prompts, responses, metadata=None) -> list[float]` is the same as `score(...)[0]`, so an
-  environment can be passed wherever a `reward_fn(prompts, responses, metadata)` is expected.
-  `sample_prompts` is deterministic in `seed` (every rank of a distributed run gets the same batch and
-  shards it); for GRPO, repeat each prompt `num_generations` times before generating.
-
-Episodes end at EOS, at the first stop sequence, or when prompt + completion reaches `max_length`
-tokens. Scoring sees the completion cut before its first stop sequence, in `step()` and `score()` alike.
-
-Reward functions given to the environments may be per-sample, `fn(prompt, generated, full_text)` (the
-reference's signature; a `metadata` keyword is passed when the function accepts one), or batched,
-`fn(prompts, responses, metadata=None) -> list[float]` (rl.rewards.answers' signature, recognised by its first
-parameter being named `prompts`).
-
-Deviations from the reference implementation (see shared/reference/README.md): the math environment
-parses the answer and compares numbers (the substring "correct" earns nothing), the code environment
-rewards only non-empty parseable code and runs unit tests only in `rl.envs.sandbox`, which returns the
-candidate's outputs while the expected values stay in the trainer (see `run_unit_tests`), and the preference
-environment scores with the given model or callback, never a random number.
+Deviation from the reference implementation (see shared/reference/README.md): the reference rewards
+the substring "correct" (so "incorrect" scores too) and never parses an answer; here the answer is
+parsed and compared as a number, and text without one earns nothing.
 """
 
 from __future__ import annotations
@@ -38,6 +27,7 @@ import zlib
 from typing import Callable, Sequence
 
 from rl.data.records import read_records
+from rl.envs.base import register_env
 from rl.envs.objectives import MultiObjectiveRewardEnv
 from rl.errors import DataError
 from rl.rewards import answers as R
@@ -166,6 +156,7 @@ def load_math_problems(path: str, max_examples: int | None = None) -> list[dict]
     return out
 
 
+@register_env("math")
 def create_math_problem_env(tokenizer, problems_path: str | None = None, num_problems: int = 1000,
                             difficulty: str = "easy", seed: int = 0, split: str = "train",
                             holdout_fraction: float = 0.2, answer_format: str = "plain",

@@ -1,44 +1,40 @@
-"""RL environments: episodes and rewards for text generation, multiple objectives, preferences, math, code.
+"""Environments over several reward sources, and the factories of the three environments built from a
+list of prompts (text_generation, multi_objective, preference_comparison).
 
-Two APIs over the same reward logic:
+`MultiObjectiveRewardEnv`: reward = sum_k w_k * component_k (weights default to 1.0); each component
+is reported as `reward_<name>`, the sum as `reward_total`, and `reward_functions()` gives GRPO the
+components one by one with their weights. A config names its components from `NAMED_COMPONENTS`
+(correctness, formatting, length, length_penalty; rl.envs.code adds syntax and style) or as
+`module:function`.
 
-* The reference's per-token API: `obs = env.reset()`, `result = env.step(token)` until `result.done`,
-  `env.render()`. The reward is terminal (0.0 until the episode ends), as in the reference.
-* The batched episode API the trainers use (PPO/GRPO/RLOO):
+`PreferenceComparisonEnv`: two responses per prompt, the second `step()` compares them. With a
+preference model (an HF sequence classifier, anything with `score(texts)`, or a callable) the pair's
+reward is the Bradley-Terry margin s(r1) - s(r2), and `preference_prob` = sigmoid(margin) is
+P(r1 preferred); without one, `human_feedback_fn(prompt, r1, r2)` gives it. Deviation from the
+reference implementation (see shared/reference/README.md): it scores with the given model or callback,
+never a random number, and refuses to start with neither.
 
-      batch = env.sample_prompts(n, seed)              # [{"prompt": str, "metadata": dict}, ...]
-      rewards, metrics = env.score(prompts, completions, metadata)
-      # rewards: list[float], one per completion; metrics: {name: list[float]} aligned with it
-
-  `env(prompts, responses, metadata=None) -> list[float]` is the same as `score(...)[0]`, so an
-  environment can be passed wherever a `reward_fn(prompts, responses, metadata)` is expected.
-  `sample_prompts` is deterministic in `seed` (every rank of a distributed run gets the same batch and
-  shards it); for GRPO, repeat each prompt `num_generations` times before generating.
-
-Episodes end at EOS, at the first stop sequence, or when prompt + completion reaches `max_length`
-tokens. Scoring sees the completion cut before its first stop sequence, in `step()` and `score()` alike.
-
-Reward functions given to the environments may be per-sample, `fn(prompt, generated, full_text)` (the
-reference's signature; a `metadata` keyword is passed when the function accepts one), or batched,
-`fn(prompts, responses, metadata=None) -> list[float]` (rl.rewards.answers' signature, recognised by its first
-parameter being named `prompts`).
-
-Deviations from the reference implementation (see shared/reference/README.md): the math environment
-parses the answer and compares numbers (the substring "correct" earns nothing), the code environment
-rewards only non-empty parseable code and runs unit tests only in `rl.envs.sandbox`, which returns the
-candidate's outputs while the expected values stay in the trainer (see `run_unit_tests`), and the preference
-environment scores with the given model or callback, never a random number.
+Factories (registered with `register_env`): `create_text_generation_env`, `create_multi_objective_env`,
+`create_preference_comparison_env`. Each takes its prompts as `prompts` (+ `metadata`, one dict per
+prompt) or as the rows of `prompts_path` (a 'prompt' or 'text' column; the other columns become the
+prompt's metadata), then the environment's own keywords.
 """
 
 from __future__ import annotations
 
+import json
 import logging
 import math
-from typing import Callable, Sequence
+from typing import Any, Callable, Sequence
 
 import torch
 
-from rl.envs.base import Observation, StepResult, TextGenerationEnv, batch_reward
+from rl.data.records import read_records
+from rl.envs.base import Observation, StepResult, TextGenerationEnv, batch_reward, length_reward, register_env
+from rl.errors import DataError
+from rl.models.loading import load_causal_lm, load_tokenizer
+from rl.rewards import answers as R
+from rl.rewards import functions as RF
 
 logger = logging.getLogger(__name__)
 
@@ -198,3 +194,92 @@ class PreferenceComparisonEnv(TextGenerationEnv):
         if self.done:
             lines.append(f"Preference (reward for response 1): {self.last_reward:.4f}")
         return "\n".join(lines)
+
+
+# ------------------------------------------------------------------------------------ factories
+
+# Components a multi_objective env can name in its config (reward_weights keys); rl.envs.code adds
+# `syntax` and `style`.
+NAMED_COMPONENTS: dict[str, Callable] = {
+    "correctness": RF.correctness_reward,
+    "formatting": lambda prompt, generated, full_text: 1.0 if R.has_answer_format(generated, "answer") else 0.0,
+    "length": length_reward,
+    "length_penalty": RF.length_penalty_reward,
+}
+
+
+def _component(name: str, spec: Any) -> Callable:
+    if callable(spec):
+        return spec
+    key = spec if isinstance(spec, str) else name
+    if key in NAMED_COMPONENTS:
+        return NAMED_COMPONENTS[key]
+    if isinstance(key, str) and ":" in key:
+        return RF.load_custom_reward(key)
+    raise ValueError(f"unknown reward component {key!r}; use one of {', '.join(NAMED_COMPONENTS)} "
+                     "or 'module:function'")
+
+
+def _prompts_from(config: dict) -> tuple[list[str], list[dict] | None]:
+    """Pop the prompts (and their metadata) out of an env config: 'prompts' (+ 'metadata'), or the rows
+    of 'prompts_path' / 'data_path' (a 'prompt' or 'text' column; the other columns are metadata)."""
+    if "prompts" in config:
+        prompts = config.pop("prompts")
+        return list(prompts), config.pop("metadata", None)
+    path = config.pop("prompts_path", None) or config.pop("data_path", None)
+    if path is None:
+        raise ValueError("environment config needs 'prompts' (a list) or 'prompts_path' (a data file with a "
+                         "'text' or 'prompt' column)")
+    rows = read_records(path)
+    col = "prompt" if rows and "prompt" in rows[0] else "text"
+    prompts, metas = [], []
+    for row in rows:
+        if not isinstance(row.get(col), str) or not row[col].strip():
+            raise DataError(f"{path}:{row.get('_line')}: '{col}' must be a non-empty string")
+        prompts.append(row[col])
+        metas.append({k: v for k, v in row.items() if k not in (col, "_line")})
+    return prompts, metas
+
+
+@register_env("text_generation")
+def create_text_generation_env(tokenizer, **config) -> TextGenerationEnv:
+    """`env_type: text_generation`: prompts|prompts_path, reward_fn (an rl.rewards.functions name, 'custom'
+    with custom_reward, or 'module:function'; default words / 100) and TextGenerationEnv's keywords."""
+    prompts, metadata = _prompts_from(config)
+    fn = config.pop("reward_fn", None)
+    if isinstance(fn, str):
+        fn = RF.get_reward_fn(fn, custom=config.pop("custom_reward", None))
+    return TextGenerationEnv(tokenizer, prompts, reward_fn=fn, metadata=metadata, **config)
+
+
+@register_env("multi_objective")
+def create_multi_objective_env(tokenizer, **config) -> MultiObjectiveRewardEnv:
+    """`env_type: multi_objective`: prompts|prompts_path, reward_components ({name: NAMED_COMPONENTS key or
+    'module:function'} or a list of names; default: the keys of reward_weights) and reward_weights
+    ({name: weight} or its JSON string)."""
+    prompts, metadata = _prompts_from(config)
+    weights = config.pop("reward_weights", None) or {}
+    if isinstance(weights, str):
+        weights = json.loads(weights)
+    comps = config.pop("reward_components", None) or list(weights)
+    if isinstance(comps, (list, tuple)):
+        comps = {c: c for c in comps}
+    if not comps:
+        raise ValueError("multi_objective needs reward_components or reward_weights, e.g. "
+                         "{\"reward_weights\": {\"correctness\": 1.0, \"formatting\": 0.1}}")
+    components = {name: _component(name, spec) for name, spec in comps.items()}
+    return MultiObjectiveRewardEnv(tokenizer, prompts, reward_components=components, reward_weights=weights,
+                                   metadata=metadata, **config)
+
+
+@register_env("preference_comparison")
+def create_preference_comparison_env(tokenizer, **config) -> PreferenceComparisonEnv:
+    """`env_type: preference_comparison`: prompts|prompts_path and reward_model_path (an HF sequence
+    classifier, loaded frozen in fp32) or preference_model / human_feedback_fn objects."""
+    prompts, metadata = _prompts_from(config)
+    path = config.pop("reward_model_path", None)
+    if path is not None and config.get("preference_model") is None:
+        config["preference_model"] = load_causal_lm(path, dtype="float32", task="classifier",
+                                                    trust_remote_code=config.pop("trust_remote_code", False))
+        config.setdefault("reward_tokenizer", load_tokenizer(path))
+    return PreferenceComparisonEnv(tokenizer, prompts, metadata=metadata, **config)

@@ -1,28 +1,24 @@
-"""Run untrusted, model-generated Python in a separate, resource-limited, isolated process.
+"""Run untrusted, model-generated Python in a separate, resource-limited, isolated process:
+`run_python(code, ...) -> SandboxResult`.
 
 Nothing here executes model code in the calling process: every program runs in a child
 `python -I -S` (isolated mode: PYTHON* variables, the user site and `site`/`sitecustomize`/`.pth`
-hooks are all off) started in its own session, so a timeout kills its whole process group.
+hooks are all off) started in its own session, so a timeout kills its whole process group. The
+program and its `files` are written to a fresh working directory; the runner (`_RUNNER`) applies the
+limits inside the child, then runs the program as __main__.
 
-Isolation levels (`isolation_level()`, best first; `SandboxResult.isolation` says which one ran):
-- "private-root": new user, mount, PID, network, IPC and UTS namespaces and a root of its own: /usr
-  (and the /bin, /lib* links) plus the Python installation read-only, a fresh /proc of its own PID
-  namespace, a minimal /dev, a read-only root, and one writable, size-capped tmpfs at /tmp holding
-  its working directory. Nothing else exists in it: not the checkout, /home, /root, /work, the
-  output or cache directories, /etc, /var or the host's /tmp. All capabilities are dropped, so it
-  cannot remount anything. Built by Debian's `bubblewrap` (`bwrap`) where it works, else by
-  util-linux alone (`unshare` + `mount` + `pivot_root` + `setpriv`, see `_unshare_root_argv`);
-  `SandboxResult.mechanism` says which.
-- "network": `unshare --user --map-root-user --net --pid --fork --kill-child` (no private root
-  possible): an empty network namespace and a private PID namespace, but the file system is the host's.
-- "none": resource limits only (no namespaces at all).
+Isolation: the child gets the best level this machine gives (`rl.envs.isolation.isolation_level()`:
+"private-root", "network" or "none"; that module says what each holds and how it is built);
+`SandboxResult.isolation` and `.mechanism` say which one ran. Under a private root the files arrive
+read-only at `isolation.INPUT_DIR` and are copied into a working directory on the root's tmpfs.
 `run_python(..., require_private_root=True)` raises rather than run below "private-root"; the code
-environment does that unless its config says `sandbox: unisolated`.
+environment and the python tool do that unless their config says `sandbox: unisolated`.
 
 Limits (every level)
 - Wall time: the parent waits `timeout` seconds, then SIGKILLs the process group (and, with namespaces,
   the whole PID namespace, which also catches children that called `setsid`).
-- CPU time: RLIMIT_CPU (the kernel kills the process when it is spent).
+- CPU time: RLIMIT_CPU (the kernel kills the process when it is spent; the soft limit's SIGXCPU
+  becomes exit status 152, `SandboxResult.cpu_exceeded`).
 - Memory: RLIMIT_AS (address space) per process; allocations past it raise MemoryError in the child.
 - Processes: where this user may create a pids cgroup (root in a container with cgroup v1, or a
   delegated v2 subtree), the child runs in one with `pids.max = max_processes`, so a fork bomb stops
@@ -159,7 +155,7 @@ def _pids_cgroup_parent() -> str | None:
         try:
             # Creating is not joining (cgroup v2 refuses tasks in an inner node): try what run_python does.
             ok = (probe / "pids.max").exists() and subprocess.run(
-                ["/bin/sh", "-c", isolation._JOIN_CGROUP, str(probe)], capture_output=True, timeout=10).returncode == 0
+                ["/bin/sh", "-c", isolation.JOIN_CGROUP, str(probe)], capture_output=True, timeout=10).returncode == 0
         except (OSError, subprocess.TimeoutExpired):
             ok = False
         _remove_cgroup(str(probe))
@@ -254,7 +250,7 @@ def run_python(code: str, *, timeout: float = 5.0, cpu_seconds: int | None = Non
                 fh.write(text)
         # Inside a user namespace RLIMIT_NPROC counts only the sandbox's own processes.
         nproc = max_processes if level != "none" else 0
-        argv = [isolation._interpreter(), "-I", "-S", "-c", _RUNNER, str(cpu), str(memory_mb << 20),
+        argv = [isolation.interpreter(), "-I", "-S", "-c", _RUNNER, str(cpu), str(memory_mb << 20),
                 str(max_output_bytes), "256", str(nproc), "1" if isolate_network else "0", prog,
                 isolation.INPUT_DIR if level == "private-root" else "-"]
         if level == "private-root":
@@ -262,14 +258,14 @@ def run_python(code: str, *, timeout: float = 5.0, cpu_seconds: int | None = Non
             mountpoint = os.path.join(iodir, "root")  # empty on the host; the root's tmpfs covers it inside
             os.mkdir(mountpoint)
             mechanism = isolation.private_root_mechanism()
-            argv = [*isolation._private_root_argv(mechanism, workdir, workdir, disk_mb << 20, mountpoint), *argv]
+            argv = [*isolation.private_root_argv(mechanism, workdir, workdir, disk_mb << 20, mountpoint), *argv]
         elif level == "network":
             mechanism = "unshare"
-            argv = [*isolation._NS_ARGV, *argv]
+            argv = [*isolation.NS_ARGV, *argv]
         cgroup = _make_pids_cgroup(max_processes)
         if cgroup is not None:
             # Join the cgroup before anything forks: the shell moves itself in, then becomes the sandbox.
-            argv = ["/bin/sh", "-c", isolation._JOIN_CGROUP + ' && exec "$@"', cgroup, *argv]
+            argv = ["/bin/sh", "-c", isolation.JOIN_CGROUP + ' && exec "$@"', cgroup, *argv]
         env = {"PATH": os.defpath, "HOME": workdir, "TMPDIR": workdir, "LANG": "C.UTF-8"}
         out_path, err_path = os.path.join(iodir, "stdout"), os.path.join(iodir, "stderr")
         start = time.monotonic()

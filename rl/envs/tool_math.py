@@ -1,5 +1,6 @@
-"""Multi-turn tool use: an environment whose policy turn may call a tool, and the episode runner that
-turns such episodes into rollouts GRPO trains on.
+r"""Multi-turn tool use (`env_type: tool_math`): arithmetic (default 3-digit x 2-digit products, "123*45=")
+that the policy may solve by calling a tool in the middle of its turn. rl.rollout.episodes runs the
+episodes (`run_episodes`); this module is the environment they ask for tools, tool messages and rewards.
 
 An episode (one row; B rows are run as one batch):
 
@@ -10,22 +11,23 @@ An episode (one row; B rows are run as one batch):
     reward            scored at the end, on the last policy turn only (the text after the last tool
                       message): the answer counts only when the policy states it itself
 
-The call format is rl.envs.tools' `<tool>NAME: INPUT</tool>`; the sampler (rl.engine.generation.generate) stops at
-the close tag. A turn without a call (EOS, or the token budget) ends the episode, as does the
-`max_turns`-th policy turn (a call there is not run: nothing could read its result). The token budget
-`max_new_tokens` covers the whole episode, tool messages included, so shapes stay those of a one-turn
-rollout of that length.
+The call format is rl.envs.tools' `<tool>NAME: INPUT</tool>`; the sampler stops at the close tag. A turn
+without a call (EOS, or the token budget) ends the episode, as does the `max_turns`-th policy turn (a
+call there is not run: nothing could read its result). The token budget `max_new_tokens` covers the
+whole episode, tool messages included, so shapes stay those of a one-turn rollout of that length.
 
-Tool messages are rendered by `tool_message_text`: `<result>RESULT</result>` in plain format, or with
-`chat_format` the tokenizer's own chat template for a `tool` message (the text it puts between the
-assistant's turn and the next assistant header: `\\n<|tool|>\\nRESULT\\n<|assistant|>\\n` for rl/models/tiny.py's
-template), so real instruct models see the role they were trained with.
+Tool messages (`ToolMathEnv.tool_message`, rl.envs.tools.tool_message_text) are `<result>RESULT</result>`
+in plain format, or with `chat_format` the tokenizer's own chat template for a `tool` message (the text
+it puts between the assistant's turn and the next assistant header: `\n<|tool|>\nRESULT\n<|assistant|>\n`
+for rl/models/tiny.py's template), so real instruct models see the role they were trained with. Their
+tokens are attended but are no actions of the policy: the rollout labels them -100, so they are out of
+the loss and the KL exactly as prompt tokens are (see rl.rollout.episodes; tests/test_tools.py).
 
-What is masked: tool-message tokens are attended by every later token (attention_mask 1) but are no
-actions of the policy: `EpisodeRollout.to_batch` sets their labels to -100, and every GRPO term
-(surrogate, k3 KL to the reference, old log-probs, token counts of the aggregation) reads only
-positions with labels != -100 (rl.engine.losses.token_logprobs' mask), so they are out of the loss and the KL
-exactly as if they were prompt tokens. tests/test_tools.py checks it on the loss function itself.
+Rewards (`ToolMathEnv`, a MathProblemEnv scored on the last policy turn): correctness (weight 1.0),
+formatting (weight 0 by default) and tool_use (1.0 when the episode called a tool; weight 0 by default,
+so rewards/tool_use/mean is the tool-call rate, a metric). The `python` tool runs only in the sandbox,
+under a private root unless `sandbox: unisolated`. `sft_records(tool_fraction=...)` gives a teacher's
+SFT pairs whose completions are exactly the policy's own turns.
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ from __future__ import annotations
 import random
 from typing import Sequence
 
+from rl.envs.base import register_env
 from rl.envs.code import check_sandbox
 from rl.envs.math import MathProblemEnv, load_math_problems, problem_split
 from rl.envs.tools import (
@@ -122,6 +125,7 @@ def generate_product_problem(rng: random.Random, digits: Sequence[int] = (3, 2),
             return f"{a}*{b}", str(a * b)
 
 
+@register_env("tool_math")
 def create_tool_math_env(tokenizer, problems_path: str | None = None, num_problems: int = 1000,
                          digits: Sequence[int] = (3, 2), answer_digits: int | None = None, seed: int = 0,
                          split: str = "train",

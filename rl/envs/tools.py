@@ -1,21 +1,27 @@
-"""Tools a policy may call in the middle of its turn, and the one format it calls them in.
+"""Tools a policy may call in the middle of its turn, the one format it calls them in, and the tool
+messages that carry their results back.
 
 Call format (one call per turn; the turn ends at the close tag, which is the sampler's stop string):
 
     <tool>NAME: INPUT</tool>            e.g. <tool>calculator: 123*45</tool>
 
-Plain ASCII on purpose: a byte-level tokenizer (rl/models/tiny.py) can produce every character of it, and a
-real tokenizer needs no new special tokens. NAME is an identifier; everything after the first ':' (one
-leading space dropped) up to the close tag is the tool's INPUT. The environment (rl.envs.tool_math) runs the
-tool and appends its result as a `tool` message; the tool never sees anything but INPUT.
+Plain ASCII on purpose: a byte-level tokenizer (rl/models/tiny.py) can produce every character of it,
+and a real tokenizer needs no new special tokens. NAME is an identifier; everything after the first ':'
+(one leading space dropped) up to the close tag is the tool's INPUT (`parse_tool_call`). The episode
+runner (rl.rollout.episodes) runs the call with `run_tool` and appends the result as a tool message
+(`tool_message_text`: `<result>RESULT</result>`, or the chat template's `tool` turn); the tool never
+sees anything but INPUT. `final_turn` cuts a decoded episode to the policy's last turn, which is what
+gets scored.
 
 Built-in tools (`TOOLS`; a tool is `fn(input: str) -> str`, errors are results too, so the policy can
-see and learn from them):
+see and learn from them; inputs over MAX_TOOL_INPUT characters are refused, results cut to
+MAX_RESULT_CHARS):
     calculator   arithmetic on integer/decimal literals with + - * / // % ** and parentheses, evaluated
-                 by walking the `ast` (no eval): names, calls, attributes, subscripts, strings and
-                 comparisons are rejected, exponents are bounded and results capped in size.
+                 exactly (Fraction) by walking the `ast` (no eval): names, calls, attributes, subscripts,
+                 strings and comparisons are rejected, exponents are bounded and results capped in size.
     python       a program run ONLY in the sandbox (rl.envs.sandbox.run_python, as the code environment's
-                 unit tests are); its stdout (or the error's last line) is the result.
+                 unit tests are), under a private root unless told otherwise; its stdout (or the error's
+                 last line) is the result.
 """
 
 from __future__ import annotations

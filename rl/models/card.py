@@ -2,9 +2,10 @@
 
 What a reader of the directory needs to know without the run's logs: the base model, the trainer and
 its algorithm settings, the recipe and data, the final metrics, the exact command and the library
-versions, and how to load what is there (a full model, or a PEFT adapter with an optional merged copy).
-The YAML header uses the hub's model-card fields (`base_model`, `library_name`, `tags`, ...), so the
-card reads as one on the hub would; nothing is pushed.
+versions, and how to load what is there (`output_contents`: a full model, a PEFT adapter with an
+optional merged copy, or a reward model). The YAML header uses the hub's model-card fields
+(`base_model`, `library_name`, `tags`, ...), so the card reads as one on the hub would; nothing is
+pushed. `write_model_card` replaces the template card PEFT writes beside an adapter.
 """
 
 from __future__ import annotations

@@ -36,7 +36,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from rl.errors import ConfigError
-from rl.models.tiny import _without_zero3_init
+from rl.models.tiny import without_zero3_init
 
 MARKER = "rl_gguf_source.json"  # written last into a finished conversion: its presence means complete
 
@@ -113,7 +113,7 @@ def convert_gguf(gguf: Path, out: Path, source: dict | None = None) -> Path:
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
     tmp.chmod(0o755)  # mkdtemp makes it private; a shared cache should be readable
     try:
-        with _without_zero3_init():  # a local build even inside a ZeRO-3 launch (see rl.models.tiny)
+        with without_zero3_init():  # a local build even inside a ZeRO-3 launch (see rl.models.tiny)
             kw = dict(gguf_file=gguf.name)
             loaded = AutoModelForCausalLM.from_pretrained(gguf.parent, dtype=torch.float32, **kw)
             tok = AutoTokenizer.from_pretrained(gguf.parent, **kw)

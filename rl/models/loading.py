@@ -1,7 +1,14 @@
-"""Loading models and building optimizers: dtype, LoRA, 4-bit, gradient checkpointing, frozen copies.
+"""Loading models and tokenizers: dtype, LoRA, 4-bit/8-bit quantisation, attention kernel, gradient
+checkpointing, frozen copies.
 
-Every trainer loads through here so that `tiny:<family>` names, `trust_remote_code` (off unless the
-user asks), attention kernels and LoRA targets behave the same everywhere.
+Every trainer loads through here so that `tiny:<family>` names, GGUF files and packaged names
+(rl.models.sources), `trust_remote_code` (off unless the user asks), attention kernels and LoRA targets
+behave the same everywhere. `load_causal_lm` also loads a sequence classifier (`task='classifier'`, how
+reward models start from a causal LM) and a LoRA run's output directory (its base with the adapter
+merged, so one stage's output is the next stage's `model_name`); a model that cannot be found or read
+is one `ConfigError` line (`not_loadable`). `resolve_dtype('auto')` is bf16 on a CUDA GPU that has it,
+else fp32; trainable policies keep fp32 master weights (`load_trainable_policy`). `apply_lora` targets
+every linear layer but the output head by default ('all-linear'), GPT-2's Conv1D included.
 """
 
 from __future__ import annotations
@@ -13,7 +20,7 @@ import torch
 from rl.errors import ConfigError
 from rl.models.saving import adapter_base
 from rl.models.sources import resolve_model_path
-from rl.models.tiny import _without_zero3_init
+from rl.models.tiny import without_zero3_init
 
 
 def resolve_dtype(name: str | None) -> torch.dtype:
@@ -69,7 +76,7 @@ def load_causal_lm(name: str, dtype: str | torch.dtype | None = "auto", trust_re
 
         # Merged on whole tensors: under a ZeRO-3 launch, zero.Init would leave each process a shard to
         # merge into; DeepSpeed partitions the merged model when the engine is built instead.
-        with _without_zero3_init():
+        with without_zero3_init():
             model = load_causal_lm(base, dtype, trust_remote_code, attn_implementation, gradient_checkpointing,
                                    quantization, task, num_labels)
             model = PeftModel.from_pretrained(model, path).merge_and_unload()

@@ -11,7 +11,7 @@ Modes, cheapest first:
 DPO's fourth mode, precomputed log-probs, runs `adapters` or `copy` once over the data and then
 `release()`s the model.
 
-One placement rule (`rl.forward_backward.place_frozen`): under ZeRO-3 the reference is its own DeepSpeed
+One placement rule (`rl.engine.dist.place_frozen`): under ZeRO-3 the reference is its own DeepSpeed
 inference engine, each rank holding a shard; otherwise a plain module on the device. One dtype rule: a
 copied or loaded reference is kept in the policy's compute dtype (`cfg.dtype`: bf16 when training in bf16,
 else fp32: half the memory of fp32 weights, the same matmuls as the policy's autocast) and its forward

@@ -31,7 +31,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from rl.algos.reduce import masked_mse
-from rl.data.preference import _stack_pair, encode_texts, pad_batch
+from rl.data.preference import stack_pair, encode_texts, pad_batch
 from rl.engine.packing import pool_packed, position_ids_from_mask
 from rl.errors import ConfigError
 from rl.models.loading import apply_lora, load_causal_lm, load_tokenizer
@@ -262,7 +262,7 @@ class RewardModel(nn.Module):
         """Load head and adapters (LoRA) or all weights (full) saved by `save` into this model."""
         load_reward_weights(self, path)
 
-    # the engine's checkpoint hooks (rl.forward_backward): `checkpoint-N/` holds what `save` writes, so it
+    # the engine's checkpoint hooks (rl.engine.pipeline): `checkpoint-N/` holds what `save` writes, so it
     # loads as the final output does (AutoModelForSequenceClassification, PeftModel, load_reward_model)
     def save_checkpoint_weights(self, state_dict: dict, path: Path) -> None:
         save_reward_model(self, path, state_dict)
@@ -277,7 +277,7 @@ class PairwiseRewardModel(RewardModel):
     def forward_pair(self, input_ids_a, attention_mask_a, input_ids_b, attention_mask_b) -> torch.Tensor:
         """(B,) logit that A is preferred; A and B go through the backbone as one batch of 2B rows,
         so any B >= 1 works and both sides see the same dropout mode."""
-        ids, mask = _stack_pair(input_ids_a, attention_mask_a, input_ids_b, attention_mask_b, self.pad_token_id)
+        ids, mask = stack_pair(input_ids_a, attention_mask_a, input_ids_b, attention_mask_b, self.pad_token_id)
         r = self.rewards(ids, mask)[:, 0]
         n = input_ids_a.shape[0]
         return r[:n] - r[n:]

@@ -1,7 +1,18 @@
-"""The reward model's files and tokens: the checkpoint format (safetensors + JSON, never pickles),
-text encoding and padding, and the preference-pair files of launch/reward.py.
+"""The reward model's files: safetensors + JSON, never pickles.
 
-Kept apart from the model classes (rl.reward_model) so that this module needs no model: every
+A directory written by `save_reward_model` holds `reward_config.json` (kind, RewardModelConfig,
+objective weights, what else is there) and the head in `reward_head.safetensors`, and then either
+* LoRA (QLoRA included): the adapter alone in `adapter.safetensors` (the base is reloaded from
+  `model_name`), and the same adapter as PEFT writes one for `AutoModelForSequenceClassification`
+  (`write_peft_classifier_adapter`), or
+* a full fine-tune: `config.json` + `model.safetensors` in the layout of
+  `AutoModelForSequenceClassification`, with `temperature` folded into `score.weight`,
+plus the tokenizer. `hf_compatible` records whether plain transformers gives the same rewards (`last`
+pooling, no head bias, and the EOS ending each text is not the pad id). `load_reward_weights` reads
+it back (ZeRO-3 aware), and `reward_model_problem` says in one line why a directory is not a reward
+model (a causal LM would get a random score head and train the policy against noise).
+
+Kept apart from the model classes (rl.models.reward) so that this module needs no model: every
 function takes the model it writes or fills as an argument.
 """
 

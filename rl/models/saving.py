@@ -1,8 +1,15 @@
-"""Finding checkpoints to resume from, and stopping cleanly on SIGUSR1/SIGTERM (Slurm preemption).
+"""Writing models where `from_pretrained` finds them: the final output directory, and the loadable files
+beside a checkpoint's weights.
 
-Checkpoints are directories `<output_dir>/checkpoints/checkpoint-<step>` written atomically by
-`ForwardBackwardPipeline.save_state` (a `COMPLETE` marker is the last file written before the rename),
-so a directory without the marker is an interrupted write and is never resumed from.
+A full model is written as an HF model directory (config.json + model.safetensors + tokenizer); a LoRA
+model as its PEFT adapter (adapter_config.json + adapter_model.safetensors), as TRL writes it, and with
+`merged` also as the merged model in `<out>/merged` (MERGED_DIR). Everything is written from a state
+dict, not from the live modules, so it works when those hold only ZeRO-3 shards: `save_pretrained`
+gathers on every process and writes on the main one, `write_pretrained` writes what it is given, and
+`merge_lora_state_dict` merges on plain tensors, W' = W + scaling * B @ A (scaling = alpha / r, or
+alpha / sqrt(r) with rsLoRA; Conv1D weights are stored transposed). `make_loadable` turns an engine
+checkpoint `checkpoint-N/` into a directory `from_pretrained` reads, as TRL's are. `adapter_base` names
+the base model of an adapter directory, `is_lora` tells a LoRA model.
 """
 
 from __future__ import annotations

@@ -1,11 +1,9 @@
-"""Tiny offline models: a byte-level tokenizer and a small causal LM or sequence classifier.
+"""Model names to loadable directories: `resolve_model_path` maps `tiny:<family>[-classifier]` to a tiny
+model written locally on first use (rl.models.tiny, under `$RL_TINY_CACHE`, default
+`~/.cache/rl-tiny`), a `.gguf` file or a packaged name to its converted directory (rl.models.gguf), and
+passes any other name (a hub id, a local directory) through unchanged.
 
-Nothing here downloads anything. The model is built from a config with random weights, saved with
-`save_pretrained`, and meant to be loaded back through `AutoTokenizer` / `AutoModelForCausalLM` /
-`AutoModelForSequenceClassification`, which is the same loading path a real checkpoint takes.
-
-    python -m rl.models.tiny --family llama --out /tmp/tiny-llama
-    python -m rl.models.tiny --family qwen2 --task classifier --out /tmp/tiny-rm
+Recipes name `model_name: tiny:llama` so that a fresh machine runs them without any download.
 """
 
 from __future__ import annotations

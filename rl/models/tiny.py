@@ -1,8 +1,12 @@
-"""Tiny offline models: a byte-level tokenizer and a small causal LM or sequence classifier.
+r"""Tiny offline models: a byte-level tokenizer and a small causal LM or sequence classifier.
 
 Nothing here downloads anything. The model is built from a config with random weights, saved with
 `save_pretrained`, and meant to be loaded back through `AutoTokenizer` / `AutoModelForCausalLM` /
-`AutoModelForSequenceClassification`, which is the same loading path a real checkpoint takes.
+`AutoModelForSequenceClassification`, which is the same loading path a real checkpoint takes. The
+tokenizer has one token per byte plus pad/bos/eos (259 ids) and a chat template that renders any role,
+`tool` included, as `<|role|>\ncontent\n`. `write_tiny_model` is idempotent per spec and safe when
+several processes build the same model at once (a lock file, a temporary directory renamed into
+place); `without_zero3_init` lets it, and other local builds, run inside a ZeRO-3 launch.
 
     python -m rl.models.tiny --family llama --out /tmp/tiny-llama
     python -m rl.models.tiny --family qwen2 --task classifier --out /tmp/tiny-rm
@@ -138,7 +142,7 @@ def _build_into(tmp: Path, family: str, task: str, hidden: int, layers: int, hea
                        pad_id=tok.pad_token_id, bos_id=tok.bos_token_id, eos_id=tok.eos_token_id)
     torch.manual_seed(seed)
     cls = AutoModelForSequenceClassification if task == "classifier" else AutoModelForCausalLM
-    with _without_zero3_init():
+    with without_zero3_init():
         model = cls.from_config(cfg)
     # Written piece by piece, not with model.save_pretrained: that writes only on torch.distributed
     # rank 0, and under `accelerate launch` the rank that takes the lock first may be another one
@@ -156,7 +160,7 @@ def _build_into(tmp: Path, family: str, task: str, hidden: int, layers: int, hea
 
 
 @contextlib.contextmanager
-def _without_zero3_init():
+def without_zero3_init():
     """Build the full tiny model locally even inside a ZeRO-3 run.
 
     Under `accelerate launch --use_deepspeed` transformers would build it with `zero.Init`, a

@@ -1,11 +1,18 @@
-"""PPO's models and the math on their outputs: the policy with a value head, a separate critic, the
-response-space log-probs, the engine losses, and the no-grad scoring forward of a rollout.
+"""PPO's models: the policy with a value head (`PPOModel`, `ValueHead`), a separate critic (`Critic`), and
+the files a PPO policy is written to and read from.
 
-Alignment, the part the reference got wrong: for a batch laid out as [left-padded prompt (P) | response (N)],
-response token j sits at input position P + j and is predicted by the logits (and valued by the hidden
-state) at position P - 1 + j. Every per-token tensor here is (B, N) in that "response space": log-probs,
-values, KL, rewards, advantages, returns, mask. Position ids are counted from each row's first real token,
-exactly as during sampling, so the recomputed log-probs equal the sampler's (checked in tests/test_ppo.py).
+`PPOModel.forward` returns the LM's logits and, without a KV cache, `value` (B, T): value[:, t] is V of
+the state after reading tokens 0..t, one value per token (the reference gave one per sequence). Position
+ids count from each row's first attended token, so left padding changes nothing, exactly as during
+sampling. Reading those per-position outputs in response space (response token j of a batch
+[left-padded prompt (P) | response (N)] is predicted and valued at position P - 1 + j) is
+rl.trainers.ppo_math's part. The value head's output layer starts at zero, so the first values are 0
+and the first advantages are the rewards themselves. `Critic` applies a reward model's backbone and
+head at every position (TRL's value model initialised from the reward model).
+
+Files (`write_policy` / `load_policy_weights`): the policy alone in the layout
+`AutoModelForCausalLM.from_pretrained` (LoRA: `PeftModel`) reads without this package, and the value
+head beside it in `value_head.safetensors`.
 """
 
 from __future__ import annotations
@@ -93,7 +100,7 @@ class PPOModel(nn.Module):
         value = self.value_head(out.hidden_states[-1]) if want_value else None
         return PPOModelOutput(logits=out.logits, value=value, cache=getattr(out, "cache", None))
 
-    # the engine's checkpoint hooks (rl.forward_backward): `checkpoint-N/` holds what the final output holds
+    # the engine's checkpoint hooks (rl.engine.pipeline): `checkpoint-N/` holds what the final output holds
     def save_checkpoint_weights(self, state_dict: dict, out_dir: Path) -> None:
         write_policy(self, state_dict, out_dir)
 

@@ -1,22 +1,20 @@
-"""Verifiable rewards: answer extraction, numeric comparison, and the CLI's named reward functions.
+r"""Answer checking for verifiable rewards: extracting the answer a completion states, and deciding
+whether it equals the expected one.
 
-Every reward function here has the trainers' batched signature
-
-    reward_fn(prompts: list[str], responses: list[str], metadata: list[dict] | None = None) -> list[float]
-
-(the reference's PPOTrainer `reward_fn`), so a function, an environment (`env.__call__`) or a user's
-`module:function` are interchangeable.
-
-Answer extraction order (`extract_answer`): the last `\\boxed{...}` (nested braces allowed), else the text
+Answer extraction order (`extract_answer`): the last `\boxed{...}` (nested braces allowed), else the text
 after the last `Answer:` / `answer is` / `####` marker on its line, else the last number in the text.
 A marked answer holding several different numbers ("Answer: 19 or 20") is ambiguous and matches
 nothing, so hedging earns no reward; an equation keeps what follows its last "=" ("Answer: 12+7=19").
 Comparison (`answers_match`) has a fast path, exact on rationals (`fractions.Fraction`): "0.5", "1/2",
-"\\frac{1}{2}" and "+.50" are equal; "1,234" is one thousand two hundred thirty-four. Text with no number
-("incorrect") never matches a number. LaTeX the fast path cannot read (`\\sqrt`, `\\pi`, polynomials,
-sets, intervals, `10\\%`) goes to Hugging Face's math-verify (sympy equivalence), run in a child process
-with a deadline (`MathVerifier`: its signal-based timeouts need a main thread, and rewards are scored on
-worker threads). Plain words compare as normalised text (math-verify would read "Paris" as p*a*r*i*s).
+"\frac{1}{2}" and "+.50" are equal; "1,234" is one thousand two hundred thirty-four. Text with no number
+("incorrect") never matches a number. LaTeX the fast path cannot read (`\sqrt`, `\pi`, polynomials,
+sets, intervals, `10\%`) goes to Hugging Face's math-verify (sympy equivalence), run in a child process
+with a deadline (`MathVerifier`, rl/rewards/mathverify_worker.py: its signal-based timeouts need a main
+thread, and rewards are scored on worker threads). Plain words compare as normalised text (math-verify
+would read "Paris" as p*a*r*i*s).
+
+`has_answer_format` is the formatting check of the math environments: 'answer' (an `Answer: <number>`
+line), 'boxed' (a `\boxed{}` holding a number or LaTeX math) or 'plain' (exactly one number).
 """
 
 from __future__ import annotations

@@ -1,4 +1,5 @@
-"""Verifiable rewards: answer extraction, numeric comparison, and the CLI's named reward functions.
+"""The named reward functions (`reward_fn` / `reward_funcs` in a recipe, `--rl-reward-fn` on the CLI) and
+the loader of a user's own.
 
 Every reward function here has the trainers' batched signature
 
@@ -7,16 +8,11 @@ Every reward function here has the trainers' batched signature
 (the reference's PPOTrainer `reward_fn`), so a function, an environment (`env.__call__`) or a user's
 `module:function` are interchangeable.
 
-Answer extraction order (`extract_answer`): the last `\\boxed{...}` (nested braces allowed), else the text
-after the last `Answer:` / `answer is` / `####` marker on its line, else the last number in the text.
-A marked answer holding several different numbers ("Answer: 19 or 20") is ambiguous and matches
-nothing, so hedging earns no reward; an equation keeps what follows its last "=" ("Answer: 12+7=19").
-Comparison (`answers_match`) has a fast path, exact on rationals (`fractions.Fraction`): "0.5", "1/2",
-"\\frac{1}{2}" and "+.50" are equal; "1,234" is one thousand two hundred thirty-four. Text with no number
-("incorrect") never matches a number. LaTeX the fast path cannot read (`\\sqrt`, `\\pi`, polynomials,
-sets, intervals, `10\\%`) goes to Hugging Face's math-verify (sympy equivalence), run in a child process
-with a deadline (`MathVerifier`: its signal-based timeouts need a main thread, and rewards are scored on
-worker threads). Plain words compare as normalised text (math-verify would read "Paris" as p*a*r*i*s).
+`REWARD_FUNCTIONS`: default (the reference's words / 100), length_penalty (-|words - target| / target),
+correctness (1.0 when the answer equals metadata[i]["answer"], by rl.rewards.answers.answers_match).
+`get_reward_fn(name)` resolves one of them, 'custom' with `custom='module:function'`, or a
+`module:function` string directly, which `load_custom_reward` imports with importlib (the module must
+be importable; no code string is ever evaluated).
 """
 
 from __future__ import annotations

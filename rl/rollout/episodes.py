@@ -1,31 +1,25 @@
-"""Multi-turn tool use: an environment whose policy turn may call a tool, and the episode runner that
-turns such episodes into rollouts GRPO trains on.
+"""Multi-turn tool-use episodes as rollouts: `run_episodes` samples B episodes in lockstep and returns an
+`EpisodeRollout`, which GRPO and PPO train on as on any `Rollout`.
 
-An episode (one row; B rows are run as one batch):
+An episode (the environment is rl.envs.tool_math's ToolMathEnv; the call format rl.envs.tools'):
 
     prompt            "123*45="
     policy turn 1     "<tool>calculator: 123*45</tool>"       sampled; loss_mask 1; the sampler's log-probs
     tool message      "<result>5535</result>"                 appended by the environment; loss_mask 0
     policy turn 2     "5535</s>"                              sampled; loss_mask 1
-    reward            scored at the end, on the last policy turn only (the text after the last tool
-                      message): the answer counts only when the policy states it itself
 
-The call format is rl.envs.tools' `<tool>NAME: INPUT</tool>`; the sampler (rl.engine.generation.generate) stops at
-the close tag. A turn without a call (EOS, or the token budget) ends the episode, as does the
-`max_turns`-th policy turn (a call there is not run: nothing could read its result). The token budget
+Each turn is one `generate` call (rl.engine.generation) over the rows still going, stopping at
+`</tool>` or EOS; a call is run with `rl.envs.tools.run_tool` and its tool message appended, except on
+the `max_turns`-th turn (nothing could read its result). Every turn calls the sampler, also when no
+row is left, so under ZeRO-3 all processes make the same number of collective calls. The token budget
 `max_new_tokens` covers the whole episode, tool messages included, so shapes stay those of a one-turn
-rollout of that length.
-
-Tool messages are rendered by `tool_message_text`: `<result>RESULT</result>` in plain format, or with
-`chat_format` the tokenizer's own chat template for a `tool` message (the text it puts between the
-assistant's turn and the next assistant header: `\\n<|tool|>\\nRESULT\\n<|assistant|>\\n` for rl/models/tiny.py's
-template), so real instruct models see the role they were trained with.
+rollout of that length. Turn t samples with seed `seed + t * 1_000_003`, so a seeded run repeats.
 
 What is masked: tool-message tokens are attended by every later token (attention_mask 1) but are no
 actions of the policy: `EpisodeRollout.to_batch` sets their labels to -100, and every GRPO term
 (surrogate, k3 KL to the reference, old log-probs, token counts of the aggregation) reads only
-positions with labels != -100 (rl.engine.losses.token_logprobs' mask), so they are out of the loss and the KL
-exactly as if they were prompt tokens. tests/test_tools.py checks it on the loss function itself.
+positions with labels != -100 (rl.engine.losses.token_logprobs' mask), so they are out of the loss and the
+KL exactly as if they were prompt tokens. tests/test_tools.py checks it on the loss function itself.
 """
 
 from __future__ import annotations
@@ -143,6 +137,3 @@ def _pack(rows, toks, lps, lmask, reasons, calls, turns, pad_id: int, device) ->
     return EpisodeRollout(tokens=tokens.to(device), logprobs=logprobs.to(device), mask=mask.to(device),
                           prompts=rows, prompt_ids=prompt_ids, prompt_mask=prompt_mask, pad_token_id=pad_id,
                           finish_reasons=reasons, loss_mask=loss_mask.to(device), tool_calls=calls, turns=turns)
-
-
-# ------------------------------------------------------------------------------------ the environment

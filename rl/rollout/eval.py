@@ -1,4 +1,7 @@
-"""GRPO's held-out evaluation: greedy completions of an environment's fixed prompts, scored by it."""
+"""Held-out evaluation for GRPO and online DPO: greedy completions of an environment's fixed prompts
+(`unique_eval_set`: without repeats), scored by the environment (`greedy_eval`); multi-turn
+environments are evaluated on whole episodes (rl.rollout.episodes).
+"""
 
 from __future__ import annotations
 
@@ -16,7 +19,7 @@ def greedy_eval(model, tokenizer, env, prompts: list[str], metadata: list[dict],
                 prompt_budget: int = 512, batch_size: int = 64, chat: bool = False) -> dict:
     """Greedy completions scored by `env`: eval/accuracy (mean correctness component when the env has
     one, else the fraction of rewards > 0), eval/reward, eval/mean_length (and eval/tool_call_rate for a
-    multi-turn environment, whose episodes rl.envs.tool_math.run_episodes runs). Every rank must call it
+    multi-turn environment, whose episodes rl.rollout.episodes.run_episodes runs). Every rank must call it
     under ZeRO-3 (generation gathers the parameters)."""
     rewards, correct, lengths, tool_use = [], [], [], []
     sample = partial(run_episodes, env=env) if getattr(env, "multi_turn", False) else generate

@@ -1,13 +1,15 @@
-"""GRPO's rollout side: prompt rows and their encoding, DAPO's dynamic-sampling batch assembly, and
-the reward metrics of a step (rl.trainers.grpo re-exports the public names).
+"""The prompts of an online trainer's step: prompt rows from a data file or an environment, the same on
+every process, and their encoding.
 
-Dynamic sampling (DAPO, Yu et al. 2025, sec. 3.2): each round every process samples and scores its
-share of fresh prompts; rewards are gathered, so every process sees the same keep mask (W, k) per
-round (`rl.algos.dapo.groups_with_spread`) and takes the same decisions without another collective.
-Rounds continue until every process holds k groups with reward spread, or max_sampling_rounds; each
-process then trains on its own first k kept groups (shapes stay those of a plain step), and a process
-still short takes dropped groups (advantage 0, counted as dapo/filled_groups) rather than stopping a
-run on an unlucky step. Groups never move between processes.
+`encode_prompt` tokenises one prompt as the SFT trainer does (BOS once, then the prompt, optionally
+rendered as a chat user turn with the assistant header after it), keeping the last `budget` tokens.
+`load_prompt_rows` reads a data file's prompt column (data.prompt_column, else data.text_column) and
+keeps the other columns as keyword columns for the reward functions (TRL's convention).
+`step_prompts` picks a step's n rows: from the environment, seeded by the generation index, or from the
+data rows, one pass over a seeded permutation per epoch. Every process computes the same rows and
+takes its own share. A dynamic-sampling round after the first (DAPO, Yu et al. 2025, sec. 3.2; the
+rounds are assembled in rl.trainers.grpo_batch) draws n more at random, from a seed stream of its own
+(far from every first round's seed).
 """
 
 from __future__ import annotations

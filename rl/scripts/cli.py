@@ -18,7 +18,7 @@ import importlib
 import os
 import sys
 
-from rl.config.parse import _field_type
+from rl.config.parse import field_type as _field_type
 
 # trainer -> (its script module rl.scripts.<name>, "module:Schema")
 TRAINERS = {

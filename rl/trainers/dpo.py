@@ -50,7 +50,7 @@ from rl.config.plan import epoch_plan
 from rl.config.schema import TrainConfig
 from rl.data.preference import (
     PreferenceDataset,
-    _shards,
+    shard_batches as _shards,
     collate_pairs,
     load_pair_records,
     pack_pairs,
