@@ -22,6 +22,7 @@ Four rules (README, "Architecture: the layers"):
 from __future__ import annotations
 
 import ast
+from itertools import pairwise
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1] / "rl"
@@ -117,10 +118,10 @@ def cycles(edges: dict[str, dict[str, list[str]]]) -> list[list[str]]:
     on: set[str] = set()
     out: list[list[str]] = []
     counter = 0
-    for start in edges:
+    for start, targets in edges.items():
         if start in index:
             continue
-        work = [(start, iter(edges[start]))]
+        work = [(start, iter(targets))]
         index[start] = low[start] = counter
         counter += 1
         stack.append(start)
@@ -200,7 +201,7 @@ def cycle_problems(edges: dict[str, dict[str, list[str]]]) -> list[str]:
     out = []
     for comp in cycles(edges):
         loop = shortest_cycle(comp, edges)
-        steps = "; ".join(f"{a} -> {b} at {edges[a][b][0]}" for a, b in zip(loop, loop[1:]))
+        steps = "; ".join(f"{a} -> {b} at {edges[a][b][0]}" for a, b in pairwise(loop))
         out.append(f"import cycle among {len(comp)} modules ({', '.join(comp)}), e.g. {steps}")
     return out
 
