@@ -24,13 +24,13 @@ import yaml
 
 from rl.config.fields import (
     FALSE_WORDS,
-    TRUE_WORDS,
     REQUIRED,
+    TRUE_WORDS,
     aliases_of,
+    build,
     fields_of,
     hints_of,
     type_name,
-    build,
 )
 from rl.errors import ConfigError
 

@@ -30,7 +30,14 @@ from typing import Any, Callable, Sequence
 import torch
 
 from rl.data.records import read_records
-from rl.envs.base import Observation, StepResult, TextGenerationEnv, batch_reward, length_reward, register_env
+from rl.envs.base import (
+    Observation,
+    StepResult,
+    TextGenerationEnv,
+    batch_reward,
+    length_reward,
+    register_env,
+)
 from rl.errors import DataError
 from rl.models.loading import load_causal_lm, load_tokenizer
 from rl.rewards import answers as R

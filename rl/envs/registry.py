@@ -19,10 +19,11 @@ import importlib
 import json
 from typing import Any, Callable
 
+import rl.envs.code  # noqa: F401
+import rl.envs.math  # noqa: F401
+
 # Importing the environment modules registers their factories.
 import rl.envs.objectives  # noqa: F401  text_generation, multi_objective, preference_comparison
-import rl.envs.math  # noqa: F401
-import rl.envs.code  # noqa: F401
 import rl.envs.tool_math  # noqa: F401
 from rl.envs.base import ENV_REGISTRY, TextGenerationEnv, env_types, register_env
 

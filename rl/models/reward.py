@@ -31,7 +31,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from rl.algos.reduce import masked_mse
-from rl.data.preference import stack_pair, encode_texts, pad_batch
+from rl.data.preference import encode_texts, pad_batch, stack_pair
 from rl.engine.packing import pool_packed, position_ids_from_mask
 from rl.errors import ConfigError
 from rl.models.loading import apply_lora, load_causal_lm, load_tokenizer

@@ -18,7 +18,7 @@ import importlib
 import os
 import sys
 
-from rl.config.parse import field_type as _field_type
+from rl.config.parse import field_type
 
 # trainer -> (its script module rl.scripts.<name>, "module:Schema")
 TRAINERS = {
@@ -67,7 +67,7 @@ def _schema(trainer: str):
 
 
 def _knows(schema, key: str) -> bool:
-    return schema is None or _field_type(schema, key) is not None
+    return schema is None or field_type(schema, key) is not None
 
 
 def translate(trainer: str, argv: list[str], schema=None) -> list[str]:

@@ -50,10 +50,10 @@ from rl.config.plan import epoch_plan
 from rl.config.schema import TrainConfig
 from rl.data.preference import (
     PreferenceDataset,
-    shard_batches as _shards,
     collate_pairs,
     load_pair_records,
     pack_pairs,
+    shard_batches,
 )
 from rl.engine.dist import zero_stage
 from rl.engine.scoring import concatenated_logps, sequence_logps
@@ -213,7 +213,7 @@ class DPOTrainer(EpochTrainer):
         acc, cfg = self.accelerator, self.cfg
         bs = cfg.eval_batch_size or cfg.batch_size
         out = torch.zeros(len(dataset), 2)
-        for idx, weight in _shards(len(dataset), bs, acc.num_processes, acc.process_index):
+        for idx, weight in shard_batches(len(dataset), bs, acc.num_processes, acc.process_index):
             batch = self._collate([dataset.examples[i] for i in idx], dataset.pad_token_id)
             c, r = self._reference_logps(batch)
             local = torch.stack([torch.tensor(idx, device=acc.device, dtype=torch.float32),
@@ -292,7 +292,7 @@ class DPOTrainer(EpochTrainer):
         model.eval()
         totals: dict[str, torch.Tensor] = {}
         bs = cfg.eval_batch_size or cfg.batch_size
-        for idx, weight in _shards(len(dataset), bs, acc.num_processes, acc.process_index):
+        for idx, weight in shard_batches(len(dataset), bs, acc.num_processes, acc.process_index):
             b = self._collate([dataset[i] for i in idx], dataset.pad_token_id)
             ref_c, ref_r = self._reference_logps(b)
             b = {k: v.to(acc.device) for k, v in b.items()}
