@@ -93,7 +93,8 @@ def zero_stage(accelerator) -> int:
     return int(accelerator.state.deepspeed_plugin.zero_stage or 0)
 
 
-def _inner(optimizer):
+def inner_optimizer(optimizer):
+    """The torch optimizer inside accelerate's `AcceleratedOptimizer` wrapper (or `optimizer` itself)."""
     return getattr(optimizer, "optimizer", optimizer)
 
 
@@ -140,7 +141,7 @@ def reference_ds_config(accelerator) -> dict:
     return ds
 
 
-def _unwrap(model):
+def unwrap_module(model):
     """The module to call: DeepSpeed engines and DDP wrap the HF model in `.module`."""
     while hasattr(model, "module") and isinstance(model.module, torch.nn.Module):
         model = model.module

@@ -50,7 +50,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from rl.engine.dist import _unwrap
+from rl.engine.dist import unwrap_module
 from rl.engine.losses import IGNORE_INDEX
 from rl.engine.packing import left_pad, position_ids_from_mask
 from rl.engine.scoring import sample_tokens
@@ -109,7 +109,7 @@ def gathered_for_generation(model):
     Under ZeRO-3 the parameters are gathered once (collective: every rank must enter) and the
     engine's per-module hooks are removed, so decoding does no communication per token (and ranks
     may stop after different numbers of steps); hooks are restored on exit."""
-    inner = _unwrap(model)
+    inner = unwrap_module(model)
     if not _is_zero3(inner):
         yield inner
         return

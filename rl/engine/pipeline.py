@@ -48,7 +48,7 @@ import torch
 
 from rl.engine import losses
 from rl.engine.chunked import auto_chunk_size, capture_head, head_vocab, output_head
-from rl.engine.dist import _inner, build_accelerator, is_deepspeed
+from rl.engine.dist import build_accelerator, inner_optimizer, is_deepspeed
 from rl.engine.futures import (
     RequestFuture,
     SampleFuture,
@@ -350,7 +350,7 @@ class ForwardBackwardPipeline:
         if k < n:
             self._finish_partial_accumulation(k)
         grad_norm = None
-        inner = _inner(self.optimizer)
+        inner = inner_optimizer(self.optimizer)
         if is_deepspeed(acc):
             # DeepSpeed clipped, stepped and cleared the gradients inside the last backward.
             grad_norm = self.model.get_global_grad_norm()
@@ -398,7 +398,7 @@ class ForwardBackwardPipeline:
         """Prepare an optimizer/scheduler handed to optim_step (allowed outside DeepSpeed)."""
         if optimizer is not None and self.optimizer is None:
             self.optimizer = self.accelerator.prepare_optimizer(optimizer)
-        elif optimizer is not None and _inner(optimizer) is not _inner(self.optimizer):
+        elif optimizer is not None and inner_optimizer(optimizer) is not inner_optimizer(self.optimizer):
             raise ValueError("optim_step got a different optimizer from the one already in use")
         if scheduler is not None and self.scheduler is None:
             self.scheduler = scheduler
@@ -562,5 +562,5 @@ class ForwardBackwardPipeline:
         _set_np_rng_state(state["numpy_rng"])
         self.step, self.micro_step = state["step"], state["micro_step"]
         if self.optimizer is not None:
-            _inner(self.optimizer).zero_grad(set_to_none=True)
+            inner_optimizer(self.optimizer).zero_grad(set_to_none=True)
         return state.get("extra", {})

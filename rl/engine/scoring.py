@@ -53,7 +53,7 @@ import torch
 
 from rl.engine import losses
 from rl.engine.chunked import auto_chunk_size, capture_head, head_vocab, output_head
-from rl.engine.dist import _unwrap
+from rl.engine.dist import unwrap_module
 from rl.engine.losses import IGNORE_INDEX, token_logprobs
 from rl.engine.packing import position_ids_from_mask, segment_sum
 
@@ -144,7 +144,7 @@ def sequence_logprobs(model, input_ids: torch.Tensor, attention_mask: torch.Tens
         labels = input_ids.masked_fill(attention_mask == 0, IGNORE_INDEX)
     if position_ids is None:
         position_ids = position_ids_from_mask(attention_mask)
-    lm = _unwrap(model)
+    lm = unwrap_module(model)
     head = output_head(lm)
     if head is not None:
         chunk_size = auto_chunk_size(input_ids.shape[0], input_ids.shape[1], head_vocab(head), chunk_size)
@@ -199,7 +199,7 @@ def _packed_logps(model, batch: dict[str, torch.Tensor], chunk_size: int | None)
     """`sequence_logps` of packed rows under `model`, its LM head chunked as in
     `rl.engine.generation.sequence_logprobs`: the forward gets position_ids, no mask and no cache (so
     transformers builds the block-diagonal mask, `rl.engine.packing`)."""
-    lm = _unwrap(model)
+    lm = unwrap_module(model)
     ids = batch["input_ids"]
     head = output_head(lm)
     chunk = auto_chunk_size(ids.shape[0], ids.shape[1], head_vocab(head), chunk_size) if head is not None else None
