@@ -38,7 +38,7 @@ from typing import Callable
 import torch
 
 from rl.engine.dist import place_frozen
-from rl.engine.futures import SampleFuture, _log_unread
+from rl.engine.futures import SampleFuture
 from rl.engine.pipeline import ForwardBackwardPipeline, ForwardBackwardResult
 from rl.engine.scoring import sequence_logprobs
 from rl.engine.state import check_checkpoint_name
@@ -187,8 +187,7 @@ class AsyncTrainingClient:
         if exc_type is None:
             self.shutdown()
         else:  # an exception is already on its way: log unread failures, do not mask it
-            self.pipeline._executor.shutdown(wait=True)
-            _log_unread(self.pipeline._failed)
+            self.pipeline.shutdown_logging_unread()
 
 
 def _left_pad_positions(mask, model):

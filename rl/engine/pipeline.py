@@ -35,10 +35,7 @@ import json
 import logging
 import os
 import shutil
-import threading
-import traceback
-import weakref
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from contextlib import nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -49,14 +46,7 @@ import torch
 from rl.engine import losses
 from rl.engine.chunked import auto_chunk_size, capture_head, head_vocab, output_head
 from rl.engine.dist import build_accelerator, inner_optimizer, is_deepspeed
-from rl.engine.futures import (
-    RequestFuture,
-    SampleFuture,
-    _Failure,
-    _floats,
-    _InlineExecutor,
-    _log_unread,
-)
+from rl.engine.futures import RequestQueue, SampleFuture
 from rl.engine.generation import generate
 from rl.engine.state import (
     COMPLETE_MARKER,
@@ -95,7 +85,7 @@ class OptimStepResult:
     metrics: dict[str, float] = field(default_factory=dict)
 
 
-class ForwardBackwardPipeline:
+class ForwardBackwardPipeline(RequestQueue):
     """Ordered, future-returning forward/backward/optimizer requests on one model.
 
     Args:
@@ -105,7 +95,7 @@ class ForwardBackwardPipeline:
         max_workers: accepted for compatibility with the reference; requests never run in
             parallel, so that their order is the submission order.
         asynchronous: run requests on one background worker thread instead of inline in the
-            calling thread (see the module docstring for why inline is the default).
+            calling thread (see `rl.engine.futures` for why inline is the default).
         gradient_accumulation_steps: micro-batches per optimizer step.
         optimizer, scheduler: optional here; required here under DeepSpeed, which builds its
             engine from model and optimizer together. Elsewhere the optimizer may be passed to the
@@ -154,13 +144,7 @@ class ForwardBackwardPipeline:
         self.step = 0  # optimizer steps taken
         self.micro_step = 0  # micro-batches since the last optimizer step
         self.loss_fns: dict[str, Callable] = dict(losses.LOSS_FNS)
-        self._executor = (ThreadPoolExecutor(max_workers=1, thread_name_prefix="fb-worker") if asynchronous
-                          else _InlineExecutor())
-        # failed requests (as text: a traceback would keep this pipeline alive), until shutdown() reports them
-        self._failed: list[_Failure] = []
-        self._failed_lock = threading.Lock()  # the worker appends while the caller prunes
-        # at garbage collection or interpreter exit without shutdown(): still log what nobody read
-        weakref.finalize(self, _log_unread, self._failed)
+        super().__init__(asynchronous=asynchronous)  # the request queue: submit, shutdown
 
     # ------------------------------------------------------------------ plumbing
     @property
@@ -170,45 +154,6 @@ class ForwardBackwardPipeline:
     @property
     def unwrapped_model(self):
         return self.accelerator.unwrap_model(self.model)
-
-    def submit(self, fn: Callable, *args, **kwargs) -> "RequestFuture":
-        """Run `fn` after every request submitted before it; its future (see `RequestFuture`)."""
-        return self._submit(RequestFuture(), fn, *args, **kwargs)
-
-    def _submit(self, future: "RequestFuture", fn: Callable, *args, **kwargs) -> "RequestFuture":
-        future.request = getattr(fn, "__name__", "request").lstrip("_")
-        with self._failed_lock:  # drop the ones already read
-            self._failed[:] = [f for f in self._failed if not f.read]
-
-        def run() -> None:
-            if not future.set_running_or_notify_cancel():
-                return
-            try:
-                result = fn(*args, **kwargs)
-            except BaseException as e:  # noqa: BLE001 - delivered through the future
-                future.failure = _Failure(future.request, f"{type(e).__name__}: {e}",
-                                          "".join(traceback.format_exception(e)))
-                with self._failed_lock:
-                    self._failed.append(future.failure)
-                future.set_exception(e)
-            else:
-                future.set_result(result)
-
-        self._executor.submit(run)
-        return future
-
-    def shutdown(self, wait: bool = True) -> None:
-        """Finish the queued requests; then log every failed request whose future was never read
-        (with its traceback) and raise a RuntimeError naming the first, so no error vanishes silently."""
-        self._executor.shutdown(wait=wait)
-        if wait:
-            self._raise_unread()
-
-    def _raise_unread(self) -> None:
-        unread = _log_unread(self._failed)
-        if unread:
-            raise RuntimeError(f"{len(unread)} request(s) failed and their futures were never read (tracebacks "
-                               f"logged); the first, {unread[0].request}: {unread[0].error}")
 
     def _to_device(self, t):
         if t is None:
@@ -564,3 +509,8 @@ class ForwardBackwardPipeline:
         if self.optimizer is not None:
             inner_optimizer(self.optimizer).zero_grad(set_to_none=True)
         return state.get("extra", {})
+
+
+def _floats(metrics: dict) -> dict[str, float]:
+    """A loss's metrics (tensors or numbers) as plain floats."""
+    return {k: float(v.detach()) if torch.is_tensor(v) else float(v) for k, v in (metrics or {}).items()}
