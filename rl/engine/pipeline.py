@@ -31,10 +31,8 @@ DeepSpeed works); `optim_step` then only reports the gradient norm and steps the
 
 from __future__ import annotations
 
-import json
 import logging
 import os
-import shutil
 from concurrent.futures import Future
 from contextlib import nullcontext
 from dataclasses import dataclass, field
@@ -48,18 +46,7 @@ from rl.engine.chunked import auto_chunk_size, capture_head, head_vocab, output_
 from rl.engine.dist import build_accelerator, inner_optimizer, is_deepspeed
 from rl.engine.futures import RequestQueue, SampleFuture
 from rl.engine.generation import generate
-from rl.engine.state import (
-    COMPLETE_MARKER,
-    _dedupe_shared,
-    _load_state_dict,
-    _np_rng_state,
-    _py_rng_state,
-    _set_np_rng_state,
-    _set_py_rng_state,
-    _set_torch_rng_state,
-    _torch_rng_state,
-    check_checkpoint_name,
-)
+from rl.engine.state import check_checkpoint_name, load_pipeline_state, save_pipeline_state
 
 log = logging.getLogger(__name__)
 
@@ -424,52 +411,7 @@ class ForwardBackwardPipeline(RequestQueue):
         return self.submit(self._save_state, name, extra_state or {}).result()
 
     def _save_state(self, name: str, extra_state: dict) -> dict:
-        acc = self.accelerator
-        final = self.checkpoint_dir / name
-        tmp = self.checkpoint_dir / f".tmp-{name}"
-        if acc.is_main_process:
-            shutil.rmtree(tmp, ignore_errors=True)
-            tmp.mkdir(parents=True)
-        acc.wait_for_everyone()
-        # The full state dict (gathered under ZeRO-3: every rank must take part).
-        state_dict = acc.get_state_dict(self.model)
-        if acc.is_main_process:
-            from safetensors.torch import save_file
-
-            write = getattr(self.unwrapped_model, "save_checkpoint_weights", None)
-            if write is not None:  # a model of ours (PPO's policy + value head, a reward model) writes the
-                write(state_dict, tmp)  # files `from_pretrained` reads; `load_checkpoint_weights` reads them back
-            else:
-                save_file(_dedupe_shared(state_dict), str(tmp / "model.safetensors"))
-        if is_deepspeed(acc):
-            self.model.save_checkpoint(str(tmp / "deepspeed"), tag="state")  # sharded optimizer
-            optimizer_path = tmp / "deepspeed"
-        else:
-            optimizer_path = tmp / "optimizer.pt"
-            if acc.is_main_process and self.optimizer is not None:
-                torch.save(self.optimizer.state_dict(), optimizer_path)
-        if acc.is_main_process and self.scheduler is not None:
-            torch.save(self.scheduler.state_dict(), tmp / "scheduler.pt")
-        torch.save(_torch_rng_state(), tmp / f"rng_{acc.process_index}.pt")
-        if acc.is_main_process:
-            state = {"step": self.step, "micro_step": self.micro_step,
-                     "gradient_accumulation_steps": self.gradient_accumulation_steps,
-                     "num_processes": acc.num_processes, "python_rng": _py_rng_state(),
-                     "numpy_rng": _np_rng_state(), "extra": extra_state}
-            (tmp / "state.json").write_text(json.dumps(state))
-            (tmp / COMPLETE_MARKER).write_text("ok\n")
-        acc.wait_for_everyone()
-        if acc.is_main_process:
-            old = self.checkpoint_dir / f".old-{name}"
-            if final.exists():
-                shutil.rmtree(old, ignore_errors=True)
-                os.replace(final, old)
-            os.replace(tmp, final)
-            shutil.rmtree(old, ignore_errors=True)
-        acc.wait_for_everyone()
-        rel = optimizer_path.name
-        return {"path": str(final), "model_path": str(final / "model.safetensors"),
-                "optimizer_path": str(final / rel), "state_path": str(final / "state.json")}
+        return save_pipeline_state(self, name, extra_state)
 
     def load_state(self, path: str | os.PathLike) -> dict:
         """Restore what `save_state` wrote, after every request queued before it; returns the
@@ -477,38 +419,7 @@ class ForwardBackwardPipeline(RequestQueue):
         return self.submit(self._load_state, Path(path)).result()
 
     def _load_state(self, path: Path) -> dict:
-        acc = self.accelerator
-        if not (path / COMPLETE_MARKER).exists():
-            raise FileNotFoundError(f"{path} is not a complete checkpoint (no {COMPLETE_MARKER} file)")
-        state = json.loads((path / "state.json").read_text())
-        if is_deepspeed(acc):
-            self.model.load_checkpoint(str(path / "deepspeed"), tag="state", load_module_strict=True,
-                                       load_optimizer_states=True, load_lr_scheduler_states=False)
-        else:
-            from safetensors.torch import load_file
-
-            # safetensors rejects "cpu:0" (the device of rank 0 in a multi-process CPU run); load_state_dict
-            # copies into the parameters on their own device anyway.
-            read = getattr(self.unwrapped_model, "load_checkpoint_weights", None)
-            if read is not None:
-                read(path)
-            else:
-                _load_state_dict(self.unwrapped_model, load_file(str(path / "model.safetensors"), device="cpu"))
-            opt_path = path / "optimizer.pt"
-            if self.optimizer is not None and opt_path.exists():
-                # map to CPU for the same reason; load_state_dict moves the state to each parameter's device
-                self.optimizer.load_state_dict(torch.load(opt_path, map_location="cpu", weights_only=True))
-        if self.scheduler is not None and (path / "scheduler.pt").exists():
-            self.scheduler.load_state_dict(torch.load(path / "scheduler.pt", weights_only=True))
-        rng_path = path / f"rng_{acc.process_index}.pt"
-        if rng_path.exists():
-            _set_torch_rng_state(torch.load(rng_path, weights_only=True))
-        _set_py_rng_state(state["python_rng"])
-        _set_np_rng_state(state["numpy_rng"])
-        self.step, self.micro_step = state["step"], state["micro_step"]
-        if self.optimizer is not None:
-            inner_optimizer(self.optimizer).zero_grad(set_to_none=True)
-        return state.get("extra", {})
+        return load_pipeline_state(self, path)
 
 
 def _floats(metrics: dict) -> dict[str, float]:
