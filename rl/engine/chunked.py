@@ -290,3 +290,14 @@ def capture_head(model, chunk_size: int):
             head.forward = original
         else:
             del head.forward
+
+
+def auto_capture_head(model, input_ids: torch.Tensor, chunk_size: int | None = None):
+    """The context of one forward of `model` on `input_ids` (B, T): `capture_head` with the chunk
+    `auto_chunk_size` picks (`chunk_size` when given, 0: never; else automatic above
+    AUTO_MIN_ELEMENTS logits), or a null context when it does not chunk or the model has no head."""
+    head = output_head(model)
+    if head is None:
+        return contextlib.nullcontext()
+    chunk = auto_chunk_size(input_ids.shape[0], input_ids.shape[1], head_vocab(head), chunk_size)
+    return capture_head(model, chunk) if chunk else contextlib.nullcontext()

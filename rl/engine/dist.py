@@ -72,13 +72,20 @@ def build_accelerator(gradient_accumulation_steps: int = 1, device: str | None =
     plugin = acc.state.deepspeed_plugin
     if plugin is not None:
         ds = plugin.deepspeed_config
-        if micro_batch_size is not None:
-            ds["train_micro_batch_size_per_gpu"] = micro_batch_size
-            ds["train_batch_size"] = micro_batch_size * gradient_accumulation_steps * acc.num_processes
+        fit_deepspeed_batch(acc, gradient_accumulation_steps, micro_batch_size)
         if ds.get("gradient_clipping", "auto") == "auto":
             ds["gradient_clipping"] = float(max_grad_norm) if max_grad_norm else 0.0
-        ds["gradient_accumulation_steps"] = gradient_accumulation_steps
     return acc
+
+
+def fit_deepspeed_batch(accelerator, gradient_accumulation_steps: int, micro_batch_size: int | None = None) -> None:
+    """Write our accumulation steps (and, when given, the micro-batch size and the global batch size
+    they make) into the accelerator's DeepSpeed config, which DeepSpeed builds its engine from."""
+    ds = accelerator.state.deepspeed_plugin.deepspeed_config
+    if micro_batch_size is not None:
+        ds["train_micro_batch_size_per_gpu"] = micro_batch_size
+        ds["train_batch_size"] = micro_batch_size * gradient_accumulation_steps * accelerator.num_processes
+    ds["gradient_accumulation_steps"] = gradient_accumulation_steps
 
 
 def is_deepspeed(accelerator) -> bool:
@@ -96,6 +103,28 @@ def zero_stage(accelerator) -> int:
 def inner_optimizer(optimizer):
     """The torch optimizer inside accelerate's `AcceleratedOptimizer` wrapper (or `optimizer` itself)."""
     return getattr(optimizer, "optimizer", optimizer)
+
+
+def finish_partial_accumulation(model, accelerator, k: int, n: int) -> None:
+    """After k < N micro-batches, each backward scaled by 1/N, the gradients hold (1/N) sum_i g_i:
+    rescale by N/k to the mean (1/k) sum_i g_i, which is what N micro-batches would give when k = N.
+    Under DDP the k-th backward ran in `no_sync` (it could not know it was the last), so average
+    across processes here, as DDP's own all-reduce would (every process must call it after the same
+    k); any other multi-process setup is refused (RuntimeError)."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    factor = n / k
+    grads = [p.grad for p in model.parameters() if p.grad is not None]
+    ddp = isinstance(model, DistributedDataParallel) and accelerator.num_processes > 1
+    if accelerator.num_processes > 1 and not ddp:
+        raise RuntimeError(f"optim_step after {k} of {n} micro-batches is "
+                           f"supported single-process and under DDP, not under {accelerator.distributed_type}")
+    if ddp:
+        factor /= accelerator.num_processes
+    for g in grads:
+        if ddp:
+            torch.distributed.all_reduce(g)
+        g.mul_(factor)
 
 
 def place_frozen(model, accelerator):

@@ -93,7 +93,32 @@ class Rollout:
         return {"input_ids": input_ids, "attention_mask": attention_mask, "labels": labels,
                 "old_logprobs": old}
 
+    def sample_dict(self, flat: bool = False) -> dict:
+        """The reference's `sample` result of a one-prompt rollout: `tokens` and `logprobs` of each
+        row (without padding), `prompt`, `finish_reason` of each row; `flat`: the first row's values
+        instead of lists of rows (one sample)."""
+        toks, n = self.completions(), self.mask.sum(-1).tolist()
+        lps = [self.logprobs[i, :n[i]].tolist() for i in range(len(toks))]
+        if flat:
+            return {"tokens": toks[0], "logprobs": lps[0], "prompt": self.prompts[0],
+                    "finish_reason": self.finish_reasons[0]}
+        return {"tokens": toks, "logprobs": lps, "prompt": self.prompts[0], "finish_reason": self.finish_reasons}
 
+
+def split_stop(stop) -> tuple[list[int], list[str] | None]:
+    """The reference's `stop`, token ids and strings mixed, as `generate`'s (stop_token_ids, stop_strings)."""
+    stop = list(stop or [])
+    strings = [s for s in stop if isinstance(s, str)]
+    return [int(s) for s in stop if not isinstance(s, str)], strings or None
+
+
+def config_pad_eos(model) -> tuple[int, int | list[int] | None]:
+    """(pad id, EOS id(s)) from a model's config, for sampling without a tokenizer: the config's pad
+    id, else its EOS id when it is one int, else 0."""
+    cfg = getattr(model, "config", None)
+    pad = getattr(cfg, "pad_token_id", None)
+    eos = getattr(cfg, "eos_token_id", None)
+    return (pad if pad is not None else (eos if isinstance(eos, int) else 0)), eos
 
 
 # ------------------------------------------------------------------------------------ model plumbing

@@ -31,7 +31,6 @@ DeepSpeed works); `optim_step` then only reports the gradient norm and steps the
 
 from __future__ import annotations
 
-import logging
 import os
 from concurrent.futures import Future
 from contextlib import nullcontext
@@ -42,13 +41,17 @@ from typing import Any, Callable
 import torch
 
 from rl.engine import losses
-from rl.engine.chunked import auto_chunk_size, capture_head, head_vocab, output_head
-from rl.engine.dist import build_accelerator, inner_optimizer, is_deepspeed
+from rl.engine.chunked import auto_capture_head
+from rl.engine.dist import (
+    build_accelerator,
+    finish_partial_accumulation,
+    fit_deepspeed_batch,
+    inner_optimizer,
+    is_deepspeed,
+)
 from rl.engine.futures import RequestQueue, SampleFuture
-from rl.engine.generation import generate
+from rl.engine.generation import config_pad_eos, generate, split_stop
 from rl.engine.state import check_checkpoint_name, load_pipeline_state, save_pipeline_state
-
-log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -107,11 +110,7 @@ class ForwardBackwardPipeline(RequestQueue):
             accelerator = build_accelerator(gradient_accumulation_steps, device,
                                             micro_batch_size=micro_batch_size, max_grad_norm=max_grad_norm)
         elif is_deepspeed(accelerator):
-            ds = accelerator.state.deepspeed_plugin.deepspeed_config
-            ds["gradient_accumulation_steps"] = gradient_accumulation_steps
-            if micro_batch_size is not None:
-                ds["train_micro_batch_size_per_gpu"] = micro_batch_size
-                ds["train_batch_size"] = micro_batch_size * gradient_accumulation_steps * accelerator.num_processes
+            fit_deepspeed_batch(accelerator, gradient_accumulation_steps, micro_batch_size)
         self.accelerator = accelerator
         self.gradient_accumulation_steps = gradient_accumulation_steps
         self.logprob_chunk_size = logprob_chunk_size
@@ -151,7 +150,7 @@ class ForwardBackwardPipeline(RequestQueue):
 
     def _backward(self, loss: torch.Tensor) -> None:
         """Accumulate 1/N of this micro-batch's gradient; synchronise only on the N-th (a partial
-        accumulation is finished by `_finish_partial_accumulation`).
+        accumulation is finished by `rl.engine.dist.finish_partial_accumulation`).
 
         We keep our own micro-batch counter instead of `accelerator.accumulate`: accelerate's
         gradient state is a process-wide singleton, so a second pipeline (a reward model, a
@@ -245,11 +244,7 @@ class ForwardBackwardPipeline(RequestQueue):
         """The context of a forward of this model: the LM head deferred to the loss, chunk by chunk
         (`rl.engine.chunked.capture_head`), when `logprob_chunk_size` is set or the logits would be large.
         The engine's training forwards use it; a trainer's own scoring forward may too."""
-        head = output_head(self.model)
-        if head is None:
-            return nullcontext()
-        chunk = auto_chunk_size(input_ids.shape[0], input_ids.shape[1], head_vocab(head), self.logprob_chunk_size)
-        return capture_head(self.model, chunk) if chunk else nullcontext()
+        return auto_capture_head(self.model, input_ids, self.logprob_chunk_size)
 
     def _check_accumulation_room(self) -> None:
         if self.micro_step >= self.gradient_accumulation_steps:
@@ -280,7 +275,7 @@ class ForwardBackwardPipeline(RequestQueue):
         if self.optimizer is None:
             raise ValueError("optim_step needs an optimizer (pass it here or to the pipeline)")
         if k < n:
-            self._finish_partial_accumulation(k)
+            finish_partial_accumulation(self.model, self.accelerator, k, n)
         grad_norm = None
         inner = inner_optimizer(self.optimizer)
         if is_deepspeed(acc):
@@ -305,26 +300,6 @@ class ForwardBackwardPipeline(RequestQueue):
         lr = inner.param_groups[0]["lr"] if inner.param_groups else None
         return OptimStepResult(grad_norm=None if grad_norm is None else float(grad_norm),
                                step=self.step, learning_rate=lr, metrics={"num_micro_batches": k})
-
-    def _finish_partial_accumulation(self, k: int) -> None:
-        """After k < N micro-batches the gradients hold (1/N) sum_i g_i: rescale by N/k to the mean
-        (1/k) sum_i g_i, which is what N micro-batches would give when k = N. Under DDP the k-th
-        backward ran in `no_sync` (we could not know it was the last), so average across processes
-        here, as DDP's own all-reduce would (every process must call optim_step after the same k)."""
-        from torch.nn.parallel import DistributedDataParallel
-
-        factor = self.gradient_accumulation_steps / k
-        grads = [p.grad for p in self.model.parameters() if p.grad is not None]
-        ddp = isinstance(self.model, DistributedDataParallel) and self.accelerator.num_processes > 1
-        if self.accelerator.num_processes > 1 and not ddp:
-            raise RuntimeError(f"optim_step after {k} of {self.gradient_accumulation_steps} micro-batches is "
-                               f"supported single-process and under DDP, not under {self.accelerator.distributed_type}")
-        if ddp:
-            factor /= self.accelerator.num_processes
-        for g in grads:
-            if ddp:
-                torch.distributed.all_reduce(g)
-            g.mul_(factor)
 
     def _adopt(self, optimizer, scheduler) -> None:
         """Prepare an optimizer/scheduler handed to optim_step (allowed outside DeepSpeed)."""
@@ -369,34 +344,22 @@ class ForwardBackwardPipeline(RequestQueue):
                             num_samples, seed, tokenizer)
 
     def _sample(self, prompt, max_tokens, temperature, top_k, top_p, stop, num_samples, seed, tokenizer):
-        stop = list(stop or [])
-        ids = [int(s) for s in stop if not isinstance(s, str)]
-        strings = [s for s in stop if isinstance(s, str)]
+        ids, strings = split_stop(stop)
         if torch.is_tensor(prompt):
             prompt = prompt.reshape(-1).tolist()
         out = self._rollout([list(map(int, prompt))], max_new_tokens=max_tokens, temperature=temperature,
-                            top_k=top_k, top_p=top_p, stop_token_ids=ids, stop_strings=strings or None,
+                            top_k=top_k, top_p=top_p, stop_token_ids=ids, stop_strings=strings,
                             seed=seed, num_samples=num_samples, tokenizer=tokenizer)
-        toks, n = out.completions(), out.mask.sum(-1).tolist()
-        lps = [out.logprobs[i, :n[i]].tolist() for i in range(len(toks))]
-        if num_samples == 1:
-            return {"tokens": toks[0], "logprobs": lps[0], "prompt": out.prompts[0],
-                    "finish_reason": out.finish_reasons[0]}
-        return {"tokens": toks, "logprobs": lps, "prompt": out.prompts[0], "finish_reason": out.finish_reasons}
+        return out.sample_dict(flat=num_samples == 1)
 
     def sample_batch(self, prompts, tokenizer=None, **generate_kwargs) -> Future:
         """Batched rollout of many prompts; Future[rl.engine.generation.Rollout] (see `rl.engine.generation.generate`)."""
         return self.submit(self._rollout, prompts, tokenizer=tokenizer, **generate_kwargs)
 
     def _rollout(self, prompts, tokenizer=None, **kw):
-        tokenizer = tokenizer if tokenizer is not None else getattr(self, "tokenizer", None)
-        if tokenizer is not None:
-            tok_or_pad = tokenizer
-        else:
-            cfg = getattr(self.unwrapped_model, "config", None)
-            pad = getattr(cfg, "pad_token_id", None)
-            eos = getattr(cfg, "eos_token_id", None)
-            tok_or_pad = pad if pad is not None else (eos if isinstance(eos, int) else 0)
+        tok_or_pad = tokenizer if tokenizer is not None else getattr(self, "tokenizer", None)
+        if tok_or_pad is None:
+            tok_or_pad, eos = config_pad_eos(self.unwrapped_model)
             kw.setdefault("eos_token_id", eos)
         return generate(self.model, tok_or_pad, prompts, **kw)
 

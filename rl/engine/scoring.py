@@ -44,24 +44,15 @@ runs over `chunk_size` positions at a time (`rl.engine.chunked`).
 
 from __future__ import annotations
 
-import contextlib
-import logging
 from contextlib import nullcontext
-from typing import TYPE_CHECKING
 
 import torch
 
 from rl.engine import losses
-from rl.engine.chunked import auto_chunk_size, capture_head, head_vocab, output_head
+from rl.engine.chunked import auto_capture_head, auto_chunk_size, capture_head, head_vocab, output_head
 from rl.engine.dist import unwrap_module
 from rl.engine.losses import IGNORE_INDEX, token_logprobs
 from rl.engine.packing import position_ids_from_mask, segment_sum
-
-if TYPE_CHECKING:  # annotations only: rl.dpo imports this module
-    pass
-
-logger = logging.getLogger(__name__)
-
 
 _M32 = 0xFFFFFFFF
 
@@ -201,8 +192,6 @@ def _packed_logps(model, batch: dict[str, torch.Tensor], chunk_size: int | None)
     transformers builds the block-diagonal mask, `rl.engine.packing`)."""
     lm = unwrap_module(model)
     ids = batch["input_ids"]
-    head = output_head(lm)
-    chunk = auto_chunk_size(ids.shape[0], ids.shape[1], head_vocab(head), chunk_size) if head is not None else None
-    with capture_head(lm, chunk) if chunk else contextlib.nullcontext():
+    with auto_capture_head(lm, ids, chunk_size):
         logits = lm(input_ids=ids, position_ids=batch["position_ids"], use_cache=False).logits
     return sequence_logps(logits, batch["labels"], batch["sequence_index"])
