@@ -22,6 +22,9 @@ the full logits first, so a custom loss gets the same numbers as before, at the 
 The head is called as a module per chunk, so ZeRO-3 gathers its (sharded) weight for each call and
 for each recomputation in backward, as it does for gradient-checkpointed layers. Autocast state at
 capture time is replayed, so mixed precision computes the chunks as the full head would.
+`auto_capture_head(model, input_ids, chunk_size)`, the context the engine's forwards use, captures the
+head only when `auto_chunk_size` chunks (`chunk_size` given, or B*T*V above AUTO_MIN_ELEMENTS);
+otherwise the forward is the plain one.
 """
 
 from __future__ import annotations

@@ -1,32 +1,14 @@
-"""The engine: ordered forward-backward / optimizer-step requests on top of Accelerate.
+"""Accelerate and DeepSpeed plumbing shared by the engine and the trainers.
 
-`ForwardBackwardPipeline` keeps the reference's call shapes (requests return futures; `save_state` and
-`load_state` return their dicts, as the reference docs show) and fixes what the reference got wrong:
-
-* Requests run in submission order, so an `optim_step` always sees the gradients of the
-  `forward_backward` calls submitted before it: by default in the calling thread (the future is
-  already done when it is returned), or with `asynchronous=True` on ONE worker thread, whatever
-  `max_workers` says. Inline is the default because a second thread that runs torch ops gets its own
-  OpenMP pool: measured on 2 CPU cores, generation in the main thread after one backward on a worker
-  thread ran 2.3x slower (0.10 s -> 0.23 s per rollout), the two pools fighting for the cores. On a GPU
-  the kernels are asynchronous anyway; `AsyncTrainingClient` uses the worker thread.
-* Gradients are accumulated over up to N = `gradient_accumulation_steps` micro-batches, each scaled
-  by 1/N (by us, or by DeepSpeed in its own backward), synchronised across processes only on the
-  N-th micro-batch, and cleared after every optimizer step. An `optim_step` after k < N micro-batches
-  (the reference docs queue one with N = 4) rescales the sum by N/k, so it applies the mean gradient
-  of the k micro-batches it got, and reports k as `metrics["num_micro_batches"]`. A forward_backward
-  beyond the N-th is an error: the docs always step explicitly (the optimizer may be given to
-  `optim_step` only), so there is no optimizer to step with automatically.
-* A request that fails raises from its own future's `.result()`; one whose future nobody reads is
-  not lost: `shutdown()` logs every such failure and raises the first (the reference docs never read
-  the client's `optim_future`).
-* The same code runs single-process, DDP and DeepSpeed ZeRO-2/3, because the model and optimizer
-  go through `accelerator.prepare` and the backward through `accelerator.backward`.
-* `save_state` writes to a temporary directory and renames it when complete, so a crash mid-save
-  leaves the previous checkpoint loadable. Nothing is unpickled on load (`weights_only=True`).
-
-Under DeepSpeed the optimizer step happens inside the backward of the last micro-batch (that is how
-DeepSpeed works); `optim_step` then only reports the gradient norm and steps the scheduler.
+* `build_accelerator`: an Accelerator that works the same on CPU (gloo) and GPU, with or without
+  DeepSpeed; its DeepSpeed config gets our accumulation steps, micro- and global batch size
+  (`fit_deepspeed_batch`, also for an Accelerator built elsewhere) and gradient clipping.
+* `is_deepspeed`, `zero_stage`; `inner_optimizer` (the torch optimizer inside accelerate's wrapper)
+  and `unwrap_module` (the HF module inside DDP / a DeepSpeed engine).
+* `finish_partial_accumulation`: the mean gradient of k < N accumulated micro-batches, averaged across
+  DDP processes by hand because the k-th backward ran in `no_sync`.
+* `place_frozen` and `reference_ds_config`: a frozen model (a reference) where the policy runs; under
+  ZeRO-3 its own DeepSpeed inference engine, so each rank holds a shard of it, like the policy.
 """
 
 from __future__ import annotations

@@ -16,8 +16,8 @@
 `model` is a causal LM (plain, DDP, or a DeepSpeed engine; under ZeRO-3 call `generate` on every rank:
 the parameters are gathered once per call and ZeRO's per-module hooks are removed while decoding, as
 TRL does; pass the engine itself, e.g. `pipeline.model`, not the unwrapped module, or the hooks stay
-and every rank must then run the same number of steps). `tokenizer_or_pad_id` is a tokenizer (gives pad/eos and is required for stop strings) or
-just the pad id.
+and every rank must then run the same number of steps). `tokenizer_or_pad_id` is a tokenizer (gives
+pad/eos and is required for stop strings) or just the pad id.
 
 How it works, and why:
 * Prompts are left-padded, with an attention mask and position ids counted from each row's first real
@@ -27,19 +27,20 @@ How it works, and why:
   lengths the cost is the tokens generated rather than rows x the longest row, which is what HF
   `generate` (and so TRL) computes. Measured on the tiny model, 64 rows of geometric lengths (2,518
   tokens, longest 151), 1 CPU thread: 1.3 -> 0.74 CPU s (bench/README.md, GRPO with uneven lengths).
-* Sampling is Gumbel-max with noise that is a pure function of (seed, row, step, token id): row r of
-  a call with `seed=s` draws from seed `s + r`. Seeded runs repeat exactly, a row samples the same
-  tokens whatever else is in the batch (so batched == one-by-one with seed s + r), and nothing reads
-  the global RNG. `seed=None` takes a base seed from torch's global generator.
+* Sampling is Gumbel-max with noise that is a pure function of (seed, row, step, token id)
+  (`rl.engine.scoring.sample_tokens`): row r of a call with `seed=s` draws from seed `s + r`. Seeded
+  runs repeat exactly, a row samples the same tokens whatever else is in the batch (so batched ==
+  one-by-one with seed s + r), and nothing reads the global RNG. `seed=None` takes a base seed from
+  torch's global generator.
 * `temperature=0` is greedy; its log-probs are then those of the untempered model (a point mass
   would give 0 everywhere, useless as old log-probs).
 * `cache="static"` uses a preallocated `StaticCache` and fixed tensor shapes; `compile=True` (CUDA
   only) additionally compiles the decode step with CUDA graphs: the path measured at ~14-18k new
   tokens/s on an H200 for a 0.5B model (shared/bench/decode_probe.py) against ~1k for `generate`.
 
-`sequence_logprobs(model, input_ids, attention_mask, labels, chunk_size)` scores given tokens without
-materialising (B, T, V) logits when `chunk_size` is set or the logits would be large: the LM head
-runs over `chunk_size` positions at a time (`rl.engine.chunked`).
+The reference's one-prompt `sample` (`ForwardBackwardPipeline.sample`) is `generate` plus
+`split_stop` (its mixed stop list), `config_pad_eos` (pad/EOS without a tokenizer) and
+`Rollout.sample_dict` (its result dict). Scoring given tokens is `rl.engine.scoring.sequence_logprobs`.
 """
 
 from __future__ import annotations
