@@ -145,12 +145,12 @@ def test_interrupted_save_leaves_previous_checkpoint(tiny_llama, tmp_path, monke
     pipe.forward_backward(batch(2)).result()
     pipe.optim_step().result()
 
-    import rl.engine.pipeline as fb
+    import rl.engine.state as state  # the checkpoint writer looks the RNG helpers up there
 
     def boom(*a, **k):
         raise OSError("disk full")
 
-    monkeypatch.setattr(fb, "_py_rng_state", boom)  # fails after the model file, before the rename
+    monkeypatch.setattr(state, "_py_rng_state", boom)  # fails after the model file, before the rename
     with pytest.raises(OSError):
         pipe.save_state("ckpt")
     assert (tmp_path / "ckpt" / COMPLETE_MARKER).exists()

@@ -285,7 +285,7 @@ def test_client_example_error_in_the_unread_optim_future_is_raised_at_shutdown(t
 
     ns = _client_namespace(tiny_llama, tiny_tokenizer)
     ns["optimizer"] = None
-    with caplog.at_level(logging.ERROR, logger="rl.forward_backward"):
+    with caplog.at_level(logging.ERROR, logger="rl.engine.futures"):
         with pytest.raises(RuntimeError, match="optim_step: ValueError: optim_step needs an optimizer"):
             run_doc(CLIENT, ns)
     assert any("optim_step failed and its future was never read" in r.getMessage() for r in caplog.records)

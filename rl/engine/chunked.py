@@ -22,6 +22,9 @@ the full logits first, so a custom loss gets the same numbers as before, at the 
 The head is called as a module per chunk, so ZeRO-3 gathers its (sharded) weight for each call and
 for each recomputation in backward, as it does for gradient-checkpointed layers. Autocast state at
 capture time is replayed, so mixed precision computes the chunks as the full head would.
+`auto_capture_head(model, input_ids, chunk_size)`, the context the engine's forwards use, captures the
+head only when `auto_chunk_size` chunks (`chunk_size` given, or B*T*V above AUTO_MIN_ELEMENTS);
+otherwise the forward is the plain one.
 """
 
 from __future__ import annotations
@@ -290,3 +293,14 @@ def capture_head(model, chunk_size: int):
             head.forward = original
         else:
             del head.forward
+
+
+def auto_capture_head(model, input_ids: torch.Tensor, chunk_size: int | None = None):
+    """The context of one forward of `model` on `input_ids` (B, T): `capture_head` with the chunk
+    `auto_chunk_size` picks (`chunk_size` when given, 0: never; else automatic above
+    AUTO_MIN_ELEMENTS logits), or a null context when it does not chunk or the model has no head."""
+    head = output_head(model)
+    if head is None:
+        return contextlib.nullcontext()
+    chunk = auto_chunk_size(input_ids.shape[0], input_ids.shape[1], head_vocab(head), chunk_size)
+    return capture_head(model, chunk) if chunk else contextlib.nullcontext()

@@ -1,32 +1,14 @@
-"""The engine: ordered forward-backward / optimizer-step requests on top of Accelerate.
+"""The training client of the reference docs: `AsyncTrainingClient` (imported there from
+`rl.forward_backward`), every call a future, on one `ForwardBackwardPipeline`.
 
-`ForwardBackwardPipeline` keeps the reference's call shapes (requests return futures; `save_state` and
-`load_state` return their dicts, as the reference docs show) and fixes what the reference got wrong:
-
-* Requests run in submission order, so an `optim_step` always sees the gradients of the
-  `forward_backward` calls submitted before it: by default in the calling thread (the future is
-  already done when it is returned), or with `asynchronous=True` on ONE worker thread, whatever
-  `max_workers` says. Inline is the default because a second thread that runs torch ops gets its own
-  OpenMP pool: measured on 2 CPU cores, generation in the main thread after one backward on a worker
-  thread ran 2.3x slower (0.10 s -> 0.23 s per rollout), the two pools fighting for the cores. On a GPU
-  the kernels are asynchronous anyway; `AsyncTrainingClient` uses the worker thread.
-* Gradients are accumulated over up to N = `gradient_accumulation_steps` micro-batches, each scaled
-  by 1/N (by us, or by DeepSpeed in its own backward), synchronised across processes only on the
-  N-th micro-batch, and cleared after every optimizer step. An `optim_step` after k < N micro-batches
-  (the reference docs queue one with N = 4) rescales the sum by N/k, so it applies the mean gradient
-  of the k micro-batches it got, and reports k as `metrics["num_micro_batches"]`. A forward_backward
-  beyond the N-th is an error: the docs always step explicitly (the optimizer may be given to
-  `optim_step` only), so there is no optimizer to step with automatically.
-* A request that fails raises from its own future's `.result()`; one whose future nobody reads is
-  not lost: `shutdown()` logs every such failure and raises the first (the reference docs never read
-  the client's `optim_future`).
-* The same code runs single-process, DDP and DeepSpeed ZeRO-2/3, because the model and optimizer
-  go through `accelerator.prepare` and the backward through `accelerator.backward`.
-* `save_state` writes to a temporary directory and renames it when complete, so a crash mid-save
-  leaves the previous checkpoint loadable. Nothing is unpickled on load (`weights_only=True`).
-
-Under DeepSpeed the optimizer step happens inside the backward of the last micro-batch (that is how
-DeepSpeed works); `optim_step` then only reports the gradient norm and steps the scheduler.
+It runs the pipeline on its worker thread (`asynchronous=True`, see `rl.engine.futures`) and speaks in
+batch dicts: `input_ids`, `attention_mask`, `labels` go to the model, every other key (advantages,
+old_logprobs, returns, weights, ...) to the loss. For a left-padded batch it passes position ids
+counted from each row's first attended token, as in sampling, so training scores tokens as they were
+sampled. An optional frozen reference model (placed by `rl.engine.dist.place_frozen`: under ZeRO-3
+its own DeepSpeed inference engine) serves `forward(batch, use_reference=True)`, scored with the LM
+head chunked (`rl.engine.scoring.sequence_logprobs`). Unlike the pipeline's, its `save_state` and
+`load_state` return futures; the reference model is not saved.
 """
 
 from __future__ import annotations
@@ -38,7 +20,7 @@ from typing import Callable
 import torch
 
 from rl.engine.dist import place_frozen
-from rl.engine.futures import SampleFuture, _log_unread
+from rl.engine.futures import SampleFuture
 from rl.engine.pipeline import ForwardBackwardPipeline, ForwardBackwardResult
 from rl.engine.scoring import sequence_logprobs
 from rl.engine.state import check_checkpoint_name
@@ -187,8 +169,7 @@ class AsyncTrainingClient:
         if exc_type is None:
             self.shutdown()
         else:  # an exception is already on its way: log unread failures, do not mask it
-            self.pipeline._executor.shutdown(wait=True)
-            _log_unread(self.pipeline._failed)
+            self.pipeline.shutdown_logging_unread()
 
 
 def _left_pad_positions(mask, model):

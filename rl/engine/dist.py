@@ -1,32 +1,14 @@
-"""The engine: ordered forward-backward / optimizer-step requests on top of Accelerate.
+"""Accelerate and DeepSpeed plumbing shared by the engine and the trainers.
 
-`ForwardBackwardPipeline` keeps the reference's call shapes (requests return futures; `save_state` and
-`load_state` return their dicts, as the reference docs show) and fixes what the reference got wrong:
-
-* Requests run in submission order, so an `optim_step` always sees the gradients of the
-  `forward_backward` calls submitted before it: by default in the calling thread (the future is
-  already done when it is returned), or with `asynchronous=True` on ONE worker thread, whatever
-  `max_workers` says. Inline is the default because a second thread that runs torch ops gets its own
-  OpenMP pool: measured on 2 CPU cores, generation in the main thread after one backward on a worker
-  thread ran 2.3x slower (0.10 s -> 0.23 s per rollout), the two pools fighting for the cores. On a GPU
-  the kernels are asynchronous anyway; `AsyncTrainingClient` uses the worker thread.
-* Gradients are accumulated over up to N = `gradient_accumulation_steps` micro-batches, each scaled
-  by 1/N (by us, or by DeepSpeed in its own backward), synchronised across processes only on the
-  N-th micro-batch, and cleared after every optimizer step. An `optim_step` after k < N micro-batches
-  (the reference docs queue one with N = 4) rescales the sum by N/k, so it applies the mean gradient
-  of the k micro-batches it got, and reports k as `metrics["num_micro_batches"]`. A forward_backward
-  beyond the N-th is an error: the docs always step explicitly (the optimizer may be given to
-  `optim_step` only), so there is no optimizer to step with automatically.
-* A request that fails raises from its own future's `.result()`; one whose future nobody reads is
-  not lost: `shutdown()` logs every such failure and raises the first (the reference docs never read
-  the client's `optim_future`).
-* The same code runs single-process, DDP and DeepSpeed ZeRO-2/3, because the model and optimizer
-  go through `accelerator.prepare` and the backward through `accelerator.backward`.
-* `save_state` writes to a temporary directory and renames it when complete, so a crash mid-save
-  leaves the previous checkpoint loadable. Nothing is unpickled on load (`weights_only=True`).
-
-Under DeepSpeed the optimizer step happens inside the backward of the last micro-batch (that is how
-DeepSpeed works); `optim_step` then only reports the gradient norm and steps the scheduler.
+* `build_accelerator`: an Accelerator that works the same on CPU (gloo) and GPU, with or without
+  DeepSpeed; its DeepSpeed config gets our accumulation steps, micro- and global batch size
+  (`fit_deepspeed_batch`, also for an Accelerator built elsewhere) and gradient clipping.
+* `is_deepspeed`, `zero_stage`; `inner_optimizer` (the torch optimizer inside accelerate's wrapper)
+  and `unwrap_module` (the HF module inside DDP / a DeepSpeed engine).
+* `finish_partial_accumulation`: the mean gradient of k < N accumulated micro-batches, averaged across
+  DDP processes by hand because the k-th backward ran in `no_sync`.
+* `place_frozen` and `reference_ds_config`: a frozen model (a reference) where the policy runs; under
+  ZeRO-3 its own DeepSpeed inference engine, so each rank holds a shard of it, like the policy.
 """
 
 from __future__ import annotations
@@ -72,13 +54,20 @@ def build_accelerator(gradient_accumulation_steps: int = 1, device: str | None =
     plugin = acc.state.deepspeed_plugin
     if plugin is not None:
         ds = plugin.deepspeed_config
-        if micro_batch_size is not None:
-            ds["train_micro_batch_size_per_gpu"] = micro_batch_size
-            ds["train_batch_size"] = micro_batch_size * gradient_accumulation_steps * acc.num_processes
+        fit_deepspeed_batch(acc, gradient_accumulation_steps, micro_batch_size)
         if ds.get("gradient_clipping", "auto") == "auto":
             ds["gradient_clipping"] = float(max_grad_norm) if max_grad_norm else 0.0
-        ds["gradient_accumulation_steps"] = gradient_accumulation_steps
     return acc
+
+
+def fit_deepspeed_batch(accelerator, gradient_accumulation_steps: int, micro_batch_size: int | None = None) -> None:
+    """Write our accumulation steps (and, when given, the micro-batch size and the global batch size
+    they make) into the accelerator's DeepSpeed config, which DeepSpeed builds its engine from."""
+    ds = accelerator.state.deepspeed_plugin.deepspeed_config
+    if micro_batch_size is not None:
+        ds["train_micro_batch_size_per_gpu"] = micro_batch_size
+        ds["train_batch_size"] = micro_batch_size * gradient_accumulation_steps * accelerator.num_processes
+    ds["gradient_accumulation_steps"] = gradient_accumulation_steps
 
 
 def is_deepspeed(accelerator) -> bool:
@@ -93,8 +82,31 @@ def zero_stage(accelerator) -> int:
     return int(accelerator.state.deepspeed_plugin.zero_stage or 0)
 
 
-def _inner(optimizer):
+def inner_optimizer(optimizer):
+    """The torch optimizer inside accelerate's `AcceleratedOptimizer` wrapper (or `optimizer` itself)."""
     return getattr(optimizer, "optimizer", optimizer)
+
+
+def finish_partial_accumulation(model, accelerator, k: int, n: int) -> None:
+    """After k < N micro-batches, each backward scaled by 1/N, the gradients hold (1/N) sum_i g_i:
+    rescale by N/k to the mean (1/k) sum_i g_i, which is what N micro-batches would give when k = N.
+    Under DDP the k-th backward ran in `no_sync` (it could not know it was the last), so average
+    across processes here, as DDP's own all-reduce would (every process must call it after the same
+    k); any other multi-process setup is refused (RuntimeError)."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    factor = n / k
+    grads = [p.grad for p in model.parameters() if p.grad is not None]
+    ddp = isinstance(model, DistributedDataParallel) and accelerator.num_processes > 1
+    if accelerator.num_processes > 1 and not ddp:
+        raise RuntimeError(f"optim_step after {k} of {n} micro-batches is "
+                           f"supported single-process and under DDP, not under {accelerator.distributed_type}")
+    if ddp:
+        factor /= accelerator.num_processes
+    for g in grads:
+        if ddp:
+            torch.distributed.all_reduce(g)
+        g.mul_(factor)
 
 
 def place_frozen(model, accelerator):
@@ -140,7 +152,7 @@ def reference_ds_config(accelerator) -> dict:
     return ds
 
 
-def _unwrap(model):
+def unwrap_module(model):
     """The module to call: DeepSpeed engines and DDP wrap the HF model in `.module`."""
     while hasattr(model, "module") and isinstance(model.module, torch.nn.Module):
         model = model.module

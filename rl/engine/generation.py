@@ -16,8 +16,8 @@
 `model` is a causal LM (plain, DDP, or a DeepSpeed engine; under ZeRO-3 call `generate` on every rank:
 the parameters are gathered once per call and ZeRO's per-module hooks are removed while decoding, as
 TRL does; pass the engine itself, e.g. `pipeline.model`, not the unwrapped module, or the hooks stay
-and every rank must then run the same number of steps). `tokenizer_or_pad_id` is a tokenizer (gives pad/eos and is required for stop strings) or
-just the pad id.
+and every rank must then run the same number of steps). `tokenizer_or_pad_id` is a tokenizer (gives
+pad/eos and is required for stop strings) or just the pad id.
 
 How it works, and why:
 * Prompts are left-padded, with an attention mask and position ids counted from each row's first real
@@ -27,19 +27,20 @@ How it works, and why:
   lengths the cost is the tokens generated rather than rows x the longest row, which is what HF
   `generate` (and so TRL) computes. Measured on the tiny model, 64 rows of geometric lengths (2,518
   tokens, longest 151), 1 CPU thread: 1.3 -> 0.74 CPU s (bench/README.md, GRPO with uneven lengths).
-* Sampling is Gumbel-max with noise that is a pure function of (seed, row, step, token id): row r of
-  a call with `seed=s` draws from seed `s + r`. Seeded runs repeat exactly, a row samples the same
-  tokens whatever else is in the batch (so batched == one-by-one with seed s + r), and nothing reads
-  the global RNG. `seed=None` takes a base seed from torch's global generator.
+* Sampling is Gumbel-max with noise that is a pure function of (seed, row, step, token id)
+  (`rl.engine.scoring.sample_tokens`): row r of a call with `seed=s` draws from seed `s + r`. Seeded
+  runs repeat exactly, a row samples the same tokens whatever else is in the batch (so batched ==
+  one-by-one with seed s + r), and nothing reads the global RNG. `seed=None` takes a base seed from
+  torch's global generator.
 * `temperature=0` is greedy; its log-probs are then those of the untempered model (a point mass
   would give 0 everywhere, useless as old log-probs).
 * `cache="static"` uses a preallocated `StaticCache` and fixed tensor shapes; `compile=True` (CUDA
   only) additionally compiles the decode step with CUDA graphs: the path measured at ~14-18k new
   tokens/s on an H200 for a 0.5B model (shared/bench/decode_probe.py) against ~1k for `generate`.
 
-`sequence_logprobs(model, input_ids, attention_mask, labels, chunk_size)` scores given tokens without
-materialising (B, T, V) logits when `chunk_size` is set or the logits would be large: the LM head
-runs over `chunk_size` positions at a time (`rl.engine.chunked`).
+The reference's one-prompt `sample` (`ForwardBackwardPipeline.sample`) is `generate` plus
+`split_stop` (its mixed stop list), `config_pad_eos` (pad/EOS without a tokenizer) and
+`Rollout.sample_dict` (its result dict). Scoring given tokens is `rl.engine.scoring.sequence_logprobs`.
 """
 
 from __future__ import annotations
@@ -50,7 +51,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from rl.engine.dist import _unwrap
+from rl.engine.dist import unwrap_module
 from rl.engine.losses import IGNORE_INDEX
 from rl.engine.packing import left_pad, position_ids_from_mask
 from rl.engine.scoring import sample_tokens
@@ -93,7 +94,32 @@ class Rollout:
         return {"input_ids": input_ids, "attention_mask": attention_mask, "labels": labels,
                 "old_logprobs": old}
 
+    def sample_dict(self, flat: bool = False) -> dict:
+        """The reference's `sample` result of a one-prompt rollout: `tokens` and `logprobs` of each
+        row (without padding), `prompt`, `finish_reason` of each row; `flat`: the first row's values
+        instead of lists of rows (one sample)."""
+        toks, n = self.completions(), self.mask.sum(-1).tolist()
+        lps = [self.logprobs[i, :n[i]].tolist() for i in range(len(toks))]
+        if flat:
+            return {"tokens": toks[0], "logprobs": lps[0], "prompt": self.prompts[0],
+                    "finish_reason": self.finish_reasons[0]}
+        return {"tokens": toks, "logprobs": lps, "prompt": self.prompts[0], "finish_reason": self.finish_reasons}
 
+
+def split_stop(stop) -> tuple[list[int], list[str] | None]:
+    """The reference's `stop`, token ids and strings mixed, as `generate`'s (stop_token_ids, stop_strings)."""
+    stop = list(stop or [])
+    strings = [s for s in stop if isinstance(s, str)]
+    return [int(s) for s in stop if not isinstance(s, str)], strings or None
+
+
+def config_pad_eos(model) -> tuple[int, int | list[int] | None]:
+    """(pad id, EOS id(s)) from a model's config, for sampling without a tokenizer: the config's pad
+    id, else its EOS id when it is one int, else 0."""
+    cfg = getattr(model, "config", None)
+    pad = getattr(cfg, "pad_token_id", None)
+    eos = getattr(cfg, "eos_token_id", None)
+    return (pad if pad is not None else (eos if isinstance(eos, int) else 0)), eos
 
 
 # ------------------------------------------------------------------------------------ model plumbing
@@ -109,7 +135,7 @@ def gathered_for_generation(model):
     Under ZeRO-3 the parameters are gathered once (collective: every rank must enter) and the
     engine's per-module hooks are removed, so decoding does no communication per token (and ranks
     may stop after different numbers of steps); hooks are restored on exit."""
-    inner = _unwrap(model)
+    inner = unwrap_module(model)
     if not _is_zero3(inner):
         yield inner
         return

@@ -1,7 +1,11 @@
 """Token log-probs and the engine's built-in losses (`LOSS_FNS`, the engine signature).
 
-The RL math itself (policy, value, KL, preference losses, advantages) lives in `rl.algos`; its names
-stay importable from here.
+`token_logprobs` is the one log-prob of the labels every loss and trainer uses (from full logits, or
+chunk by chunk from a `rl.engine.chunked.HeadLogits`). The RL math itself (policy, value, KL,
+preference losses, advantages) lives in `rl.algos`; here each registered policy loss is wrapped into
+the engine's signature `(logits, labels, attention_mask, **kwargs) -> (loss, metrics)` under its own
+name (`policy_loss_fn`), plus "ppo" with its optional value loss and "cross_entropy" with weights and
+an explicit normalization.
 
 Shapes: B = batch, T = sequence length, V = vocabulary. Logits (B, T, V) predict token t+1 at
 position t, so every per-token quantity below has length T-1 and is aligned with `labels[:, 1:]`.

@@ -1,7 +1,9 @@
-"""Loading models and building optimizers: dtype, LoRA, 4-bit, gradient checkpointing, frozen copies.
+"""Optimizer and learning-rate schedule of every trainer.
 
-Every trainer loads through here so that `tiny:<family>` names, `trust_remote_code` (off unless the
-user asks), attention kernels and LoRA targets behave the same everywhere.
+`build_optimizer`: AdamW over the trainable parameters, with no weight decay on biases and norms.
+`build_scheduler`: linear warmup (`warmup_steps`, or `warmup_ratio` of the total), then constant,
+linear decay or cosine decay to zero over `total_steps`, as a `LambdaLR` stepped once per optimizer
+step (the pipeline steps it itself, not through accelerate's wrapper).
 """
 
 from __future__ import annotations

@@ -33,6 +33,10 @@ SDPA and eager attention compute a row's whole (W, W) score matrix, masked or no
 no longer than the longest sequence never cost more than padding, in attention or anywhere else.
 (GPT-2 warns once that input_ids "may be padded" when a row ends with pad tokens: they are a segment
 of their own, attended by nothing else.)
+
+Also the two pieces of the padded layout that sampling and scoring share: `left_pad` (prompts,
+real tokens right-aligned) and `position_ids_from_mask` (positions counted from each row's first
+attended token).
 """
 
 from __future__ import annotations
@@ -119,7 +123,7 @@ def pool_packed(hidden: torch.Tensor, sequence_index: torch.Tensor, n: int, stra
     """One vector per sequence of packed rows: hidden (R, W, H), sequence_index (R, W) -> (n, H).
 
     `last`: the hidden state at the sequence's last token, `cls`: at its first, `mean`: the mean over
-    its tokens; the same vectors `rl.reward_model.pool_hidden` reads from a padded batch."""
+    its tokens; the same vectors `rl.models.reward.pool_hidden` reads from a padded batch."""
     flat = hidden.reshape(-1, hidden.shape[-1])
     idx = sequence_index.reshape(-1)
     keep = idx >= 0

@@ -1,15 +1,13 @@
-"""The engine: ordered forward-backward / optimizer-step requests on top of Accelerate.
+"""The engine's training pipeline: ordered forward-backward / optimizer-step / sampling requests on
+one model, on top of Accelerate.
 
 `ForwardBackwardPipeline` keeps the reference's call shapes (requests return futures; `save_state` and
 `load_state` return their dicts, as the reference docs show) and fixes what the reference got wrong:
 
-* Requests run in submission order, so an `optim_step` always sees the gradients of the
-  `forward_backward` calls submitted before it: by default in the calling thread (the future is
-  already done when it is returned), or with `asynchronous=True` on ONE worker thread, whatever
-  `max_workers` says. Inline is the default because a second thread that runs torch ops gets its own
-  OpenMP pool: measured on 2 CPU cores, generation in the main thread after one backward on a worker
-  thread ran 2.3x slower (0.10 s -> 0.23 s per rollout), the two pools fighting for the cores. On a GPU
-  the kernels are asynchronous anyway; `AsyncTrainingClient` uses the worker thread.
+* Requests run in submission order (`rl.engine.futures.RequestQueue`: inline by default, or on ONE
+  worker thread with `asynchronous=True`, whatever `max_workers` says), so an `optim_step` always sees
+  the gradients of the `forward_backward` calls submitted before it; a failed request whose future
+  nobody reads is raised at `shutdown()`.
 * Gradients are accumulated over up to N = `gradient_accumulation_steps` micro-batches, each scaled
   by 1/N (by us, or by DeepSpeed in its own backward), synchronised across processes only on the
   N-th micro-batch, and cleared after every optimizer step. An `optim_step` after k < N micro-batches
@@ -17,13 +15,10 @@
   of the k micro-batches it got, and reports k as `metrics["num_micro_batches"]`. A forward_backward
   beyond the N-th is an error: the docs always step explicitly (the optimizer may be given to
   `optim_step` only), so there is no optimizer to step with automatically.
-* A request that fails raises from its own future's `.result()`; one whose future nobody reads is
-  not lost: `shutdown()` logs every such failure and raises the first (the reference docs never read
-  the client's `optim_future`).
 * The same code runs single-process, DDP and DeepSpeed ZeRO-2/3, because the model and optimizer
   go through `accelerator.prepare` and the backward through `accelerator.backward`.
-* `save_state` writes to a temporary directory and renames it when complete, so a crash mid-save
-  leaves the previous checkpoint loadable. Nothing is unpickled on load (`weights_only=True`).
+* `save_state` / `load_state` write and read the checkpoint format of `rl.engine.state` (atomic:
+  a crash mid-save leaves the previous checkpoint loadable; nothing is unpickled on load).
 
 Under DeepSpeed the optimizer step happens inside the backward of the last micro-batch (that is how
 DeepSpeed works); `optim_step` then only reports the gradient norm and steps the scheduler.
@@ -31,14 +26,8 @@ DeepSpeed works); `optim_step` then only reports the gradient norm and steps the
 
 from __future__ import annotations
 
-import json
-import logging
 import os
-import shutil
-import threading
-import traceback
-import weakref
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from contextlib import nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -47,31 +36,17 @@ from typing import Any, Callable
 import torch
 
 from rl.engine import losses
-from rl.engine.chunked import auto_chunk_size, capture_head, head_vocab, output_head
-from rl.engine.dist import _inner, build_accelerator, is_deepspeed
-from rl.engine.futures import (
-    RequestFuture,
-    SampleFuture,
-    _Failure,
-    _floats,
-    _InlineExecutor,
-    _log_unread,
+from rl.engine.chunked import auto_capture_head
+from rl.engine.dist import (
+    build_accelerator,
+    finish_partial_accumulation,
+    fit_deepspeed_batch,
+    inner_optimizer,
+    is_deepspeed,
 )
-from rl.engine.generation import generate
-from rl.engine.state import (
-    COMPLETE_MARKER,
-    _dedupe_shared,
-    _load_state_dict,
-    _np_rng_state,
-    _py_rng_state,
-    _set_np_rng_state,
-    _set_py_rng_state,
-    _set_torch_rng_state,
-    _torch_rng_state,
-    check_checkpoint_name,
-)
-
-log = logging.getLogger(__name__)
+from rl.engine.futures import RequestQueue, SampleFuture
+from rl.engine.generation import config_pad_eos, generate, split_stop
+from rl.engine.state import check_checkpoint_name, load_pipeline_state, save_pipeline_state
 
 
 @dataclass
@@ -95,7 +70,7 @@ class OptimStepResult:
     metrics: dict[str, float] = field(default_factory=dict)
 
 
-class ForwardBackwardPipeline:
+class ForwardBackwardPipeline(RequestQueue):
     """Ordered, future-returning forward/backward/optimizer requests on one model.
 
     Args:
@@ -105,7 +80,7 @@ class ForwardBackwardPipeline:
         max_workers: accepted for compatibility with the reference; requests never run in
             parallel, so that their order is the submission order.
         asynchronous: run requests on one background worker thread instead of inline in the
-            calling thread (see the module docstring for why inline is the default).
+            calling thread (see `rl.engine.futures` for why inline is the default).
         gradient_accumulation_steps: micro-batches per optimizer step.
         optimizer, scheduler: optional here; required here under DeepSpeed, which builds its
             engine from model and optimizer together. Elsewhere the optimizer may be passed to the
@@ -130,11 +105,7 @@ class ForwardBackwardPipeline:
             accelerator = build_accelerator(gradient_accumulation_steps, device,
                                             micro_batch_size=micro_batch_size, max_grad_norm=max_grad_norm)
         elif is_deepspeed(accelerator):
-            ds = accelerator.state.deepspeed_plugin.deepspeed_config
-            ds["gradient_accumulation_steps"] = gradient_accumulation_steps
-            if micro_batch_size is not None:
-                ds["train_micro_batch_size_per_gpu"] = micro_batch_size
-                ds["train_batch_size"] = micro_batch_size * gradient_accumulation_steps * accelerator.num_processes
+            fit_deepspeed_batch(accelerator, gradient_accumulation_steps, micro_batch_size)
         self.accelerator = accelerator
         self.gradient_accumulation_steps = gradient_accumulation_steps
         self.logprob_chunk_size = logprob_chunk_size
@@ -154,13 +125,7 @@ class ForwardBackwardPipeline:
         self.step = 0  # optimizer steps taken
         self.micro_step = 0  # micro-batches since the last optimizer step
         self.loss_fns: dict[str, Callable] = dict(losses.LOSS_FNS)
-        self._executor = (ThreadPoolExecutor(max_workers=1, thread_name_prefix="fb-worker") if asynchronous
-                          else _InlineExecutor())
-        # failed requests (as text: a traceback would keep this pipeline alive), until shutdown() reports them
-        self._failed: list[_Failure] = []
-        self._failed_lock = threading.Lock()  # the worker appends while the caller prunes
-        # at garbage collection or interpreter exit without shutdown(): still log what nobody read
-        weakref.finalize(self, _log_unread, self._failed)
+        super().__init__(asynchronous=asynchronous)  # the request queue: submit, shutdown
 
     # ------------------------------------------------------------------ plumbing
     @property
@@ -171,45 +136,6 @@ class ForwardBackwardPipeline:
     def unwrapped_model(self):
         return self.accelerator.unwrap_model(self.model)
 
-    def submit(self, fn: Callable, *args, **kwargs) -> "RequestFuture":
-        """Run `fn` after every request submitted before it; its future (see `RequestFuture`)."""
-        return self._submit(RequestFuture(), fn, *args, **kwargs)
-
-    def _submit(self, future: "RequestFuture", fn: Callable, *args, **kwargs) -> "RequestFuture":
-        future.request = getattr(fn, "__name__", "request").lstrip("_")
-        with self._failed_lock:  # drop the ones already read
-            self._failed[:] = [f for f in self._failed if not f.read]
-
-        def run() -> None:
-            if not future.set_running_or_notify_cancel():
-                return
-            try:
-                result = fn(*args, **kwargs)
-            except BaseException as e:  # noqa: BLE001 - delivered through the future
-                future.failure = _Failure(future.request, f"{type(e).__name__}: {e}",
-                                          "".join(traceback.format_exception(e)))
-                with self._failed_lock:
-                    self._failed.append(future.failure)
-                future.set_exception(e)
-            else:
-                future.set_result(result)
-
-        self._executor.submit(run)
-        return future
-
-    def shutdown(self, wait: bool = True) -> None:
-        """Finish the queued requests; then log every failed request whose future was never read
-        (with its traceback) and raise a RuntimeError naming the first, so no error vanishes silently."""
-        self._executor.shutdown(wait=wait)
-        if wait:
-            self._raise_unread()
-
-    def _raise_unread(self) -> None:
-        unread = _log_unread(self._failed)
-        if unread:
-            raise RuntimeError(f"{len(unread)} request(s) failed and their futures were never read (tracebacks "
-                               f"logged); the first, {unread[0].request}: {unread[0].error}")
-
     def _to_device(self, t):
         if t is None:
             return None
@@ -219,7 +145,7 @@ class ForwardBackwardPipeline:
 
     def _backward(self, loss: torch.Tensor) -> None:
         """Accumulate 1/N of this micro-batch's gradient; synchronise only on the N-th (a partial
-        accumulation is finished by `_finish_partial_accumulation`).
+        accumulation is finished by `rl.engine.dist.finish_partial_accumulation`).
 
         We keep our own micro-batch counter instead of `accelerator.accumulate`: accelerate's
         gradient state is a process-wide singleton, so a second pipeline (a reward model, a
@@ -313,11 +239,7 @@ class ForwardBackwardPipeline:
         """The context of a forward of this model: the LM head deferred to the loss, chunk by chunk
         (`rl.engine.chunked.capture_head`), when `logprob_chunk_size` is set or the logits would be large.
         The engine's training forwards use it; a trainer's own scoring forward may too."""
-        head = output_head(self.model)
-        if head is None:
-            return nullcontext()
-        chunk = auto_chunk_size(input_ids.shape[0], input_ids.shape[1], head_vocab(head), self.logprob_chunk_size)
-        return capture_head(self.model, chunk) if chunk else nullcontext()
+        return auto_capture_head(self.model, input_ids, self.logprob_chunk_size)
 
     def _check_accumulation_room(self) -> None:
         if self.micro_step >= self.gradient_accumulation_steps:
@@ -348,9 +270,9 @@ class ForwardBackwardPipeline:
         if self.optimizer is None:
             raise ValueError("optim_step needs an optimizer (pass it here or to the pipeline)")
         if k < n:
-            self._finish_partial_accumulation(k)
+            finish_partial_accumulation(self.model, self.accelerator, k, n)
         grad_norm = None
-        inner = _inner(self.optimizer)
+        inner = inner_optimizer(self.optimizer)
         if is_deepspeed(acc):
             # DeepSpeed clipped, stepped and cleared the gradients inside the last backward.
             grad_norm = self.model.get_global_grad_norm()
@@ -374,31 +296,11 @@ class ForwardBackwardPipeline:
         return OptimStepResult(grad_norm=None if grad_norm is None else float(grad_norm),
                                step=self.step, learning_rate=lr, metrics={"num_micro_batches": k})
 
-    def _finish_partial_accumulation(self, k: int) -> None:
-        """After k < N micro-batches the gradients hold (1/N) sum_i g_i: rescale by N/k to the mean
-        (1/k) sum_i g_i, which is what N micro-batches would give when k = N. Under DDP the k-th
-        backward ran in `no_sync` (we could not know it was the last), so average across processes
-        here, as DDP's own all-reduce would (every process must call optim_step after the same k)."""
-        from torch.nn.parallel import DistributedDataParallel
-
-        factor = self.gradient_accumulation_steps / k
-        grads = [p.grad for p in self.model.parameters() if p.grad is not None]
-        ddp = isinstance(self.model, DistributedDataParallel) and self.accelerator.num_processes > 1
-        if self.accelerator.num_processes > 1 and not ddp:
-            raise RuntimeError(f"optim_step after {k} of {self.gradient_accumulation_steps} micro-batches is "
-                               f"supported single-process and under DDP, not under {self.accelerator.distributed_type}")
-        if ddp:
-            factor /= self.accelerator.num_processes
-        for g in grads:
-            if ddp:
-                torch.distributed.all_reduce(g)
-            g.mul_(factor)
-
     def _adopt(self, optimizer, scheduler) -> None:
         """Prepare an optimizer/scheduler handed to optim_step (allowed outside DeepSpeed)."""
         if optimizer is not None and self.optimizer is None:
             self.optimizer = self.accelerator.prepare_optimizer(optimizer)
-        elif optimizer is not None and _inner(optimizer) is not _inner(self.optimizer):
+        elif optimizer is not None and inner_optimizer(optimizer) is not inner_optimizer(self.optimizer):
             raise ValueError("optim_step got a different optimizer from the one already in use")
         if scheduler is not None and self.scheduler is None:
             self.scheduler = scheduler
@@ -437,34 +339,22 @@ class ForwardBackwardPipeline:
                             num_samples, seed, tokenizer)
 
     def _sample(self, prompt, max_tokens, temperature, top_k, top_p, stop, num_samples, seed, tokenizer):
-        stop = list(stop or [])
-        ids = [int(s) for s in stop if not isinstance(s, str)]
-        strings = [s for s in stop if isinstance(s, str)]
+        ids, strings = split_stop(stop)
         if torch.is_tensor(prompt):
             prompt = prompt.reshape(-1).tolist()
         out = self._rollout([list(map(int, prompt))], max_new_tokens=max_tokens, temperature=temperature,
-                            top_k=top_k, top_p=top_p, stop_token_ids=ids, stop_strings=strings or None,
+                            top_k=top_k, top_p=top_p, stop_token_ids=ids, stop_strings=strings,
                             seed=seed, num_samples=num_samples, tokenizer=tokenizer)
-        toks, n = out.completions(), out.mask.sum(-1).tolist()
-        lps = [out.logprobs[i, :n[i]].tolist() for i in range(len(toks))]
-        if num_samples == 1:
-            return {"tokens": toks[0], "logprobs": lps[0], "prompt": out.prompts[0],
-                    "finish_reason": out.finish_reasons[0]}
-        return {"tokens": toks, "logprobs": lps, "prompt": out.prompts[0], "finish_reason": out.finish_reasons}
+        return out.sample_dict(flat=num_samples == 1)
 
     def sample_batch(self, prompts, tokenizer=None, **generate_kwargs) -> Future:
         """Batched rollout of many prompts; Future[rl.engine.generation.Rollout] (see `rl.engine.generation.generate`)."""
         return self.submit(self._rollout, prompts, tokenizer=tokenizer, **generate_kwargs)
 
     def _rollout(self, prompts, tokenizer=None, **kw):
-        tokenizer = tokenizer if tokenizer is not None else getattr(self, "tokenizer", None)
-        if tokenizer is not None:
-            tok_or_pad = tokenizer
-        else:
-            cfg = getattr(self.unwrapped_model, "config", None)
-            pad = getattr(cfg, "pad_token_id", None)
-            eos = getattr(cfg, "eos_token_id", None)
-            tok_or_pad = pad if pad is not None else (eos if isinstance(eos, int) else 0)
+        tok_or_pad = tokenizer if tokenizer is not None else getattr(self, "tokenizer", None)
+        if tok_or_pad is None:
+            tok_or_pad, eos = config_pad_eos(self.unwrapped_model)
             kw.setdefault("eos_token_id", eos)
         return generate(self.model, tok_or_pad, prompts, **kw)
 
@@ -479,52 +369,7 @@ class ForwardBackwardPipeline:
         return self.submit(self._save_state, name, extra_state or {}).result()
 
     def _save_state(self, name: str, extra_state: dict) -> dict:
-        acc = self.accelerator
-        final = self.checkpoint_dir / name
-        tmp = self.checkpoint_dir / f".tmp-{name}"
-        if acc.is_main_process:
-            shutil.rmtree(tmp, ignore_errors=True)
-            tmp.mkdir(parents=True)
-        acc.wait_for_everyone()
-        # The full state dict (gathered under ZeRO-3: every rank must take part).
-        state_dict = acc.get_state_dict(self.model)
-        if acc.is_main_process:
-            from safetensors.torch import save_file
-
-            write = getattr(self.unwrapped_model, "save_checkpoint_weights", None)
-            if write is not None:  # a model of ours (PPO's policy + value head, a reward model) writes the
-                write(state_dict, tmp)  # files `from_pretrained` reads; `load_checkpoint_weights` reads them back
-            else:
-                save_file(_dedupe_shared(state_dict), str(tmp / "model.safetensors"))
-        if is_deepspeed(acc):
-            self.model.save_checkpoint(str(tmp / "deepspeed"), tag="state")  # sharded optimizer
-            optimizer_path = tmp / "deepspeed"
-        else:
-            optimizer_path = tmp / "optimizer.pt"
-            if acc.is_main_process and self.optimizer is not None:
-                torch.save(self.optimizer.state_dict(), optimizer_path)
-        if acc.is_main_process and self.scheduler is not None:
-            torch.save(self.scheduler.state_dict(), tmp / "scheduler.pt")
-        torch.save(_torch_rng_state(), tmp / f"rng_{acc.process_index}.pt")
-        if acc.is_main_process:
-            state = {"step": self.step, "micro_step": self.micro_step,
-                     "gradient_accumulation_steps": self.gradient_accumulation_steps,
-                     "num_processes": acc.num_processes, "python_rng": _py_rng_state(),
-                     "numpy_rng": _np_rng_state(), "extra": extra_state}
-            (tmp / "state.json").write_text(json.dumps(state))
-            (tmp / COMPLETE_MARKER).write_text("ok\n")
-        acc.wait_for_everyone()
-        if acc.is_main_process:
-            old = self.checkpoint_dir / f".old-{name}"
-            if final.exists():
-                shutil.rmtree(old, ignore_errors=True)
-                os.replace(final, old)
-            os.replace(tmp, final)
-            shutil.rmtree(old, ignore_errors=True)
-        acc.wait_for_everyone()
-        rel = optimizer_path.name
-        return {"path": str(final), "model_path": str(final / "model.safetensors"),
-                "optimizer_path": str(final / rel), "state_path": str(final / "state.json")}
+        return save_pipeline_state(self, name, extra_state)
 
     def load_state(self, path: str | os.PathLike) -> dict:
         """Restore what `save_state` wrote, after every request queued before it; returns the
@@ -532,35 +377,9 @@ class ForwardBackwardPipeline:
         return self.submit(self._load_state, Path(path)).result()
 
     def _load_state(self, path: Path) -> dict:
-        acc = self.accelerator
-        if not (path / COMPLETE_MARKER).exists():
-            raise FileNotFoundError(f"{path} is not a complete checkpoint (no {COMPLETE_MARKER} file)")
-        state = json.loads((path / "state.json").read_text())
-        if is_deepspeed(acc):
-            self.model.load_checkpoint(str(path / "deepspeed"), tag="state", load_module_strict=True,
-                                       load_optimizer_states=True, load_lr_scheduler_states=False)
-        else:
-            from safetensors.torch import load_file
+        return load_pipeline_state(self, path)
 
-            # safetensors rejects "cpu:0" (the device of rank 0 in a multi-process CPU run); load_state_dict
-            # copies into the parameters on their own device anyway.
-            read = getattr(self.unwrapped_model, "load_checkpoint_weights", None)
-            if read is not None:
-                read(path)
-            else:
-                _load_state_dict(self.unwrapped_model, load_file(str(path / "model.safetensors"), device="cpu"))
-            opt_path = path / "optimizer.pt"
-            if self.optimizer is not None and opt_path.exists():
-                # map to CPU for the same reason; load_state_dict moves the state to each parameter's device
-                self.optimizer.load_state_dict(torch.load(opt_path, map_location="cpu", weights_only=True))
-        if self.scheduler is not None and (path / "scheduler.pt").exists():
-            self.scheduler.load_state_dict(torch.load(path / "scheduler.pt", weights_only=True))
-        rng_path = path / f"rng_{acc.process_index}.pt"
-        if rng_path.exists():
-            _set_torch_rng_state(torch.load(rng_path, weights_only=True))
-        _set_py_rng_state(state["python_rng"])
-        _set_np_rng_state(state["numpy_rng"])
-        self.step, self.micro_step = state["step"], state["micro_step"]
-        if self.optimizer is not None:
-            _inner(self.optimizer).zero_grad(set_to_none=True)
-        return state.get("extra", {})
+
+def _floats(metrics: dict) -> dict[str, float]:
+    """A loss's metrics (tensors or numbers) as plain floats."""
+    return {k: float(v.detach()) if torch.is_tensor(v) else float(v) for k, v in (metrics or {}).items()}

@@ -1,67 +1,35 @@
-"""Batched sampling with per-token log-probs: the rollout function every RL trainer calls.
+"""Scoring tokens: the per-step sampling distribution `generate` draws from, and no-grad log-probs
+of given tokens.
 
-    from rl.engine.generation import generate
-    out = generate(model, tokenizer, prompts=[[257, 72, 105], [257, 79]], max_new_tokens=32,
-                   temperature=1.0, top_k=0, top_p=1.0, stop_token_ids=None, stop_strings=None, seed=0)
-    out.tokens     # (B, N) completion token ids, right-padded with the pad id
-    out.logprobs   # (B, N) fp32 log-prob of each sampled token under the distribution it was drawn
-                   #        from (after temperature / top-k / top-p), 0 where mask == 0
-    out.mask       # (B, N) 1 for generated tokens (up to and including EOS / a stop token / the token
-                   #        that completes a stop string), 0 after
-    out.prompts    # the prompts (list of token lists), one per row (repeated when num_samples > 1)
-    out.to_batch() # {"input_ids", "attention_mask", "labels", "old_logprobs"} for forward_backward:
-                   # prompt left-padded + completion, labels -100 outside the completion,
-                   # old_logprobs (B, T-1) aligned with labels[:, 1:]
-
-`model` is a causal LM (plain, DDP, or a DeepSpeed engine; under ZeRO-3 call `generate` on every rank:
-the parameters are gathered once per call and ZeRO's per-module hooks are removed while decoding, as
-TRL does; pass the engine itself, e.g. `pipeline.model`, not the unwrapped module, or the hooks stay
-and every rank must then run the same number of steps). `tokenizer_or_pad_id` is a tokenizer (gives pad/eos and is required for stop strings) or
-just the pad id.
-
-How it works, and why:
-* Prompts are left-padded, with an attention mask and position ids counted from each row's first real
-  token (what HF `generate` does), so a row's tokens do not depend on the other rows.
-* One prefill with `logits_to_keep=1` (no (B, P, V) logits), then one token per step with a KV cache.
-* Finished rows leave the decode batch (dynamic cache; `drop_finished`): with uneven completion
-  lengths the cost is the tokens generated rather than rows x the longest row, which is what HF
-  `generate` (and so TRL) computes. Measured on the tiny model, 64 rows of geometric lengths (2,518
-  tokens, longest 151), 1 CPU thread: 1.3 -> 0.74 CPU s (bench/README.md, GRPO with uneven lengths).
-* Sampling is Gumbel-max with noise that is a pure function of (seed, row, step, token id): row r of
-  a call with `seed=s` draws from seed `s + r`. Seeded runs repeat exactly, a row samples the same
-  tokens whatever else is in the batch (so batched == one-by-one with seed s + r), and nothing reads
-  the global RNG. `seed=None` takes a base seed from torch's global generator.
+Sampling one step (`sample_tokens`), as `rl.engine.generation.generate` calls it:
+* `process_logits`: temperature, then top-k, then top-p (nucleus, Holtzman et al. 2019), in HF's
+  order; at least one token always survives. The log-probs reported are those of this distribution.
+* Gumbel-max: argmax(log p + g), g = -log(-log u), samples from softmax(log p), with u from
+  `hashed_uniform`, a counter-based hash (murmur3's finaliser) of (row seed, step, token id): no
+  generator state, each row's noise independent of the batch it is in, nothing read from the global RNG.
 * `temperature=0` is greedy; its log-probs are then those of the untempered model (a point mass
   would give 0 everywhere, useless as old log-probs).
-* `cache="static"` uses a preallocated `StaticCache` and fixed tensor shapes; `compile=True` (CUDA
-  only) additionally compiles the decode step with CUDA graphs: the path measured at ~14-18k new
-  tokens/s on an H200 for a 0.5B model (shared/bench/decode_probe.py) against ~1k for `generate`.
 
-`sequence_logprobs(model, input_ids, attention_mask, labels, chunk_size)` scores given tokens without
-materialising (B, T, V) logits when `chunk_size` is set or the logits would be large: the LM head
-runs over `chunk_size` positions at a time (`rl.engine.chunked`).
+Scoring given tokens, with the LM head chunked (`rl.engine.chunked`) so the (B, T, V) logits never
+exist when `chunk_size` is set or they would be large:
+* `sequence_logprobs(model, input_ids, attention_mask, labels, chunk_size)`: per-token log-probs
+  (B, T-1), position ids counted from each row's first attended token (exact for either padding side).
+* `sequence_logps`: per-sequence sums of answer-token log-probs and their counts, for padded rows or
+  packed ones (`sequence_index`); `concatenated_logps`: those of a DPO batch's chosen and rejected
+  halves, padded or packed.
 """
 
 from __future__ import annotations
 
-import contextlib
-import logging
 from contextlib import nullcontext
-from typing import TYPE_CHECKING
 
 import torch
 
 from rl.engine import losses
-from rl.engine.chunked import auto_chunk_size, capture_head, head_vocab, output_head
-from rl.engine.dist import _unwrap
+from rl.engine.chunked import auto_capture_head, auto_chunk_size, capture_head, head_vocab, output_head
+from rl.engine.dist import unwrap_module
 from rl.engine.losses import IGNORE_INDEX, token_logprobs
 from rl.engine.packing import position_ids_from_mask, segment_sum
-
-if TYPE_CHECKING:  # annotations only: rl.dpo imports this module
-    pass
-
-logger = logging.getLogger(__name__)
-
 
 _M32 = 0xFFFFFFFF
 
@@ -144,7 +112,7 @@ def sequence_logprobs(model, input_ids: torch.Tensor, attention_mask: torch.Tens
         labels = input_ids.masked_fill(attention_mask == 0, IGNORE_INDEX)
     if position_ids is None:
         position_ids = position_ids_from_mask(attention_mask)
-    lm = _unwrap(model)
+    lm = unwrap_module(model)
     head = output_head(lm)
     if head is not None:
         chunk_size = auto_chunk_size(input_ids.shape[0], input_ids.shape[1], head_vocab(head), chunk_size)
@@ -162,9 +130,9 @@ def sequence_logps(logits: torch.Tensor, labels: torch.Tensor, sequence_index: t
     """Sum of answer-token log-probs and number of answer tokens per sequence.
 
     logits (N, T, V), labels (N, T) with -100 on prompt and padding (HF convention, shifted inside).
-    Returns (logps (N,), lengths (N,)) in fp32. Packed rows (`pack_pairs`) give `sequence_index`
-    (R, T): the sums then run over each sequence's tokens, wherever its rows put them, (S,) for the S
-    sequences (S = max index + 1).
+    Returns (logps (N,), lengths (N,)) in fp32. Packed rows (`rl.data.preference.pack_pairs`) give
+    `sequence_index` (R, T): the sums then run over each sequence's tokens, wherever its rows put them,
+    (S,) for the S sequences (S = max index + 1).
     """
     logp, mask = losses.token_logprobs(logits, labels)
     if sequence_index is None:
@@ -181,7 +149,7 @@ def concatenated_logps(model, batch: dict[str, torch.Tensor], chunk_size: int | 
     """No-grad forward of a collated batch -> (chosen_logps, rejected_logps, chosen_lengths,
     rejected_lengths), each (B,). Passes position_ids, so it is exact for either padding side. The LM
     head runs over `chunk_size` positions at a time (automatically when the logits would be large;
-    see `rl.engine.generation.sequence_logprobs`), so no (2B, T, V) logits."""
+    see `sequence_logprobs`), so no (2B, T, V) logits."""
     device = next(iter(batch.values())).device
     if "sequence_index" in batch:  # packed rows (pack_pairs)
         logps, lengths = _packed_logps(model, {k: v.to(device) for k, v in batch.items()}, chunk_size)
@@ -196,13 +164,11 @@ def concatenated_logps(model, batch: dict[str, torch.Tensor], chunk_size: int | 
 
 
 def _packed_logps(model, batch: dict[str, torch.Tensor], chunk_size: int | None):
-    """`sequence_logps` of packed rows under `model`, its LM head chunked as in
-    `rl.engine.generation.sequence_logprobs`: the forward gets position_ids, no mask and no cache (so
-    transformers builds the block-diagonal mask, `rl.engine.packing`)."""
-    lm = _unwrap(model)
+    """`sequence_logps` of packed rows under `model`, its LM head chunked as in `sequence_logprobs`:
+    the forward gets position_ids, no mask and no cache (so transformers builds the block-diagonal
+    mask, `rl.engine.packing`)."""
+    lm = unwrap_module(model)
     ids = batch["input_ids"]
-    head = output_head(lm)
-    chunk = auto_chunk_size(ids.shape[0], ids.shape[1], head_vocab(head), chunk_size) if head is not None else None
-    with capture_head(lm, chunk) if chunk else contextlib.nullcontext():
+    with auto_capture_head(lm, ids, chunk_size):
         logits = lm(input_ids=ids, position_ids=batch["position_ids"], use_cache=False).logits
     return sequence_logps(logits, batch["labels"], batch["sequence_index"])

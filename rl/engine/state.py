@@ -1,13 +1,29 @@
-"""Finding checkpoints to resume from, and stopping cleanly on SIGUSR1/SIGTERM (Slurm preemption).
+"""Checkpoints: the pipeline's checkpoint format (written and read), RNG state, finding checkpoints
+to resume from, retention, and stopping cleanly on SIGUSR1/SIGTERM (Slurm preemption).
 
-Checkpoints are directories `<output_dir>/checkpoints/checkpoint-<step>` written atomically by
-`ForwardBackwardPipeline.save_state` (a `COMPLETE` marker is the last file written before the rename),
-so a directory without the marker is an interrupted write and is never resumed from.
+A checkpoint is a directory `<checkpoint_dir>/<name>` (trainers: `<output_dir>/checkpoints/checkpoint-<step>`)
+written by `save_pipeline_state` (`ForwardBackwardPipeline.save_state`, on every process):
+
+    model.safetensors            the full state dict, tied tensors once (gathered under ZeRO-3); or the
+                                 files of the model's own `save_checkpoint_weights` (PPO's policy +
+                                 value head, a reward model), read back by its `load_checkpoint_weights`
+    optimizer.pt | deepspeed/    the optimizer state (under DeepSpeed its own sharded checkpoint)
+    scheduler.pt                 when the pipeline has a scheduler
+    rng_<rank>.pt                each process's torch CPU (and CUDA) generator state
+    state.json                   step, micro_step, gradient_accumulation_steps, num_processes, Python and
+                                 NumPy RNG state, the caller's `extra_state`
+    COMPLETE                     the last file written
+
+It is written into `.tmp-<name>` and renamed when complete (the previous one moved to `.old-<name>`
+first and deleted after), so a crash mid-save leaves the previous checkpoint loadable, and a directory
+without the marker is an interrupted write that is never loaded or resumed from. Nothing is unpickled
+on load (`torch.load(weights_only=True)`).
 """
 
 from __future__ import annotations
 
-import logging
+import json
+import os
 import random
 import re
 import shutil
@@ -17,7 +33,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-logger = logging.getLogger(__name__)
+from rl.engine.dist import inner_optimizer, is_deepspeed
 
 COMPLETE_MARKER = "COMPLETE"
 
@@ -36,6 +52,101 @@ def check_checkpoint_name(name) -> str:
     return name
 
 
+# ------------------------------------------------------------------------------ the pipeline's checkpoint
+
+def save_pipeline_state(pipeline, name: str, extra_state: dict) -> dict:
+    """Write `<pipeline.checkpoint_dir>/<name>` atomically (the format in the module docstring) from a
+    `ForwardBackwardPipeline`'s model, optimizer, scheduler, counters and RNG state; the body of its
+    `save_state` request. Call it on every process (ZeRO-3 gathers the state dict collectively).
+    Returns the reference's dict `path`, `model_path`, `optimizer_path`, `state_path`."""
+    acc = pipeline.accelerator
+    final = pipeline.checkpoint_dir / name
+    tmp = pipeline.checkpoint_dir / f".tmp-{name}"
+    if acc.is_main_process:
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir(parents=True)
+    acc.wait_for_everyone()
+    # The full state dict (gathered under ZeRO-3: every rank must take part).
+    state_dict = acc.get_state_dict(pipeline.model)
+    if acc.is_main_process:
+        from safetensors.torch import save_file
+
+        write = getattr(pipeline.unwrapped_model, "save_checkpoint_weights", None)
+        if write is not None:  # a model of ours (PPO's policy + value head, a reward model) writes the
+            write(state_dict, tmp)  # files `from_pretrained` reads; `load_checkpoint_weights` reads them back
+        else:
+            save_file(_dedupe_shared(state_dict), str(tmp / "model.safetensors"))
+    if is_deepspeed(acc):
+        pipeline.model.save_checkpoint(str(tmp / "deepspeed"), tag="state")  # sharded optimizer
+        optimizer_path = tmp / "deepspeed"
+    else:
+        optimizer_path = tmp / "optimizer.pt"
+        if acc.is_main_process and pipeline.optimizer is not None:
+            torch.save(pipeline.optimizer.state_dict(), optimizer_path)
+    if acc.is_main_process and pipeline.scheduler is not None:
+        torch.save(pipeline.scheduler.state_dict(), tmp / "scheduler.pt")
+    torch.save(_torch_rng_state(), tmp / f"rng_{acc.process_index}.pt")
+    if acc.is_main_process:
+        state = {"step": pipeline.step, "micro_step": pipeline.micro_step,
+                 "gradient_accumulation_steps": pipeline.gradient_accumulation_steps,
+                 "num_processes": acc.num_processes, "python_rng": _py_rng_state(),
+                 "numpy_rng": _np_rng_state(), "extra": extra_state}
+        (tmp / "state.json").write_text(json.dumps(state))
+        (tmp / COMPLETE_MARKER).write_text("ok\n")
+    acc.wait_for_everyone()
+    if acc.is_main_process:
+        old = pipeline.checkpoint_dir / f".old-{name}"
+        if final.exists():
+            shutil.rmtree(old, ignore_errors=True)
+            os.replace(final, old)
+        os.replace(tmp, final)
+        shutil.rmtree(old, ignore_errors=True)
+    acc.wait_for_everyone()
+    rel = optimizer_path.name
+    return {"path": str(final), "model_path": str(final / "model.safetensors"),
+            "optimizer_path": str(final / rel), "state_path": str(final / "state.json")}
+
+
+def load_pipeline_state(pipeline, path: Path) -> dict:
+    """Restore into a `ForwardBackwardPipeline` what `save_pipeline_state` wrote at `path` (weights,
+    optimizer, scheduler, this process's RNG state, step counters; the gradients cleared); the body
+    of its `load_state` request. Returns the `extra_state` saved with it."""
+    acc = pipeline.accelerator
+    if not (path / COMPLETE_MARKER).exists():
+        raise FileNotFoundError(f"{path} is not a complete checkpoint (no {COMPLETE_MARKER} file)")
+    state = json.loads((path / "state.json").read_text())
+    if is_deepspeed(acc):
+        pipeline.model.load_checkpoint(str(path / "deepspeed"), tag="state", load_module_strict=True,
+                                       load_optimizer_states=True, load_lr_scheduler_states=False)
+    else:
+        from safetensors.torch import load_file
+
+        # safetensors rejects "cpu:0" (the device of rank 0 in a multi-process CPU run); load_state_dict
+        # copies into the parameters on their own device anyway.
+        read = getattr(pipeline.unwrapped_model, "load_checkpoint_weights", None)
+        if read is not None:
+            read(path)
+        else:
+            load_deduped_state_dict(pipeline.unwrapped_model, load_file(str(path / "model.safetensors"), device="cpu"))
+        opt_path = path / "optimizer.pt"
+        if pipeline.optimizer is not None and opt_path.exists():
+            # map to CPU for the same reason; load_state_dict moves the state to each parameter's device
+            pipeline.optimizer.load_state_dict(torch.load(opt_path, map_location="cpu", weights_only=True))
+    if pipeline.scheduler is not None and (path / "scheduler.pt").exists():
+        pipeline.scheduler.load_state_dict(torch.load(path / "scheduler.pt", weights_only=True))
+    rng_path = path / f"rng_{acc.process_index}.pt"
+    if rng_path.exists():
+        _set_torch_rng_state(torch.load(rng_path, weights_only=True))
+    _set_py_rng_state(state["python_rng"])
+    _set_np_rng_state(state["numpy_rng"])
+    pipeline.step, pipeline.micro_step = state["step"], state["micro_step"]
+    if pipeline.optimizer is not None:
+        inner_optimizer(pipeline.optimizer).zero_grad(set_to_none=True)
+    return state.get("extra", {})
+
+
+# ------------------------------------------------------------------------------ weights and RNG state
+
 def _dedupe_shared(state_dict: dict) -> dict:
     """safetensors refuses tensors that share memory (tied embeddings); keep one copy of each."""
     seen: dict[tuple, str] = {}
@@ -51,7 +162,7 @@ def _dedupe_shared(state_dict: dict) -> dict:
     return out
 
 
-def _load_state_dict(model: torch.nn.Module, sd: dict) -> None:
+def load_deduped_state_dict(model: torch.nn.Module, sd: dict) -> None:
     """Load a (deduplicated) state dict; a missing key is fine only if it is tied to a loaded one."""
     missing, unexpected = model.load_state_dict(sd, strict=False)
     if unexpected:
@@ -94,6 +205,9 @@ def _np_rng_state():
 def _set_np_rng_state(state) -> None:
     np.random.set_state((state[0], np.array(state[1], dtype=np.uint32), state[2], state[3], state[4]))
 
+
+# ------------------------------------------------------------------------------ discovery and resume
+
 _STEP = re.compile(r"^checkpoint-(\d+)$")
 
 
@@ -105,17 +219,20 @@ def checkpoint_name(step: int) -> str:
     return f"checkpoint-{step}"
 
 
-def latest_checkpoint(output_dir: str | Path) -> Path | None:
-    """The complete checkpoint with the highest step under `<output_dir>/checkpoints`, or None."""
+def complete_checkpoints(output_dir: str | Path) -> list[Path]:
+    """Complete checkpoints under `<output_dir>/checkpoints`, newest first."""
     root = checkpoint_dir(output_dir)
     if not root.is_dir():
-        return None
-    found = []
-    for d in root.iterdir():
-        m = _STEP.match(d.name)
-        if m and d.is_dir() and (d / COMPLETE_MARKER).exists():
-            found.append((int(m.group(1)), d))
-    return max(found)[1] if found else None
+        return []
+    found = [(int(m.group(1)), d) for d in root.iterdir()
+             if (m := _STEP.match(d.name)) and d.is_dir() and (d / COMPLETE_MARKER).exists()]
+    return [d for _, d in sorted(found, reverse=True)]
+
+
+def latest_checkpoint(output_dir: str | Path) -> Path | None:
+    """The complete checkpoint with the highest step under `<output_dir>/checkpoints`, or None."""
+    found = complete_checkpoints(output_dir)
+    return found[0] if found else None
 
 
 def resolve_resume(resume: str | None, output_dir: str | Path) -> Path | None:
@@ -129,6 +246,33 @@ def resolve_resume(resume: str | None, output_dir: str | Path) -> Path | None:
         raise FileNotFoundError(f"resume={resume}: not a complete checkpoint directory")
     return path
 
+
+# ------------------------------------------------------------------------------ retention
+
+def prune_checkpoints(output_dir: str | Path, keep: int | None, parts=lambda name: ()) -> list[Path]:
+    """Delete all but the newest `keep` complete checkpoints, each with the directories `parts(name)` that
+    belong to it (a trainer's second engine, e.g. PPO's critic); return the deleted."""
+    if not keep:
+        return []
+    gone = complete_checkpoints(output_dir)[keep:]
+    for d in gone:
+        for path in (d, *parts(d.name)):
+            shutil.rmtree(path, ignore_errors=True)
+    return gone
+
+
+def previous_run(output_dir: str | Path) -> str | None:
+    """What in `output_dir` shows an earlier run (None when it is empty or fresh)."""
+    out = Path(output_dir)
+    for name in ("metrics.jsonl", "model.safetensors", "adapter_model.safetensors", "reward_config.json"):
+        if (out / name).exists():
+            return name
+    if complete_checkpoints(out):
+        return "checkpoints/"
+    return None
+
+
+# ------------------------------------------------------------------------------ preemption
 
 class StopSignal:
     """Turns SIGUSR1/SIGTERM into a flag the training loop checks after each optimizer step.
@@ -158,46 +302,9 @@ class StopSignal:
         step, or the next collective would hang. Call it at the same point on every process."""
         if accelerator.num_processes == 1:
             return self.stop
-        import torch
-
         flag = torch.tensor([1.0 if self.stop else 0.0], device=accelerator.device)
         return bool(accelerator.reduce(flag, "max").item() > 0)
 
     def restore(self) -> None:
         for s, h in self._previous.items():
             signal.signal(s, h)
-
-_STEP = re.compile(r"^checkpoint-(\d+)$")
-
-
-def complete_checkpoints(output_dir: str | Path) -> list[Path]:
-    """Complete checkpoints under `<output_dir>/checkpoints`, newest first."""
-    root = checkpoint_dir(output_dir)
-    if not root.is_dir():
-        return []
-    found = [(int(m.group(1)), d) for d in root.iterdir()
-             if (m := _STEP.match(d.name)) and d.is_dir() and (d / COMPLETE_MARKER).exists()]
-    return [d for _, d in sorted(found, reverse=True)]
-
-
-def prune_checkpoints(output_dir: str | Path, keep: int | None, parts=lambda name: ()) -> list[Path]:
-    """Delete all but the newest `keep` complete checkpoints, each with the directories `parts(name)` that
-    belong to it (a trainer's second engine, e.g. PPO's critic); return the deleted."""
-    if not keep:
-        return []
-    gone = complete_checkpoints(output_dir)[keep:]
-    for d in gone:
-        for path in (d, *parts(d.name)):
-            shutil.rmtree(path, ignore_errors=True)
-    return gone
-
-
-def previous_run(output_dir: str | Path) -> str | None:
-    """What in `output_dir` shows an earlier run (None when it is empty or fresh)."""
-    out = Path(output_dir)
-    for name in ("metrics.jsonl", "model.safetensors", "adapter_model.safetensors", "reward_config.json"):
-        if (out / name).exists():
-            return name
-    if complete_checkpoints(out):
-        return "checkpoints/"
-    return None

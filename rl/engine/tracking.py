@@ -8,6 +8,7 @@ unconditionally. Metric names are the ones TRL users read (`loss`, `learning_rat
 The sinks other than jsonl are accelerate's own tracker classes (`accelerate.tracking`), the ones
 `Accelerator(log_with=...)` builds, used directly because our Accelerator is built before the
 output directory and run name are known. wandb runs offline unless the user set WANDB_MODE.
+`quiet_third_party` hides other libraries' warnings, loading bars and DeepSpeed's sub-ERROR log.
 """
 
 from __future__ import annotations

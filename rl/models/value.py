@@ -28,7 +28,7 @@ from safetensors.torch import load_file, save_file
 from transformers.utils import ModelOutput
 
 from rl.engine.packing import position_ids_from_mask
-from rl.engine.state import _load_state_dict
+from rl.engine.state import load_deduped_state_dict
 from rl.models.saving import is_lora, write_pretrained
 
 VALUE_HEAD_FILE = "value_head.safetensors"
@@ -166,6 +166,6 @@ def load_policy_weights(model: PPOModel, path) -> None:
             raise KeyError(f"{path}: adapter_model.safetensors has {len(adapter)} tensors for this model's "
                            f"{n_lora} LoRA parameters (unexpected: {result.unexpected_keys[:3]})")
     else:
-        _load_state_dict(model.base_model, load_file(str(path / "model.safetensors")))
+        load_deduped_state_dict(model.base_model, load_file(str(path / "model.safetensors")))
     if model.value_head is not None:
         model.value_head.load_state_dict(load_file(str(path / VALUE_HEAD_FILE)))

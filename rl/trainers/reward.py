@@ -29,7 +29,7 @@ from rl.data.preference import (
     pair_batch,
 )
 from rl.data.records import source_options
-from rl.engine.dist import _inner, build_accelerator
+from rl.engine.dist import build_accelerator, inner_optimizer
 from rl.engine.optim import build_optimizer, build_scheduler
 from rl.engine.packing import pack_sequences
 from rl.engine.pipeline import ForwardBackwardPipeline
@@ -179,7 +179,7 @@ class RewardModelTrainer(Trainer):
                 optimizer=optimizer, scheduler=scheduler, micro_batch_size=2 * batch_size,
                 checkpoint_dir=self.output_dir / "checkpoints")
         else:  # a second train_on_preferences call: fresh schedule on the same optimizer
-            inner = _inner(self.pipeline.optimizer)
+            inner = inner_optimizer(self.pipeline.optimizer)
             for g in inner.param_groups:
                 g["lr"] = g.get("initial_lr", cfg.learning_rate)
             self.pipeline.scheduler = build_scheduler(inner, cfg.lr_scheduler, total_steps, warmup_steps=warmup)
