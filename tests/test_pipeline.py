@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from tests.conftest import LEARN_SEED, ROOT, learned, run_cmd
+from tests.conftest import LEARN_SEED, learned, run_cmd
 
 MIN_GAIN = 0.10
 
@@ -39,12 +39,7 @@ def test_tiny_pipeline_raises_heldout_accuracy(tmp_path):
 
 def test_pipeline_bad_key_fails_fast(tmp_path):
     from rl.errors import ConfigError
-
-    sys.path.insert(0, str(ROOT / "launch"))
-    try:
-        import pipeline
-    finally:
-        sys.path.pop(0)
+    from rl.scripts import pipeline  # the code behind launch/pipeline.py
     cfg = pipeline.PipelineConfig(grpo={"num_generation": 8})
     with pytest.raises(ConfigError, match="num_generation"):
         pipeline.stage_configs(cfg, "m", tmp_path / "sft", tmp_path / "grpo")
