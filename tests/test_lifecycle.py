@@ -42,6 +42,8 @@ TRAINERS = {
             "gradient_accumulation_steps=1", "ppo_epochs=1", "max_new_tokens=4", "num_iterations={n}"],
     "grpo": ["launch/grpo.py", "--config", "recipes/tiny/grpo.yaml", "batch_size=8", "num_generations=4",
              "max_steps={n}", "eval_every=0", "eval_num_prompts=4"],
+    "online_dpo": ["launch/online_dpo.py", "--config", "recipes/tiny/online_dpo.yaml", "batch_size=4",
+                   "max_steps={n}", "max_completion_length=4"],
 }
 COMMON = ["log_every=1", "report_to=[jsonl]"]
 FINAL = {"reward": "reward_config.json"}  # the file a finished run writes (default model.safetensors)
@@ -176,7 +178,7 @@ def test_diverging_run_stops_at_the_first_non_finite_loss(trainer, tmp_path, tin
     out = tmp_path / "run"
     # GRPO's math environment and PPO's 'a'-fraction give a random model all-zero rewards, hence zero
     # gradients and no update at all; the length-based default reward (words / 100) does not
-    extra = {"grpo": ["reward_funcs=[default]", "reward_weights=[0,1]"],
+    extra = {"grpo": ["reward_funcs=[default]", "reward_weights=[0,1]"], "online_dpo": ["reward_funcs=[default]"],
              "ppo": ["reward_fn=default", "custom_reward=null"]}.get(trainer, [])
     code, stdout, stderr = _main(trainer, out, 8, "learning_rate=1e30", "save_every=1", *extra, capfd=capfd,
                                  monkeypatch=monkeypatch)
@@ -238,13 +240,14 @@ def test_disk_full_during_a_checkpoint_keeps_the_previous_one(tmp_path, tiny_lla
 
 
 def test_every_trainer_takes_config_then_model_and_tokenizer(tmp_path, tiny_llama):
-    """One constructor shape, `XTrainer(config, model=..., tokenizer=...)`, for all five trainers: the
+    """One constructor shape, `XTrainer(config, model=..., tokenizer=...)`, for all six trainers: the
     given model and tokenizer are the ones the trainer holds (no second load from model_name)."""
     from rl.models.loading import load_causal_lm, load_tokenizer
     from rl.models.reward import RewardModel, RewardModelConfig
     from rl.trainers.dpo import DPOConfig, DPOTrainer
     from rl.trainers.grpo import GRPOTrainer
     from rl.trainers.grpo_config import GRPOConfig
+    from rl.trainers.online_dpo import OnlineDPOConfig, OnlineDPOTrainer
     from rl.trainers.ppo import PPOTrainer
     from rl.trainers.ppo_config import PPOConfig
     from rl.trainers.reward import RewardModelTrainer
@@ -261,6 +264,9 @@ def test_every_trainer_takes_config_then_model_and_tokenizer(tmp_path, tiny_llam
         "grpo": (GRPOTrainer, build(GRPOConfig, {**base, "output_dir": str(tmp_path / "grpo"), "batch_size": 2,
                                                  "num_generations": 2, "max_completion_length": 4}),
                  {"reward_funcs": [reward_fn], "train_prompts": [{"prompt": "1+1="}]}),
+        "online_dpo": (OnlineDPOTrainer, build(OnlineDPOConfig, {**base, "output_dir": str(tmp_path / "odpo"),
+                                                                 "batch_size": 2, "max_completion_length": 4}),
+                       {"reward_funcs": [reward_fn], "train_prompts": [{"prompt": "1+1="}]}),
         "ppo": (PPOTrainer, build(PPOConfig, {**base, "output_dir": str(tmp_path / "ppo"), "batch_size": 2,
                                               "max_new_tokens": 4}), {"reward_fn": reward_fn}),
     }
