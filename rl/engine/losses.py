@@ -65,24 +65,6 @@ def _gather_logprobs(logits: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
     return picked - torch.logsumexp(logits, dim=-1)
 
 
-def cross_entropy_loss(logits: torch.Tensor, labels: torch.Tensor, attention_mask: torch.Tensor | None = None,
-                       weights: torch.Tensor | None = None) -> tuple[torch.Tensor, dict]:
-    """Token-mean negative log-likelihood of `labels` (HF convention, shifted inside).
-
-    `weights` (B, T) or (B, T-1), optional, multiplies each token's loss (aligned to `labels`)."""
-    logp, mask = token_logprobs(logits, labels)
-    if weights is not None:
-        w = weights[:, 1:] if weights.shape[1] == labels.shape[1] else weights
-        loss = -(logp * w * mask).sum() / mask.sum().clamp(min=1)
-    else:
-        loss = -masked_mean(logp, mask)
-    return loss, {"nll": loss.detach(), "num_tokens": mask.sum()}
-
-
-# Built-in losses of the engine, by name. The RL losses register here as well.
-LOSS_FNS: dict[str, Callable] = {"cross_entropy": cross_entropy_loss}
-
-
 # ---------------------------------------------------------------- engine-signature wrappers
 # The RL math is in rl.algos (one copy each); every registered policy loss is also an engine loss of
 # the same name.
@@ -178,5 +160,7 @@ def weighted_cross_entropy_loss_fn(logits, labels, attention_mask=None, weights=
     return loss, {"nll": masked_mean(-logp, mask).detach(), "num_tokens": mask.sum()}
 
 
-LOSS_FNS.update({name: policy_loss_fn(name) for name in algos.names("policy_loss")})
-LOSS_FNS.update({"cross_entropy": weighted_cross_entropy_loss_fn, "ppo": ppo_loss_fn})
+# The engine's losses by name (`forward_backward(..., loss_fn="<name>")`): every registered policy loss, PPO's
+# with its value term, and the (weighted) cross-entropy.
+LOSS_FNS: dict[str, Callable] = {**{name: policy_loss_fn(name) for name in algos.names("policy_loss")},
+                                 "cross_entropy": weighted_cross_entropy_loss_fn, "ppo": ppo_loss_fn}

@@ -46,7 +46,11 @@ from rl.engine.dist import (
 )
 from rl.engine.futures import RequestQueue, SampleFuture
 from rl.engine.generation import config_pad_eos, generate, split_stop
-from rl.engine.state import check_checkpoint_name, load_pipeline_state, save_pipeline_state
+from rl.engine.state import (
+    check_checkpoint_name,
+    load_pipeline_state,
+    save_pipeline_state,
+)
 
 
 @dataclass

@@ -26,7 +26,13 @@ from contextlib import nullcontext
 import torch
 
 from rl.engine import losses
-from rl.engine.chunked import auto_capture_head, auto_chunk_size, capture_head, head_vocab, output_head
+from rl.engine.chunked import (
+    auto_capture_head,
+    auto_chunk_size,
+    capture_head,
+    head_vocab,
+    output_head,
+)
 from rl.engine.dist import unwrap_module
 from rl.engine.losses import IGNORE_INDEX, token_logprobs
 from rl.engine.packing import position_ids_from_mask, segment_sum

@@ -126,11 +126,6 @@ def answer_value(answer: str | None) -> Fraction | None:
     return values.pop() if len(values) == 1 else None
 
 
-def extract_number(text: str) -> Fraction | None:
-    """`answer_value(extract_answer(text))`: the number a completion answers with, or None."""
-    return answer_value(extract_answer(text))
-
-
 def _normalise_text(s: str) -> str:
     return re.sub(r"\s+", " ", str(s)).strip().strip(".").lower()
 

@@ -251,10 +251,6 @@ class Trainer:
     def world(self) -> int:
         return self.accelerator.num_processes
 
-    @property
-    def stopped_early(self) -> bool:
-        return self.stopped_by is not None
-
     # ------------------------------------------------------------------ the lifecycle
     def fit(self, total_steps: int, tracker, eval_at_start: bool = False) -> list[dict]:
         """Run `train_step` until `current_step` reaches `total_steps`; returns the metric rows."""
