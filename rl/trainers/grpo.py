@@ -85,8 +85,7 @@ from rl.trainers.rewards import (
 )
 
 # ============================================================================ pure math
-# Advantages and the loss are in rl.algos, the reward sources and combine_rewards in rl.trainers.rewards
-# (names kept importable from here).
+# Advantages and the loss are in rl.algos, the reward sources and combine_rewards in rl.trainers.rewards.
 
 def grpo_loss_fn(logits, labels, attention_mask=None, *, advantages, old_logprobs=None, ref_logprobs=None,
                  temperature: float = 1.0, target_index=None, **kw):

@@ -1,5 +1,5 @@
-"""GRPO's rollout side: prompt rows and their encoding, DAPO's dynamic-sampling batch assembly, and
-the reward metrics of a step (rl.trainers.grpo re-exports the public names).
+"""GRPO's batch assembly: DAPO's dynamic-sampling picks, the length-grouped micro-batches of the training
+forward, and the reward metrics of a step (prompt rows and their encoding are in rl.rollout.prompts).
 
 Dynamic sampling (DAPO, Yu et al. 2025, sec. 3.2): each round every process samples and scores its
 share of fresh prompts; rewards are gathered, so every process sees the same keep mask (W, k) per

@@ -1,4 +1,4 @@
-"""GRPO's config schema and its batch arithmetic (rl.trainers.grpo re-exports both; the objective is documented there)."""
+"""GRPO's config schema and its batch arithmetic (the objective is documented in rl.trainers.grpo)."""
 
 from __future__ import annotations
 
