@@ -30,8 +30,7 @@ def main(argv=None) -> None:
     # 1. parse; the data is validated before any model is built, so a bad file fails in seconds
     cfg = parse_recipe(RewardTrainConfig, argv, "launch/reward.py", __doc__, require_data=True)
     try:
-        train, evals = RewardModelTrainer.load_data(cfg)
-        cfg.model_config()  # the model settings are checked before any model is built
+        train, evals = RewardModelTrainer.load_data(cfg)  # the model settings were checked when cfg was built
         if not cfg.dry_run:
             check_output_dir(cfg)
     except (ConfigError, DataError, RunError) as e:

@@ -36,10 +36,7 @@ from rl.engine.pipeline import ForwardBackwardPipeline
 from rl.engine.tracking import Tracker
 from rl.errors import ConfigError
 from rl.models.loading import load_tokenizer, trainable_fraction
-from rl.models.reward import (
-    RewardModel,
-    RewardModelConfig,
-)
+from rl.models.reward import RewardModel, RewardModelConfig
 from rl.models.reward_format import (
     save_reward_model,
 )
@@ -97,8 +94,7 @@ class RewardModelTrainer(Trainer):
         accelerator = build_accelerator(cfg.gradient_accumulation_steps, micro_batch_size=2 * cfg.batch_size,
                                         max_grad_norm=cfg.max_grad_norm, deepspeed_config=cfg.deepspeed)
         tokenizer = load_tokenizer(cfg.model_name, cfg.trust_remote_code)
-        model_cfg = cfg.model_config()
-        return cls(model_cfg, model=RewardModel(model_cfg, tokenizer=tokenizer), tokenizer=tokenizer,
+        return cls(cfg, model=RewardModel(cfg, tokenizer=tokenizer), tokenizer=tokenizer,
                    accelerator=accelerator, output_dir=cfg.output_dir)
 
     def train_recipe(self, cfg: RewardTrainConfig, train: PreferencePairs, evals: PreferencePairs | None) -> dict:
@@ -168,7 +164,7 @@ class RewardModelTrainer(Trainer):
     # ------------------------------------------------------------------ setup
     def _setup(self, total_steps: int, batch_size: int) -> None:
         cfg = self.config
-        warmup = (int(round(cfg.warmup_ratio * total_steps)) if cfg.warmup_ratio is not None
+        warmup = (int(round(cfg.warmup_ratio * total_steps)) if cfg.warmup_ratio or cfg.warmup_steps is None
                   else min(cfg.warmup_steps, max(0, total_steps - 1)))
         if self.pipeline is None:
             self._fill_deepspeed_sizes()
