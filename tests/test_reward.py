@@ -200,6 +200,20 @@ def test_multi_objective_outputs_masks_and_config_untouched(tiny_cache):
         MultiObjectiveRewardModel(cfg, num_objectives=2, objective_weights=[1.0, 2.0, 3.0])
 
 
+def test_reward_temperature_alias_temperature(tmp_path):
+    from rl.config.parse import parse_config
+    from rl.trainers.reward_config import RewardTrainConfig
+
+    cfg = RewardModelConfig(temperature=2.0)  # the reference docs' keyword
+    assert cfg.reward_temperature == 2.0 and cfg.temperature == 2.0
+    assert dataclasses.replace(cfg, reward_temperature=3.0).temperature == 3.0
+    recipe = tmp_path / "old.yaml"  # a recipe written before the rename
+    recipe.write_text("model_name: tiny:llama\ntemperature: 4.0\n")
+    assert parse_config(RewardTrainConfig, ["--config", str(recipe)]).reward_temperature == 4.0
+    assert parse_config(RewardTrainConfig, ["--config", str(recipe), "temperature=5"]).reward_temperature == 5.0
+    assert parse_config(RewardTrainConfig, ["--config", "recipes/tiny/reward.yaml"]).reward_temperature == 1.0
+
+
 def test_config_errors():
     with pytest.raises(ConfigError, match="use_lora"):
         RewardModelConfig(load_in_4bit=True, use_lora=False)
@@ -235,6 +249,14 @@ def test_full_save_load_round_trip_and_hf_classifier(tiny_cache, tmp_path):
                     position_ids=(mask.cumsum(-1) - 1).clamp(min=0)).logits[:, 0]
     torch.testing.assert_close(logits, before, atol=1e-5, rtol=1e-5)
     assert json.loads((tmp_path / "rm" / "reward_config.json").read_text())["hf_compatible"] is True
+    # a reward_config.json of the former format (`temperature`, the training keys too) still loads
+    path = tmp_path / "rm" / "reward_config.json"
+    meta = json.loads(path.read_text())
+    meta["config"]["temperature"] = meta["config"].pop("reward_temperature")
+    meta["config"].update(learning_rate=1e-4, warmup_steps=100, warmup_ratio=None, seed=42, resume=None)
+    path.write_text(json.dumps(meta))
+    old = load_reward_model(tmp_path / "rm")
+    assert old.config.reward_temperature == 2.0 and torch.equal(old.score(TEXTS), before)
 
 
 def test_lora_save_load_round_trip_via_trainer(tiny_cache, tmp_path):

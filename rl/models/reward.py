@@ -147,7 +147,7 @@ class RewardModel(nn.Module):
     def rewards(self, input_ids, attention_mask=None, position_ids=None, sequence_index=None) -> torch.Tensor:
         """(B, num_labels) rewards divided by the temperature ((S, num_labels) for packed rows, see `pooled`)."""
         h = self.dropout(self.pooled(input_ids, attention_mask, position_ids, sequence_index))
-        return self.head(h.to(self.head.weight.dtype)).float() / self.config.temperature
+        return self.head(h.to(self.head.weight.dtype)).float() / self.config.reward_temperature
 
     def forward(self, input_ids, attention_mask=None, position_ids=None, sequence_index=None, **kwargs) -> RewardOutput:
         r = self.rewards(input_ids, attention_mask, position_ids, sequence_index)

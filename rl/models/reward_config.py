@@ -20,7 +20,7 @@ REFERENCE_LORA = {"use_lora": "enabled", "lora_rank": "rank", "lora_alpha": "alp
 
 def accepts_reference_names(cls):
     """Let `cls(...)` take the reference docs' keywords: the flat LoRA names (on top of `lora=`, so
-    `dataclasses.replace(cfg, use_lora=True)` works)."""
+    `dataclasses.replace(cfg, use_lora=True)` works) and `temperature` for `reward_temperature`."""
     init = cls.__init__
 
     def __init__(self, *args, **kw):
@@ -28,6 +28,9 @@ def accepts_reference_names(cls):
         if flat:
             lora = kw.get("lora") or next(f for f in dataclasses.fields(cls) if f.name == "lora").default_factory()
             kw["lora"] = dataclasses.replace(lora, **flat)
+        for alias, key in cls.ALIASES.items():
+            if alias in kw:
+                kw[key] = kw.pop(alias)
         if kw.get("warmup_ratio", 0.0) is None:  # the former "unset"
             kw["warmup_ratio"] = 0.0
         init(self, *args, **kw)
@@ -43,10 +46,11 @@ class RewardModelConfig(TrainConfig):
     reference's defaults (LoRA r=8 on, dropout 0.1, learning rate 1e-4, 100 warmup steps). The recipe
     schema of launch/reward.py (rl.trainers.reward_config.RewardTrainConfig) is this class with the house
     defaults. The reference's flat names are accepted and readable: use_lora, lora_rank, lora_alpha,
-    lora_dropout, lora_target_modules (the `lora` section)."""
+    lora_dropout, lora_target_modules (the `lora` section) and temperature (reward_temperature)."""
 
+    ALIASES = {"temperature": "reward_temperature"}  # the recipe alias too (rl.config.fields._aliases)
     # what a saved model's reward_config.json holds: the keys that rebuild the model (flat, as the reference)
-    MODEL_KEYS = ("model_name", "num_labels", "pooling_strategy", "dropout_prob", "temperature",
+    MODEL_KEYS = ("model_name", "num_labels", "pooling_strategy", "dropout_prob", "reward_temperature",
                   *REFERENCE_LORA, "load_in_4bit", "load_in_8bit", "max_length", "append_eos", "packing", "dtype",
                   "gradient_checkpointing", "trust_remote_code")
 
@@ -59,7 +63,8 @@ class RewardModelConfig(TrainConfig):
     pooling_strategy: Literal["last", "mean", "cls"] = opt(
         "last", "hidden state read by the head: last real token, masked mean, first token")
     dropout_prob: float = opt(0.1, "dropout on the pooled state (training only)")
-    temperature: float = opt(1.0, "rewards are divided by this")
+    reward_temperature: float = opt(1.0, "rewards are divided by this (a scale of the reward, not a sampling "
+                                    "temperature; alias: temperature)")
     load_in_4bit: bool = opt(False, "NF4 backbone via bitsandbytes (QLoRA); needs lora.enabled=true")
     load_in_8bit: bool = opt(False, "int8 backbone via bitsandbytes; needs lora.enabled=true")
     warmup_steps: int | None = opt(100, "linear warmup steps (capped at the run length); warmup_ratio > 0 wins; "
@@ -77,8 +82,8 @@ class RewardModelConfig(TrainConfig):
             raise ConfigError(f"key 'num_labels' must be at least 1, got {self.num_labels}")
         if self.pooling_strategy not in ("last", "mean", "cls"):
             raise ConfigError(f"key 'pooling_strategy' must be last, mean or cls, got {self.pooling_strategy!r}")
-        if not self.temperature > 0:
-            raise ConfigError(f"key 'temperature' must be > 0, got {self.temperature}")
+        if not self.reward_temperature > 0:
+            raise ConfigError(f"key 'reward_temperature' (alias temperature) must be > 0, got {self.reward_temperature}")
         if not 0.0 <= self.dropout_prob < 1.0:
             raise ConfigError(f"key 'dropout_prob' must be in [0, 1), got {self.dropout_prob}")
         if self.load_in_4bit and self.load_in_8bit:
@@ -95,15 +100,21 @@ class RewardModelConfig(TrainConfig):
     def quantization(self) -> str | None:
         return "4bit" if self.load_in_4bit else "8bit" if self.load_in_8bit else None
 
+    @property
+    def temperature(self) -> float:
+        """The former name of `reward_temperature`."""
+        return self.reward_temperature
+
     def model_fields(self) -> dict:
         """What rebuilds the model (MODEL_KEYS), as reward_config.json stores it."""
         return {k: getattr(self, k) for k in self.MODEL_KEYS}
 
     @classmethod
     def from_saved(cls, saved: dict, **overrides) -> "RewardModelConfig":
-        """The config of a saved reward_config.json: its model keys; the training keys that former
-        versions also wrote are ignored."""
-        return cls(**{**{k: v for k, v in saved.items() if k in cls.MODEL_KEYS}, **overrides})
+        """The config of a saved reward_config.json: its model keys (the former name `temperature`
+        included); the training keys that former versions also wrote are ignored."""
+        keep = set(cls.MODEL_KEYS) | set(cls.ALIASES)
+        return cls(**{**{k: v for k, v in saved.items() if k in keep}, **overrides})
 
 
 for _flat, _key in REFERENCE_LORA.items():  # the reference's flat names, read-only views of `lora`

@@ -19,9 +19,10 @@ class RewardTrainConfig(RewardModelConfig):
     schema has (TrainConfig's: LoRA off, learning rate 1e-5, warmup by warmup_ratio, no dropout) and the
     keys only a recipe has (margin_column, the reference CLI's column names).
 
-    LoRA is the shared `lora:` section (lora.enabled, lora.rank, ...). The reference CLI's column flags
-    are accepted: --prompt-text-column, --text-column (the chosen answer) and --rejected-text-column set
-    data.prompt_column, data.chosen_column and data.rejected_column."""
+    LoRA is the shared `lora:` section (lora.enabled, lora.rank, ...). `temperature` is accepted for
+    reward_temperature. The reference CLI's column flags are accepted: --prompt-text-column, --text-column
+    (the chosen answer) and --rejected-text-column set data.prompt_column, data.chosen_column and
+    data.rejected_column."""
 
     # the house defaults (TrainConfig's), where RewardModelConfig has the reference's
     model_name: str = opt(REQUIRED, "HF model id or local path; 'tiny:llama' builds a tiny local model")
