@@ -55,7 +55,7 @@ def main(argv=None) -> None:
         first = trainer.history[0]["loss"] if trainer.history else float("nan")
         ev = f", eval accuracy {metrics['eval/accuracy']:.3f}" if "eval/accuracy" in metrics else ""
         print(f"reward done: loss {first:.4f} -> {metrics.get('loss', float('nan')):.4f}, "
-              f"accuracy {metrics.get('accuracy', float('nan')):.3f}{ev} over {trainer.global_step} steps; "
+              f"accuracy {metrics.get('accuracy', float('nan')):.3f}{ev} over {trainer.current_step} steps; "
               f"model saved to {out}")
 
 
