@@ -200,6 +200,20 @@ def test_multi_objective_outputs_masks_and_config_untouched(tiny_cache):
         MultiObjectiveRewardModel(cfg, num_objectives=2, objective_weights=[1.0, 2.0, 3.0])
 
 
+def test_reward_temperature_alias_temperature(tmp_path):
+    from rl.config.parse import parse_config
+    from rl.trainers.reward_config import RewardTrainConfig
+
+    cfg = RewardModelConfig(temperature=2.0)  # the reference docs' keyword
+    assert cfg.reward_temperature == 2.0 and cfg.temperature == 2.0
+    assert dataclasses.replace(cfg, reward_temperature=3.0).temperature == 3.0
+    recipe = tmp_path / "old.yaml"  # a recipe written before the rename
+    recipe.write_text("model_name: tiny:llama\ntemperature: 4.0\n")
+    assert parse_config(RewardTrainConfig, ["--config", str(recipe)]).reward_temperature == 4.0
+    assert parse_config(RewardTrainConfig, ["--config", str(recipe), "temperature=5"]).reward_temperature == 5.0
+    assert parse_config(RewardTrainConfig, ["--config", "recipes/tiny/reward.yaml"]).reward_temperature == 1.0
+
+
 def test_config_errors():
     with pytest.raises(ConfigError, match="use_lora"):
         RewardModelConfig(load_in_4bit=True, use_lora=False)
@@ -235,6 +249,14 @@ def test_full_save_load_round_trip_and_hf_classifier(tiny_cache, tmp_path):
                     position_ids=(mask.cumsum(-1) - 1).clamp(min=0)).logits[:, 0]
     torch.testing.assert_close(logits, before, atol=1e-5, rtol=1e-5)
     assert json.loads((tmp_path / "rm" / "reward_config.json").read_text())["hf_compatible"] is True
+    # a reward_config.json of the former format (`temperature`, the training keys too) still loads
+    path = tmp_path / "rm" / "reward_config.json"
+    meta = json.loads(path.read_text())
+    meta["config"]["temperature"] = meta["config"].pop("reward_temperature")
+    meta["config"].update(learning_rate=1e-4, warmup_steps=100, warmup_ratio=None, seed=42, resume=None)
+    path.write_text(json.dumps(meta))
+    old = load_reward_model(tmp_path / "rm")
+    assert old.config.reward_temperature == 2.0 and torch.equal(old.score(TEXTS), before)
 
 
 def test_lora_save_load_round_trip_via_trainer(tiny_cache, tmp_path):
@@ -283,6 +305,108 @@ def test_accumulation_matches_one_big_batch(tiny_cache):
     assert steps[1]["loss"] == pytest.approx(steps[0]["loss"], rel=1e-5)
     assert steps[1]["grad_norm"] == pytest.approx(steps[0]["grad_norm"], rel=1e-4)
     assert steps[1]["accuracy"] == pytest.approx(steps[0]["accuracy"])
+
+
+def test_short_last_step_trains_on_exactly_its_pairs(tiny_cache):
+    """9 pairs, global batch 4 x 2 micro-batches = 8: each epoch is a step of 8 pairs and a step of the
+    1 left (no pairs repeated from the epoch's start), whose second micro-batch is an empty dummy. That
+    step's loss (center term included), accuracy, rewards, tokens and gradient norm are those of exactly
+    its one pair, scored by hand on the model the first step left."""
+    prompts, chosen, rejected = synthetic_pairs(9, seed=5)
+    m = make(gradient_accumulation_steps=2, learning_rate=1e-2, warmup_steps=0, lr_scheduler="constant",
+             max_grad_norm=None, center_rewards_coefficient=0.1)
+    trainer = RewardModelTrainer(m.config, model=m, tokenizer=m.get_tokenizer(), device="cpu")
+    hand = {}
+
+    def after_step(step, metrics):
+        if step != 1:
+            return
+        last = torch.randperm(9, generator=torch.Generator().manual_seed(m.config.seed))[8:].tolist()
+        ids, mask, _, _ = trainer._batch(trainer._train, last)  # epoch 0's last pair, as a padded batch
+        r = m(ids, mask)["rewards"][:, 0]
+        loss, bt = bradley_terry_loss(r[:1], r[1:], center_rewards_coefficient=0.1)
+        grads = torch.autograd.grad(loss, [q for q in m.parameters() if q.requires_grad])
+        hand.update(loss=loss.item(), accuracy=bt["accuracy"].item(), mean_reward=r.mean().item(),
+                    min_reward=r.min().item(), max_reward=r.max().item(), num_tokens=int(mask.sum()),
+                    grad_norm=torch.stack([g.norm() for g in grads]).norm().item())
+
+    out = trainer.train_on_preferences(chosen, rejected, prompts=prompts, batch_size=4, log_fn=after_step)
+    assert [h["step"] for h in trainer.history] == [1, 2] and trainer.current_step == trainer.pipeline.step == 2
+    for k in ("loss", "accuracy", "mean_reward", "min_reward", "max_reward", "num_tokens"):
+        assert out[k] == pytest.approx(hand[k], abs=1e-6), k
+    assert out["grad_norm"] == pytest.approx(hand["grad_norm"], rel=1e-5)
+    assert out["epoch"] == 1.0
+
+
+def test_short_step_weights_give_the_exact_mean_over_processes():
+    """3 pairs in a step of 2 processes x 2 micro-batches: the split (`EpochTrainer.micro_batches`) is
+    rank 0 [0], [2] and rank 1 [1], [] (a dummy); sum over micro-batches of loss / accumulation, then the
+    mean over processes (what the engine and DDP do) is the mean of the 3 pairs' losses, center term too."""
+    from types import SimpleNamespace
+
+    from rl.trainers.reward import _bt_custom_loss
+
+    rc, rr = torch.tensor([1.0, -0.5, 2.0]), torch.tensor([0.0, 0.5, 1.5])
+    kw = dict(center_rewards_coefficient=0.1)
+    world, N = 2, 2
+    per_rank = []
+    for rank in range(world):
+        t = RewardModelTrainer.__new__(RewardModelTrainer)
+        t.cfg, t.accelerator = SimpleNamespace(gradient_accumulation_steps=N), SimpleNamespace(process_index=rank,
+                                                                                              num_processes=world)
+        micro = t.micro_batches([0, 1, 2])
+        total = 0.0
+        for idx in micro:
+            pairs = idx or [0]
+            out = {"rewards": torch.cat([rc[pairs], rr[pairs]]).unsqueeze(-1)}
+            loss, _ = _bt_custom_loss(None, {"attention_mask": torch.ones(2 * len(pairs), 3)}, out, len(pairs),
+                                      scale=len(idx) * t.step_weight(3), **kw)
+            total += float(loss) / N
+        per_rank.append((micro, total))
+    assert [m for m, _ in per_rank] == [[[0], [2]], [[1], []]]
+    assert sum(v for _, v in per_rank) / world == pytest.approx(float(bradley_terry_loss(rc, rr, **kw)[0]), abs=1e-6)
+
+
+def test_eval_split_floors_like_split_eval(tiny_cache):
+    """eval_fraction holds out floor(fraction x pairs) (at least one), the very pairs
+    rl.data.records.split_eval holds out: 0.29 of 10 is 2 (rounding would give 3)."""
+    from rl.data.records import split_eval
+
+    prompts, chosen, rejected = synthetic_pairs(10, seed=4)
+    for fraction, n_eval in ((0.29, 2), (0.05, 1)):
+        m = make(max_length=32)
+        trainer = RewardModelTrainer(m.config, model=m, tokenizer=m.get_tokenizer(), device="cpu")
+        trainer.train_on_preferences(chosen, rejected, prompts=prompts, batch_size=8, eval_fraction=fraction)
+        kept, held = split_eval(list(range(10)), fraction, m.config.seed)
+        assert len(trainer.eval_split) == len(held) == n_eval
+        assert trainer.eval_split.chosen == m.encode([prompts[i] + chosen[i] for i in held])
+        assert len(trainer._train) == len(kept) == 10 - n_eval
+
+
+def test_resume_continues_exactly(tiny_cache, tmp_path):
+    """12 pairs in steps of 5, 5 and 2, two epochs (6 steps), a checkpoint every 2: resumed from
+    checkpoint-2, steps 3-6 (a short step, the next epoch's shuffle, another short step) are the
+    uninterrupted run's to 1e-6."""
+    import shutil
+
+    prompts, chosen, rejected = synthetic_pairs(12, seed=2)
+
+    def run(**kw):
+        m = make(seed=kw.pop("seed", 0), learning_rate=1e-2, warmup_steps=2, save_every=2,
+                 output_dir=str(tmp_path / "rm"), **kw)
+        t = RewardModelTrainer(m.config, model=m, tokenizer=m.get_tokenizer(), device="cpu")
+        t.train_on_preferences(chosen, rejected, prompts=prompts, num_epochs=2, batch_size=5)
+        return t.history
+
+    full = run()
+    assert [round(h["epoch"], 3) for h in full] == [0.333, 0.667, 1.0, 1.333, 1.667, 2.0]
+    for name in ("checkpoint-4", "checkpoint-6"):
+        shutil.rmtree(tmp_path / "rm" / "checkpoints" / name)
+    resumed = run(resume="auto", seed=1)  # another initialisation: the checkpoint's weights must win
+    assert [h["step"] for h in resumed] == [3, 4, 5, 6]
+    for a, b in zip(full[2:], resumed):
+        for k in ("loss", "accuracy", "grad_norm", "learning_rate", "mean_reward", "num_tokens"):
+            assert b[k] == pytest.approx(a[k], abs=1e-6), (a["step"], k)
 
 
 def test_it_learns_held_out_accuracy(tiny_cache):
@@ -360,8 +484,8 @@ def test_recipe_schema_aliases_and_recipes_validate():
                                            "--text-column", "good", "--rejected-text-column", "bad"])
     assert (cfg.data.prompt_column, cfg.data.chosen_column, cfg.data.rejected_column) == ("question", "good", "bad")
     gemma = parse_config(RewardTrainConfig, ["--config", "recipes/gemma/270m_reward.yaml"])
-    mc = gemma.model_config()
-    assert mc.load_in_4bit and mc.use_lora and mc.lora_target_modules == "all-linear"
+    # one config: the model reads the recipe itself (the reference's flat names are views of `lora`)
+    assert gemma.load_in_4bit and gemma.use_lora and gemma.lora_target_modules == "all-linear"
     with pytest.raises(ConfigError, match="disagree"):
         parse_config(RewardTrainConfig, ["--config", "recipes/tiny/reward.yaml", "text_column=x", "data.chosen_column=y"])
     with pytest.raises(ConfigError, match="lora.enabled"):

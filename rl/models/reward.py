@@ -22,9 +22,8 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
-from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Literal, Sequence
+from typing import Sequence
 
 import torch
 import torch.nn as nn
@@ -35,6 +34,7 @@ from rl.data.preference import encode_texts, pad_batch, stack_pair
 from rl.engine.packing import pool_packed, position_ids_from_mask
 from rl.errors import ConfigError
 from rl.models.loading import apply_lora, load_causal_lm, load_tokenizer
+from rl.models.reward_config import RewardModelConfig
 from rl.models.reward_format import (
     CONFIG_FILE,
     FORMAT,
@@ -65,71 +65,6 @@ def pool_hidden(hidden: torch.Tensor, attention_mask: torch.Tensor, strategy: st
     else:
         raise ValueError(f"unknown pooling_strategy {strategy!r}; use last, mean or cls")
     return hidden[torch.arange(B, device=hidden.device), idx]
-
-
-@dataclass
-class RewardModelConfig:
-    """The reference's fields, plus quantisation, LoRA targets, lengths and the loss options."""
-
-    model_name: str = field(default="tiny:llama", metadata={"help": "HF id, local path or tiny:<family>"})
-    num_labels: int = field(default=1, metadata={"help": "outputs of the head (1 for a scalar reward)"})
-    pooling_strategy: Literal["last", "mean", "cls"] = field(
-        default="last", metadata={"help": "hidden state read by the head: last real token, masked mean, first token"})
-    dropout_prob: float = field(default=0.1, metadata={"help": "dropout on the pooled state (training only)"})
-    temperature: float = field(default=1.0, metadata={"help": "rewards are divided by this"})
-    use_lora: bool = field(default=True, metadata={"help": "train LoRA adapters + head instead of all weights"})
-    lora_rank: int = field(default=8, metadata={"help": "LoRA rank r"})
-    lora_alpha: int = field(default=16, metadata={"help": "LoRA alpha (scale alpha / r)"})
-    lora_dropout: float = field(default=0.1, metadata={"help": "dropout on the LoRA input"})
-    lora_target_modules: str = field(
-        default="all-linear", metadata={"help": "'all-linear' (works for GPT-2, Llama, Qwen2, Gemma) or a comma list"})
-    load_in_4bit: bool = field(default=False, metadata={"help": "NF4 backbone through bitsandbytes (QLoRA)"})
-    load_in_8bit: bool = field(default=False, metadata={"help": "int8 backbone through bitsandbytes"})
-    learning_rate: float = field(default=1e-4, metadata={"help": "peak AdamW learning rate"})
-    weight_decay: float = field(default=0.0, metadata={"help": "AdamW weight decay"})
-    warmup_steps: int = field(default=100, metadata={"help": "linear warmup steps (capped at the run length)"})
-    warmup_ratio: float | None = field(default=None, metadata={"help": "warmup as a fraction of the steps; wins over warmup_steps"})
-    lr_scheduler: Literal["constant", "linear", "cosine"] = field(default="linear", metadata={"help": "after warmup"})
-    gradient_accumulation_steps: int = field(default=1, metadata={"help": "micro-batches per optimizer step"})
-    max_grad_norm: float | None = field(default=1.0, metadata={"help": "gradient clipping (None: off)"})
-    max_length: int = field(default=512, metadata={"help": "tokens per text; longer texts lose their beginning"})
-    max_steps: int | None = field(default=None, metadata={"help": "stop after this many optimizer steps"})
-    center_rewards_coefficient: float | None = field(default=None, metadata={"help": "weight of mean((r_c+r_r)^2)"})
-    append_eos: bool = field(default=True, metadata={"help": "end every text with EOS (TRL's format)"})
-    packing: bool = field(default=False, metadata={"help": "padding-free training and eval batches: the texts "
-                                                          "packed into rows with per-text position_ids (rl.engine.packing)"})
-    dtype: str = field(default="auto", metadata={"help": "float32, bfloat16, float16 or auto"})
-    gradient_checkpointing: bool = field(default=False, metadata={"help": "recompute activations in backward"})
-    trust_remote_code: bool = field(default=False, metadata={"help": "run model code from the checkpoint"})
-    seed: int = field(default=42, metadata={"help": "shuffling and eval-split seed"})
-    eval_every: int = field(default=0, metadata={"help": "evaluate every N optimizer steps (0: at the end)"})
-    log_every: int = field(default=1, metadata={"help": "log metrics every N optimizer steps"})
-    save_every: int = field(default=0, metadata={"help": "checkpoint every N optimizer steps (0: only the final model)"})
-    save_total_limit: int | None = field(default=None, metadata={"help": "keep only the newest N checkpoints"})
-    resume: str | None = field(default=None, metadata={"help": "'auto' or a checkpoint path to resume training from"})
-
-    def __post_init__(self):
-        if self.num_labels < 1:
-            raise ConfigError(f"num_labels must be at least 1, got {self.num_labels}")
-        if self.pooling_strategy not in ("last", "mean", "cls"):
-            raise ConfigError(f"pooling_strategy must be last, mean or cls, got {self.pooling_strategy!r}")
-        if not self.temperature > 0:
-            raise ConfigError(f"temperature must be > 0, got {self.temperature}")
-        if not 0.0 <= self.dropout_prob < 1.0:
-            raise ConfigError(f"dropout_prob must be in [0, 1), got {self.dropout_prob}")
-        if self.load_in_4bit and self.load_in_8bit:
-            raise ConfigError("load_in_4bit and load_in_8bit are both true; choose one")
-        if (self.load_in_4bit or self.load_in_8bit) and not self.use_lora:
-            raise ConfigError("quantized weights cannot be trained directly: set use_lora=true with "
-                              "load_in_4bit/load_in_8bit (QLoRA)")
-        if self.gradient_accumulation_steps < 1 or self.max_length < 2:
-            raise ConfigError("gradient_accumulation_steps must be >= 1 and max_length >= 2")
-        if self.warmup_ratio is not None and not 0.0 <= self.warmup_ratio < 1.0:
-            raise ConfigError(f"warmup_ratio must be in [0, 1), got {self.warmup_ratio}")
-
-    @property
-    def quantization(self) -> str | None:
-        return "4bit" if self.load_in_4bit else "8bit" if self.load_in_8bit else None
 
 
 class RewardOutput(dict):
@@ -179,9 +114,10 @@ class RewardModel(nn.Module):
             # Freezes the quantized weights and upcasts norms; adapters and head stay trainable.
             backbone = prepare_model_for_kbit_training(
                 backbone, use_gradient_checkpointing=config.gradient_checkpointing)
-        if config.use_lora:
-            backbone = apply_lora(backbone, rank=config.lora_rank, alpha=config.lora_alpha,
-                                  dropout=config.lora_dropout, target_modules=config.lora_target_modules,
+        if config.lora.enabled:
+            lora = config.lora
+            backbone = apply_lora(backbone, rank=lora.rank, alpha=lora.alpha, dropout=lora.dropout,
+                                  target_modules=lora.target_modules,
                                   task_type=None)
         self.backbone = backbone
         self.dropout = nn.Dropout(config.dropout_prob)
@@ -211,7 +147,7 @@ class RewardModel(nn.Module):
     def rewards(self, input_ids, attention_mask=None, position_ids=None, sequence_index=None) -> torch.Tensor:
         """(B, num_labels) rewards divided by the temperature ((S, num_labels) for packed rows, see `pooled`)."""
         h = self.dropout(self.pooled(input_ids, attention_mask, position_ids, sequence_index))
-        return self.head(h.to(self.head.weight.dtype)).float() / self.config.temperature
+        return self.head(h.to(self.head.weight.dtype)).float() / self.config.reward_temperature
 
     def forward(self, input_ids, attention_mask=None, position_ids=None, sequence_index=None, **kwargs) -> RewardOutput:
         r = self.rewards(input_ids, attention_mask, position_ids, sequence_index)
@@ -252,7 +188,7 @@ class RewardModel(nn.Module):
     # ------------------------------------------------------------------ checkpoints
     def _meta(self) -> dict:
         return {"format": FORMAT, "version": 1, "kind": type(self).__name__,
-                "config": dataclasses.asdict(self.config)}
+                "config": self.config.model_fields()}
 
     def save(self, path: str | Path, state_dict: dict | None = None) -> Path:
         """Write this model to directory `path` (see `save_reward_model`)."""
@@ -366,11 +302,10 @@ def load_reward_model(path: str | Path, device: str | torch.device | None = None
         saved = dict(meta["config"])
         if saved.pop("trust_remote_code", False) and not trust_remote_code:
             logger.warning("%s asks for trust_remote_code; ignored (only your own config can enable it)", meta_path)
-        cfg = RewardModelConfig(**saved, trust_remote_code=trust_remote_code)
-        if dtype is not None:
-            cfg = dataclasses.replace(cfg, dtype=dtype)
+        overrides = {"trust_remote_code": trust_remote_code, **({"dtype": dtype} if dtype is not None else {})}
         if meta["weights"] == "full":
-            cfg = dataclasses.replace(cfg, model_name=str(p))  # the directory holds the whole backbone
+            overrides["model_name"] = str(p)  # the directory holds the whole backbone
+        cfg = RewardModelConfig.from_saved(saved, **overrides)
         kind = meta["kind"]
         if kind == "MultiObjectiveRewardModel":
             model = MultiObjectiveRewardModel(cfg, meta["num_objectives"], meta["objective_weights"])

@@ -30,8 +30,7 @@ def main(argv=None) -> None:
     # 1. parse; the data is validated before any model is built, so a bad file fails in seconds
     cfg = parse_recipe(RewardTrainConfig, argv, "launch/reward.py", __doc__, require_data=True)
     try:
-        train, evals = RewardModelTrainer.load_data(cfg)
-        cfg.model_config()  # the model settings are checked before any model is built
+        train, evals = RewardModelTrainer.load_data(cfg)  # the model settings were checked when cfg was built
         if not cfg.dry_run:
             check_output_dir(cfg)
     except (ConfigError, DataError, RunError) as e:
@@ -56,7 +55,7 @@ def main(argv=None) -> None:
         first = trainer.history[0]["loss"] if trainer.history else float("nan")
         ev = f", eval accuracy {metrics['eval/accuracy']:.3f}" if "eval/accuracy" in metrics else ""
         print(f"reward done: loss {first:.4f} -> {metrics.get('loss', float('nan')):.4f}, "
-              f"accuracy {metrics.get('accuracy', float('nan')):.3f}{ev} over {trainer.global_step} steps; "
+              f"accuracy {metrics.get('accuracy', float('nan')):.3f}{ev} over {trainer.current_step} steps; "
               f"model saved to {out}")
 
 

@@ -15,12 +15,14 @@ from __future__ import annotations
 
 import math
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Callable, Sequence
 
 import torch
 
 from rl.algos.preference import bradley_terry_loss
 from rl.config.parse import to_dict
+from rl.config.plan import epoch_plan
 from rl.data.preference import (
     EncodedPairs,
     PreferencePairs,
@@ -28,52 +30,57 @@ from rl.data.preference import (
     load_preference_pairs,
     pair_batch,
 )
-from rl.data.records import source_options
-from rl.engine.dist import build_accelerator, inner_optimizer
-from rl.engine.optim import build_optimizer, build_scheduler
+from rl.data.records import source_options, split_eval
+from rl.engine.dist import build_accelerator
+from rl.engine.optim import build_scheduler
 from rl.engine.packing import pack_sequences
-from rl.engine.pipeline import ForwardBackwardPipeline
 from rl.engine.tracking import Tracker
 from rl.errors import ConfigError
 from rl.models.loading import load_tokenizer, trainable_fraction
-from rl.models.reward import (
-    RewardModel,
-    RewardModelConfig,
-)
-from rl.models.reward_format import (
-    save_reward_model,
-)
-from rl.trainers.base import CallbackTracker, Trainer
+from rl.models.reward import RewardModel, RewardModelConfig
+from rl.models.reward_format import save_reward_model
+from rl.trainers.base import CallbackTracker
+from rl.trainers.epoch import EpochTrainer
 from rl.trainers.reward_config import RewardTrainConfig
 
 
-def _bt_custom_loss(model, inputs, outputs, n_pairs: int, margin=None, center_rewards_coefficient=None):
+def _bt_custom_loss(model, inputs, outputs, n_pairs: int, scale: float = 1.0, margin=None,
+                    center_rewards_coefficient=None):
     """forward_backward_custom loss: rewards [0, n) are chosen, [n, 2n) rejected (rows of a padded
-    batch, or sequences 0..2n-1 of packed rows)."""
+    batch, or sequences 0..2n-1 of packed rows).
+
+    The micro-batch's Bradley-Terry mean times `scale` = its pairs x world x accumulation / the pairs of
+    the optimizer step (0 for a dummy micro-batch, 1 in a full step): the engine's 1/accumulation and
+    DDP's 1/world then leave exactly the mean over the step's pairs, center term included, however a
+    short last step splits (rl.trainers.epoch). The mean metrics are scaled alike; the pooled sums
+    (`_sum`, `_n`, ...) and the extremes leave a dummy out."""
     r = outputs["rewards"][:, 0]
     chosen, rejected = r[:n_pairs], r[n_pairs:]
     if margin is not None:
         margin = margin.to(r.device, r.dtype)
     loss, m = bradley_terry_loss(chosen, rejected, margin, center_rewards_coefficient)
-    rd = r.detach()
-    m.update({"rewards/chosen": chosen.detach().mean(), "rewards/rejected": rejected.detach().mean(),
-              "min_reward": rd.min(), "max_reward": rd.max(), "_sum": rd.sum(), "_sumsq": (rd ** 2).sum(),
-              "_n": float(rd.numel()),
-              "_tokens": (inputs["sequence_index"] >= 0).sum() if "sequence_index" in inputs
-              else inputs["attention_mask"].sum()})
-    return loss, m
+    rd, real = r.detach(), float(scale > 0)
+    tokens = (inputs["sequence_index"] >= 0).sum() if "sequence_index" in inputs else inputs["attention_mask"].sum()
+    m = {k: v * scale for k, v in m.items()}
+    m.update({"rewards/chosen": chosen.detach().mean() * scale, "rewards/rejected": rejected.detach().mean() * scale,
+              "min_reward": rd.min() if real else math.inf, "max_reward": rd.max() if real else -math.inf,
+              "_sum": rd.sum() * real, "_sumsq": (rd ** 2).sum() * real, "_n": rd.numel() * real,
+              "_tokens": tokens * real})
+    return loss * scale, m
 
 
-class RewardModelTrainer(Trainer):
-    """Trains a `RewardModel` on preference pairs with the Bradley-Terry loss.
+class RewardModelTrainer(EpochTrainer):
+    """Trains a `RewardModel` on preference pairs with the Bradley-Terry loss, on the offline trainers'
+    lifecycle (rl.trainers.epoch): a seeded shuffle per epoch, one global batch of batch_size x
+    gradient_accumulation_steps x processes pairs per optimizer step (a smaller last step when the pairs
+    do not fill it), each micro-batch's chosen and rejected texts in one forward, through the
+    `ForwardBackwardPipeline` (single process, DDP or DeepSpeed ZeRO alike).
 
-    Every optimizer step is `gradient_accumulation_steps` micro-batches of `batch_size` pairs per
-    process, each pair's chosen and rejected texts in one forward, through the
-    `ForwardBackwardPipeline` (single process, DDP or DeepSpeed ZeRO alike)."""
+    `config` is a `RewardModelConfig` (or the recipe's `RewardTrainConfig`, the same class with the
+    house defaults); the model reads the same object."""
 
     def __init__(self, config: RewardModelConfig | None = None, *, model: RewardModel | None = None,
-                 tokenizer=None, device: str | None = None, accelerator=None,
-                 output_dir: str | Path = "runs/reward"):
+                 tokenizer=None, device: str | None = None, accelerator=None, output_dir: str | Path | None = None):
         if model is None and config is None:
             raise ConfigError("RewardModelTrainer needs a config (a RewardModelConfig) or a model")
         self.cfg = self.config = config or model.config
@@ -83,9 +90,8 @@ class RewardModelTrainer(Trainer):
         self.device = device
         self.accelerator = accelerator or build_accelerator(
             self.config.gradient_accumulation_steps, device, max_grad_norm=self.config.max_grad_norm)
-        self.output_dir = Path(output_dir)
+        self.output_dir = Path(output_dir if output_dir is not None else self.config.output_dir)
         self.pipeline = None
-        self.global_step = 0
         self.history: list[dict] = []
         self.eval_split: EncodedPairs | None = None
 
@@ -97,9 +103,7 @@ class RewardModelTrainer(Trainer):
         accelerator = build_accelerator(cfg.gradient_accumulation_steps, micro_batch_size=2 * cfg.batch_size,
                                         max_grad_norm=cfg.max_grad_norm, deepspeed_config=cfg.deepspeed)
         tokenizer = load_tokenizer(cfg.model_name, cfg.trust_remote_code)
-        model_cfg = cfg.model_config()
-        return cls(model_cfg, model=RewardModel(model_cfg, tokenizer=tokenizer), tokenizer=tokenizer,
-                   accelerator=accelerator, output_dir=cfg.output_dir)
+        return cls(cfg, model=RewardModel(cfg, tokenizer=tokenizer), tokenizer=tokenizer, accelerator=accelerator)
 
     def train_recipe(self, cfg: RewardTrainConfig, train: PreferencePairs, evals: PreferencePairs | None) -> dict:
         """`train_on_preferences` as the recipe says (epochs, batch size, eval split), logged by a Tracker."""
@@ -136,22 +140,13 @@ class RewardModelTrainer(Trainer):
     def _encode(self, chosen, rejected, prompts=None, margins=None) -> EncodedPairs:
         return encode_pairs(self.model.encode, chosen, rejected, prompts, margins)
 
-    def _micro_batches(self, n: int, batch_size: int, epoch: int) -> list[list[int]]:
-        """This process's micro-batches of one epoch: a seeded shuffle, cut into global batches of
-        batch_size * processes, padded cyclically so that every process runs the same number of
-        whole optimizer steps (ZeRO-3 needs every rank in every forward)."""
-        acc = self.accelerator
-        P, rank, N = acc.num_processes, acc.process_index, self.config.gradient_accumulation_steps
-        g = torch.Generator().manual_seed(self.config.seed + epoch)
-        order = torch.randperm(n, generator=g).tolist()
-        per_step = batch_size * P * N
-        steps = max(1, math.ceil(n / per_step))
-        order = (order * math.ceil(steps * per_step / n))[:steps * per_step]
-        batches = []
-        for s in range(steps * N):
-            glob = order[s * batch_size * P:(s + 1) * batch_size * P]
-            batches.append(glob[rank * batch_size:(rank + 1) * batch_size])
-        return batches
+    def plan(self, n_pairs: int, batch_size: int, num_epochs: int) -> dict:
+        """Derived sizes, computed once (`rl.config.plan.epoch_plan`; `max_steps` wins over num_epochs)."""
+        if batch_size < 1 or num_epochs < 1:
+            raise ValueError(f"batch_size and num_epochs must be at least 1, got {batch_size} and {num_epochs}")
+        sizes = SimpleNamespace(batch_size=batch_size, num_epochs=num_epochs, max_steps=self.cfg.max_steps,
+                                gradient_accumulation_steps=self.cfg.gradient_accumulation_steps)
+        return epoch_plan(sizes, n_pairs, self.world, "pairs")
 
     def _batch(self, split: EncodedPairs, idx: Sequence[int]):
         """(ids, mask, margin, packed): a padded pair batch, or with `packing` the pairs' 2B texts as
@@ -167,22 +162,21 @@ class RewardModelTrainer(Trainer):
 
     # ------------------------------------------------------------------ setup
     def _setup(self, total_steps: int, batch_size: int) -> None:
+        """The base's pipeline (`Trainer.build_pipeline`), built once; its schedule warms up over
+        `warmup_steps` (capped at the run length) unless warmup_ratio > 0 or warmup_steps is null. A
+        second train_on_preferences call: a fresh schedule over its steps on the same optimizer."""
         cfg = self.config
-        warmup = (int(round(cfg.warmup_ratio * total_steps)) if cfg.warmup_ratio is not None
+        warmup = (None if cfg.warmup_ratio or cfg.warmup_steps is None
                   else min(cfg.warmup_steps, max(0, total_steps - 1)))
         if self.pipeline is None:
             self._fill_deepspeed_sizes()
-            optimizer = build_optimizer(self.model, cfg.learning_rate, cfg.weight_decay)
-            scheduler = build_scheduler(optimizer, cfg.lr_scheduler, total_steps, warmup_steps=warmup)
-            self.pipeline = ForwardBackwardPipeline(
-                self.model, accelerator=self.accelerator, gradient_accumulation_steps=cfg.gradient_accumulation_steps,
-                optimizer=optimizer, scheduler=scheduler, micro_batch_size=2 * batch_size,
-                checkpoint_dir=self.output_dir / "checkpoints")
-        else:  # a second train_on_preferences call: fresh schedule on the same optimizer
-            inner = inner_optimizer(self.pipeline.optimizer)
-            for g in inner.param_groups:
-                g["lr"] = g.get("initial_lr", cfg.learning_rate)
-            self.pipeline.scheduler = build_scheduler(inner, cfg.lr_scheduler, total_steps, warmup_steps=warmup)
+            self.pipeline = self.build_pipeline(self.model, total_steps, 2 * batch_size)
+            if warmup is None:
+                return
+        optimizer = self.pipeline.scheduler.optimizer  # the torch optimizer the engine steps
+        for g in optimizer.param_groups:
+            g["lr"] = g["initial_lr"]  # the peak, as the first schedule found it
+        self.pipeline.scheduler = build_scheduler(optimizer, cfg.lr_scheduler, total_steps, cfg.warmup_ratio, warmup)
 
     def _fill_deepspeed_sizes(self) -> None:
         """Fill ZeRO's hidden-size based "auto" buckets as accelerate would: it reads
@@ -199,94 +193,86 @@ class RewardModelTrainer(Trainer):
 
     # ------------------------------------------------------------------ training
     def train_on_preferences(self, chosen_texts: Sequence[str], rejected_texts: Sequence[str],
-                             prompts: Sequence[str] | None = None, num_epochs: int = 1, batch_size: int = 8,
+                             prompts: Sequence[str] | None = None, num_epochs: int | None = None,
+                             batch_size: int | None = None,
                              eval_fraction: float = 0.0, margins: Sequence[float] | None = None,
                              eval_data: dict | None = None, log_fn: Callable[[int, dict], None] | None = None,
                              tracker=None) -> dict[str, float]:
-        """Train on pairs (optionally with `prompts` prepended and per-pair `margins`).
+        """Train on pairs (optionally with `prompts` prepended and per-pair `margins`), `num_epochs` passes
+        in micro-batches of `batch_size` pairs per process (None: the config's, by default 1 and 8).
 
-        `eval_fraction` holds out that share of the pairs (seeded) for `evaluate()`; `eval_data`
-        (`{"chosen": [...], "rejected": [...], "prompts": [...]}`) gives a separate eval set instead.
-        `log_fn(step, metrics)` is called after every optimizer step (and with eval metrics), or give a
-        `rl.engine.tracking.Tracker` as `tracker`. Checkpoints, resume and signals follow the run core
-        (rl.trainers.base): `config.save_every`, `config.resume`, `config.save_total_limit`.
-        Returns the last step's metrics plus the final evaluation."""
+        `eval_fraction` holds out that share of the pairs for `evaluate()` (`rl.data.records.split_eval`:
+        seeded, floor(fraction x pairs), at least one); `eval_data` (`{"chosen": [...], "rejected": [...],
+        "prompts": [...]}`) gives a separate eval set instead. Pairs that do not fill the last global
+        batch of an epoch make a smaller last step (one warning line). `log_fn(step, metrics)` is called
+        after every optimizer step (and with eval metrics), or give a `rl.engine.tracking.Tracker` as
+        `tracker`. Checkpoints, resume and signals follow the run core (rl.trainers.base):
+        `config.save_every`, `config.resume`, `config.save_total_limit`. A second call continues the
+        same optimizer (steps numbered on) with a fresh schedule. Returns the last step's metrics plus
+        the final evaluation."""
         if not 0.0 <= eval_fraction < 1.0:
             raise ValueError(f"eval_fraction must be in [0, 1), got {eval_fraction}")
         data = self._encode(chosen_texts, rejected_texts, prompts, margins)
         if len(data) == 0:
             raise ValueError("no preference pairs to train on")
+        train = data
         if eval_data is not None:
             self.eval_split = self._encode(eval_data["chosen"], eval_data["rejected"], eval_data.get("prompts"),
                                            eval_data.get("margins"))
-            train = data
         elif eval_fraction > 0:
-            g = torch.Generator().manual_seed(self.config.seed)
-            perm = torch.randperm(len(data), generator=g).tolist()
-            n_eval = max(1, int(round(eval_fraction * len(data))))
-            if n_eval >= len(data):
+            kept, held = split_eval(list(range(len(data))), eval_fraction, self.config.seed)
+            if not kept:
                 raise ValueError(f"eval_fraction={eval_fraction} leaves no training pairs out of {len(data)}")
-            self.eval_split, train = data.take(perm[:n_eval]), data.take(perm[n_eval:])
-        else:
-            train = data
-        N = self.config.gradient_accumulation_steps
-        # the optimizer steps of this call, each N micro-batches of this process's pairs
-        steps = []
-        for e in range(num_epochs):
-            batches = self._micro_batches(len(train), batch_size, e)
-            steps += [batches[s:s + N] for s in range(0, len(batches) - N + 1, N)]
-        if self.config.max_steps is not None:
-            steps = steps[:self.config.max_steps]
-        self._setup(len(steps), batch_size)
+            self.eval_split, train = data.take(held), data.take(kept)
+        batch_size = self.config.batch_size if batch_size is None else batch_size
+        plan = self._plan = self.plan(len(train), batch_size, self.config.num_epochs if num_epochs is None else num_epochs)
+        done = self.pipeline.step if self.pipeline is not None else 0  # steps of earlier calls
+        self._setup(plan["total_steps"], batch_size)
         self.model.train()
-        self._train, self._steps, self._done, self._bs = train, steps, 0, batch_size
+        self._train, self._bs = train, batch_size
         tracker = tracker or CallbackTracker(log_fn)
-        per_step = batch_size * self.accelerator.num_processes * N
-        if len(train) % per_step:
-            tracker.write(f"warning: {len(train)} training pairs do not fill whole global batches of {per_step} "
-                          f"(batch_size {batch_size} x gradient_accumulation_steps {N} x "
-                          f"{self.accelerator.num_processes} processes): the last step of each epoch is "
-                          f"completed with pairs from the epoch's start")
-        rows = self.fit(len(steps), tracker)
+        if plan["warning"]:
+            tracker.write(plan["warning"])
+        self.start_epochs(len(train))
+        rows = self.fit(done + plan["total_steps"], tracker)
         self.history += rows
         last = next((r for r in reversed(rows) if "loss" in r), {})
         return {k: v for k, v in last.items() if k != "step"}
 
     # ------------------------------------------------------------------ the lifecycle's hooks
-    @property
-    def current_step(self) -> int:
-        return self._done
-
+    # (current_step is the base's: the engine's step, pipeline.step)
     @property
     def run_dir(self) -> Path:
         return self.output_dir
 
     def train_step(self) -> list[dict]:
         pipe, cfg = self.pipeline, self.config
+        step_pairs = self.next_global_batch()
+        unit = self.step_weight(len(step_pairs))
         futures = []
-        for idx in self._steps[self._done]:
-            ids, mask, margin, packed = self._batch(self._train, idx)
+        for idx in self.micro_batches(step_pairs):
+            # an empty micro-batch (a short last step) still runs one forward/backward, on a pair weighed 0
+            pairs = idx or step_pairs[:1]
+            ids, mask, margin, packed = self._batch(self._train, pairs)
             futures.append(pipe.forward_backward_custom(
-                _bt_custom_loss, ids, mask, model_inputs=packed, n_pairs=len(idx), margin=margin,
-                center_rewards_coefficient=cfg.center_rewards_coefficient))
+                _bt_custom_loss, ids, mask, model_inputs=packed, n_pairs=len(pairs), scale=len(idx) * unit,
+                margin=margin, center_rewards_coefficient=cfg.center_rewards_coefficient))
         step = pipe.optim_step(max_grad_norm=cfg.max_grad_norm).result()
         metrics = self._step_metrics([f.result() for f in futures], step)
-        self._done += 1
-        self.global_step += 1
-        return [{"step": self._done, **metrics}]
+        return [{"step": pipe.step, **metrics, "epoch": self.epoch_progress}]
 
     def evaluate_now(self) -> dict | None:
         return self.evaluate(batch_size=self._bs) if self.eval_split is not None else None
 
-    def checkpoint_extra(self) -> dict:
-        return {"done": self._done, "global_step": self.global_step}
-
     def restore(self, extra: dict) -> None:
-        self._done, self.global_step = int(extra["done"]), int(extra["global_step"])
+        if "epoch" not in extra:  # a checkpoint of the former trainer: {"done": steps of this call, ...}
+            extra = dict(zip(("epoch", "batch_index"), divmod(int(extra["done"]), self._plan["steps_per_epoch"])))
+        super().restore(extra)
 
     def _step_metrics(self, results, step) -> dict[str, float]:
-        """Average micro-batch metrics over the step and over processes (std from pooled sums)."""
-        keys = ["loss", "accuracy", "margin", "rewards/chosen", "rewards/rejected"]
+        """Metrics of the step over its micro-batches and processes: the means exact for any split (see
+        `_bt_custom_loss`), std from pooled sums, extremes over the real pairs."""
+        keys = ["loss", "accuracy", "margin", "rewards/chosen", "rewards/rejected"]  # scaled: sums are step means
         vals = [sum((r.loss if k == "loss" else r.metrics[k]) for r in results) / len(results) for k in keys]
         sums = [sum(r.metrics[k] for r in results) for k in ("_sum", "_sumsq", "_n", "_tokens")]
         mn = min(r.metrics["min_reward"] for r in results)
