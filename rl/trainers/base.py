@@ -231,13 +231,13 @@ class Trainer:
         return dict(zip(keys, self.accelerator.reduce(vec, op).tolist()))
 
     def build_pipeline(self, model, total_steps: int, micro_batch_size: int, *, learning_rate: float | None = None,
-                       ckpt: Path | None = None) -> ForwardBackwardPipeline:
+                       ckpt: Path | None = None, warmup_steps: int | None = None) -> ForwardBackwardPipeline:
         """The engine of `model` with the recipe's AdamW, schedule, gradient accumulation and chunked LM
         head; checkpoints in `<run_dir>/checkpoints` unless `ckpt` says otherwise."""
         cfg = self.cfg
         optimizer = build_optimizer(model, cfg.learning_rate if learning_rate is None else learning_rate,
                                     cfg.weight_decay)
-        scheduler = build_scheduler(optimizer, cfg.lr_scheduler, total_steps, cfg.warmup_ratio)
+        scheduler = build_scheduler(optimizer, cfg.lr_scheduler, total_steps, cfg.warmup_ratio, warmup_steps)
         return ForwardBackwardPipeline(
             model, gradient_accumulation_steps=cfg.gradient_accumulation_steps, optimizer=optimizer,
             scheduler=scheduler, accelerator=self.accelerator, checkpoint_dir=ckpt or checkpoint_dir(self.run_dir),

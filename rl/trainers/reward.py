@@ -170,9 +170,9 @@ class RewardModelTrainer(EpochTrainer):
                   else min(cfg.warmup_steps, max(0, total_steps - 1)))
         if self.pipeline is None:
             self._fill_deepspeed_sizes()
-            self.pipeline = self.build_pipeline(self.model, total_steps, 2 * batch_size)
-            if warmup is None:
-                return
+            self.pipeline = self.build_pipeline(self.model, total_steps, 2 * batch_size, warmup_steps=warmup)
+            return
+        # a second train_on_preferences call: a fresh schedule on the same optimizer
         optimizer = self.pipeline.scheduler.optimizer  # the torch optimizer the engine steps
         for g in optimizer.param_groups:
             g["lr"] = g["initial_lr"]  # the peak, as the first schedule found it
