@@ -1,5 +1,5 @@
 """GAE cost against the response length N: rl.algos.advantages.gae (one reverse scan over t, O(B*N))
-next to the former (B, N, N) form (tests/test_algos.py `quadratic_gae`), B=16 rows with random lengths.
+next to the former (B, N, N) form (tests/unit/algos/test_algos.py `quadratic_gae`), B=16 rows with random lengths.
 
     python bench/bench_gae.py                  # N = 512 ... 8192, 1 thread
     python bench/bench_gae.py --n 1024 4096 --threads 2

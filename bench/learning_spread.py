@@ -26,13 +26,13 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 TESTS = [
-    "tests/test_sft.py::test_tiny_sft_learns_and_saves_a_loadable_model",
-    "tests/test_reward.py::test_it_learns_held_out_accuracy",
-    "tests/test_dpo.py::test_it_learns_heldout_reward_accuracy",
-    "tests/test_grpo.py::test_beta_zero_loads_no_reference_and_learns",
-    "tests/test_ppo_e2e.py::test_ppo_learns_char_fraction_with_bounded_kl",
-    "tests/test_pipeline.py::test_tiny_pipeline_raises_heldout_accuracy",
-    "tests/test_online_dpo.py::test_it_learns_a_printable_fraction",
+    "tests/unit/trainers/test_sft.py::test_tiny_sft_learns_and_saves_a_loadable_model",
+    "tests/unit/trainers/test_reward.py::test_it_learns_held_out_accuracy",
+    "tests/unit/trainers/test_dpo.py::test_it_learns_heldout_reward_accuracy",
+    "tests/unit/trainers/test_grpo.py::test_beta_zero_loads_no_reference_and_learns",
+    "tests/integration/test_ppo_e2e.py::test_ppo_learns_char_fraction_with_bounded_kl",
+    "tests/integration/test_pipeline.py::test_tiny_pipeline_raises_heldout_accuracy",
+    "tests/unit/trainers/test_online_dpo.py::test_it_learns_a_printable_fraction",
 ]
 # name -> (threshold, direction): the bound each test asserts
 THRESHOLDS = {"sft_loss_ratio": (0.5, "<"), "reward_heldout_accuracy": (0.95, ">="),

@@ -157,7 +157,7 @@ def gspo_loss(logp: torch.Tensor, old_logp: torch.Tensor, advantages, mask: torc
         s_i = exp(1/|y_i| sum_t (logp_t - old_logp_t)),
     broadcast over the sequence's tokens; the default sequence_mean is the paper's 1/G sum_i. The
     defaults are the paper's clip range (3e-4, 4e-4): a length-normalised ratio moves far less than a
-    token's. TRL 1.16: importance_sampling_level="sequence" (tests/test_grpo.py checks it).
+    token's. TRL 1.16: importance_sampling_level="sequence" (tests/unit/trainers/test_grpo.py checks it).
     `policy/clipfrac` is the fraction of sequences whose clipped term is taken. Shapes: module doc."""
     adv = per_token(advantages, logp, "advantages")
     per_tok, ratio, taken = clipped_surrogate(logp, old_logp, adv, clip_low, clip_high, "sequence", mask)

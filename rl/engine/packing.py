@@ -7,7 +7,7 @@ a new example wherever the position does not grow by one) and builds a block-dia
 for SDPA and eager attention alike (flash attention uses the same ids as varlen boundaries), so no
 token attends across examples. Each example's first label is -100: it would otherwise be "predicted"
 from the previous example's last token, which the padded path never asks for (its position 0 has
-no prediction). Per-token log-probs then equal the padded path's (tests/test_packing.py: 1e-5).
+no prediction). Per-token log-probs then equal the padded path's (tests/unit/engine/test_packing.py: 1e-5).
 
 Only for models whose positions come from `position_ids` (every transformers causal LM we support:
 Llama, Qwen2, Gemma, GPT-2), and only without a KV cache: transformers looks for packed rows only

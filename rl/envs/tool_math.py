@@ -21,7 +21,7 @@ in plain format, or with `chat_format` the tokenizer's own chat template for a `
 it puts between the assistant's turn and the next assistant header: `\n<|tool|>\nRESULT\n<|assistant|>\n`
 for rl/models/tiny.py's template), so real instruct models see the role they were trained with. Their
 tokens are attended but are no actions of the policy: the rollout labels them -100, so they are out of
-the loss and the KL exactly as prompt tokens are (see rl.rollout.episodes; tests/test_tools.py).
+the loss and the KL exactly as prompt tokens are (see rl.rollout.episodes; tests/unit/envs/test_tools.py).
 
 Rewards (`ToolMathEnv`, a MathProblemEnv scored on the last policy turn): correctness (weight 1.0),
 formatting (weight 0 by default) and tool_use (1.0 when the episode called a tool; weight 0 by default,

@@ -19,7 +19,7 @@ What is masked: tool-message tokens are attended by every later token (attention
 actions of the policy: `EpisodeRollout.to_batch` sets their labels to -100, and every GRPO term
 (surrogate, k3 KL to the reference, old log-probs, token counts of the aggregation) reads only
 positions with labels != -100 (rl.engine.losses.token_logprobs' mask), so they are out of the loss and the
-KL exactly as if they were prompt tokens. tests/test_tools.py checks it on the loss function itself.
+KL exactly as if they were prompt tokens. tests/unit/envs/test_tools.py checks it on the loss function itself.
 """
 
 from __future__ import annotations

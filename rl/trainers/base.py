@@ -10,7 +10,7 @@ An algorithm subclasses `Trainer` and supplies only what is its own:
     restore(extra)                  the inverse, after a checkpoint was loaded
 
 and calls `self.fit(total_steps, tracker)`. Everything else below is the same for all five trainers,
-so each guarantee is proven once (tests/test_lifecycle.py runs it over all of them):
+so each guarantee is proven once (tests/unit/trainers/test_lifecycle.py runs it over all of them):
 
 * `resume: auto` continues from the newest complete checkpoint; one whose files cannot be read is
   skipped with a warning and the previous complete one is used.

@@ -37,7 +37,7 @@ metrics are computed on the global batch (reinforce_pp needs it). Micro-batches 
 (rows sorted by length, cut into equal groups, each padded only to its own longest row:
 `rl.trainers.grpo_batch.length_grouped_slices`, `take_micro_batch`); TRL pads every micro-batch to the
 longest completion of the step. Checked against TRL 1.16's GRPOTrainer/RLOOTrainer formulas in
-tests/test_grpo.py.
+tests/unit/trainers/test_grpo.py.
 """
 
 from __future__ import annotations

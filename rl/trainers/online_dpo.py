@@ -16,7 +16,7 @@ Deviations and choices:
 * Ties carry no preference: a pair whose two rewards are equal (or that no reward source scored) is left
   out of the loss, and `online_dpo/ties` reports the fraction of such pairs. TRL 1.16's experimental
   OnlineDPOTrainer instead prefers the first sample (`first >= second`); on untied pairs the two agree
-  (tests/test_online_dpo.py runs TRL's training_step on identical completions). A step whose pairs
+  (tests/unit/trainers/test_online_dpo.py runs TRL's training_step on identical completions). A step whose pairs
   are all ties still takes its optimizer step with a zero gradient (no skipped step numbers, so resume
   and the learning-rate schedule stay step-exact).
 * The loss is the exact mean over the step's untied pairs, across micro-batches and processes (the pair

@@ -23,7 +23,7 @@ mass where the unfiltered one does not, which would make the ratio and the KL un
 
 Deviations from the reference implementation: one value per TOKEN (not per sequence); minibatches and
 gradient accumulation; the `n_steps` factor in the KL controller; no `trust_remote_code` unless asked.
-Checked against hand-computed GAE/KL-controller values and a naive loop (tests/test_ppo.py); TRL 1.16
+Checked against hand-computed GAE/KL-controller values and a naive loop (tests/unit/trainers/test_ppo.py); TRL 1.16
 has no PPO trainer any more, so there is no numerical peer for the whole loop.
 
 The models and the losses on their outputs are in rl.trainers.ppo_math, the schema, sizes and prompts in

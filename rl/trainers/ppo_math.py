@@ -5,7 +5,7 @@ Alignment, the part the reference got wrong: for a batch laid out as [left-padde
 response token j sits at input position P + j and is predicted by the logits (and valued by the hidden
 state) at position P - 1 + j. Every per-token tensor here is (B, N) in that "response space": log-probs,
 values, KL, rewards, advantages, returns, mask. Position ids are counted from each row's first real token,
-exactly as during sampling, so the recomputed log-probs equal the sampler's (checked in tests/test_ppo.py).
+exactly as during sampling, so the recomputed log-probs equal the sampler's (checked in tests/unit/trainers/test_ppo.py).
 """
 
 from __future__ import annotations

@@ -3,7 +3,7 @@
 Objective (Bradley-Terry preference model; Ouyang et al. 2022, eq. 1; Christiano et al. 2017):
     loss = -log sigmoid(r(x, y_chosen) - r(x, y_rejected) - margin)
          + center_rewards_coefficient * mean((r_chosen + r_rejected)^2)      (Eisenstein et al. 2023)
-exactly TRL 1.16's `RewardTrainer.compute_loss` (checked against it in tests/test_reward.py), with
+exactly TRL 1.16's `RewardTrainer.compute_loss` (checked against it in tests/unit/trainers/test_reward.py), with
 TRL's metric names (`loss`, `accuracy`, `margin`, `mean_reward`, `min_reward`, `max_reward`) plus
 `std_reward` and `rewards/chosen`, `rewards/rejected`.
 

@@ -32,9 +32,7 @@ from rl.envs.code import (
 )
 from rl.envs.sandbox import run_python
 from rl.errors import ConfigError
-
-ROOT = Path(__file__).resolve().parents[1]
-
+from tests.conftest import ROOT
 
 
 @pytest.fixture(params=["bwrap", "unshare"])

@@ -47,7 +47,7 @@ def test_grpo_on_policy_without_kl_runs_no_scoring_forward(tiny_llama, tmp_path,
     assert len(rows) == 1 and rows[0]["loss"] == rows[0]["loss"]
     assert calls == []  # neither an old-policy nor a reference forward
     # (that the same counter counts 2 per generation at num_iterations = 2, beta > 0:
-    # tests/test_grpo.py::test_chunked_scoring_changes_nothing)
+    # tests/unit/trainers/test_grpo.py::test_chunked_scoring_changes_nothing)
 
 
 def test_grpo_on_policy_old_logprobs_are_the_detached_current_ones(tiny_llama):

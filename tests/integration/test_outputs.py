@@ -1,6 +1,6 @@
 """What a run leaves for a TRL user: trackers (TensorBoard read back), metric names, model cards,
 checkpoints that `from_pretrained` loads, and quiet third-party logs. Fast, in-process; the end-to-end
-checks ride on the SFT LoRA runs in tests/test_sft.py."""
+checks ride on the SFT LoRA runs in tests/unit/trainers/test_sft.py."""
 
 from __future__ import annotations
 

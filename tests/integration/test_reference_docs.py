@@ -15,10 +15,10 @@ import shutil
 
 import pytest
 import torch
+from tests.unit.engine.test_client import _batch as _padded
 
 from rl.errors import ConfigError
 from tests.conftest import ROOT
-from tests.test_client import _batch as _padded
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -41,7 +41,7 @@ def _model(path):
 
 
 def _batch(tok, texts=("hello there", "general kenobi")):
-    b = _padded(tok, texts)  # tests/test_client.py's right-padded batch
+    b = _padded(tok, texts)  # tests/unit/engine/test_client.py's right-padded batch
     return b["input_ids"], b["attention_mask"]
 
 

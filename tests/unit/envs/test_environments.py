@@ -309,7 +309,7 @@ def test_math_env_from_jsonl(tok, tmp_path):
 
 # ------------------------------------------------------------------------------- code
 
-# Where bubblewrap cannot give a private root, run these anyway (tests/test_security.py covers isolation).
+# Where bubblewrap cannot give a private root, run these anyway (tests/unit/envs/test_security.py covers isolation).
 SANDBOX = "isolated" if private_root_available() else "unisolated"
 
 def test_code_env_syntax_and_style(tok):

@@ -11,7 +11,7 @@ are a few dozen tokens and each trainer runs 1-2 steps, so the tier takes a few 
 Set RL_MODEL_CACHE to a prepared cache (`python -m rl.models.gguf --prepare smollm2-135m-instruct`) to skip
 the fetch and conversion when iterating locally.
 
-    python -m pytest -q -m real tests/test_real.py
+    python -m pytest -q -m real tests/integration/test_real.py
 """
 
 from __future__ import annotations

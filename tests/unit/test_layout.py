@@ -16,7 +16,7 @@ Four rules (README, "Architecture: the layers"):
         < the top-level facades (rl/{ppo,dpo,reward_model,environments,forward_backward}.py) and rl/__init__.py
     A new top-level module must be placed in LAYERS below, or (d) fails naming it.
 
-`python tests/test_layout.py` (from the checkout) prints the facts and every violation.
+`python tests/unit/test_layout.py` (from the checkout) prints the facts and every violation.
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ import ast
 from itertools import pairwise
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1] / "rl"
+ROOT = Path(__file__).resolve().parents[2] / "rl"
 MAX_TOP = 12
 MAX_LINES = 400
 
@@ -212,7 +212,7 @@ def layer_problems(edges: dict[str, dict[str, list[str]]]) -> list[str]:
         mine = layer(mod)
         if mine is None:
             out.append(f"{mod} has no layer: a module directly in rl/ goes into a layer package, or into "
-                       f"TOP_LEVEL_LAYER in tests/test_layout.py")
+                       f"TOP_LEVEL_LAYER in tests/unit/test_layout.py")
             continue
         for target, where in sorted(edges[mod].items()):
             theirs = layer(target)

@@ -1,6 +1,6 @@
 """rl.models.gguf on a tiny GGUF written here (no download): file/dir sources, the conversion equals
 transformers' own GGUF load, concurrent conversions, the packaged-name path through a local wheel,
-and the one-line error when the wheel cannot be fetched. The real model is in tests/test_real.py."""
+and the one-line error when the wheel cannot be fetched. The real model is in tests/integration/test_real.py."""
 
 from __future__ import annotations
 

@@ -1,7 +1,7 @@
 """MLflow and trackio through accelerate's tracker API: a tiny SFT run with `report_to: [<sink>]`, its
 metrics read back with the library's own reader and compared with metrics.jsonl. Both are in the dev
 extra (pyproject.toml); each test skips where its package is not installed (the one-line error for a
-missing sink is tested in tests/test_outputs.py)."""
+missing sink is tested in tests/integration/test_outputs.py)."""
 
 from __future__ import annotations
 

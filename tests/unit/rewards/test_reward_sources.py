@@ -34,8 +34,8 @@ from rl.trainers.rewards import (
     resolve_reward_func,
     rows_to_columns,
 )
+from tests.conftest import ROOT
 
-ROOT = Path(__file__).resolve().parents[1]
 P, C = ["p1 ", "p2 "], ["one two", "Answer: 4"]
 
 
