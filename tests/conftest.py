@@ -34,6 +34,16 @@ def learned(name: str, value: float) -> float:
 
 
 @pytest.fixture(scope="session", autouse=True)
+def one_thread_per_worker():
+    """Under pytest-xdist (`-n 2`) every worker computes with one intra-op thread: two workers on two cores
+    instead of four threads fighting for them (run_cmd gives its subprocesses OMP_NUM_THREADS=1 too)."""
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        import torch
+
+        torch.set_num_threads(1)
+
+
+@pytest.fixture(scope="session", autouse=True)
 def tiny_cache(tmp_path_factory):
     """`tiny:<family>` model names resolve into this session's temporary directory."""
     path = tmp_path_factory.mktemp("tiny-cache")
@@ -98,11 +108,22 @@ def run_main(script: str, argv: list[str], capfd, monkeypatch) -> tuple[int, str
     return code, stdout, stderr
 
 
+def free_port() -> int:
+    """A TCP port nobody listens on now (the OS picks it)."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
 def accelerate_cmd(script: str, *script_args: str, num_processes: int = 2, zero3: bool = False,
                    ds_config: str = "ds_configs/zero3.json") -> list[str]:
-    """`accelerate launch` with 2 CPU processes: DDP (gloo) or DeepSpeed ZeRO-3."""
+    """`accelerate launch` with 2 CPU processes: DDP (gloo) or DeepSpeed ZeRO-3, on a free port of its own
+    (two such runs at once, one per pytest-xdist worker, must not meet on accelerate's default 29500)."""
     launch = [sys.executable, "-m", "accelerate.commands.launch", "--num_processes", str(num_processes),
-              "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no"]
+              "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no",
+              "--main_process_port", str(free_port())]
     if zero3:
         base = launch + ["--use_deepspeed", "--deepspeed_config_file", ds_config]
     else:

@@ -6,7 +6,8 @@ import json
 import sys
 
 import pytest
-from conftest import ROOT, accelerate_cmd, run_cmd
+
+from tests.conftest import ROOT, accelerate_cmd, run_cmd
 
 
 def _metrics(out_dir) -> list[dict]:

@@ -12,7 +12,6 @@ import sys
 
 import pytest
 import yaml
-from conftest import ROOT, run_cmd
 
 from rl.scripts.common import KNOWN_CONFIGS
 from rl.scripts.dryrun import (
@@ -24,6 +23,7 @@ from rl.scripts.dryrun import (
     trainable_states_bytes,
     zero_settings,
 )
+from tests.conftest import ROOT, run_cmd
 
 GiB = 2**30
 

@@ -15,7 +15,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import ROOT, run_main
+
+from tests.conftest import ROOT, free_port, run_main
 
 pytestmark = pytest.mark.slow
 
@@ -24,12 +25,6 @@ SFT = [sys.executable, "launch/sft.py", "--config", "recipes/tiny/sft.yaml", "lo
 
 def _env(**kw) -> dict:
     return {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", **kw}
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _params(path: Path) -> dict[str, torch.Tensor]:
@@ -53,7 +48,7 @@ def _steps_logged(out: Path) -> int:
 def test_two_node_accelerate_launch(tmp_path, tiny_llama):
     """Two `accelerate launch` processes, --num_machines 2, machine ranks 0 and 1, rendezvous on
     127.0.0.1: one world of 2 processes (gloo on CPU) trains SFT for 3 steps."""
-    port, out = _free_port(), tmp_path / "run"
+    port, out = free_port(), tmp_path / "run"
     procs = []
     for rank in (0, 1):
         cmd = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
@@ -170,7 +165,7 @@ def _fake_slurm_run(tmp_path: Path, out: Path) -> subprocess.CompletedProcess:
         (bin_dir / name).chmod(0o755)
     env = _env(**SLURM_ENV, PATH=f"{bin_dir}:{os.environ['PATH']}", PYTHON=sys.executable, SLURM_JOB_ID="4242",
                SLURM_JOB_NODELIST=host, SLURM_NNODES="1", SLURM_NODEID="0", SLURM_PROCID="0",
-               SLURM_SUBMIT_DIR=str(ROOT), SLURM_GPUS_ON_NODE="2", MAIN_PORT=str(_free_port()))
+               SLURM_SUBMIT_DIR=str(ROOT), SLURM_GPUS_ON_NODE="2", MAIN_PORT=str(free_port()))
     return subprocess.run(["bash", "launch/slurm/train.sbatch", "sft", "recipes/tiny/sft.yaml", "max_steps=3",
                            f"output_dir={out}"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
 

@@ -26,7 +26,8 @@ import torch
 
 from tests.conftest import run_main
 
-pytestmark = pytest.mark.real
+# one worker holds the real model: under pytest-xdist (--dist loadgroup) the session fixtures convert it once
+pytestmark = [pytest.mark.real, pytest.mark.xdist_group("real")]
 
 NAME = "smollm2-135m-instruct"
 QUESTIONS = ["What is 2+3?", "What is 26 + 28? Answer briefly."]

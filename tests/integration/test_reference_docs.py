@@ -15,10 +15,10 @@ import shutil
 
 import pytest
 import torch
-from tests.unit.engine.test_client import _batch as _padded
 
 from rl.errors import ConfigError
 from tests.conftest import ROOT
+from tests.unit.engine.test_client import _batch as _padded
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 

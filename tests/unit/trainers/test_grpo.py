@@ -365,9 +365,8 @@ def test_chunked_scoring_changes_nothing(tiny_llama, tmp_path, monkeypatch):
     the training forward: the same metrics as the full (B, T, V) logits, so it is a pure memory saving.
     Off-policy with a KL term, each generation runs two scoring forwards (old policy, reference); the
     skips at num_iterations = 1 and beta = 0 are in tests/unit/trainers/test_skips.py."""
-    from tests.unit.trainers.test_skips import _count_scoring
-
     from rl.trainers import grpo
+    from tests.unit.trainers.test_skips import _count_scoring
 
     calls = _count_scoring(monkeypatch, grpo)
 
