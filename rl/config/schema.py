@@ -95,6 +95,22 @@ def mixture_problem(mixture: list[dict], path: str | None) -> str | None:
     return None
 
 
+def check_finite(cfg, prefix: str = "") -> None:
+    """One rule for every float key of every schema, from a recipe, the command line or Python: the value is
+    a finite number (a documented null stays null). NaN or inf would pass every range check (comparisons
+    with NaN are false) and train nothing, or stop at step 1 with a NaN loss."""
+    for f in dataclasses.fields(cfg):
+        value = getattr(cfg, f.name, None)
+        key = f"{prefix}{f.name}"
+        if dataclasses.is_dataclass(value):
+            check_finite(value, f"{key}.")
+        values = value if isinstance(value, (list, tuple)) else [value]
+        for v in values:
+            if isinstance(v, float) and not math.isfinite(v):
+                raise ConfigError(f"key '{key}' must be a finite number, got {value!r}; give a number"
+                                  f"{' (or null)' if 'None' in str(f.type) else ''}")
+
+
 @dataclasses.dataclass
 class TrainConfig:
     """Fields every trainer shares."""
@@ -142,6 +158,7 @@ class TrainConfig:
     data: DataSection = section(DataSection, "training data and its columns")
 
     def __post_init__(self):
+        check_finite(self)
         for name in ("batch_size", "gradient_accumulation_steps", "num_epochs", "max_length", "log_every"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"key '{name}' must be at least 1, got {getattr(self, name)}")

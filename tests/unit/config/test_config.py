@@ -124,3 +124,25 @@ def test_one_alias_table_for_reference_and_trl_names():
         build(SFTConfig, {"model_name": "m", "max_stepz": 3})
     with pytest.raises(ConfigError, match="key 'bf16' has value 'maybe', expected bool"):
         build(SFTConfig, {"model_name": "m", "bf16": "maybe"})
+
+
+def test_every_float_key_of_every_schema_refuses_nan_and_inf():
+    """One rule for every float key (issue: temperature=nan, epsilon_high=nan, overlong_penalty=nan trained
+    nothing and exited 0): each schema's float keys, set to nan or inf on the command line, are one
+    ConfigError naming the key, at parse time."""
+    import dataclasses
+
+    from rl.config.parse import parse_config
+    from rl.scripts.cli import TRAINERS, _schema
+
+    checked = 0
+    for trainer in TRAINERS:
+        schema = _schema(trainer)
+        for f in dataclasses.fields(schema):
+            if not isinstance(f.default, float):
+                continue
+            for bad in ("nan", "inf"):
+                with pytest.raises(ConfigError, match=rf"key '{f.name}' must be a finite number"):
+                    parse_config(schema, ["--model_name", "tiny:llama", f"{f.name}={bad}"])
+            checked += 1
+    assert checked > 40  # every trainer's learning rate, betas, clips, penalties, temperatures, ...
