@@ -36,7 +36,7 @@ from rl.data.records import render_chat
 from rl.envs import sandbox
 
 TOOL_OPEN, TOOL_CLOSE = "<tool>", "</tool>"
-_CALL_RE = re.compile(r"<tool>\s*([A-Za-z_]\w*)\s*:(.*?)</tool>", re.DOTALL)
+_CALL_HEAD = re.compile(r"\s*([A-Za-z_]\w*)\s*:")  # what follows <tool> in a call: NAME, then ':' 
 MAX_TOOL_INPUT = 2_000  # characters of one call's input; longer ones are refused, not run
 MAX_RESULT_CHARS = 200  # characters of a tool result the policy gets back (tool messages are context)
 
@@ -56,10 +56,21 @@ def parse_tool_call(text: str) -> ToolCall | None:
 
     A turn that opened a tag but wrote no valid call (no name, no ':', nothing closed) is no call: the
     episode then ends like a plain answer. One leading space of INPUT is dropped ("calculator: 1+2")."""
-    calls = _CALL_RE.findall(text or "")
-    if not calls:
+    text, last, pos = text or "", None, 0
+    # The regex `<tool>\s*NAME\s*:(.*?)</tool>` (its matches, left to right), in one pass: a lazy `.*?`
+    # from every unclosed `<tool>` would rescan the rest of the turn (quadratic in the turn's length).
+    while (start := text.find(TOOL_OPEN, pos)) >= 0:
+        head = _CALL_HEAD.match(text, start + len(TOOL_OPEN))
+        if head is None:
+            pos = start + 1
+            continue
+        close = text.find(TOOL_CLOSE, head.end())
+        if close < 0:  # no `</tool>` after this head, so after no later `<tool>` either
+            break
+        last, pos = (head.group(1), text[head.end():close]), close + len(TOOL_CLOSE)
+    if last is None:
         return None
-    name, arg = calls[-1]
+    name, arg = last
     return ToolCall(name, arg[1:] if arg.startswith(" ") else arg)
 
 
