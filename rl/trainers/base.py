@@ -207,8 +207,15 @@ class Trainer:
 
     def open_run(self, total_steps: int, desc: str, plot_keys: list[str] | None = None):
         """The run's tracker (metrics.jsonl, the configured sinks, the progress bar) after the recipe is
-        saved beside the outputs (`config.yaml`, main process only)."""
+        saved beside the outputs (`config.yaml`, main process only). The first run of a trainer object
+        follows the launch scripts' rule: an output_dir holding a previous run is refused unless `resume`
+        or `overwrite=true` (`check_output_dir`), so two runs never mix in one metrics.jsonl; a later
+        `train()` call of the same object continues its own run."""
         cfg, acc = self.cfg, self.accelerator
+        if not getattr(self, "_run_opened", False):
+            check_output_dir(cfg)
+            acc.wait_for_everyone()  # every process has looked before the main one writes
+            self._run_opened = True
         if acc.is_main_process:
             save_config(cfg, cfg.output_dir)
         return Tracker(cfg.output_dir, cfg.report_to, cfg.run_name, to_dict(cfg), total_steps, acc.is_main_process,

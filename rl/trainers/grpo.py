@@ -44,7 +44,6 @@ from __future__ import annotations
 
 import time
 from functools import partial
-from pathlib import Path
 from typing import Callable, Sequence
 
 import torch
@@ -54,13 +53,11 @@ from rl.algos.advantages import (
 )
 from rl.algos.dapo import groups_with_spread, overlong_penalty
 from rl.algos.policy_losses import grpo_loss
-from rl.config.parse import save_config, to_dict
 from rl.engine import losses
 from rl.engine.dist import zero_stage
 from rl.engine.generation import generate
 from rl.engine.packing import pack_padded, position_ids_from_mask, unpack_targets
 from rl.engine.scoring import sequence_logprobs
-from rl.engine.tracking import Tracker
 from rl.errors import ConfigError
 from rl.models.loading import (
     release_device_cache,
@@ -185,15 +182,11 @@ class GRPOTrainer(OnlineTrainer):
     def train(self) -> list[dict]:
         cfg, acc = self.cfg, self.accelerator
         plan = self._plan = self.plan()
-        out = Path(cfg.output_dir)
+        tracker = self.open_run(plan["total_steps"], desc="grpo", plot_keys=[
+            "reward", "eval/accuracy", "reward_std", "frac_reward_zero_std", "kl", "completions/mean_length", "loss",
+            "grad_norm", "clip_ratio/region_mean"])
         self.pipeline = self.build_pipeline(self._model, plan["total_steps"], cfg.batch_size)
         self.reference.place(acc)
-        if acc.is_main_process:
-            save_config(cfg, out)
-        tracker = Tracker(out, cfg.report_to, cfg.run_name, to_dict(cfg), plan["total_steps"], acc.is_main_process,
-                          desc="grpo", plot_keys=["reward", "eval/accuracy", "reward_std", "frac_reward_zero_std",
-                                                  "kl", "completions/mean_length", "loss", "grad_norm",
-                                                  "clip_ratio/region_mean"])
         tracker.write(f"grpo ({cfg.advantage_estimator}, {cfg.loss_aggregation}): {plan['total_steps']} steps of "
                       f"{plan['prompts_per_step']} prompts x {cfg.num_generations} generations "
                       f"({self.world} processes, ZeRO stage {zero_stage(acc)}), beta {cfg.beta}, "

@@ -36,7 +36,6 @@ from __future__ import annotations
 import dataclasses
 import time
 from functools import partial
-from pathlib import Path
 from typing import Callable, Sequence
 
 import torch
@@ -45,13 +44,11 @@ from rl.algos import names
 from rl.algos.preference import needs_reference
 from rl.algos.registry import check
 from rl.config.fields import opt
-from rl.config.parse import save_config, to_dict
 from rl.config.schema import OnlineConfig
 from rl.engine.dist import zero_stage
 from rl.engine.generation import generate
 from rl.engine.packing import IGNORE_INDEX, pack_sequences, position_ids_from_mask
 from rl.engine.scoring import sequence_logprobs
-from rl.engine.tracking import Tracker
 from rl.errors import ConfigError
 from rl.models.loading import (
     release_device_cache,
@@ -184,15 +181,11 @@ class OnlineDPOTrainer(OnlineTrainer):
     def train(self) -> list[dict]:
         cfg, acc = self.cfg, self.accelerator
         plan = self._plan = self.plan()
-        out = Path(cfg.output_dir)
+        tracker = self.open_run(plan["total_steps"], desc=f"online_dpo[{cfg.loss_type}]",
+                                plot_keys=["objective/scores", "eval/accuracy", "rewards/margins", "rewards/accuracies",
+                                           "online_dpo/ties", "objective/kl", "loss", "grad_norm"])
         self.pipeline = self.build_pipeline(self._model, plan["total_steps"], 2 * cfg.batch_size)  # 2 per prompt
         self.reference.place(acc)
-        if acc.is_main_process:
-            save_config(cfg, out)
-        tracker = Tracker(out, cfg.report_to, cfg.run_name, to_dict(cfg), plan["total_steps"], acc.is_main_process,
-                          desc=f"online_dpo[{cfg.loss_type}]",
-                          plot_keys=["objective/scores", "eval/accuracy", "rewards/margins", "rewards/accuracies",
-                                     "online_dpo/ties", "objective/kl", "loss", "grad_norm"])
         tracker.write(f"online_dpo ({cfg.loss_type}, beta {cfg.beta}): {plan['total_steps']} steps of "
                       f"{plan['prompts_per_step']} prompts x 2 samples ({self.world} processes, ZeRO stage "
                       f"{zero_stage(acc)}), reference {self.reference.description}, trainable "

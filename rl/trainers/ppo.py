@@ -44,13 +44,11 @@ from rl.algos.kl import (
     AdaptiveKLController,
     FixedKLController,
 )
-from rl.config.parse import save_config, to_dict
 from rl.engine.dist import is_deepspeed, zero_stage
 from rl.engine.generation import generate
 from rl.engine.packing import pack_padded
 from rl.engine.pipeline import ForwardBackwardPipeline
 from rl.engine.state import checkpoint_dir
-from rl.engine.tracking import Tracker
 from rl.errors import ConfigError
 from rl.models.loading import (
     release_device_cache,
@@ -284,14 +282,10 @@ class PPOTrainer(Trainer):
             raise ConfigError(f"metadata has {len(metadata)} entries for {len(prompts)} prompts")
         plan = self.plan(len(prompts), num_iterations)
         self._plan = plan
+        tracker = self.open_run(plan["iterations"], desc="ppo", plot_keys=[
+            "objective/scores", "objective/kl", "kl_coef", "loss/policy", "loss/value", "val/explained_variance",
+            "policy/clipfrac", "response_length", "objective/entropy"])
         self._setup(plan)
-        out = Path(cfg.output_dir)
-        if acc.is_main_process:
-            save_config(cfg, out)
-        tracker = Tracker(out, cfg.report_to, cfg.run_name, to_dict(cfg), plan["iterations"], acc.is_main_process,
-                          desc="ppo", plot_keys=["objective/scores", "objective/kl", "kl_coef", "loss/policy",
-                                                 "loss/value", "val/explained_variance", "policy/clipfrac",
-                                                 "response_length", "objective/entropy"])
         n_train, n_all = trainable_fraction(self.policy)
         tracker.write(f"ppo: {len(prompts)} prompts, {plan['iterations']} iterations x {plan['global_batch']} "
                       f"rollouts, {plan['steps_per_iteration']} optimizer steps each; {self.world} process(es), "

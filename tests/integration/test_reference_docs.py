@@ -475,3 +475,26 @@ def test_dpo_example_trains_two_pairs_with_a_global_batch_of_sixteen(tiny_tokeni
     metrics = ns["metrics"]
     assert len(metrics) == 1 and metrics[0]["step"] == 1
     assert metrics[0]["loss"] == pytest.approx(0.693147, abs=1e-5)  # policy == reference at the first step
+
+
+def test_the_python_api_refuses_to_mix_two_runs_in_one_directory(tmp_path, tiny_llama, tiny_tokenizer):
+    """The README's `XTrainer(...).train(...)` run twice into one output_dir: the second run is one RunError
+    (as the launch scripts' rule: resume or overwrite), nothing of the first run is touched; with
+    overwrite=true it replaces the first run, so metrics.jsonl never holds two runs' steps."""
+    import json
+
+    from rl.config.fields import build
+    from rl.errors import RunError
+    from rl.trainers.sft import SFTConfig, SFTTrainer
+
+    cfg = dict(model_name=tiny_llama, output_dir=str(tmp_path), report_to=["jsonl"], max_steps=2, batch_size=2,
+               log_every=1, max_length=32)
+    examples = [{"input_ids": [1, 5, 6, 7], "labels": [-100, 5, 6, 7]}] * 4
+    SFTTrainer(build(SFTConfig, cfg), tokenizer=tiny_tokenizer).train(examples)
+    before = (tmp_path / "metrics.jsonl").read_text()
+    with pytest.raises(RunError, match="holds a previous run"):
+        SFTTrainer(build(SFTConfig, cfg), tokenizer=tiny_tokenizer).train(examples)
+    assert (tmp_path / "metrics.jsonl").read_text() == before
+    SFTTrainer(build(SFTConfig, {**cfg, "overwrite": True}), tokenizer=tiny_tokenizer).train(examples)
+    steps = [json.loads(line)["step"] for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert steps == [1, 2]
