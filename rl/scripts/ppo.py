@@ -36,7 +36,7 @@ def main(argv=None) -> None:
     cfg = parse_recipe(PPOConfig, argv, "launch/ppo.py", __doc__)
     try:
         check_reward_source(cfg)
-        prompts, metadata, eval_prompts = PPOTrainer.load_data(cfg)
+        prompts, metadata, eval_prompts, eval_metadata = PPOTrainer.load_data(cfg)
         if cfg.dry_run:
             n = len(prompts) if prompts else None
             plan = ppo_plan(cfg, n, int(os.environ.get("WORLD_SIZE", "1")))
@@ -49,7 +49,8 @@ def main(argv=None) -> None:
         fail(str(e))
     # 3. train (a stop on a signal exits here, after its checkpoint; without data.path the environment
     # supplies the prompts)
-    history = run_training(trainer, trainer.train, prompts, metadata=metadata, eval_prompts=eval_prompts)
+    history = run_training(trainer, trainer.train, prompts, metadata=metadata, eval_prompts=eval_prompts,
+                           eval_metadata=eval_metadata)
     # 4. save (every process takes part: ZeRO-3 gathers the weights)
     out = trainer.save()
     if trainer.accelerator.is_main_process:

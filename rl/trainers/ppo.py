@@ -259,12 +259,13 @@ class PPOTrainer(Trainer):
         """Token ids of each prompt (see rl.trainers.ppo_config.encode_prompts)."""
         return encode_prompts(self.tokenizer, prompts, self.cfg)
 
-    load_data = staticmethod(load_prompt_data)  # (prompts, metadata, eval_prompts) of a recipe
+    load_data = staticmethod(load_prompt_data)  # (prompts, metadata, eval_prompts, eval_metadata) of a recipe
     dry_run_models = staticmethod(ppo_dry_run_models)  # the models a run holds, for the dry-run plan
 
     # ------------------------------------------------------------------ the loop
     def train(self, prompts: Sequence[str] | None = None, num_iterations: int | None = None,
-              metadata: Sequence[dict] | None = None, eval_prompts: Sequence[str] | None = None) -> list[dict]:
+              metadata: Sequence[dict] | None = None, eval_prompts: Sequence[str] | None = None,
+              eval_metadata: Sequence[dict] | None = None) -> list[dict]:
         """Run PPO on `prompts` (strings); returns one metrics dict per iteration (also `self.history`).
 
         Every process passes the same prompts; iteration i uses a seeded shuffle of them, and process r
@@ -295,7 +296,10 @@ class PPOTrainer(Trainer):
         if zero_stage(acc) == 3:
             tracker.write("zero3 shards on rank 0: " + ", ".join(f"{k} {a:,}/{b:,}" for k, (a, b) in self.shard_report().items()))
         self._prompts, self._encoded, self._metadata = prompts, self.encode_prompts(prompts), metadata
-        self._eval_prompts = eval_prompts
+        if eval_metadata is not None and (eval_prompts is None or len(eval_metadata) != len(eval_prompts)):
+            raise ConfigError(f"eval_metadata has {len(eval_metadata)} entries for "
+                              f"{len(eval_prompts or [])} eval prompts")
+        self._eval_prompts, self._eval_metadata = eval_prompts, eval_metadata
         rows = self.fit(plan["iterations"], tracker)
         self.history += rows
         return self.history
@@ -315,7 +319,7 @@ class PPOTrainer(Trainer):
                  "epoch": (it + 1) * self._plan["global_batch"] / len(prompts)}]
 
     def evaluate_now(self) -> dict | None:
-        return self.evaluate(self._eval_prompts) if self._eval_prompts else None
+        return self.evaluate(self._eval_prompts, self._eval_metadata) if self._eval_prompts else None
 
     def checkpoint_extra(self) -> dict:
         return {"iteration": self._iteration, "kl_coef": self.kl_ctl.value}

@@ -209,14 +209,17 @@ def load_prompts(path: str, cfg: PPOConfig, for_eval: bool = False) -> tuple[lis
             [{k: v for k, v in r.items() if k not in (d.text_column, "_line")} for r in rows])
 
 
-def load_prompt_data(cfg: PPOConfig) -> tuple[list[str] | None, list[dict] | None, list[str] | None]:
-    """(prompts, metadata, eval_prompts) of a recipe; prompts None when the environment supplies them."""
+def load_prompt_data(cfg: PPOConfig) -> tuple[list[str] | None, list[dict] | None, list[str] | None,
+                                              list[dict] | None]:
+    """(prompts, metadata, eval_prompts, eval_metadata) of a recipe; prompts None when the environment
+    supplies them. The metadata are each row's other columns (a correctness reward reads `answer`)."""
     if not has_data(cfg.data) and not (cfg.env_type or cfg.multi_objective):
         raise ConfigError("data.path is not set: pass --data.path prompts.jsonl (rows {\"text\": ...}) "
                           "or set data: {path: ...} (or data.mixture) in the recipe")
     prompts, metadata = load_prompts(cfg.data.path, cfg) if has_data(cfg.data) else (None, None)
-    eval_prompts = load_prompts(cfg.data.eval_path, cfg, for_eval=True)[0] if cfg.data.eval_path else None
-    return prompts, metadata, eval_prompts
+    eval_prompts, eval_metadata = (load_prompts(cfg.data.eval_path, cfg, for_eval=True) if cfg.data.eval_path
+                                   else (None, None))
+    return prompts, metadata, eval_prompts, eval_metadata
 
 
 def encode_prompts(tok, prompts: Sequence[str], cfg: PPOConfig) -> list[list[int]]:

@@ -425,3 +425,24 @@ def test_model_problem_tells_paths_from_hub_ids(tmp_path, monkeypatch):
     for path in ("runs/sft", "./model", "/no/such/model", "a/b/c", "~/no-such-model-dir"):
         assert "does not exist" in model_problem("model_name", path), path
     assert "does not exist" in model_problem("reward_model_path", "org/reward-model", "reward")
+
+
+def test_ppo_with_a_correctness_reward_and_eval_data_trains_evaluates_and_saves(tmp_path, tiny_llama, capfd,
+                                                                                 monkeypatch):
+    """`reward_fn=correctness` reads each prompt row's `answer`: the eval rows keep their columns too (they
+    were dropped, so evaluation stopped with "metadata[0] has no 'answer' key" and nothing was saved)."""
+    import json
+
+    rows = [{"text": f"{a}+{b}=", "answer": str(a + b)} for a in range(4) for b in range(3)]
+    for name, part in (("train", rows[:8]), ("eval", rows[8:])):
+        (tmp_path / f"{name}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in part))
+    out = tmp_path / "run"
+    code, stdout, stderr = run_main("ppo", [
+        "--config", "recipes/tiny/ppo.yaml", f"data.path={tmp_path / 'train.jsonl'}",
+        f"data.eval_path={tmp_path / 'eval.jsonl'}", "reward_fn=correctness", "custom_reward=null",
+        "batch_size=4", "mini_batch_size=4", "gradient_accumulation_steps=1", "ppo_epochs=1", "max_new_tokens=4",
+        "num_iterations=2", "eval_every=1", "report_to=[jsonl]", f"output_dir={out}"], capfd, monkeypatch)
+    assert code == 0, (stdout + stderr)[-3000:]
+    metrics = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert any("eval/scores" in m for m in metrics), metrics
+    assert (out / "model.safetensors").exists()
