@@ -1,23 +1,9 @@
-"""Typed recipe configs: a YAML recipe as the base, command-line overrides on top, strict validation.
-
-Every trainer has one dataclass schema whose fields carry a one-line help text (`opt(default,
-"help")`). `parse_config(Schema, argv)` reads `--config recipe.yaml`, applies `--key value`,
-`--key=value` and `key=value` overrides (dotted keys such as `lora.rank=16` reach nested sections),
-converts each value to the field's type and builds the dataclass. Mistakes become one `ConfigError`
-line naming the key, the value and what was expected; the launch scripts print it and exit with 2.
-
-Why not plain argparse or HfArgumentParser: neither merges a YAML base with overrides of nested
-sections, nor suggests the closest key for a typo, which is most of what goes wrong with recipes.
-"""
+"""The errors a user can act on, at the bottom of the house (every layer raises them): each message is one
+line that names the file, key or value and the fix. The launch scripts turn them into one `error:` line:
+`ConfigError` and `DataError` (a mistake in the recipe or the data) exit 2, `RunError` (a failure during
+the run: a diverged loss, a full disk, an unreadable checkpoint) exits 1."""
 
 from __future__ import annotations
-
-import logging
-
-logger = logging.getLogger(__name__)
-
-
-
 
 
 class ConfigError(ValueError):

@@ -7,7 +7,7 @@
 
 The reference's flags are translated to our recipe keys (the table is `FLAG_KEYS` below and in
 the README, "For users of the reference CLI"); every other argument (`--config recipe.yaml`, `--max_steps 10`, `lora.rank=8`,
-`--dry-run`) passes through unchanged. The matching `launch/<trainer>.py` then replaces this process
+`--dry-run`) passes through unchanged. The trainer's script module (`python -m rl.scripts.<trainer>`, the code of `launch/<trainer>.py`) then replaces this process
 (`exec` with the same Python), so under `accelerate launch` each rank keeps its RANK/WORLD_SIZE
 environment, its PID and therefore its Slurm signals.
 """

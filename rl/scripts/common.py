@@ -1,24 +1,7 @@
-"""Small pieces every launch script shares: one-line failures and the --dry-run report.
-
-`--dry-run` (the `dry_run: true` key) prints the resolved config, the world size, per-device and global
-batch sizes, accumulation, the ZeRO stage and offload, and the estimated GPU memory of the model states
-(weights, gradients, optimizer) of each model the trainer holds. Parameter counts come from the model's
-config alone: the architecture is instantiated on the meta device (accelerate's `init_empty_weights`),
-so no weights are read or allocated, even for an 8B model.
-
-Memory model (bytes per GPU; N parameters, T of them trainable, L the largest layer, W GPUs, p the
-bytes of the weight dtype). The trainable formulas are DeepSpeed's own
-(`estimate_zero3_model_states_mem_needs`, `estimate_zero2_model_states_mem_needs`; the test checks
-them against it), generalised to LoRA (T < N) by counting frozen weights at p bytes:
-  trainable, ZeRO-3:                 4L + (p(N-T) + 18T) / W          (18 = 2+2 bf16 weight/grad, 4 fp32
-  trainable, ZeRO-3 + offload opt:   4L + pN / W                        grad, 4 fp32 master, 8 Adam m/v)
-  trainable, ZeRO-3 + offload all:   4L
-  trainable, ZeRO-2 (and 1):         pN + 18T / W ; with optimizer offload pN
-  trainable, no DeepSpeed (DDP):     16T + p(N-T)                     (fp32 master weights + grads + Adam)
-  frozen (reference):                pN / W + pL under ZeRO-3, else pN
-  frozen reward model:               pN (replicated: it is not a DeepSpeed engine)
-Activations, the KV cache of generation and the CUDA context come on top of these figures.
-"""
+"""What every launch script shares before and around training: one-line failures (`fail`, `run_training`:
+exit 2 for a mistake in the input, 1 for a failure during the run, 128 + signal after a stop's checkpoint),
+and the preflight of a recipe (`preflight`: model names, the DeepSpeed file, the resume path and
+output_dir checked before any model is built, so a typo fails in a second)."""
 
 from __future__ import annotations
 

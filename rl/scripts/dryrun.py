@@ -1,4 +1,4 @@
-"""Small pieces every launch script shares: one-line failures and the --dry-run report.
+"""The --dry-run report of every launch script: the plan of a run, without data or weights.
 
 `--dry-run` (the `dry_run: true` key) prints the resolved config, the world size, per-device and global
 batch sizes, accumulation, the ZeRO stage and offload, and the estimated GPU memory of the model states
