@@ -74,6 +74,13 @@ class NonFiniteError(RunError):
     """A loss or gradient norm became NaN or infinite."""
 
 
+def _zip_write_failed(e: BaseException) -> bool:
+    """torch.save's writer failing on a full disk (it raises RuntimeError, not OSError(ENOSPC))."""
+    text = str(e)
+    return isinstance(e, RuntimeError) and ("inline_container" in text or "PytorchStreamWriter failed" in text
+                                            or "file write failed" in text)
+
+
 def check_finite(row: dict) -> None:
     """Raise NonFiniteError naming the step and the metric when a guarded value is not finite."""
     for key, v in row.items():
@@ -319,8 +326,10 @@ class Trainer:
         name = checkpoint_name(self.current_step)
         try:
             self.save_checkpoint(name, self.checkpoint_extra())
-        except OSError as e:
-            if e.errno != errno.ENOSPC:
+        except (OSError, RuntimeError) as e:
+            # a full disk: ENOSPC from a plain write, or torch.save's zip writer failing mid-file (a
+            # RuntimeError "[enforce fail at inline_container.cc] ..." / "PytorchStreamWriter failed ...")
+            if not (getattr(e, "errno", None) == errno.ENOSPC or _zip_write_failed(e)):
                 raise
             root = checkpoint_dir(self.run_dir)
             for part in (root / name, *self.checkpoint_parts(name)):  # the half-written ones

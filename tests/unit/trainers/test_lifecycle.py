@@ -207,9 +207,11 @@ def test_ctrl_c_checkpoints_and_exits_130(tmp_path, tiny_llama):
     assert complete_checkpoints(out) and not (out / "model.safetensors").exists()
 
 
-def test_disk_full_during_a_checkpoint_keeps_the_previous_one(tmp_path, tiny_llama, monkeypatch):
-    """ENOSPC while writing checkpoint-2: one RunError line naming the directory, the partial checkpoint
-    is removed, checkpoint-1 stays complete and loadable."""
+@pytest.mark.parametrize("fault", ["enospc", "zip_writer"])
+def test_disk_full_during_a_checkpoint_keeps_the_previous_one(fault, tmp_path, tiny_llama, monkeypatch):
+    """A full disk while writing checkpoint-2 (ENOSPC from a write, or torch.save's zip writer failing with
+    its RuntimeError): one RunError line naming the directory, the partial checkpoint is removed,
+    checkpoint-1 stays complete and loadable."""
     import errno
 
     import safetensors.torch
@@ -227,6 +229,8 @@ def test_disk_full_during_a_checkpoint_keeps_the_previous_one(tmp_path, tiny_lla
     def full_disk(tensors, filename, *a, **k):
         calls.append(filename)
         if ".tmp-checkpoint-2" in str(filename):
+            if fault == "zip_writer":
+                raise RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 512 vs 448")
             raise OSError(errno.ENOSPC, "No space left on device")
         return real_save(tensors, filename, *a, **k)
 
