@@ -16,6 +16,7 @@ tokenizer's own chat template), `with_bos` (BOS exactly once), `LengthReport` (e
 
 from __future__ import annotations
 
+import difflib
 import json
 import logging
 import math
@@ -320,10 +321,19 @@ def load_records(path: str | Path, columns: Iterable[str], *, optional: Iterable
     return out
 
 
+# The roles of the chat format (OpenAI's, which chat templates render); a typo such as "asistant" would
+# otherwise be rendered as some other turn and the loss mask would silently follow it.
+CHAT_ROLES = ("system", "user", "assistant", "tool")
+
+
 def _check_messages(messages: list, where: str, col: str) -> None:
     for i, m in enumerate(messages):
         if not isinstance(m, dict) or not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str):
             raise DataError(f"{where}: column '{col}' message {i} must be {{\"role\": str, \"content\": str}}")
+        if m["role"] not in CHAT_ROLES:
+            close = difflib.get_close_matches(m["role"], CHAT_ROLES, n=1)
+            raise DataError(f"{where}: column '{col}' message {i} has role {m['role']!r}; a role is one of "
+                            f"{', '.join(CHAT_ROLES)}" + (f" (did you mean {close[0]!r}?)" if close else ""))
 
 
 def render_chat(tokenizer, messages: list[dict], add_generation_prompt: bool = False) -> str:

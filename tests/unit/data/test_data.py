@@ -326,3 +326,22 @@ def test_mixture_reaches_every_trainers_loader(tmp_path):
     b.write_text(b.read_text().replace('"chosen": "c"', '"chosen": ""', 1))
     with pytest.raises(DataError, match=rf"^{b}:1: column 'chosen' is empty$"):
         load_pair_records(build(DPOConfig, base))
+
+
+def test_a_chat_row_with_an_unknown_role_is_one_line_naming_file_line_and_the_fix(tmp_path):
+    """`"role": "asistant"` (a typo) or `"hacker"` is refused with file:line, not rendered as some other turn
+    (the loss mask would follow the typo)."""
+    import json
+
+    from rl.data.records import load_records
+    from rl.errors import DataError
+
+    for role, hint in (("asistant", "did you mean 'assistant'?"), ("hacker", "system, user, assistant, tool")):
+        path = tmp_path / f"{role}.jsonl"
+        rows = [{"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]},
+                {"messages": [{"role": "user", "content": "2+2?"}, {"role": role, "content": "4"}]}]
+        path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+        with pytest.raises(DataError) as e:
+            load_records(path, columns=["messages"], chat_columns=["messages"])
+        msg = str(e.value)
+        assert f"{role}.jsonl:2" in msg and f"role {role!r}" in msg and hint in msg and "\n" not in msg
