@@ -128,6 +128,12 @@ def _read_repository(path: str, name: str | None, split: str, streaming: bool = 
                         f"load it as a hub dataset (offline: HF_DATASETS_OFFLINE/HF_HUB_OFFLINE is set, or no "
                         f"network); fix data.path, or download the dataset where there is network (`hf download "
                         f"{path} --repo-type dataset --local-dir DIR`) and set data.path to DIR") from None
+    except RuntimeError as e:  # a loading script: datasets no longer runs them (nothing was run)
+        if "script" not in str(e).lower():
+            raise
+        raise DataError(f"{path}: {str(e).splitlines()[0].rstrip('.')}; the script was not run (datasets runs no "
+                        f"loading scripts): convert the data to .jsonl/.parquet files or use a dataset without "
+                        f"a script") from None
     except (DatasetNotFoundError, FileNotFoundError) as e:
         what = "data files in the folder" if local else "a local file or folder, and not a dataset on the Hub"
         raise DataError(f"{path}: no {what} ({str(e).splitlines()[0]}); set data.path to a "
@@ -188,6 +194,9 @@ def _read_source(path: str | Path, name: str | None, split: str, streaming: bool
         if _is_saved_dataset(p):
             return _read_saved(p, split)
         return _read_repository(str(p), name, split, streaming, limit)
+    if name:  # a single file has no configs: data.name would be silently ignored
+        raise DataError(f"{path}: data.name={name!r} names a config of a dataset repository (a Hub id or a dataset "
+                        f"folder), and a single file has none; drop data.name or point data.path at the dataset")
     suffix = p.suffix.lower()
     if suffix == ".jsonl":
         return _read_jsonl(p)

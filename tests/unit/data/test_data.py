@@ -345,3 +345,23 @@ def test_a_chat_row_with_an_unknown_role_is_one_line_naming_file_line_and_the_fi
             load_records(path, columns=["messages"], chat_columns=["messages"])
         msg = str(e.value)
         assert f"{role}.jsonl:2" in msg and f"role {role!r}" in msg and hint in msg and "\n" not in msg
+
+
+def test_data_name_on_a_file_and_a_loading_script_are_one_line(tmp_path):
+    """data.name with a local .jsonl was silently ignored; a dataset folder with a loading script raised
+    datasets' RuntimeError traceback (the script is never run: right, but it must be one line)."""
+    import json
+
+    from rl.data.records import read_records
+    from rl.errors import DataError
+
+    f = tmp_path / "rows.jsonl"
+    f.write_text(json.dumps({"text": "a"}) + "\n")
+    with pytest.raises(DataError, match=r"rows.jsonl: data.name='main' .* drop data.name"):
+        read_records(f, name="main")
+    folder = tmp_path / "scripted"
+    folder.mkdir()
+    (folder / "scripted.py").write_text("raise SystemExit('a loading script must never run')\n")
+    with pytest.raises(DataError, match=r"scripted: .*script.* was not run") as e:
+        read_records(folder)
+    assert "\n" not in str(e.value)
