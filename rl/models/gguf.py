@@ -115,8 +115,14 @@ def convert_gguf(gguf: Path, out: Path, source: dict | None = None) -> Path:
     try:
         with without_zero3_init():  # a local build even inside a ZeRO-3 launch (see rl.models.tiny)
             kw = dict(gguf_file=gguf.name)
-            loaded = AutoModelForCausalLM.from_pretrained(gguf.parent, dtype=torch.float32, **kw)
-            tok = AutoTokenizer.from_pretrained(gguf.parent, **kw)
+            try:
+                loaded = AutoModelForCausalLM.from_pretrained(gguf.parent, dtype=torch.float32, **kw)
+                tok = AutoTokenizer.from_pretrained(gguf.parent, **kw)
+            except (ValueError, OSError, KeyError, EOFError) as e:  # a truncated or foreign file
+                raise ModelSourceError(
+                    f"{gguf}: not a complete GGUF model file ({type(e).__name__}: "
+                    f"{(str(e).splitlines() or [''])[0][:160]}); download it again, or check its size "
+                    f"({gguf.stat().st_size:,} bytes)") from None
             cfg_dict = loaded.config.to_dict()
             cfg_dict.pop("quantization_config", None)
             cfg = AutoConfig.for_model(cfg_dict.pop("model_type"), **cfg_dict)
@@ -180,8 +186,11 @@ def prepare_packaged(name: str) -> Path:
     root, spec = cache_root(), PACKAGED[name]
     pointer = root / f"{name}.json"
     if pointer.exists():
-        out = root / json.loads(pointer.read_text())["dir"]
-        if (out / MARKER).exists():
+        try:
+            out = root / json.loads(pointer.read_text())["dir"]
+        except (ValueError, KeyError, TypeError):  # a half-written or foreign pointer: rebuilt below
+            out = None
+        if out is not None and (out / MARKER).exists():
             return out
     root.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(prefix=f".{name}.fetch-", dir=root) as work:

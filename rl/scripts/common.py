@@ -75,13 +75,16 @@ def model_problem(key: str, name: str, role: str = "model") -> str | None:
         if _looks_like_path(name):
             return f"key '{key}': {name} does not exist; give an existing model directory or a hub id"
         return None
+    if path.suffix.lower() == ".gguf" and path.is_file() and role != "reward":
+        return None  # a GGUF file is converted on first use (rl.models.gguf)
     if not path.is_dir():
-        return f"key '{key}': {name} is a file; give the model's directory (with config.json)"
+        return f"key '{key}': {name} is a file; give the model's directory (with config.json) or a .gguf file"
     if role == "reward":
         problem = reward_model_problem(path)
         if problem:
             return f"key '{key}': {problem}"
-    elif not (path / "config.json").exists() and not (path / "adapter_config.json").exists():
+    elif not (path / "config.json").exists() and not (path / "adapter_config.json").exists() and \
+            not any(path.glob("*.gguf")):  # a directory holding one GGUF file is converted on first use
         return (f"key '{key}': {name} has no config.json (nor adapter_config.json), so it is not a model directory (a finished run "
                 f"writes its model to output_dir; a checkpoint goes to resume=, not model_name)")
     return safetensors_problem(key, path)

