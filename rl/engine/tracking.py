@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from rl.config.schema import SINKS
+from rl.errors import RunError
 
 # Shown in the progress bar when present, in this order.
 BAR_KEYS = ("loss", "objective/scores", "reward", "rewards/accuracies", "accuracy", "objective/kl",
@@ -70,6 +71,9 @@ def build_trackers(report_to, output_dir: Path, run_name: str, config: dict) -> 
         elif sink == "trackio":
             trackers.append(tracking.TrackioTracker(os.environ.get("TRACKIO_PROJECT", "rl"), name=run_name))
         elif sink == "mlflow":
+            # an unreachable server fails in seconds, not after MLflow's default minutes of retries
+            os.environ.setdefault("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "1")
+            os.environ.setdefault("MLFLOW_HTTP_REQUEST_TIMEOUT", "10")
             if not os.environ.get("MLFLOW_TRACKING_URI"):
                 import mlflow
 
@@ -80,8 +84,13 @@ def build_trackers(report_to, output_dir: Path, run_name: str, config: dict) -> 
             trackers.append(tracking.MLflowTracker(run_name, logging_dir=str(output_dir / "mlruns"),
                                                    run_name=run_name))
     for t in trackers:
-        t.start()
-        t.store_init_configuration(config if t.name == "wandb" else flat_config(config))
+        try:
+            t.start()
+            t.store_init_configuration(config if t.name == "wandb" else flat_config(config))
+        except Exception as e:  # noqa: BLE001 - a sink that cannot start (a server down, a bad URI): one line
+            raise RunError(f"report_to={t.name}: the tracker could not start ({type(e).__name__}: "
+                           f"{(str(e).splitlines() or [''])[0][:200]}); check its server or settings "
+                           f"(e.g. MLFLOW_TRACKING_URI), or drop {t.name} from report_to") from None
     return trackers
 
 

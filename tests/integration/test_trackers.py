@@ -65,3 +65,16 @@ def test_trackio_holds_what_jsonl_holds(tiny_llama, tmp_path, monkeypatch):
     assert [r["learning_rate"] for r in logged] == pytest.approx([r["learning_rate"] for r in rows], rel=1e-6)
     assert "__time" not in logged[0]  # our wall-clock column stays out: trackio reserves `time`
     assert storage.SQLiteStorage.get_run_config("rl-test", "tiny")["lora.rank"] == 4
+
+
+def test_an_unreachable_mlflow_server_is_one_line(tmp_path, monkeypatch):
+    """MLFLOW_TRACKING_URI naming a server that is not there: one RunError naming the sink and the fix, in
+    seconds (MLflow's own retries would take minutes), not a traceback at start."""
+    from rl.engine.tracking import Tracker
+    from rl.errors import RunError
+    from tests.conftest import free_port
+
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", f"http://127.0.0.1:{free_port()}")
+    with pytest.raises(RunError, match=r"report_to=mlflow: the tracker could not start .*MLFLOW_TRACKING_URI") as e:
+        Tracker(tmp_path, ["jsonl", "mlflow"], "run", {"learning_rate": 1e-3}, 2)
+    assert "\n" not in str(e.value)
