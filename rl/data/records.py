@@ -350,7 +350,16 @@ def render_chat(tokenizer, messages: list[dict], add_generation_prompt: bool = F
     if not getattr(tokenizer, "chat_template", None):
         raise DataError("chat-format data needs a tokenizer with a chat template; this model's tokenizer "
                         "has none (use plain text columns or a chat model)")
-    return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)
+    try:
+        return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)
+    except Exception as e:  # noqa: BLE001 - jinja2's TemplateError family: a broken or hostile template
+        if "jinja2" not in type(e).__module__:
+            raise
+        what = ("tried to leave the Jinja sandbox and was stopped (nothing ran)" if type(e).__name__ == "SecurityError"
+                else "cannot be rendered")
+        raise DataError(f"the tokenizer's chat template {what} ({type(e).__name__}: "
+                        f"{(str(e).splitlines() or [''])[0][:160]}); fix chat_template in its tokenizer_config.json, "
+                        f"or use plain prompts (--chat-template no, chat_template=false)") from None
 
 
 def with_bos(tokenizer, ids: list[int]) -> list[int]:

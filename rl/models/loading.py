@@ -13,6 +13,8 @@ every linear layer but the output head by default ('all-linear'), GPT-2's Conv1D
 
 from __future__ import annotations
 
+import json
+import pickle
 from pathlib import Path
 
 import torch
@@ -38,6 +40,44 @@ def not_loadable(name: str, what: str, error: Exception) -> ConfigError:
     first = (str(error).strip().splitlines() or [type(error).__name__])[0][:200]
     return ConfigError(f"model {name!r}: cannot load its {what} ({first}); check the name, or download it "
                        f"first (hf download {name}) when this machine is offline")
+
+
+def unreadable(name: str, error: Exception) -> ConfigError | None:
+    """One line for weights that were refused or cannot be read, or None for another error: a truncated or
+    corrupt safetensors file, or a pickle (`.bin`) that `weights_only` loading refused (a pickle can run
+    code; nothing of it ran)."""
+    kind = type(error).__name__
+    first = (str(error).strip().splitlines() or [kind])[0][:200]
+    if kind == "SafetensorError" or "safetensors" in type(error).__module__:
+        return ConfigError(f"model {name!r}: a safetensors file cannot be read ({first}); it is truncated or "
+                           f"corrupt: copy or download it again")
+    if isinstance(error, pickle.UnpicklingError) or "weights_only" in str(error):
+        return ConfigError(f"model {name!r}: refused to unpickle its weights (a pickled .bin file can run code; "
+                           f"nothing of it ran): save them as safetensors (save_pretrained(..., "
+                           f"safe_serialization=True)) and load that")
+    return None
+
+
+def check_source(name: str, path: str, task: str = "causal-lm") -> None:
+    """One ConfigError before loading when `name` cannot be what is asked: a local path that does not
+    exist (transformers would call it an invalid hub id), or a reward model where a causal LM is wanted."""
+    looks_local = name.startswith(("/", ".", "~")) or name.count("/") > 1 or name.endswith("/")
+    p = Path(path).expanduser()
+    if looks_local and not p.exists():
+        raise ConfigError(f"model {name!r}: no such file or directory; give a run's output directory, a model "
+                          f"directory, a .gguf file or a hub id")
+    if task == "classifier" or not p.is_dir():
+        return
+    arch = []
+    try:
+        arch = json.loads((p / "config.json").read_text()).get("architectures") or [] \
+            if (p / "config.json").is_file() else []
+    except (ValueError, OSError):
+        pass
+    if (p / "reward_config.json").is_file() or any(str(a).endswith("ForSequenceClassification") for a in arch):
+        raise ConfigError(f"model {name!r} is a reward model (a classifier, as launch/reward.py writes it), not a "
+                          f"causal LM: it scores text, it does not generate; use it as reward_model_path, and give "
+                          f"a policy's output directory here")
 
 
 def load_tokenizer(name: str, trust_remote_code: bool = False, padding_side: str = "right"):
@@ -66,11 +106,8 @@ def load_causal_lm(name: str, dtype: str | torch.dtype | None = "auto", trust_re
 
     # A causal-LM checkpoint loads as a classifier too (new score head): how reward models start.
     path = resolve_model_path(name)
+    check_source(name, path, task)
     base = adapter_base(path)
-    if base is not None and task != "classifier" and (Path(path) / "reward_config.json").is_file():
-        # a LoRA reward model's directory holds a PEFT sequence-classification adapter: not a policy
-        raise ConfigError(f"model {name!r} is a reward model (LoRA adapter of a classifier), not a causal LM; "
-                          f"load it with rl.models.reward.load_reward_model or use it as reward_model_path")
     if base is not None:  # a LoRA run's output: its base with the adapter merged in, a plain model again
         from peft import PeftModel
 
@@ -79,7 +116,10 @@ def load_causal_lm(name: str, dtype: str | torch.dtype | None = "auto", trust_re
         with without_zero3_init():
             model = load_causal_lm(base, dtype, trust_remote_code, attn_implementation, gradient_checkpointing,
                                    quantization, task, num_labels)
-            model = PeftModel.from_pretrained(model, path).merge_and_unload()
+            try:
+                model = PeftModel.from_pretrained(model, path).merge_and_unload()
+            except Exception as e:  # noqa: BLE001 - refused or unreadable adapter weights: one line
+                raise (unreadable(name, e) or e) from None
         # named after the adapter, so that a LoRA run on top records this directory as its base
         # (adapter_config.json's base_model_name_or_path), not the model under it
         model.name_or_path = model.config._name_or_path = str(path)
@@ -101,7 +141,9 @@ def load_causal_lm(name: str, dtype: str | torch.dtype | None = "auto", trust_re
         else:
             model = AutoModelForCausalLM.from_pretrained(path, **kwargs)
     except OSError as e:
-        raise not_loadable(name, "weights", e) from None
+        raise (unreadable(name, e) or not_loadable(name, "weights", e)) from None
+    except Exception as e:  # noqa: BLE001 - safetensors' own error, a refused pickle: one line; else re-raised
+        raise (unreadable(name, e) or e) from None
     if task == "classifier" and model.config.pad_token_id is None:
         model.config.pad_token_id = model.config.eos_token_id
     if gradient_checkpointing:

@@ -25,7 +25,7 @@ import yaml
 
 from rl.engine.generation import generate
 from rl.errors import ConfigError
-from rl.models.loading import load_causal_lm, load_tokenizer
+from rl.models.loading import check_source, load_causal_lm, load_tokenizer, unreadable
 from rl.rollout.prompts import encode_prompt
 
 
@@ -34,6 +34,7 @@ def load_for_inference(name: str, dtype: str = "auto", trust_remote_code: bool =
 
     A directory with adapter_config.json is a PEFT adapter: base model + adapter, merged."""
     path = Path(name)
+    check_source(name, name)  # a missing directory, a reward model: one line before anything loads
     adapter = path / "adapter_config.json"
     if path.is_dir() and adapter.exists():
         from peft import PeftModel  # heavy; only adapter directories need it
@@ -44,7 +45,10 @@ def load_for_inference(name: str, dtype: str = "auto", trust_remote_code: bool =
             raise ConfigError(f"{adapter}: not a PEFT adapter config (no base_model_name_or_path); "
                               f"point --model at a full model or a directory peft saved") from None
         model = load_causal_lm(base, dtype=dtype, trust_remote_code=trust_remote_code)
-        model = PeftModel.from_pretrained(model, str(path)).merge_and_unload()
+        try:
+            model = PeftModel.from_pretrained(model, str(path)).merge_and_unload()
+        except Exception as e:  # noqa: BLE001 - refused or unreadable adapter weights: one line
+            raise (unreadable(name, e) or e) from None
         has_tokenizer = any((path / f).exists() for f in ("tokenizer.json", "tokenizer_config.json"))
         tok = load_tokenizer(str(path) if has_tokenizer else base, trust_remote_code, padding_side="left")
     elif path.is_dir() and not (path / "config.json").exists():
