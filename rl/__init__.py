@@ -33,6 +33,9 @@ _EXPORTS = {
     # GRPO
     "GRPOConfig": "rl.trainers.grpo_config",
     "GRPOTrainer": "rl.trainers.grpo",
+    # KTO
+    "KTOConfig": "rl.trainers.kto",
+    "KTOTrainer": "rl.trainers.kto",
     # online DPO
     "OnlineDPOConfig": "rl.trainers.online_dpo",
     "OnlineDPOTrainer": "rl.trainers.online_dpo",

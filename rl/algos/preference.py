@@ -9,11 +9,15 @@ answer tokens' log-probs, and h = beta * [(log pi(y_w) - log ref(y_w)) - (log pi
                                                                log-ratios as TRL (what the IPO authors ran)
     orpo:     NLL(y_w) - beta * log sigmoid(log odds(y_w) - log odds(y_l))   ORPO (Hong et al. 2024, eq. 6),
                                                                per-token mean log-probs, no reference
+    simpo:    -log sigmoid(beta (logp_w/|y_w| - logp_l/|y_l|) - gamma)   SimPO (Meng et al. 2024, eq. 6), no
+                                                               reference; gamma = the config's simpo_gamma
     bt:       -log sigmoid(r_w - r_l - margin)                 Bradley-Terry on reward-model scores
 
 The DPO-family losses are registered under "preference_loss" with one signature:
     fn(pair: PairLogps, beta, label_smoothing) -> (per_pair (B,), stats)
 where stats may set "rewards/chosen"/"rewards/rejected" (default: beta * log-ratio) and add extras.
+A loss with hyperparameters of its own names them with the flag `hyper=(names...)`; `preference_loss`
+passes those keys of its `hyper` dict as keywords (SimPO: `simpo_gamma`).
 """
 
 from __future__ import annotations
@@ -93,6 +97,19 @@ def orpo_loss(chosen_logps: torch.Tensor, rejected_logps: torch.Tensor, chosen_l
     return nll - beta * F.logsigmoid(ratio), nll, ratio
 
 
+def simpo_loss(chosen_logps: torch.Tensor, rejected_logps: torch.Tensor, chosen_lengths: torch.Tensor,
+               rejected_lengths: torch.Tensor, beta: float, gamma: float,
+               label_smoothing: float = 0.0) -> torch.Tensor:
+    """SimPO per pair (Meng et al. 2024, eq. 6): length-normalised log-likelihood margin, no reference.
+
+    Inputs (B,) sums of answer log-probs and answer lengths; gamma is the target reward margin.
+    Returns (B,) = -(1-eps) log sigmoid(h) - eps log sigmoid(-h), h = beta (c/len_c - r/len_r) - gamma
+    (eps = label_smoothing, as TRL's CPOTrainer; 0 is the paper's loss).
+    """
+    h = beta * (chosen_logps / chosen_lengths.clamp(min=1) - rejected_logps / rejected_lengths.clamp(min=1)) - gamma
+    return -(1.0 - label_smoothing) * F.logsigmoid(h) - label_smoothing * F.logsigmoid(-h)
+
+
 def bradley_terry_loss(chosen: torch.Tensor, rejected: torch.Tensor, margin: torch.Tensor | None = None,
                        center_rewards_coefficient: float | None = None) -> tuple[torch.Tensor, dict]:
     """Bradley-Terry pairwise loss of a reward model, as TRL's RewardTrainer computes it.
@@ -145,6 +162,15 @@ def _orpo(pair: PairLogps, beta: float, label_smoothing: float = 0.0):  # noqa: 
                       "nll_loss": nll.detach(), "log_odds_ratio": ratio.detach()}
 
 
+@register(KIND, "simpo", needs_reference=False, hyper=("simpo_gamma",))
+def _simpo(pair: PairLogps, beta: float, label_smoothing: float = 0.0, simpo_gamma: float = 0.5):
+    per_pair = simpo_loss(pair.chosen, pair.rejected, pair.chosen_lengths, pair.rejected_lengths, beta,
+                          simpo_gamma, label_smoothing)
+    # no reference: the "rewards" are beta * mean answer log-prob (TRL's CPOTrainer, loss_type="simpo")
+    return per_pair, {"rewards/chosen": beta * pair.chosen.detach() / pair.chosen_lengths.clamp(min=1),
+                      "rewards/rejected": beta * pair.rejected.detach() / pair.rejected_lengths.clamp(min=1)}
+
+
 def needs_reference(loss_type: str) -> bool:
     """Whether the registered preference loss compares against a reference model (ORPO does not; a user's
     `module:function` does unless registered with needs_reference=False)."""
@@ -154,17 +180,19 @@ def needs_reference(loss_type: str) -> bool:
 def preference_loss(loss_type: str, chosen_logps: torch.Tensor, rejected_logps: torch.Tensor,
                     ref_chosen_logps: torch.Tensor | None, ref_rejected_logps: torch.Tensor | None,
                     chosen_lengths: torch.Tensor, rejected_lengths: torch.Tensor, beta: float,
-                    label_smoothing: float = 0.0) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+                    label_smoothing: float = 0.0, hyper: dict | None = None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """Per-pair losses of the registered `loss_type` and TRL-named per-pair statistics.
 
     All tensors (B,). A missing reference (None) means reference-free: its log-probs count as 0.
     Returns (losses (B,), stats) with stats rewards/chosen, rewards/rejected, rewards/accuracies,
     rewards/margins, logps/chosen, logps/rejected (each (B,), detached) and the loss's extras (ORPO:
-    nll_loss, log_odds_ratio).
+    nll_loss, log_odds_ratio). `hyper`: the config's loss hyperparameters; the keys the loss registered
+    with `hyper=(...)` are passed to it (others ignored).
     """
     pair = PairLogps(chosen_logps, rejected_logps, ref_chosen_logps, ref_rejected_logps, chosen_lengths,
                      rejected_lengths)
-    per_pair, stats = get(KIND, loss_type)(pair, beta, label_smoothing)
+    own = {k: hyper[k] for k in flag(KIND, loss_type, "hyper", ()) if hyper and k in hyper}
+    per_pair, stats = get(KIND, loss_type)(pair, beta, label_smoothing, **own)
     c, r = pair.logratios()
     chosen_rewards = stats.pop("rewards/chosen", None)
     rejected_rewards = stats.pop("rewards/rejected", None)

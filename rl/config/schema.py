@@ -46,6 +46,7 @@ class DataSection:
     completion_column: str = opt("completion", "column with the completion (SFT prompt/completion data)")
     chosen_column: str = opt("chosen", "column with the preferred answer")
     rejected_column: str = opt("rejected", "column with the rejected answer")
+    label_column: str = opt("label", "column with KTO's label: true (desirable completion) or false")
     messages_column: str = opt("messages", "column with chat messages, rendered with the chat template")
     strict: bool = opt(False, "fail on examples longer than max_length instead of truncating them")
     max_examples: int | None = opt(None, "use only the first N examples (smoke tests); the number of rows "

@@ -295,13 +295,14 @@ def source_name(path: Any) -> str:
 
 
 def load_records(path: str | Path, columns: Iterable[str], *, optional: Iterable[str] = (),
-                 chat_columns: Iterable[str] = (), max_examples: int | None = None,
+                 chat_columns: Iterable[str] = (), max_examples: int | None = None, keep: Iterable[str] = (),
                  **source) -> list[dict]:
     """Rows of `path` restricted to `columns` (required) and `optional` ones, validated.
 
     Required columns must exist in the data and hold non-empty strings; a column listed in
     `chat_columns` may instead hold a list of {"role", "content"} messages. `source`: the
-    `read_records` keywords (`source_options`); with a mixture `path` is None."""
+    `read_records` keywords (`source_options`); with a mixture `path` is None. `keep`: columns copied
+    as they are (a non-string value, e.g. KTO's bool label), for the caller to validate."""
     columns, optional, chat = list(columns), list(optional), set(chat_columns)
     rows = read_records(path, **source)
     if not rows:
@@ -326,6 +327,7 @@ def load_records(path: str | Path, columns: Iterable[str], *, optional: Iterable
             elif col in columns and not value.strip():
                 raise DataError(f"{here}: column '{col}' is empty")
             rec[col] = value
+        rec.update({k: row.get(k) for k in keep})
         out.append(rec)
     return out
 

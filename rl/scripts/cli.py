@@ -28,6 +28,7 @@ TRAINERS = {
     "ppo": ("ppo", "rl.trainers.ppo_config:PPOConfig"),
     "grpo": ("grpo", "rl.trainers.grpo_config:GRPOConfig"),
     "online_dpo": ("online_dpo", "rl.trainers.online_dpo:OnlineDPOConfig"),
+    "kto": ("kto", "rl.trainers.kto:KTOConfig"),
 }
 
 # reference flag (dashes as underscores) -> our recipe key; a tuple lists candidates, the first key the
@@ -43,7 +44,8 @@ FLAG_KEYS: dict[str, object] = {
     # In the reference, --text-column is the text for SFT and the prompts for PPO, but the chosen answer
     # for reward and DPO pairs (with --rejected-text-column as the other one).
     "text_column": {"sft": "data.text_column", "ppo": "data.text_column", "grpo": "data.text_column",
-                    "online_dpo": "data.text_column", "reward": "data.chosen_column", "dpo": "data.chosen_column"},
+                    "online_dpo": "data.text_column", "reward": "data.chosen_column", "dpo": "data.chosen_column",
+                    "kto": "data.completion_column"},
     "rejected_text_column": "data.rejected_column",
     "dpo_beta": "beta",
     "model_ref": ("ref_model_name", "ref_model"),

@@ -1,4 +1,4 @@
-"""The DPO family: DPO (sigmoid, conservative label smoothing), IPO, hinge (SLiC), reference-free DPO, ORPO.
+"""The DPO family: DPO (sigmoid, conservative label smoothing), IPO, hinge (SLiC), reference-free DPO, ORPO, SimPO.
 
 Objective (Rafailov et al. 2023, "Direct Preference Optimization", eq. 7): for a prompt x with a chosen
 answer y_w and a rejected answer y_l,
@@ -11,6 +11,8 @@ answer y_w and a rejected answer y_l,
     hinge:    max(0, 1 - h)                                     (SLiC-HF, Zhao et al. 2023)
     ipo:      (h_avg/beta - 1/(2 beta))^2                       (IPO, Azar et al. 2023, eq. 17)
     orpo:     NLL(y_w) - beta * log sigmoid(log odds(y_w) - log odds(y_l))   (ORPO, Hong et al. 2024, eq. 6)
+    simpo:    -log sigmoid(beta (log pi(y_w)/|y_w| - log pi(y_l)/|y_l|) - gamma)   (SimPO, Meng et al. 2024,
+                                                                  eq. 6; no reference, gamma = simpo_gamma)
 
 log pi(y|x) is the SUM of the answer tokens' log-probs: prompt and padding tokens never count, so a pair
 scores the same whatever its batch neighbours, the padding side or max_length (the reference
@@ -68,7 +70,8 @@ logger = logging.getLogger(__name__)
 # kept importable from here); the per-sequence log-probs of a collated batch are in rl.data.preference.
 
 def dpo_batch_loss(logits, labels, attention_mask, *, loss_type: str, beta: float, label_smoothing: float = 0.0,
-                   ref_chosen_logps=None, ref_rejected_logps=None, pair_weight=None, sequence_index=None):
+                   ref_chosen_logps=None, ref_rejected_logps=None, pair_weight=None, sequence_index=None,
+                   hyper=None):
     """The engine's loss callable: logits of the concatenated batch [chosen..., rejected...] (2B, T, V),
     or of its packed rows (R, W, V) with their `sequence_index` (R, W) (`rl.data.preference.pack_pairs`).
 
@@ -80,7 +83,7 @@ def dpo_batch_loss(logits, labels, attention_mask, *, loss_type: str, beta: floa
     chosen, rejected = logps.chunk(2)
     c_len, r_len = lengths.chunk(2)
     per_pair, stats = preference_loss(loss_type, chosen, rejected, ref_chosen_logps, ref_rejected_logps,
-                                      c_len, r_len, beta, label_smoothing)
+                                      c_len, r_len, beta, label_smoothing, hyper)
     if pair_weight is None:
         loss = per_pair.mean()
         metrics = {k: v.mean() for k, v in stats.items()}
@@ -99,8 +102,10 @@ class DPOConfig(TrainConfig):
     learning_rate: float = opt(1e-6, "peak learning rate of AdamW (DPO wants it small: 1e-6 to 1e-5)")
     beta: float = opt(0.1, "DPO temperature beta (IPO: tau; ORPO: lambda, the weight of the odds-ratio term)")
     label_smoothing: float = opt(0.0, "conservative DPO: probability a preference label is flipped, in [0, 0.5)")
+    simpo_gamma: float = opt(0.5, "SimPO's target reward margin gamma (loss_type=simpo only)")
     loss_type: str = opt("sigmoid", f"preference loss ({choices('preference_loss')}): sigmoid (DPO), ipo, hinge "
-                         "(SLiC), orpo (reference-free odds ratio + chosen NLL), or your own function")
+                         "(SLiC), orpo (reference-free odds ratio + chosen NLL), simpo (reference-free, "
+                         "length-normalised, margin simpo_gamma), or your own function")
     reference_free: bool = opt(False, "no reference model: its log-probs count as 0")
     precompute_ref_logps: bool = opt(False, "compute reference log-probs in one pass before training, then "
                                      "train without any reference forward or reference model in memory")
@@ -126,8 +131,8 @@ class DPOConfig(TrainConfig):
             raise ConfigError(f"key 'beta' must be > 0, got {self.beta}")
         if not 0.0 <= self.label_smoothing < 0.5:
             raise ConfigError(f"key 'label_smoothing' must be in [0, 0.5), got {self.label_smoothing}")
-        if self.label_smoothing and self.loss_type != "sigmoid":
-            raise ConfigError(f"label_smoothing={self.label_smoothing} applies to loss_type=sigmoid only "
+        if self.label_smoothing and self.loss_type not in ("sigmoid", "simpo"):
+            raise ConfigError(f"label_smoothing={self.label_smoothing} applies to loss_type=sigmoid or simpo only "
                               f"(got loss_type={self.loss_type}); set label_smoothing=0")
         if not 1 <= self.max_prompt_length < self.max_length:
             raise ConfigError(f"max_prompt_length={self.max_prompt_length} must be at least 1 and below "
@@ -248,7 +253,7 @@ class DPOTrainer(EpochTrainer):
         self._train = dataset
         self.start_epochs(len(dataset), eval_dataset)
         self._loss_fn = partial(dpo_batch_loss, loss_type=cfg.loss_type, beta=cfg.beta,
-                                label_smoothing=cfg.label_smoothing)
+                                label_smoothing=cfg.label_smoothing, hyper={"simpo_gamma": cfg.simpo_gamma})
         return self.fit(plan["total_steps"], tracker)
 
     def train_step(self) -> list[dict]:
@@ -298,7 +303,7 @@ class DPOTrainer(EpochTrainer):
             b = {k: v.to(acc.device) for k, v in b.items()}
             c, r, cl, rl = concatenated_logps(model, b)
             per_pair, stats = preference_loss(cfg.loss_type, c, r, _dev(ref_c, acc), _dev(ref_r, acc), cl, rl,
-                                              cfg.beta, cfg.label_smoothing)
+                                              cfg.beta, cfg.label_smoothing, {"simpo_gamma": cfg.simpo_gamma})
             w = weight.to(acc.device)
             for k, v in {"loss": per_pair, **stats}.items():
                 totals[k] = totals.get(k, 0.0) + (v.float() * w).sum()

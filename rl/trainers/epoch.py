@@ -32,8 +32,8 @@ class EpochTrainer(Trainer):
         if self._batch_index == plan["steps_per_epoch"]:
             self._epoch, self._batch_index, self._order = self._epoch + 1, 0, None
         if self._order is None:
-            self._order = torch.randperm(self._n_train,
-                                         generator=torch.Generator().manual_seed(self.cfg.seed + self._epoch))
+            self._order = torch.randperm(self._n_train, generator=torch.Generator().manual_seed(
+                self.cfg.seed + self._epoch)) if getattr(self.cfg, "shuffle", True) else torch.arange(self._n_train)
         g = plan["global_batch"]
         ids = self._order[self._batch_index * g:(self._batch_index + 1) * g].tolist()
         self._batch_index += 1

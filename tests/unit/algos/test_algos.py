@@ -28,7 +28,7 @@ def test_registry_lists_every_kind_and_errors_name_the_valid_choices():
     assert algos.names("advantage_estimator") == ("grpo", "dr_grpo", "rloo", "reinforce_pp")
     assert algos.names("policy_loss") == ("importance_sampling", "ppo", "cispo", "dro", "gspo")
     assert algos.names("kl_estimator") == ("k1", "k2", "k3")
-    assert algos.names("preference_loss") == ("sigmoid", "ipo", "hinge", "orpo")
+    assert algos.names("preference_loss") == ("sigmoid", "ipo", "hinge", "orpo", "simpo")
     with pytest.raises(ValueError) as e:
         algos.get("advantage_estimator", "gpro")
     msg = str(e.value)
