@@ -26,8 +26,9 @@ def one(impl: str, B: int, N: int, threads: int) -> dict:
 
     torch.set_num_threads(threads)
     sys.path.insert(0, str(ROOT))
-    from rl.algos.advantages import gae
     from tests.test_algos import quadratic_gae
+
+    from rl.algos.advantages import gae
 
     g = torch.Generator().manual_seed(0)
     rewards, values = torch.randn(B, N, generator=g), torch.randn(B, N, generator=g)

@@ -117,7 +117,6 @@ def _prompts(spec) -> list[str]:
 def side_ours(spec) -> dict:
     """Our trainer; the rollout's per-completion lengths are recorded by wrapping the sampler."""
     import rl.trainers.grpo as grpo
-
     from rl.config.fields import build
 
     _threads(spec)

@@ -20,14 +20,13 @@ import logging
 
 import torch
 
+from rl.data.chat import render_chat, with_bos
 from rl.data.records import (
     LengthReport,
     load_records,
     read_records,
-    render_chat,
     source_options,
     where,
-    with_bos,
 )
 from rl.errors import ConfigError, DataError
 

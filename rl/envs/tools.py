@@ -32,7 +32,7 @@ from dataclasses import dataclass
 from fractions import Fraction
 from typing import Callable
 
-from rl.data.records import render_chat
+from rl.data.chat import render_chat
 from rl.envs import sandbox
 
 TOOL_OPEN, TOOL_CLOSE = "<tool>", "</tool>"

@@ -16,14 +16,8 @@ from __future__ import annotations
 
 import torch
 
-from rl.data.records import (
-    read_records,
-    render_chat,
-    source_name,
-    source_options,
-    where,
-    with_bos,
-)
+from rl.data.chat import render_chat, with_bos
+from rl.data.records import read_records, source_name, source_options, where
 from rl.errors import DataError
 
 

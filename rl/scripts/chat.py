@@ -136,13 +136,13 @@ def main(argv=None) -> None:
         if prompts is not None and any(isinstance(p, list) for p in prompts) and not has_template:
             raise ConfigError(f"{a.prompts_file}: 'messages' rows need a tokenizer with a chat template; "
                               f"{a.model}'s has none (use 'prompt' rows)")
+        prompt_ids = [encode(tok, p, chat) for p in prompts] if prompts is not None else None
     except (ConfigError, OSError, ValueError) as e:
         fail(str(e).splitlines()[0] if str(e) else type(e).__name__)
     if prompts is None:
         interactive(model, tok, a, chat)
         return
-    replies = complete(model, tok, [encode(tok, p, chat) for p in prompts], a.max_new_tokens, a.temperature,
-                       a.top_p, a.seed)
+    replies = complete(model, tok, prompt_ids, a.max_new_tokens, a.temperature, a.top_p, a.seed)
     for prompt, reply in zip(prompts, replies):
         shown = prompt if isinstance(prompt, str) else prompt[-1]["content"]
         print(f">>> {shown}\n{reply}\n", flush=True)

@@ -132,14 +132,17 @@ def evaluate(a, model_name: str, reward_fn, examples: list[dict]) -> dict:
                            batch_size=a.batch_size)
     try:
         result = score(reward_fn, examples, completions, a.threshold)
-    except ValueError as e:  # a reward that rejects the rows (e.g. correctness without answers)
-        fail(f"--reward {a.reward}: {e}", code=1)
+    except Exception as e:  # noqa: BLE001 - the user's reward function failing: one line naming it
+        why = str(e).splitlines()[0] if str(e) else ""
+        fail(f"--reward {a.reward}: raised {type(e).__name__}{': ' + why if why else ''}", code=1)
     return {"model": model_name, "data": a.data, "reward": a.reward, "threshold": a.threshold,
             "chat_template": chat, **result}
 
 
 def main(argv=None) -> None:
     a = parse_args(argv)
+    if a.out and Path(a.out).is_dir():  # checked now, not after the whole evaluation ran
+        fail(f"--out {a.out} is a directory; give a file name such as {Path(a.out) / 'eval.json'}")
     try:
         reward_fn = get_reward_fn(a.reward)
         examples = load_examples(a)  # the data is checked before any model is loaded

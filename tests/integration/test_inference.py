@@ -41,7 +41,7 @@ def test_encode_matches_training_and_greedy_matches_transformers(loaded, tiny_ll
     assert ids[0] == tok.bos_token_id and ids.count(tok.bos_token_id) == 1
     # the saved tiny tokenizer adds BOS itself (its post-processor), so a plain `tok(prompt)` is the
     # training prompt, and code that also adds BOS (with_bos) does not double it
-    from rl.data.records import with_bos
+    from rl.data.chat import with_bos
 
     assert tok("12+7=")["input_ids"] == ids == with_bos(tok, tok("12+7=")["input_ids"])
     assert tok("12+7=", add_special_tokens=False)["input_ids"] == ids[1:]
@@ -166,3 +166,70 @@ def test_chat_prompts_file_and_stdin(tmp_path, tiny_llama, loaded, capsys, monke
     monkeypatch.setattr("sys.stdin", io.StringIO("12+7=\n\n3+4=\n"))  # not a terminal: one prompt per line
     chat.main(["--model", tiny_llama, "--chat-template", "no", "--max-new-tokens", "4"])
     assert capsys.readouterr().out == f"{replies[0]}\n{replies[1]}\n"
+
+
+def _one_error_line(capsys, fn, argv, code=2) -> str:
+    with pytest.raises(SystemExit) as e:
+        fn(argv)
+    err = capsys.readouterr().err
+    lines = [line for line in err.splitlines() if line.strip()]
+    assert e.value.code == code and "Traceback" not in err and lines and lines[-1].startswith("error: "), err[-2000:]
+    return lines[-1]
+
+
+def test_chat_and_eval_refuse_broken_or_wrong_models_in_one_line(tiny_llama, tmp_path, capsys):
+    """Each class once, through the public entry points: a missing local directory (was transformers' "Repo
+    id must be in the form ..."), a reward model taken for a policy (a full fine-tune: it loaded and
+    answered), a truncated model.safetensors (SafetensorError), a chat template with a syntax error and one
+    that tries to leave the Jinja sandbox (TemplateSyntaxError / SecurityError), a pickled adapter
+    (UnpicklingError), a reward function raising anything but ValueError, `--out` naming a directory (after
+    the whole evaluation ran)."""
+    import json
+    import shutil
+
+    from rl.models.sources import resolve_model_path
+
+    chat, ev = _launch("chat").main, _launch("eval").main
+    line = _one_error_line(capsys, chat, ["--model", str(tmp_path / "nope"), "--prompt", "hi"])
+    assert "no such file or directory" in line
+    line = _one_error_line(capsys, chat, ["--model", resolve_model_path("tiny:llama-classifier"), "--prompt", "hi"])
+    assert "is a reward model" in line
+    cut = tmp_path / "cut"
+    shutil.copytree(tiny_llama, cut)
+    weights = cut / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:1000])
+    assert "safetensors file cannot be read" in _one_error_line(capsys, chat, ["--model", str(cut), "--prompt", "hi"])
+    for name, template, said in (("syntax", "{% if %}", "cannot be rendered"),
+                                 ("escape", "{{ ''.__class__.__mro__ }}", "tried to leave the Jinja sandbox")):
+        bad = tmp_path / name
+        shutil.copytree(tiny_llama, bad)
+        cfg = json.loads((bad / "tokenizer_config.json").read_text())
+        cfg["chat_template"] = template
+        (bad / "tokenizer_config.json").write_text(json.dumps(cfg))
+        (bad / "chat_template.jinja").unlink(missing_ok=True)
+        line = _one_error_line(capsys, chat, ["--model", str(bad), "--prompt", "hi", "--chat-template", "yes"])
+        assert said in line and "chat_template" in line, line
+    adapter = tmp_path / "adapter"
+    adapter.mkdir()
+    (adapter / "adapter_config.json").write_text(json.dumps({"base_model_name_or_path": tiny_llama,
+                                                             "peft_type": "LORA", "r": 2, "lora_alpha": 4,
+                                                             "target_modules": ["q_proj"]}))
+    import pickle
+
+    (adapter / "adapter_model.bin").write_bytes(pickle.dumps({"x": shutil.Error("a pickled object, not a tensor")}))
+    assert "refused to unpickle" in _one_error_line(capsys, chat, ["--model", str(adapter), "--prompt", "hi"])
+    data = tmp_path / "q.jsonl"
+    data.write_text(json.dumps({"prompt": "1+1=", "answer": "2"}) + "\n")
+    (tmp_path / "rewards_that_break.py").write_text("def score(prompts, completions, metadata=None):\n"
+                                                    "    raise KeyError('answer')\n")
+    import sys
+
+    sys.path.insert(0, str(tmp_path))
+    try:
+        line = _one_error_line(capsys, ev, ["--model", tiny_llama, "--data", str(data), "--reward",
+                                            "rewards_that_break:score", "--max-new-tokens", "2"], code=1)
+    finally:
+        sys.path.remove(str(tmp_path))
+    assert "raised KeyError" in line
+    line = _one_error_line(capsys, ev, ["--model", tiny_llama, "--data", str(data), "--out", str(tmp_path)])
+    assert "is a directory" in line

@@ -4,7 +4,8 @@ import json
 
 import pytest
 
-from rl.data.records import LengthReport, load_records, render_chat
+from rl.data.chat import render_chat
+from rl.data.records import LengthReport, load_records
 from rl.errors import DataError
 
 
