@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import os
 import sys
+import traceback
 from pathlib import Path
 
 from rl.config.parse import cli_config
@@ -18,9 +19,14 @@ from rl.models.reward_format import reward_model_problem
 from rl.models.sources import TINY_PREFIX
 from rl.models.tiny import FAMILIES
 
+_VERBOSE = False  # `verbose: true` in the recipe (set by preflight): the error line comes with its traceback
+
 
 def fail(message: str, code: int = 2):
-    """Print one `error:` line (no traceback) and exit: for mistakes in the user's input."""
+    """Print one `error:` line (no traceback, unless the recipe says `verbose: true`) and exit: for mistakes in
+    the user's input (2) and failures the user can act on (1)."""
+    if _VERBOSE and sys.exc_info()[0] is not None:
+        traceback.print_exc()
     print(f"error: {message}", file=sys.stderr)
     raise SystemExit(code)
 
@@ -149,7 +155,9 @@ def preflight(cfg) -> None:
     """`preflight_problems` for a launch script, right after parsing: the first problem is one
     `error:` line and exit 2, before any model is built. Also hides third-party noise unless
     `verbose: true` (`rl.engine.tracking.quiet_third_party`)."""
-    quiet_third_party(getattr(cfg, "verbose", False))  # first: before the libraries load
+    global _VERBOSE
+    _VERBOSE = bool(getattr(cfg, "verbose", False))
+    quiet_third_party(_VERBOSE)  # first: before the libraries load
     problems = preflight_problems(cfg)
     if problems:
         fail(problems[0])
