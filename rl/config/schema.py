@@ -96,6 +96,14 @@ def mixture_problem(mixture: list[dict], path: str | None) -> str | None:
     return None
 
 
+# HF/TRL's `optim` names (the ones this package implements, rl.engine.optim) and the optimizer state bytes
+# per trainable parameter each keeps (the dry-run memory plan counts them): AdamW's two fp32 moments are 8,
+# bitsandbytes' 8-bit moments 2, Adafactor's factored second moment about 0, plain SGD none.
+OPTIMIZER_STATE_BYTES = {"adamw_torch": 8, "adamw_torch_fused": 8, "adamw_8bit": 2, "paged_adamw_8bit": 2,
+                         "paged_adamw_32bit": 8, "adafactor": 0, "sgd": 0}
+OPTIMIZERS = tuple(OPTIMIZER_STATE_BYTES)
+
+
 def check_finite(cfg, prefix: str = "") -> None:
     """One rule for every float key of every schema, from a recipe, the command line or Python: the value is
     a finite number (a documented null stays null). NaN or inf would pass every range check (comparisons
@@ -120,7 +128,10 @@ class TrainConfig:
     output_dir: str = opt("runs/run", "where checkpoints, metrics, plots and the final model go")
     seed: int = opt(42, "random seed for initialisation, shuffling and sampling")
     learning_rate: float = opt(1e-5, "peak learning rate of AdamW")
-    weight_decay: float = opt(0.0, "AdamW weight decay")
+    optim: Literal[OPTIMIZERS] = opt("adamw_torch", "optimizer, by HF/TRL's names: adamw_torch, adamw_torch_fused, "
+                                     "adamw_8bit, paged_adamw_8bit, paged_adamw_32bit (bitsandbytes), "
+                                     "adafactor, sgd")
+    weight_decay: float = opt(0.0, "weight decay (AdamW's decoupled decay; no decay on biases and norms)")
     lr_scheduler: Literal["constant", "linear", "cosine"] = opt("linear", "schedule after warmup")
     warmup_ratio: float = opt(0.0, "fraction of the optimizer steps used for linear warmup")
     num_epochs: int = opt(1, "passes over the training data")

@@ -1,6 +1,8 @@
 """Optimizer and learning-rate schedule of every trainer.
 
-`build_optimizer`: AdamW over the trainable parameters, with no weight decay on biases and norms.
+`build_optimizer`: the recipe's `optim` (HF/TRL's names: adamw_torch by default, adamw_torch_fused,
+bitsandbytes' adamw_8bit / paged_adamw_8bit / paged_adamw_32bit, transformers' Adafactor, SGD) over the
+trainable parameters, with no weight decay on biases and norms.
 `build_scheduler`: linear warmup (`warmup_steps`, or `warmup_ratio` of the total), then constant,
 linear decay or cosine decay to zero over `total_steps`, as a `LambdaLR` stepped once per optimizer
 step (the pipeline steps it itself, not through accelerate's wrapper).
@@ -13,8 +15,8 @@ import math
 import torch
 
 
-def build_optimizer(model, learning_rate: float, weight_decay: float = 0.0):
-    """AdamW over trainable parameters; no decay on biases and norms (the usual transformer recipe)."""
+def build_optimizer(model, learning_rate: float, weight_decay: float = 0.0, optim: str = "adamw_torch"):
+    """`optim` over trainable parameters; no decay on biases and norms (the usual transformer recipe)."""
     decay, no_decay = [], []
     for name, p in model.named_parameters():
         if not p.requires_grad:
@@ -22,7 +24,22 @@ def build_optimizer(model, learning_rate: float, weight_decay: float = 0.0):
         (no_decay if p.ndim < 2 or "norm" in name.lower() else decay).append(p)
     groups = [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
     groups = [g for g in groups if g["params"]]
-    return torch.optim.AdamW(groups, lr=learning_rate)
+    if optim in ("adamw_torch", "adamw_torch_fused"):
+        return torch.optim.AdamW(groups, lr=learning_rate, fused=True if optim.endswith("fused") else None)
+    if optim in ("adamw_8bit", "paged_adamw_8bit", "paged_adamw_32bit"):
+        import bitsandbytes as bnb  # its 8-bit and paged optimizers run on the CPU too
+
+        cls = {"adamw_8bit": bnb.optim.AdamW8bit, "paged_adamw_8bit": bnb.optim.PagedAdamW8bit,
+               "paged_adamw_32bit": bnb.optim.PagedAdamW32bit}[optim]
+        return cls(groups, lr=learning_rate)
+    if optim == "adafactor":
+        from transformers.optimization import Adafactor
+
+        # an explicit learning rate, as HF's Trainer runs it (no relative step, no warmup of its own)
+        return Adafactor(groups, lr=learning_rate, scale_parameter=False, relative_step=False, warmup_init=False)
+    if optim == "sgd":
+        return torch.optim.SGD(groups, lr=learning_rate)
+    raise ValueError(f"unknown optim {optim!r}")
 
 
 def build_scheduler(optimizer, kind: str, total_steps: int, warmup_ratio: float = 0.0,

@@ -31,6 +31,7 @@ from pathlib import Path
 import yaml
 
 from rl.config.parse import to_dict
+from rl.config.schema import OPTIMIZER_STATE_BYTES
 from rl.models.saving import adapter_base
 from rl.models.sources import resolve_model_path
 from rl.scripts.common import KNOWN_CONFIGS
@@ -138,12 +139,13 @@ def zero_settings(ds_config: str | None = None) -> ZeroSettings:
 # ------------------------------------------------------------------------------- memory estimates
 
 def trainable_states_bytes(n: int, largest: int, world: int, zero: ZeroSettings, trainable: int | None = None,
-                           frozen_bytes: float = 2.0, mixed_precision: bool = True) -> int:
+                           frozen_bytes: float = 2.0, mixed_precision: bool = True, optim: str = "adamw_torch") -> int:
     """GPU bytes of weights + gradients + AdamW states of a model being trained (formulas in the module
     docstring). n: all parameters, trainable: those with gradients (default all), largest: biggest layer."""
     t = n if trainable is None else trainable
     frozen = (n - t) * frozen_bytes
     per = 18 if mixed_precision else 16  # fp32 training drops the 16-bit weight and gradient copies
+    per += OPTIMIZER_STATE_BYTES[optim] - 8  # the formulas' 8 are AdamW's two fp32 moments
     if zero.stage == 3:
         if zero.offload_param and zero.offload_optimizer:
             return int(4 * largest)
@@ -154,7 +156,7 @@ def trainable_states_bytes(n: int, largest: int, world: int, zero: ZeroSettings,
         if zero.offload_optimizer:
             return int(n * frozen_bytes)
         return int(n * frozen_bytes + per * t / world)
-    return int(16 * t + frozen)
+    return int((16 + OPTIMIZER_STATE_BYTES[optim] - 8) * t + frozen)
 
 
 def frozen_states_bytes(n: int, largest: int, world: int, zero: ZeroSettings, weight_bytes: float = 2.0) -> int:
@@ -225,7 +227,9 @@ def estimate_memory(cfg, models: dict, world: int, zero: ZeroSettings) -> list[d
                 n += pc.lora
                 note = (note + ", " if note else "") + f"LoRA r={cfg.lora.rank}"
             b = trainable_states_bytes(n, pc.largest_layer, world, zero, t, frozen_p,
-                                       mixed_precision=cfg.dtype != "float32")
+                                       mixed_precision=cfg.dtype != "float32", optim=cfg.optim)
+            if cfg.optim != "adamw_torch":
+                note = (note + ", " if note else "") + cfg.optim
         else:
             t = 0
             z = ZeroSettings(0, False, False, zero.source) if r["replicated"] else zero

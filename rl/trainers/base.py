@@ -250,7 +250,7 @@ class Trainer:
         head; checkpoints in `<run_dir>/checkpoints` unless `ckpt` says otherwise."""
         cfg = self.cfg
         optimizer = build_optimizer(model, cfg.learning_rate if learning_rate is None else learning_rate,
-                                    cfg.weight_decay)
+                                    cfg.weight_decay, cfg.optim)
         scheduler = build_scheduler(optimizer, cfg.lr_scheduler, total_steps, cfg.warmup_ratio, warmup_steps)
         return ForwardBackwardPipeline(
             model, gradient_accumulation_steps=cfg.gradient_accumulation_steps, optimizer=optimizer,

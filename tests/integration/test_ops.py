@@ -7,6 +7,7 @@ from __future__ import annotations
 import contextlib
 import importlib.util
 import io
+import math
 import re
 import sys
 
@@ -264,3 +265,39 @@ def test_recipe_validates_and_dry_runs(recipe, capsys, monkeypatch):
     out = capsys.readouterr().out
     assert "world_size: 1" in out and "GiB/GPU" in out, f"{recipe}: the dry run printed no memory table"
     assert re.search(r"policy \(trainable\)|reward model \(trainable\)", out)
+
+
+@pytest.mark.parametrize("optim", ["adamw_torch", "adamw_torch_fused", "adamw_8bit", "paged_adamw_8bit",
+                                   "paged_adamw_32bit", "adafactor", "sgd"])
+def test_trl_optimizer_names_train_and_unknown_is_exit_2(optim, tmp_path, tiny_llama):
+    """`optim` takes HF/TRL's names; each one steps the tiny model on this CPU (bitsandbytes' 8-bit and
+    paged optimizers included) and moves its weights; an unknown name is one line listing the choices."""
+    from rl.config.fields import build
+    from rl.config.parse import parse_config
+    from rl.data.sft import tokenize_examples
+    from rl.errors import ConfigError
+    from rl.trainers.sft import SFTConfig, SFTTrainer
+
+    cfg = build(SFTConfig, {"model_name": tiny_llama, "output_dir": str(tmp_path), "max_steps": 2, "batch_size": 2,
+                            "report_to": ["none"], "learning_rate": 1e-2, "optim": optim})
+    trainer = SFTTrainer(cfg)
+    before = [p.detach().clone() for p in trainer._model.parameters()]
+    data = tokenize_examples([{"prompt": f"{i}+1=", "completion": str(i + 1)} for i in range(4)], trainer.tokenizer, cfg)
+    history = trainer.train(data)
+    assert len(history) == 2 and all(math.isfinite(r["loss"]) for r in history)
+    moved = max((a - b.detach()).abs().max().item() for a, b in zip(before, trainer.pipeline.unwrapped_model.parameters()))
+    assert moved > 0, optim
+    if optim == "adamw_torch":
+        with pytest.raises(ConfigError, match="key 'optim'.*adamw_8bit.*sgd"):
+            parse_config(SFTConfig, ["--model_name", "m", "optim=adam"])
+
+
+def test_dry_run_counts_8bit_optimizer_states():
+    """The memory plan: 8-bit AdamW keeps 2 bytes of moments per trainable parameter instead of 8."""
+    from rl.scripts.dryrun import ZeroSettings, trainable_states_bytes
+
+    ddp = ZeroSettings(0, False, False, None)
+    assert trainable_states_bytes(1000, 100, 1, ddp) == 16000
+    assert trainable_states_bytes(1000, 100, 1, ddp, optim="adamw_8bit") == 10000
+    assert trainable_states_bytes(1000, 100, 4, ZeroSettings(3, False, False, None), optim="paged_adamw_8bit") == \
+        400 + 12 * 1000 // 4
