@@ -108,7 +108,7 @@ def sloppy_teacher(records: list[dict], error_rate: float, seed: int) -> list[di
     return out
 
 
-def plot_accuracy(history: list[dict], before: float, after: float, path: Path) -> None:
+def plot_accuracy(history: list[dict], before: float, after: float, path: Path, start: str = "SFT") -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -119,7 +119,7 @@ def plot_accuracy(history: list[dict], before: float, after: float, path: Path) 
     ax.plot([p[0] for p in pts], [100 * p[1] for p in pts], marker="o")
     ax.set_xlabel("GRPO step")
     ax.set_ylabel("held-out exact match (%)")
-    ax.set_title(f"SFT {100 * before:.1f}% -> GRPO {100 * after:.1f}%", fontsize=10)
+    ax.set_title(f"{start} {100 * before:.1f}% -> GRPO {100 * after:.1f}%", fontsize=10)  # start: no SFT stage
     fig.tight_layout()
     fig.savefig(path, dpi=90)
     plt.close(fig)
@@ -183,14 +183,16 @@ def main(argv=None) -> None:
                  if "eval/tool_call_rate" in evals[i]}
         if sampled:
             tools.update(first_step_sampled_tool_call_rate=sampled[0], last_step_sampled_tool_call_rate=sampled[-1])
-        summary = {"sft_accuracy": before, "grpo_accuracy": after, "improvement": after - before, **tools,
+        # rounded as measured: accuracies are counts over eval_problems (0.45, not 0.45000000000000007)
+        summary = {"sft_accuracy": round(before, 6), "grpo_accuracy": round(after, 6),
+                   "improvement": round(after - before, 6), **{k: round(v, 6) for k, v in tools.items()},
                    "eval_problems": evals[0]["eval/num_prompts"],
                    "sft_steps": 0 if cfg.skip_sft else sft_cfg.max_steps,
                    "grpo_steps": grpo_cfg.max_steps, "seconds": round(time.time() - t0, 1),
-                   "seconds_sft": round(t_sft, 1), "models": {"sft": str(out / "sft"), "grpo": str(out / "grpo")}}
+                   "seconds_sft": round(t_sft, 1), "models": {**({} if cfg.skip_sft else {"sft": str(out / "sft")}), "grpo": str(out / "grpo")}}
         (out / "summary.json").write_text(json.dumps(summary, indent=2))
-        plot_accuracy(history, before, after, out / "accuracy.png")
         start = "start" if cfg.skip_sft else "SFT"
+        plot_accuracy(history, before, after, out / "accuracy.png", start)
         print(f"held-out exact match ({summary['eval_problems']} problems): {start} {100 * before:.1f}% -> "
               f"GRPO {100 * after:.1f}% ({100 * (after - before):+.1f} points) in {summary['seconds']:.0f} s; "
               f"plots: {out}/accuracy.png, {'' if cfg.skip_sft else f'{out}/sft/metrics.png, '}{out}/grpo/metrics.png")

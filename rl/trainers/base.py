@@ -265,6 +265,11 @@ class Trainer:
     def world(self) -> int:
         return self.accelerator.num_processes
 
+    @property
+    def processes(self) -> str:
+        """"1 process" / "2 processes", for the run's first line."""
+        return f"{self.world} process{'es' if self.world != 1 else ''}"
+
     # ------------------------------------------------------------------ the lifecycle
     def fit(self, total_steps: int, tracker, eval_at_start: bool = False) -> list[dict]:
         """Run `train_step` until `current_step` reaches `total_steps`; returns the metric rows."""

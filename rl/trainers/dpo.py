@@ -237,7 +237,7 @@ class DPOTrainer(EpochTrainer):
             self._setup(plan["total_steps"])
         tracker = self.open_run(plan["total_steps"], desc=f"dpo[{cfg.loss_type}]")
         tracker.write(f"dpo: {len(dataset)} pairs, {plan['total_steps']} steps, global batch {plan['global_batch']} "
-                      f"pairs ({self.world} processes, ZeRO stage {zero_stage(acc)}), loss {cfg.loss_type}, "
+                      f"pairs ({self.processes}, ZeRO stage {zero_stage(acc)}), loss {cfg.loss_type}, "
                       f"reference {'precomputed' if cfg.precompute_ref_logps else self.ref_mode}, trainable "
                       f"{self.trainable:,}/{self.total_params:,} parameters")
         if plan["warning"]:

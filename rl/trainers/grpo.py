@@ -189,7 +189,7 @@ class GRPOTrainer(OnlineTrainer):
         self.reference.place(acc)
         tracker.write(f"grpo ({cfg.advantage_estimator}, {cfg.loss_aggregation}): {plan['total_steps']} steps of "
                       f"{plan['prompts_per_step']} prompts x {cfg.num_generations} generations "
-                      f"({self.world} processes, ZeRO stage {zero_stage(acc)}), beta {cfg.beta}, "
+                      f"({self.processes}, ZeRO stage {zero_stage(acc)}), beta {cfg.beta}, "
                       f"trainable {self.trainable:,}/{self.total_params:,} parameters")
         self._eval_set = unique_eval_set(self.eval_env, cfg.eval_num_prompts) if self.eval_env is not None else None
         # the held-out accuracy before the first step is the starting point's (the pipeline reports it)

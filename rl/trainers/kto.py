@@ -158,8 +158,8 @@ class KTOTrainer(EpochTrainer):
         tracker = self.open_run(plan["total_steps"], desc="kto")
         n_des = sum(e["label"] for e in dataset.examples)
         tracker.write(f"kto: {len(dataset)} rows ({n_des} desirable, {len(dataset) - n_des} undesirable), "
-                      f"{plan['total_steps']} steps, global batch {plan['global_batch']} rows ({self.world} "
-                      f"processes, ZeRO stage {zero_stage(self.accelerator)}), reference {self.reference.mode}, "
+                      f"{plan['total_steps']} steps, global batch {plan['global_batch']} rows ({self.processes}, "
+                      f"ZeRO stage {zero_stage(self.accelerator)}), reference {self.reference.mode}, "
                       f"trainable {self.trainable:,}/{self.total_params:,} parameters")
         if plan["warning"]:
             tracker.write(plan["warning"])

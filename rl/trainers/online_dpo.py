@@ -187,7 +187,7 @@ class OnlineDPOTrainer(OnlineTrainer):
         self.pipeline = self.build_pipeline(self._model, plan["total_steps"], 2 * cfg.batch_size)  # 2 per prompt
         self.reference.place(acc)
         tracker.write(f"online_dpo ({cfg.loss_type}, beta {cfg.beta}): {plan['total_steps']} steps of "
-                      f"{plan['prompts_per_step']} prompts x 2 samples ({self.world} processes, ZeRO stage "
+                      f"{plan['prompts_per_step']} prompts x 2 samples ({self.processes}, ZeRO stage "
                       f"{zero_stage(acc)}), reference {self.reference.description}, trainable "
                       f"{self.trainable:,}/{self.total_params:,} parameters")
         self._eval_set = unique_eval_set(self.eval_env, cfg.eval_num_prompts) if self.eval_env is not None else None

@@ -289,7 +289,7 @@ class PPOTrainer(Trainer):
         self._setup(plan)
         n_train, n_all = trainable_fraction(self.policy)
         tracker.write(f"ppo: {len(prompts)} prompts, {plan['iterations']} iterations x {plan['global_batch']} "
-                      f"rollouts, {plan['steps_per_iteration']} optimizer steps each; {self.world} process(es), "
+                      f"rollouts, {plan['steps_per_iteration']} optimizer steps each; {self.processes}, "
                       f"ZeRO stage {zero_stage(acc)}; trainable {n_train:,}/{n_all:,} parameters; "
                       f"reward: {self.reward.name}; value: {cfg.value_model}; reference: "
                       f"{self.reference.description}")

@@ -112,7 +112,7 @@ class RewardModelTrainer(EpochTrainer):
                           plot_keys=["loss", "accuracy", "margin", "eval/accuracy", "learning_rate"])
         n_train, n_all = trainable_fraction(self.model)
         tracker.write(f"reward model: {n_train:,} of {n_all:,} parameters trainable ({100 * n_train / n_all:.2f}%), "
-                      f"{len(train)} pairs, {self.accelerator.num_processes} process(es)")
+                      f"{len(train)} pairs, {self.processes}")
         eval_data = ({"chosen": evals.chosen, "rejected": evals.rejected, "prompts": evals.prompts,
                       "margins": evals.margins} if evals is not None else None)
         return self.train_on_preferences(

@@ -74,7 +74,7 @@ class SFTTrainer(EpochTrainer):
         self.pipeline = self.build_pipeline(self._model, plan["total_steps"], cfg.batch_size)
         tracker = self.open_run(plan["total_steps"], desc="sft")
         tracker.write(f"sft: {len(train_examples)} examples, {plan['total_steps']} steps, global batch "
-                      f"{plan['global_batch']} ({self.world} processes, ZeRO stage {zero_stage(acc)}), "
+                      f"{plan['global_batch']} ({self.processes}, ZeRO stage {zero_stage(acc)}), "
                       f"trainable {self.trainable:,}/{self.total_params:,} parameters")
         if plan["warning"]:
             tracker.write(plan["warning"])
