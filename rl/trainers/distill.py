@@ -10,9 +10,12 @@ teacher over prompt + completion give, at every completion token t,
 
     loss = mean over completion tokens of JSD_beta(student(.|x, y_<t), teacher(.|x, y_<t))
 
-(`rl.algos.distill.generalized_jsd`: beta = 0 forward KL, 1 reverse KL, both distributions at
-`temperature`). The mean is over every completion token of the whole optimizer step (all micro-batches,
-all processes), as SFT's normalisation, so gradient accumulation is exact.
+(`rl.algos.distill.generalized_jsd`: beta = 0 forward KL, 1 reverse KL). `temperature` is the sampling
+temperature; the loss compares the two distributions at temperature 1, as TRL 1.16's
+GKDTrainer.compute_loss does (it calls generalized_jsd_loss without its temperature). The mean is over
+every completion token of the whole optimizer step (all micro-batches, all processes), as SFT's
+normalisation, so gradient accumulation is exact (TRL normalises by num_items_in_batch counted on the
+data's labels, before an on-policy step replaces them).
 
 Deviations and choices:
 * The supervised completion is tokenised as SFT does (no BOS, EOS appended), cut at max_completion_length.
@@ -54,7 +57,8 @@ class DistillConfig(OnlineConfig):
                        "else the data's completions (TRL's name)")
     beta: float = opt(0.5, "interpolation of the generalised JSD: 0 forward KL(teacher||student), 1 reverse "
                       "KL(student||teacher)")
-    temperature: float = opt(0.9, "temperature of the student's sampling and of both distributions in the loss")
+    temperature: float = opt(0.9, "sampling temperature (student, and teacher with seq_kd); the loss compares the "
+                             "distributions at temperature 1, as TRL's GKDTrainer")
     max_new_tokens: int | None = opt(None, "TRL's name for max_completion_length (overrides it when set)")
     seq_kd: bool = opt(False, "sequence-level KD: off-policy steps train on the teacher's samples instead of "
                        "the data's completions")
@@ -228,7 +232,7 @@ class DistillTrainer(Trainer):
             s = slice(m * cfg.batch_size, (m + 1) * cfg.batch_size)
             b = {key: v[s] for key, v in batch.items()}
             loss_fn = partial(distill_loss, teacher_logits=self._teacher_logits(b), beta=cfg.beta,
-                              temperature=cfg.temperature, scale=scale)
+                              temperature=1.0, scale=scale)  # TRL's GKD: sampling temperature only
             r = pipe.forward_backward(b["input_ids"], b["attention_mask"], b["labels"], loss_fn=loss_fn,
                                       position_ids=b["position_ids"]).result()
             jsd_sum += r.metrics["jsd_sum"]

@@ -3,6 +3,7 @@ logits, accumulation is exact, the recipe runs and saves, resume equals an unint
 
 from __future__ import annotations
 
+import copy
 import json
 
 import pytest
@@ -44,6 +45,18 @@ def test_config_checks(tiny_llama):
     assert _cfg(tiny_llama, "tiny:qwen2", "/tmp/unused", max_new_tokens=5).max_completion_length == 5
 
 
+def _trl_gkd_loss(student, teacher, b, beta: float) -> float:
+    """TRL 1.16's GKDTrainer.compute_loss on batch `b` (its own forwards, no position ids: `b` must have no left
+    padding), through a stand-in `self` holding what the method reads."""
+    from types import SimpleNamespace
+
+    gkd = pytest.importorskip("trl.experimental.gkd.gkd_trainer")
+    assert bool(b["attention_mask"][:, 0].all()), "equal-length prompts expected (no left padding)"
+    fake = SimpleNamespace(teacher_model=teacher, beta=beta, generalized_jsd_loss=gkd.GKDTrainer.generalized_jsd_loss)
+    with torch.no_grad():
+        return gkd.GKDTrainer.compute_loss(fake, student, {k: b[k] for k in ("input_ids", "attention_mask", "labels")}).item()
+
+
 def test_step_loss_is_jsd_of_the_two_models(tiny_llama, tiny_teacher, tiny_tokenizer, tmp_path, monkeypatch):
     """Off-policy step on fixed data rows: the logged loss equals rl.algos.distill.jsd_loss of the student's and
     the teacher's logits (one forward each over the whole step's batch) over completion tokens; accumulation
@@ -66,8 +79,13 @@ def test_step_loss_is_jsd_of_the_two_models(tiny_llama, tiny_teacher, tiny_token
         s = trainer._model(**kw).logits
         t = trainer.reference.model(**kw).logits
     mask = b["labels"][:, 1:] != -100
-    expected = jsd_loss(s[:, :-1], t[:, :-1], mask, beta=0.3, temperature=0.9).item()
+    expected = jsd_loss(s[:, :-1], t[:, :-1], mask, beta=0.3).item()
+    student0 = copy.deepcopy(trainer._model)
     hist = trainer.train()
+    trl_loss = _trl_gkd_loss(student0, trainer.reference.model, b, beta=0.3)
+    print(f"step loss {hist[0]['loss']:.9f} TRL GKDTrainer.compute_loss {trl_loss:.9f} "
+          f"diff {abs(hist[0]['loss'] - trl_loss):.3g}")
+    assert abs(hist[0]["loss"] - trl_loss) < 1e-6
     print(f"step loss {hist[0]['loss']:.9f} by hand {expected:.9f} diff {abs(hist[0]['loss'] - expected):.3g}")
     assert abs(hist[0]["loss"] - expected) < 1e-6, (hist[0]["loss"], expected)
     assert hist[0]["on_policy"] == 0.0 and expected > 0
@@ -84,8 +102,6 @@ def test_step_loss_is_jsd_of_the_two_models(tiny_llama, tiny_teacher, tiny_token
 def test_on_policy_step_loss_is_jsd_of_the_samples(tiny_llama, tiny_teacher, tiny_tokenizer, tmp_path, monkeypatch):
     """lmbda=1: the step trains on the student's samples; its loss is jsd_loss over the sampled completion
     tokens, from the initial student's and the teacher's logits."""
-    import copy
-
     from rl.algos.distill import jsd_loss
 
     monkeypatch.chdir(__import__("conftest").ROOT)
@@ -100,7 +116,7 @@ def test_on_policy_step_loss_is_jsd_of_the_samples(tiny_llama, tiny_teacher, tin
     with torch.no_grad():
         kw = dict(input_ids=b["input_ids"], attention_mask=b["attention_mask"], position_ids=b["position_ids"])
         s, t = student0(**kw).logits, trainer.reference.model(**kw).logits
-    expected = jsd_loss(s[:, :-1], t[:, :-1], b["labels"][:, 1:] != -100, beta=0.3, temperature=0.9).item()
+    expected = jsd_loss(s[:, :-1], t[:, :-1], b["labels"][:, 1:] != -100, beta=0.3).item()
     print(f"on-policy step loss {hist[0]['loss']:.9f} by hand {expected:.9f} diff {abs(hist[0]['loss'] - expected):.3g}")
     assert abs(hist[0]["loss"] - expected) < 1e-6
 
