@@ -152,7 +152,7 @@ class DistillTrainer(Trainer):
 
     @staticmethod
     def dry_run_models(cfg: DistillConfig) -> dict:
-        return {"student (trainable)": cfg.model_name, "teacher (frozen)": cfg.teacher_model_name}
+        return {"policy (trainable)": cfg.model_name, "teacher (frozen)": cfg.teacher_model_name}  # the student
 
     def plan(self) -> dict:
         """Derived sizes: prompts per step (per process and in all) and total steps."""
