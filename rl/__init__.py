@@ -26,6 +26,9 @@ _EXPORTS = {
     "ValueHead": "rl.models.value",
     "AdaptiveKLController": "rl.algos.kl",
     "FixedKLController": "rl.algos.kl",
+    # distillation (GKD)
+    "DistillConfig": "rl.trainers.distill",
+    "DistillTrainer": "rl.trainers.distill",
     # DPO
     "DPOConfig": "rl.trainers.dpo",
     "DPOTrainer": "rl.trainers.dpo",

@@ -29,6 +29,7 @@ TRAINERS = {
     "grpo": ("grpo", "rl.trainers.grpo_config:GRPOConfig"),
     "online_dpo": ("online_dpo", "rl.trainers.online_dpo:OnlineDPOConfig"),
     "kto": ("kto", "rl.trainers.kto:KTOConfig"),
+    "distill": ("distill", "rl.trainers.distill:DistillConfig"),
 }
 
 # reference flag (dashes as underscores) -> our recipe key; a tuple lists candidates, the first key the

@@ -51,7 +51,7 @@ def run_training(trainer, train, *args, **kwargs):
 
 # config keys that name a model: (key, what it must be). "reward" must score (a classifier).
 MODEL_KEYS = (("model_name", "model"), ("ref_model_name", "model"), ("ref_model", "model"),
-              ("critic_model_path", "model"), ("reward_model_path", "reward"))
+              ("teacher_model_name", "model"), ("critic_model_path", "model"), ("reward_model_path", "reward"))
 
 
 def _looks_like_path(name: str) -> bool:
