@@ -11,6 +11,13 @@ least --threshold. The default reward, `correctness`, is the math checker the tr
 numbers, then math-verify for LaTeX). Prompts are tokenised as in training: BOS once, then the prompt;
 with the chat template when the run was trained with it (its config.yaml), or with --chat-template yes.
 --data takes what data.path takes: a JSONL/JSON/CSV/Parquet file, a dataset folder or a Hub id.
+
+A run trained on an environment (its config.yaml names `env_type`, e.g. the main job's GRPO stage) is
+evaluated as it was trained and measured: --data's problems go through that environment (its prompt
+format, e.g. the math environment's `219+2=`, its answer check) with the run's own completion length and
+greedy decoding, the held-out evaluation the trainer ran (`rl.rollout.eval.greedy_eval`). So
+`python launch/eval.py --model runs/tiny-pipeline/grpo --data data/tiny/math_test.jsonl` reproduces the
+main job's GRPO figure. `--format plain` scores the raw prompts with --reward instead.
 """
 
 from __future__ import annotations
@@ -23,12 +30,16 @@ from pathlib import Path
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
+import yaml
+
 from rl.data.records import SUFFIXES, read_records, where
+from rl.envs.registry import make_env
 from rl.errors import (
     ConfigError,
     DataError,
 )
 from rl.rewards.functions import get_reward_fn
+from rl.rollout.eval import greedy_eval, unique_eval_set
 from rl.scripts.common import fail
 from rl.scripts.inference import chat_setting, complete, encode, load_for_inference
 
@@ -64,6 +75,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="weight dtype (auto: bf16 on a GPU that supports it, else fp32)")
     p.add_argument("--trust-remote-code", action="store_true",
                    help="allow the model's own Python code (only for models you trust)")
+    p.add_argument("--format", choices=("auto", "plain"), default="auto",
+                   help="auto (default): a run trained on an environment is evaluated through it, as its "
+                        "trainer measured held-out accuracy; plain: the raw prompts, scored by --reward")
     p.add_argument("--out", default=None,
                    help="write a JSON {\"runs\": [one per --model: summary and every example (prompt, "
                         "answer, completion, reward)]}")
@@ -118,8 +132,42 @@ def score(reward_fn, examples: list[dict], completions: list[str], threshold: fl
             "mean_reward": sum(rewards) / len(rewards), "examples": per_example}
 
 
+def saved_environment(model_name: str) -> dict | None:
+    """The run's config.yaml when it trained on an environment (`env_type`), else None."""
+    recipe = Path(model_name) / "config.yaml"
+    try:
+        saved = yaml.safe_load(recipe.read_text()) if recipe.is_file() else None
+    except (yaml.YAMLError, UnicodeDecodeError):
+        return None
+    return saved if isinstance(saved, dict) and saved.get("env_type") else None
+
+
+def evaluate_in_environment(a, model_name: str, saved: dict) -> dict:
+    """The trainer's own held-out measure on --data: the run's environment, prompt length and completion
+    length, greedy (`rl.rollout.eval.greedy_eval` over `unique_eval_set`, as GRPO and online DPO evaluate)."""
+    try:
+        model, tok = load_for_inference(model_name, a.dtype, a.trust_remote_code)
+        env_config = {**(saved.get("env_config") or {}), **(saved.get("eval_env_config") or {}), "problems_path": a.data}
+        env = make_env(saved["env_type"], tok, env_config)
+        prompts, metas = unique_eval_set(env, a.max_examples or int(saved.get("eval_num_prompts") or 10 ** 9))
+    except (ConfigError, DataError, OSError, ValueError, TypeError) as e:
+        fail(f"--model {model_name}: its environment {saved['env_type']!r} cannot read {a.data} "
+             f"({str(e).splitlines()[0] if str(e) else type(e).__name__}); use --format plain")
+    max_new = int(saved.get("max_completion_length") or a.max_new_tokens)
+    budget = int(saved.get("max_length") or 512) - max_new
+    chat = chat_setting(model_name, a.chat_template, default=False)
+    m = greedy_eval(model, tok, env, prompts, metas, max_new, budget, batch_size=a.batch_size, chat=chat)
+    n = m["eval/num_prompts"]
+    return {"model": model_name, "data": a.data, "environment": saved["env_type"], "chat_template": chat,
+            "n": n, "correct": round(m["eval/accuracy"] * n), "accuracy": m["eval/accuracy"],
+            "mean_reward": m["eval/reward"], "max_new_tokens": max_new}
+
+
 def evaluate(a, model_name: str, reward_fn, examples: list[dict]) -> dict:
     """One model's summary and per-example results on `examples`."""
+    saved = saved_environment(model_name) if a.format == "auto" else None
+    if saved is not None:
+        return evaluate_in_environment(a, model_name, saved)
     try:
         model, tok = load_for_inference(model_name, a.dtype, a.trust_remote_code)
         chat = chat_setting(model_name, a.chat_template, default=False)
@@ -156,8 +204,9 @@ def main(argv=None) -> None:
     runs = []
     for model_name in a.model:  # one at a time: only one model is in memory
         run = evaluate(a, model_name, reward_fn, examples)
+        how = f"  (its {run['environment']} environment, as trained)" if "environment" in run else ""
         print(f"accuracy {run['accuracy']:.3f} ({run['correct']}/{run['n']})  mean reward "
-              f"{run['mean_reward']:.3f}  model {model_name}  data {a.data}", flush=True)
+              f"{run['mean_reward']:.3f}  model {model_name}  data {a.data}{how}", flush=True)
         runs.append(run)
     if a.out:
         Path(a.out).parent.mkdir(parents=True, exist_ok=True)

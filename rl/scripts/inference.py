@@ -33,6 +33,9 @@ def load_for_inference(name: str, dtype: str = "auto", trust_remote_code: bool =
     """(model in eval mode, tokenizer with left padding) for an output directory, hub id or tiny name.
 
     A directory with adapter_config.json is a PEFT adapter: base model + adapter, merged."""
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()  # transformers' "Loading weights" bar is noise in chat and eval output
     path = Path(name)
     check_source(name, name)  # a missing directory, a reward model: one line before anything loads
     adapter = path / "adapter_config.json"

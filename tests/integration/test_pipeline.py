@@ -35,6 +35,12 @@ def test_tiny_pipeline_raises_heldout_accuracy(tmp_path):
     for stage in ("sft", "grpo"):  # each stage's model card names its trainer and final metrics
         card = (out / stage / "README.md").read_text()
         assert f"**{stage}** trainer" in card and "## Final metrics" in card
+    # launch/eval.py on the GRPO run and the shipped held-out file reproduces the main job's figure: it
+    # evaluates through the run's own environment (prompts "219+2=", its answer check and lengths)
+    ev = run_cmd([sys.executable, "launch/eval.py", "--model", str(out / "grpo"), "--data", "data/tiny/math_test.jsonl"])
+    n = round(summary["grpo_accuracy"] * 200)
+    assert f"accuracy {summary['grpo_accuracy']:.3f} ({n}/200)" in ev.stdout, (ev.stdout, summary)
+    assert "Loading weights" not in ev.stdout + ev.stderr  # transformers' loading bar stays hidden
 
 
 def test_pipeline_bad_key_fails_fast(tmp_path):
