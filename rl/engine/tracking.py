@@ -74,9 +74,11 @@ def build_trackers(report_to, output_dir: Path, run_name: str, config: dict) -> 
             # an unreachable server fails in seconds, not after MLflow's default minutes of retries
             os.environ.setdefault("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "1")
             os.environ.setdefault("MLFLOW_HTTP_REQUEST_TIMEOUT", "10")
-            if not os.environ.get("MLFLOW_TRACKING_URI"):
-                import mlflow
+            import mlflow
 
+            if os.environ.get("MLFLOW_TRACKING_URI"):  # the user's server wins over an earlier run's store
+                mlflow.set_tracking_uri(os.environ["MLFLOW_TRACKING_URI"])
+            else:
                 # MLflow 3's own default is sqlite:///mlflow.db in the working directory, which needs
                 # SQLAlchemy (mlflow-skinny has none); its file store needs this opt-in since 3.x
                 os.environ.setdefault("MLFLOW_ALLOW_FILE_STORE", "true")

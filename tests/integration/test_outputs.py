@@ -256,7 +256,7 @@ def test_reward_checkpoint_loads_as_a_sequence_classifier_and_resumes(tiny_llama
         from rl.errors import ConfigError
         from rl.models.loading import load_causal_lm
 
-        with pytest.raises(ConfigError, match="is a reward model .LoRA adapter of a classifier., not a causal LM"):
+        with pytest.raises(ConfigError, match="is a reward model .a classifier, as launch/reward.py writes it., not a causal LM"):
             load_causal_lm(str(ckpt))
 
 

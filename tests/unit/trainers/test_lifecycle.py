@@ -192,8 +192,9 @@ def test_diverging_run_stops_at_the_first_non_finite_loss(trainer, tmp_path, tin
 
 
 def test_learning_rate_zero_or_nan_is_refused():
-    for lr in (0.0, float("nan"), -1e-3):
-        with pytest.raises(ConfigError, match="learning_rate' must be a positive number"):
+    for lr, said in ((0.0, "must be a positive number"), (float("nan"), "must be a finite number"),
+                     (-1e-3, "must be a positive number")):
+        with pytest.raises(ConfigError, match=f"learning_rate' {said}"):
             build(SFTConfig, {"model_name": "m", "learning_rate": lr})
 
 
