@@ -33,12 +33,16 @@ TESTS = [
     "tests/integration/test_ppo_e2e.py::test_ppo_learns_char_fraction_with_bounded_kl",
     "tests/integration/test_pipeline.py::test_tiny_pipeline_raises_heldout_accuracy",
     "tests/unit/trainers/test_online_dpo.py::test_it_learns_a_printable_fraction",
+    "tests/integration/test_simpo_launch.py::test_simpo_recipe_runs_and_learns",
+    "tests/unit/trainers/test_kto.py::test_kto_recipe_runs_and_learns",
+    "tests/unit/trainers/test_distill.py::test_it_learns_the_student_moves_toward_the_teacher",
 ]
 # name -> (threshold, direction): the bound each test asserts
 THRESHOLDS = {"sft_loss_ratio": (0.5, "<"), "reward_heldout_accuracy": (0.95, ">="),
               "dpo_heldout_accuracy": (0.9, ">="), "grpo_reward_gain": (0.2, ">"),
               "ppo_reward_ratio": (2.0, ">="), "ppo_reward_end": (0.03, ">"), "ppo_max_kl": (50.0, "<"), "pipeline_gain": (0.10, ">="),
-              "online_dpo_score_gain": (0.15, ">")}
+              "online_dpo_score_gain": (0.15, ">"), "simpo_eval_accuracy": (0.6, ">="),
+              "kto_eval_margin": (0.2, ">"), "distill_jsd_ratio": (0.9, "<=")}
 AVX2 = {"ATEN_CPU_CAPABILITY": "avx2", "MKL_ENABLE_INSTRUCTIONS": "AVX2", "ONEDNN_MAX_CPU_ISA": "AVX2"}
 VARIANTS = {"native": {}, "native1": {"OMP_NUM_THREADS": "1"}, "avx2": {"OMP_NUM_THREADS": "1", **AVX2}}
 

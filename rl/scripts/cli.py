@@ -1,7 +1,7 @@
 """`rl-train`: one command for users of the reference's CLI (`aitraining llm --train ...`).
 
     rl-train --trainer dpo --model google/gemma-2-2b --data-path pairs.jsonl --dpo-beta 0.1
-    rl-train --trainer ppo --model google/gemma-3-270m --data-path prompts.jsonl \
+    rl-train --trainer ppo --model google/gemma-3-270m --data-path prompts.jsonl \\
         --project-name ppo-model --rl-reward-model-path ./reward-model --rl-kl-coef 0.1
     accelerate launch --num_processes 8 -m rl.scripts.cli --trainer sft --config recipes/qwen/0.5b_sft.yaml
 

@@ -1,7 +1,7 @@
 """DPO-family preference training (DPO, conservative DPO, IPO, hinge, reference-free, ORPO).
 
     python launch/dpo.py --config recipes/tiny/dpo.yaml
-    accelerate launch --num_processes 2 --use_deepspeed --deepspeed_config_file ds_configs/zero3.json \
+    accelerate launch --num_processes 2 --use_deepspeed --deepspeed_config_file ds_configs/zero3.json \\
         launch/dpo.py --config recipes/tiny/dpo.yaml
     python launch/dpo.py --config recipes/tiny/dpo.yaml loss_type=ipo precompute_ref_logps=true
     python launch/dpo.py --help        # every key, its default and meaning

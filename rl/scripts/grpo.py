@@ -1,7 +1,7 @@
 """GRPO / Dr. GRPO / RLOO / REINFORCE++ fine-tuning with reward functions or an environment.
 
     python launch/grpo.py --config recipes/tiny/grpo.yaml
-    accelerate launch --num_processes 2 --use_deepspeed --deepspeed_config_file ds_configs/zero3.json \
+    accelerate launch --num_processes 2 --use_deepspeed --deepspeed_config_file ds_configs/zero3.json \\
         launch/grpo.py --config recipes/tiny/grpo.yaml
     python launch/grpo.py --help        # every key, its default and meaning
 """

@@ -1,7 +1,7 @@
 """KTO: preference training on unpaired rows (a completion labelled desirable or not).
 
     python launch/kto.py --config recipes/tiny/kto.yaml
-    accelerate launch --num_processes 2 --use_deepspeed --deepspeed_config_file ds_configs/zero3.json \
+    accelerate launch --num_processes 2 --use_deepspeed --deepspeed_config_file ds_configs/zero3.json \\
         launch/kto.py --config recipes/tiny/kto.yaml
     python launch/kto.py --config recipes/tiny/kto.yaml beta=0.2 undesirable_weight=1.2
     python launch/kto.py --help        # every key, its default and meaning

@@ -2,7 +2,7 @@
 environment, and a DPO / IPO / hinge step on each fresh pair against the frozen reference.
 
     python launch/online_dpo.py --config recipes/tiny/online_dpo.yaml
-    accelerate launch --num_processes 2 --use_deepspeed --deepspeed_config_file ds_configs/zero3.json \
+    accelerate launch --num_processes 2 --use_deepspeed --deepspeed_config_file ds_configs/zero3.json \\
         launch/online_dpo.py --config recipes/tiny/online_dpo.yaml
     python launch/online_dpo.py --help        # every key, its default and meaning
 """

@@ -2,7 +2,7 @@
 
     python launch/ppo.py --config recipes/tiny/ppo.yaml
     accelerate launch launch/ppo.py --config recipes/gemma.yaml
-    accelerate launch --num_processes 2 --use_deepspeed --deepspeed_config_file ds_configs/zero3.json \
+    accelerate launch --num_processes 2 --use_deepspeed --deepspeed_config_file ds_configs/zero3.json \\
         launch/ppo.py --config recipes/tiny/ppo.yaml
     python launch/ppo.py --help        # every key, its default and meaning (rl_* names are aliases)
 

@@ -1,7 +1,7 @@
 """Reward-model training on preference pairs (step 1 of RLHF; PPO/GRPO load the result by path).
 
     python launch/reward.py --config recipes/tiny/reward.yaml
-    accelerate launch --num_processes 2 --use_deepspeed --deepspeed_config_file ds_configs/zero3.json \
+    accelerate launch --num_processes 2 --use_deepspeed --deepspeed_config_file ds_configs/zero3.json \\
         launch/reward.py --config recipes/tiny/reward.yaml
     python launch/reward.py --help        # every key, its default and meaning
 

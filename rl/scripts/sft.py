@@ -1,7 +1,7 @@
 """Supervised fine-tuning.
 
     python launch/sft.py --config recipes/tiny/sft.yaml
-    accelerate launch --num_processes 2 --use_deepspeed --deepspeed_config_file ds_configs/zero3.json \
+    accelerate launch --num_processes 2 --use_deepspeed --deepspeed_config_file ds_configs/zero3.json \\
         launch/sft.py --config recipes/tiny/sft.yaml
     python launch/sft.py --help        # every key, its default and meaning
 """

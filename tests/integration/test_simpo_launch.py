@@ -5,13 +5,14 @@ from __future__ import annotations
 import json
 
 import pytest
-from conftest import learned, run_main
+
+from tests.conftest import LEARN_SEED, learned, run_main
 
 
 @pytest.mark.slow
 def test_simpo_recipe_runs_and_learns(tmp_path, tiny_llama, capfd, monkeypatch):
     out = tmp_path / "run"
-    code, stdout, stderr = run_main("dpo", ["--config", "recipes/tiny/simpo.yaml", f"output_dir={out}"],
+    code, stdout, stderr = run_main("dpo", ["--config", "recipes/tiny/simpo.yaml", f"output_dir={out}", f"seed={LEARN_SEED}"],
                                     capfd, monkeypatch)
     assert code == 0, stderr[-2000:]
     assert "loss simpo, reference none" in stdout + stderr

@@ -5,7 +5,8 @@ from __future__ import annotations
 import json
 
 import pytest
-from conftest import learned, run_main
+
+from tests.conftest import LEARN_SEED, learned, run_main
 
 
 def _cfg(tiny_llama, out, **kw):
@@ -70,7 +71,7 @@ def test_help(capfd, monkeypatch):
 @pytest.mark.slow
 def test_kto_recipe_runs_and_learns(tmp_path, tiny_llama, capfd, monkeypatch):
     out = tmp_path / "run"
-    code, stdout, stderr = run_main("kto", ["--config", "recipes/tiny/kto.yaml", f"output_dir={out}"],
+    code, stdout, stderr = run_main("kto", ["--config", "recipes/tiny/kto.yaml", f"output_dir={out}", f"seed={LEARN_SEED}"],
                                     capfd, monkeypatch)
     assert code == 0, stderr[-2000:]
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
