@@ -19,6 +19,8 @@ import functools
 import importlib
 from typing import Any, Callable
 
+from rl.errors import ConfigError
+
 _TABLES: dict[str, dict[str, Callable]] = {}
 _FLAGS: dict[tuple[str, str], dict[str, Any]] = {}
 
@@ -42,18 +44,26 @@ def is_dotted(name: str) -> bool:
     return isinstance(name, str) and name.count(":") == 1 and all(name.split(":"))
 
 
-@functools.lru_cache(maxsize=None)
-def _import(kind: str, name: str) -> Callable:
-    module_name, fn_name = name.split(":")
+def import_function(spec: str, what: str) -> Callable:
+    """The function a `package.module:function` string names, imported with importlib (no code string is
+    ever evaluated); `what` names it in the one-line ValueError ("reward", "environment", a registry kind)."""
+    if not is_dotted(spec):
+        raise ValueError(f"a {what} given by path must look like 'package.module:function', got {spec!r}")
+    module_name, fn_name = spec.split(":")
     try:
         module = importlib.import_module(module_name)
     except ImportError as e:
-        raise ValueError(f"{kind} {name!r}: cannot import module {module_name!r} ({e}); put it on PYTHONPATH "
-                         f"or in the working directory") from None
+        raise ValueError(f"cannot import {what} module {module_name!r} ({e}); put it on PYTHONPATH or in the "
+                         f"working directory") from None
     fn = getattr(module, fn_name, None)
     if not callable(fn):
-        raise ValueError(f"{kind} {name!r}: module {module_name!r} has no function {fn_name!r}")
+        raise ValueError(f"module {module_name!r} has no callable {fn_name!r} ({what} {spec!r})")
     return fn
+
+
+@functools.lru_cache(maxsize=None)
+def _import(kind: str, name: str) -> Callable:
+    return import_function(name, kind)
 
 
 def get(kind: str, name: str) -> Callable:
@@ -78,11 +88,11 @@ def flag(kind: str, name: str, key: str, default: Any = None) -> Any:
 
 def check(kind: str, name: str, key: str) -> None:
     """Config-time check of a key naming a `kind`: a registered name, or an importable `module:function`;
-    raises ValueError naming the key and the choices."""
+    raises ConfigError naming the key and the choices (exit 2 in the launch scripts)."""
     try:
         get(kind, name)
     except ValueError as e:
-        raise ValueError(f"key '{key}': {e}") from None
+        raise ConfigError(f"key '{key}': {e}") from None
 
 
 def choices(kind: str) -> str:

@@ -15,7 +15,6 @@ evaluated) and `function(tokenizer, **env_config)` builds the environment.
 
 from __future__ import annotations
 
-import importlib
 import json
 from typing import Any, Callable
 
@@ -25,6 +24,7 @@ import rl.envs.math  # noqa: F401
 # Importing the environment modules registers their factories.
 import rl.envs.objectives  # noqa: F401  text_generation, multi_objective, preference_comparison
 import rl.envs.tool_math  # noqa: F401
+from rl.algos.registry import import_function
 from rl.envs.base import ENV_REGISTRY, TextGenerationEnv, env_types, register_env
 
 __all__ = ["ENV_REGISTRY", "ENV_TYPES", "env_types", "load_env_factory", "make_env", "register_env"]
@@ -34,18 +34,7 @@ ENV_TYPES: tuple[str, ...] = env_types()  # the built-in names: every environmen
 
 def load_env_factory(spec: str) -> Callable[..., Any]:
     """The factory a `module:function` env_type names (e.g. `my_envs:make`), imported with importlib."""
-    module_name, _, func_name = spec.partition(":")
-    if not module_name or not func_name or ":" in func_name:
-        raise ValueError(f"an environment given by path must look like 'package.module:function', got {spec!r}")
-    try:
-        module = importlib.import_module(module_name)
-    except ImportError as e:
-        raise ValueError(f"cannot import environment module {module_name!r} ({e}); "
-                         "put it on PYTHONPATH or in the working directory") from e
-    factory = getattr(module, func_name, None)
-    if not callable(factory):
-        raise ValueError(f"module {module_name!r} has no callable {func_name!r} (env_type {spec!r})")
-    return factory
+    return import_function(spec, "environment")
 
 
 def make_env(env_type: str, tokenizer, config: dict | str | None = None) -> TextGenerationEnv:

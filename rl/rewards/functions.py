@@ -17,11 +17,10 @@ be importable; no code string is ever evaluated).
 
 from __future__ import annotations
 
-import importlib
-import importlib.util
 import logging
 from typing import Callable, Sequence
 
+from rl.algos.registry import import_function
 from rl.rewards.answers import answers_match
 
 RewardFn = Callable[..., list]
@@ -73,18 +72,7 @@ REWARD_FUNCTIONS: dict[str, RewardFn] = {
 def load_custom_reward(spec: str) -> RewardFn:
     """Import `module:function` (e.g. `my_rewards:score`) with importlib; the module must be importable
     (on PYTHONPATH or in the working directory). No code strings are evaluated."""
-    if not isinstance(spec, str) or spec.count(":") != 1 or not all(spec.split(":")):
-        raise ValueError(f"custom reward must look like 'module.path:function', got {spec!r}")
-    module_name, func_name = spec.split(":")
-    try:
-        module = importlib.import_module(module_name)
-    except ImportError as e:
-        raise ValueError(f"cannot import reward module {module_name!r} ({e}); "
-                         "put it on PYTHONPATH or in the working directory") from e
-    fn = getattr(module, func_name, None)
-    if not callable(fn):
-        raise ValueError(f"module {module_name!r} has no callable {func_name!r}")
-    return fn
+    return import_function(spec, "reward")
 
 
 def get_reward_fn(name: str, custom: str | None = None, **kwargs) -> RewardFn:

@@ -123,10 +123,7 @@ class DPOConfig(TrainConfig):
 
     def __post_init__(self):
         super().__post_init__()
-        try:
-            check("preference_loss", self.loss_type, "loss_type")
-        except ValueError as e:
-            raise ConfigError(str(e)) from None
+        check("preference_loss", self.loss_type, "loss_type")
         if self.beta <= 0:
             raise ConfigError(f"key 'beta' must be > 0, got {self.beta}")
         if not 0.0 <= self.label_smoothing < 0.5:

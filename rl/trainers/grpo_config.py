@@ -41,10 +41,7 @@ class GRPOConfig(OnlineConfig):
     overlong_penalty: float = opt(1.0, "DAPO overlong shaping: the reward penalty at max_completion_length")
     def __post_init__(self):
         super().__post_init__()
-        try:
-            check("grpo_policy_loss", self.policy_loss, "policy_loss")
-        except ValueError as e:
-            raise ConfigError(str(e)) from None
+        check("grpo_policy_loss", self.policy_loss, "policy_loss")
         if self.num_generations < 2:
             raise ConfigError(f"key 'num_generations' must be at least 2 (the group is the baseline), "
                               f"got {self.num_generations}")

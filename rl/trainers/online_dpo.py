@@ -78,10 +78,7 @@ class OnlineDPOConfig(OnlineConfig):
 
     def __post_init__(self):
         super().__post_init__()
-        try:
-            check("preference_loss", self.loss_type, "loss_type")
-        except ValueError as e:
-            raise ConfigError(str(e)) from None
+        check("preference_loss", self.loss_type, "loss_type")
         if not needs_reference(self.loss_type):
             raise ConfigError(f"loss_type={self.loss_type} has no reference model, which online DPO's pairs are "
                               f"scored against; choose one of "

@@ -25,7 +25,7 @@ from rl.data.sft import collate, counted_tokens
 from rl.engine import losses
 from rl.engine.dist import zero_stage
 from rl.engine.packing import pack_examples
-from rl.trainers.epoch import EpochTrainer
+from rl.trainers.epoch import EpochTrainer, split_even
 
 logger = logging.getLogger(__name__)
 
@@ -88,7 +88,7 @@ class SFTTrainer(EpochTrainer):
         batch = [self._train[i] for i in self.next_global_batch()]
         scale = self.world * cfg.gradient_accumulation_steps / max(1, counted_tokens(batch))
         nll_sum, n_tok, correct = 0.0, 0, 0.0
-        for micro in _split(batch[acc.process_index::self.world], cfg.gradient_accumulation_steps):
+        for micro in split_even(batch[acc.process_index::self.world], cfg.gradient_accumulation_steps):
             # a short last step can leave this process an empty micro-batch: it still runs one
             # forward/backward (ZeRO-3 needs every rank in every forward) on an example with no
             # counted token, so the step's loss stays sum / tokens of the real examples
@@ -131,14 +131,3 @@ class SFTTrainer(EpochTrainer):
             nll += r.loss * r.num_tokens
             n += r.num_tokens
         return {"eval/loss": nll / max(n, 1)}
-
-
-def _split(items: list, n: int) -> list[list]:
-    """n nearly equal consecutive chunks (the last ones empty when len(items) < n)."""
-    k, r = divmod(len(items), n)
-    chunks, start = [], 0
-    for i in range(n):
-        end = start + k + (1 if i < r else 0)
-        chunks.append(items[start:end])
-        start = end
-    return chunks

@@ -188,7 +188,7 @@ def test_custom_reward_loaded_by_importlib(tmp_path, monkeypatch):
 
 @pytest.mark.parametrize("name,kw,msg", [
     ("custom", {}, "module:function"),
-    ("custom", {"custom": "no_colon"}, "module.path:function"),
+    ("custom", {"custom": "no_colon"}, "package.module:function"),
     ("custom", {"custom": "surely_missing_mod_xyz:f"}, "cannot import"),
     ("custom", {"custom": "json:not_there"}, "no callable"),
     ("bogus", {}, "unknown reward function"),

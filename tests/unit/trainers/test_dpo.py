@@ -307,7 +307,7 @@ def test_a_users_preference_loss_by_dotted_path(tmp_path, monkeypatch, tiny_llam
     # chosen log-ratios (0.5, -1), rejected (-1, 0.5): deltas 1.5, -1.5 -> softplus(-0.3), softplus(0.3)
     assert mine.tolist() == pytest.approx([_softplus(-0.3), _softplus(0.3)], abs=1e-6)
     assert stats["rewards/margins"].tolist() == pytest.approx([0.15, -0.15], abs=1e-6)
-    with pytest.raises(ConfigError, match="no function 'nope'"):
+    with pytest.raises(ConfigError, match="has no callable 'nope'"):
         _cfg(loss_type="user_dpo_losses:nope")
     tok = tiny_tokenizer
     ds = PreferenceDataset(["hello ", "what is 2+3? "], ["world", "5"], ["moon", "six"], tok, 64, 32)
