@@ -118,7 +118,7 @@ def test_zero3_two_processes_policy_reference_value_sharded(tmp_path, tiny_cache
                                   "gradient_accumulation_steps=2", "ppo_epochs=1", "max_new_tokens=8",
                                   zero3=True), timeout=600)
     text = proc.stdout + proc.stderr
-    assert "2 process(es), ZeRO stage 3" in text, text[-3000:]
+    assert "2 processes, ZeRO stage 3" in text, text[-3000:]
     shards = re.search(r"zero3 shards on rank 0: (.*)", text).group(1)
     for name in ("policy", "value head", "reference"):
         local, total = re.search(rf"{name} ([\d,]+)/([\d,]+)", shards).groups()
