@@ -124,7 +124,7 @@ def side_ours(spec: dict, precompute: bool, chunk: int | None = None, packing: b
         return out
 
     ForwardBackwardPipeline._optim_step = timed_optim_step
-    import rl.forward_backward as engine
+    import rl.engine.chunked as engine
 
     chunked = []  # training forwards that ran the LM head chunk by chunk (rl.engine.chunked)
     real_capture = engine.capture_head
