@@ -76,6 +76,33 @@ def _main(trainer: str, out, n: int, *extra: str, capfd, monkeypatch) -> tuple[i
     return run_main(trainer, _cmd(trainer, out, n, *extra)[2:], capfd, monkeypatch)
 
 
+def _signal_in_process(trainer, out, rows: int, sig, capfd, monkeypatch) -> tuple[int, str]:
+    """`_signal_mid_run` in this process: `sig` is raised in the run's own (main) thread once the row of
+    step `rows` has passed the non-finite guard (fit() calls `check_finite` on every row), so the handler
+    fit() installed receives it as it would an external one, between two statements of the loop. The
+    exit status is the one main() raises (run_main returns it); a real process's status and an external
+    sender are proven by the "sft" case and test_ctrl_c_checkpoints_and_exits_130."""
+    import threading
+
+    from rl.trainers import base
+
+    assert threading.current_thread() is threading.main_thread()  # else fit() installs no handler
+    real = base.check_finite
+
+    def then_signal(row):
+        real(row)
+        if row["step"] == rows:
+            # fit()'s handler, not the default action (which would kill this pytest process)
+            assert isinstance(getattr(signal.getsignal(sig), "__self__", None), base._Stop), signal.getsignal(sig)
+            signal.raise_signal(sig)
+
+    monkeypatch.setattr(base, "check_finite", then_signal)
+    code, stdout, stderr = _main(trainer, out, 500, "save_every=1", "save_total_limit=2", capfd=capfd,
+                                 monkeypatch=monkeypatch)
+    monkeypatch.setattr(base, "check_finite", real)
+    return code, stdout + stderr
+
+
 # ------------------------------------------------------------------------------- unit level
 
 def test_check_finite_names_step_and_metric():
@@ -143,14 +170,21 @@ def test_callback_tracker_forwards_rows():
 @pytest.mark.slow
 @pytest.mark.parametrize("trainer", list(TRAINERS))
 def test_sigterm_retention_corrupt_fallback_and_rerun(trainer, tmp_path, tiny_llama, capfd, monkeypatch):
-    """(tiny_llama: the tiny model exists before the run starts.) The signalled run is a process of its
-    own; the resume and the refused rerun call the launch script's main() in this process."""
+    """(tiny_llama: the tiny model exists before the run starts.) For "sft" the signalled run is a process
+    of its own that SIGTERM reaches from outside; for the others (the same fit(), each trainer's own
+    checkpoint, restore and launch script) the signal is raised inside main() in this process, which saves
+    a process start-up (Python, torch, transformers) per trainer. The resume and the refused rerun call
+    the launch script's main() in this process."""
     out = tmp_path / "run"
     final = out / FINAL.get(trainer, "model.safetensors")
     # 1. SIGTERM mid-run: the step finishes, a checkpoint is written, exit 128 + 15, no final model
-    proc, log = _signal_mid_run(_cmd(trainer, out, 500, "save_every=1", "save_total_limit=2"), out, 3,
-                                signal.SIGTERM)
-    assert proc.returncode == 128 + signal.SIGTERM, log[-3000:]
+    if trainer == "sft":
+        proc, log = _signal_mid_run(_cmd(trainer, out, 500, "save_every=1", "save_total_limit=2"), out, 3,
+                                    signal.SIGTERM)
+        code = proc.returncode
+    else:
+        code, log = _signal_in_process(trainer, out, 3, signal.SIGTERM, capfd, monkeypatch)
+    assert code == 128 + signal.SIGTERM, log[-3000:]
     assert "stopping on signal 15" in log and "Traceback" not in log, log[-3000:]
     assert not final.exists()
     ckpts = complete_checkpoints(out)
