@@ -5,7 +5,7 @@ import sys
 
 import pytest
 
-from tests.conftest import LEARN_SEED, accelerate_cmd, learned, run_cmd
+from tests.conftest import LEARN_SEED, accelerate_cmd, learned, run_cmd, run_main
 
 RECIPE = "recipes/tiny/sft.yaml"
 
@@ -37,21 +37,27 @@ def test_tiny_sft_learns_and_saves_a_loadable_model(tmp_path):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("zero3", [False, True], ids=["ddp", "zero3"])
-def test_two_processes_match_one(tmp_path, zero3):
-    """Same global batch (16) as 1 x 16 and 2 x 8: the loss curves agree to 1e-5. The 2-process run
-    computes its log-probs with the chunked LM head (rl.engine.chunked, under DDP and ZeRO-3), the 1-process
-    run from full logits."""
+def test_two_processes_match_one(tmp_path, capfd, monkeypatch):
+    """Same global batch (16) as 1 x 16 and 2 x 8, under DDP and under ZeRO-3: each 2-process loss curve
+    agrees with the 1-process one to 1e-5. The 2-process runs compute their log-probs with the chunked LM
+    head (rl.engine.chunked), the 1-process run from full logits. The 1-process run is launch/sft.py's
+    main() in this process (conftest.run_main: one intra-op thread, as a run_cmd subprocess), once for
+    both; each 2-process run is two processes of its own under `accelerate launch`."""
     common = ["--config", RECIPE, "num_epochs=2", "log_every=1"]
     one = tmp_path / "one"
-    run_cmd([sys.executable, "launch/sft.py", *common, f"output_dir={one}"])
-    two = tmp_path / "two"
-    run_cmd(accelerate_cmd("launch/sft.py", *common, "batch_size=8", "logprob_chunk_size=5", f"output_dir={two}",
-                           zero3=zero3))
-    a, b = losses(one), losses(two)
-    assert len(a) == len(b) == 8
-    assert max(abs(x - y) for x, y in zip(a, b)) < 1e-5, (a, b)
-    assert b[-1] < b[0]
+    code, stdout, stderr = run_main("sft", [*common, f"output_dir={one}"], capfd, monkeypatch)
+    assert code == 0, (stdout + stderr)[-3000:]
+    a = losses(one)
+    assert len(a) == 8
+    for zero3 in (False, True):
+        two = tmp_path / ("zero3" if zero3 else "ddp")
+        proc = run_cmd(accelerate_cmd("launch/sft.py", *common, "batch_size=8", "logprob_chunk_size=5",
+                                      f"output_dir={two}", zero3=zero3))
+        assert ("ZeRO stage 3" in proc.stdout + proc.stderr) == zero3  # the launcher really ran what is named
+        b = losses(two)
+        assert len(b) == 8
+        assert max(abs(x - y) for x, y in zip(a, b)) < 1e-5, (zero3, a, b)
+        assert b[-1] < b[0]
 
 
 @pytest.mark.slow
