@@ -1,5 +1,5 @@
 """launch/reward.py end to end: single process with the reference CLI's column flags, bad rows,
-and 2-process DeepSpeed ZeRO-3 runs on CPU (one of them: a short last step equals one process's)."""
+and a 2-process DeepSpeed ZeRO-3 run on CPU (a short last step equals one process's; the gathered weights score)."""
 
 from __future__ import annotations
 
