@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from tests.conftest import ROOT, accelerate_cmd, run_cmd
+from tests.conftest import ROOT, accelerate_cmd, run_cmd, run_main
 
 
 def _metrics(out_dir) -> list[dict]:
@@ -41,13 +41,16 @@ def test_launch_reports_bad_row_by_line(tmp_path, tiny_cache):
 
 
 @pytest.mark.slow
-def test_launch_two_process_zero3_with_frozen_reference(tmp_path, tiny_llama):
+def test_launch_two_process_zero3_with_frozen_reference(tmp_path, tiny_llama, capfd, monkeypatch):
     """(tiny_llama: the model is written once before the ranks start.) The frozen reference is its own ZeRO-3 engine. 2 ranks x 8 pairs must reproduce one process with
-    16 pairs: same pairs per step, same metrics, same updates (the metrics of step 3 depend on them)."""
+    16 pairs: same pairs per step, same metrics, same updates (the metrics of step 3 depend on them).
+    The one-process run is launch/dpo.py's main() in this process (conftest.run_main, one thread as in a
+    run_cmd subprocess); the ZeRO-3 run is two processes under `accelerate launch`."""
     common = ["--config", "recipes/tiny/dpo.yaml", "max_steps=3", "eval_every=3", "data.max_examples=64"]
     z3, single = tmp_path / "z3", tmp_path / "single"
     run_cmd(accelerate_cmd("launch/dpo.py", *common, f"output_dir={z3}", "batch_size=8", zero3=True), timeout=400)
-    run_cmd([sys.executable, "launch/dpo.py", *common, f"output_dir={single}", "batch_size=16"], timeout=300)
+    code, stdout, stderr = run_main("dpo", [*common, f"output_dir={single}", "batch_size=16"], capfd, monkeypatch)
+    assert code == 0, (stdout + stderr)[-3000:]
     rows = [r for r in _metrics(z3) if "rewards/chosen" in r]
     want = [r for r in _metrics(single) if "rewards/chosen" in r]
     assert [r["step"] for r in rows] == [1, 2, 3]
