@@ -234,11 +234,12 @@ def test_sampling_stops_at_im_end_and_logprobs_equal_a_forward(model, tok):
 
 # --------------------------------------------------------------------------------------------- DPO
 
+# Two pairs are enough for what the comparison proves (each is a full 135M forward/backward, ~1 s of
+# 2-core CPU per sequence and pass): digits split by BPE, and prompts, chosen and rejected of different
+# lengths, so that rows are padded inside the concatenated chosen+rejected batch.
 DPO_PAIRS = [
     ("What is 26 + 28?", "26 + 28 = 54", "26 + 28 = 44"),
-    ("What is 4 + 18?", "4 + 18 = 22", "4 + 18 = 20"),
     ("Name a primary colour.", "Red.", "Purple is a primary colour, obviously."),
-    ("Say hello.", "Hello!", "Goodbye."),
 ]
 
 
@@ -275,17 +276,19 @@ def test_dpo_matches_trl_on_real_chat_pairs_and_keeps_eos(model, tok, tmp_path):
             assert int(c_len[i]) == len(ex["chosen_ids"])
 
     lr, beta = 1e-5, 0.1
-    args = TRLDPOConfig(output_dir=str(tmp_path / "trl"), per_device_train_batch_size=4, max_steps=1,
+    # gradient_checkpointing off (TRL's default is on): the same first-step metrics, computed before the
+    # update, without recomputing the forward in the backward
+    args = TRLDPOConfig(output_dir=str(tmp_path / "trl"), per_device_train_batch_size=len(DPO_PAIRS), max_steps=1,
                         learning_rate=lr, lr_scheduler_type="constant", beta=beta, bf16=False,
                         logging_steps=1, report_to="none", save_strategy="no", use_cpu=True, max_length=128,
-                        max_grad_norm=1.0, seed=0, disable_tqdm=True)
+                        max_grad_norm=1.0, seed=0, disable_tqdm=True, gradient_checkpointing=False)
     theirs = TRLDPOTrainer(model=copy.deepcopy(model).train(), args=args, processing_class=tok,
                            train_dataset=Dataset.from_dict({"prompt": P, "chosen": C, "rejected": R}))
     theirs.train()
     trl_log = [row for row in theirs.state.log_history if "rewards/chosen" in row][0]
     del theirs
     cfg = build(DPOConfig, dict(model_name=NAME, output_dir=str(tmp_path / "ours"), report_to=["none"],
-                                batch_size=4, max_steps=1, learning_rate=lr, lr_scheduler="constant", beta=beta,
+                                batch_size=len(DPO_PAIRS), max_steps=1, learning_rate=lr, lr_scheduler="constant", beta=beta,
                                 max_length=128, max_prompt_length=96, dtype="float32", max_grad_norm=1.0))
     ours = DPOTrainer(cfg, tokenizer=tok, model=copy.deepcopy(model).train()).train(ds)[0]
     for k in ("loss", "logps/chosen", "logps/rejected", "rewards/margins"):
