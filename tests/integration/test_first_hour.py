@@ -97,3 +97,56 @@ def test_real_recipes_name_a_hub_dataset_in_their_trainers_format():
         kind = _script_of(recipe)
         for key, want in formats[kind].items():
             assert data.get(key) == want, f"{recipe}: data.{key} is {data.get(key)!r}, want {want!r}"
+
+
+# ------------------------------------------------------------------------------------------- quiet
+
+def _new_user_env(**extra) -> dict:
+    """A shell without this suite's quieting variables (a new user sets none of them)."""
+    env = {k: v for k, v in os.environ.items() if k not in ("RL_NO_PROGRESS", "TRANSFORMERS_VERBOSITY",
+                                                             "HF_HUB_DISABLE_PROGRESS_BARS", "PYTHONWARNINGS")}
+    return {**env, **OFFLINE, **extra}
+
+
+def test_prepare_prints_only_the_directory(monkeypatch, capsys, tmp_path):
+    """`$(python -m rl.models.gguf --prepare NAME)` captures one line: whatever the conversion prints
+    (DeepSpeed's "Setting accelerator to CPU", imported by save_pretrained) goes to stderr."""
+    from rl.models import gguf
+
+    def converting(name):
+        print("[WARNING] [real_accelerator.py:213:get_accelerator] Setting accelerator to CPU.")  # as DeepSpeed's logger
+        return str(tmp_path / "model")
+
+    monkeypatch.setattr(gguf, "resolve", converting)
+    gguf.main(["--prepare", "smollm2-135m-instruct"])
+    out, err = capsys.readouterr()
+    assert out == f"{tmp_path / 'model'}\n" and "Setting accelerator to CPU" in err
+
+
+def test_chat_and_eval_print_no_loading_bar(tmp_path):
+    """chat.py and eval.py print the conversation / the score, not transformers' "Loading weights" bar."""
+    env = _new_user_env()
+    chat = subprocess.run([sys.executable, "launch/chat.py", "--model", "tiny:llama", "--prompt", "2+3=",
+                           "--chat-template", "no", "--max-new-tokens", "4"], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=300, check=False)
+    ev = subprocess.run([sys.executable, "launch/eval.py", "--model", "tiny:llama", "--data",
+                         "data/tiny/math_test.jsonl", "--max-examples", "4", "--max-new-tokens", "4"], cwd=ROOT,
+                        env=env, capture_output=True, text=True, timeout=300, check=False)
+    assert chat.returncode == 0 and ev.returncode == 0, (chat.stderr[-500:], ev.stderr[-500:])
+    for p in (chat, ev):
+        assert "Loading weights" not in p.stdout + p.stderr and "it/s]" not in p.stderr, p.stderr[-500:]
+    assert ev.stdout.startswith("accuracy ") and len(ev.stdout.strip().splitlines()) == 1
+
+
+def test_trackio_run_ends_without_its_upload_line(tmp_path):
+    """A run with report_to=[trackio] (local store) ends on our own line: trackio's "Run finished. Uploading
+    logs" is neither printed by the close nor again by trackio's atexit hook when the process ends."""
+    pytest.importorskip("trackio")
+    env = _new_user_env(TRACKIO_DIR=str(tmp_path / "trackio"), TRACKIO_PROJECT="first-hour")
+    p = subprocess.run([sys.executable, "launch/sft.py", "--config", "recipes/tiny/sft.yaml", "report_to=[trackio]",
+                        "max_steps=2", f"output_dir={tmp_path / 'run'}"], cwd=ROOT, env=env, capture_output=True,
+                       text=True, timeout=300, check=False)
+    assert p.returncode == 0, p.stderr[-800:]
+    assert "Uploading logs" not in p.stdout + p.stderr
+    assert p.stdout.strip().splitlines()[-1].startswith("sft done:")
+    assert (tmp_path / "trackio" / "first-hour.db").exists()  # the metrics were still written
