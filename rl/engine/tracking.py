@@ -211,8 +211,26 @@ class Tracker:
         if self._file:
             self._file.close()
         for t in self._trackers:
-            t.finish()
+            _finish_trackio(t) if getattr(t, "name", None) == "trackio" else t.finish()
         return plot_history(self.history, self.output_dir / "metrics.png", self.plot_keys)
+
+
+def _finish_trackio(tracker) -> None:
+    """trackio's own `finish()`, quietly. accelerate's tracker calls `run.finish()`, which leaves the run
+    current, so trackio's atexit hook finished it again and printed "* Run finished. Uploading logs to
+    Trackio" when the process ended (the last line of a pytest session); its first print of that line
+    is noise beside our own final line too."""
+    import contextlib
+    import io
+
+    import trackio
+
+    with contextlib.redirect_stdout(io.StringIO()):
+        current = getattr(getattr(trackio, "context_vars", None), "current_run", None)
+        if current is not None and current.get() is tracker.run:
+            trackio.finish()  # finishes the run and clears it, so the atexit hook has nothing left to do
+        else:
+            tracker.finish()
 
 
 def _scalar(v: Any) -> Any:

@@ -23,6 +23,7 @@ model built from the config without its `quantization_config`.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import functools
 import hashlib
 import json
@@ -221,7 +222,11 @@ def main(argv=None) -> None:
                    help=f"a packaged name ({', '.join(PACKAGED)}), a .gguf file or a directory holding one")
     a = p.parse_args(argv)
     try:
-        path = resolve(a.prepare)
+        # stdout holds the directory alone, so that `$(python -m rl.models.gguf --prepare NAME)` captures one
+        # line: the conversion's save_pretrained imports DeepSpeed (through accelerate's unwrap_model), whose
+        # logger prints "Setting accelerator to CPU" to stdout; everything but the path goes to stderr.
+        with contextlib.redirect_stdout(sys.stderr):
+            path = resolve(a.prepare)
     except ModelSourceError as e:
         print(f"error: {e}", file=sys.stderr)
         raise SystemExit(2) from None

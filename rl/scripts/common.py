@@ -127,9 +127,12 @@ def preflight_problems(cfg) -> list[str]:
     """Every mistake in `cfg` found without building a model: model names, the deepspeed file, the
     resume path and output_dir. Keys a config lacks are skipped."""
     problems = []
+    planning = bool(getattr(cfg, "dry_run", False))
     for key, role in MODEL_KEYS:
         name = getattr(cfg, key, None)
         if isinstance(name, str) and name:
+            if planning and not Path(name).expanduser().exists() and (role == "reward" or _looks_like_path(name)):
+                continue  # an earlier step's output (a reward model): the dry run says it is not planned
             problems.append(model_problem(key, name, role))
     ds = getattr(cfg, "deepspeed", None)
     if ds:
@@ -172,7 +175,7 @@ def parse_recipe(cls, argv, prog: str, description: str, require_data: bool = Fa
     a missing data.path is one `error:` line and exit 2 as well."""
     cfg = cli_config(cls, argv, prog=prog, description=description)
     preflight(cfg)  # model names, deepspeed file, resume path, output_dir: before any model
-    if require_data and not has_data(cfg.data):
+    if require_data and not has_data(cfg.data) and not cfg.dry_run:  # a plan needs no data (rl.scripts.dryrun)
         fail(NO_DATA_ERROR)
     return cfg
 

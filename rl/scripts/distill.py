@@ -19,7 +19,7 @@ from rl.errors import (
 )
 from rl.models.card import write_model_card
 from rl.scripts.common import fail, parse_recipe, run_training
-from rl.scripts.dryrun import dry_run_report
+from rl.scripts.dryrun import dry_run_data, dry_run_report
 from rl.trainers.base import check_output_dir
 from rl.trainers.distill import DistillConfig, DistillTrainer
 
@@ -29,10 +29,11 @@ def main(argv=None) -> None:
     cfg = parse_recipe(DistillConfig, argv, "launch/distill.py", __doc__, require_data=True)
     try:
         # 2. setup: prompts and completions are validated before any model is built
-        rows = DistillTrainer.load_data(cfg)
-        if cfg.dry_run:
-            dry_run_report(cfg, n_examples=len(rows), models=DistillTrainer.dry_run_models(cfg))
+        if cfg.dry_run:  # the data only when it is here: a plan needs the model's config
+            rows = dry_run_data(cfg, DistillTrainer.load_data)
+            dry_run_report(cfg, n_examples=None if rows is None else len(rows), models=DistillTrainer.dry_run_models(cfg))
             return
+        rows = DistillTrainer.load_data(cfg)
         check_output_dir(cfg)
         trainer = DistillTrainer(cfg, train_prompts=rows)
         plan = trainer.plan()

@@ -20,7 +20,7 @@ from rl.errors import (
 )
 from rl.models.card import write_model_card
 from rl.scripts.common import fail, parse_recipe, run_training
-from rl.scripts.dryrun import dry_run_report
+from rl.scripts.dryrun import dry_run_data, dry_run_report
 from rl.trainers.base import check_output_dir
 from rl.trainers.dpo import DPOConfig, DPOTrainer
 
@@ -30,10 +30,11 @@ def main(argv=None) -> None:
     cfg = parse_recipe(DPOConfig, argv, "launch/dpo.py", __doc__, require_data=True)
     try:
         # 2. setup: data is validated before any model is built, so a bad file fails in seconds
-        records, eval_records = DPOTrainer.load_data(cfg)
-        if cfg.dry_run:
-            dry_run_report(cfg, n_examples=len(records), models=DPOTrainer.dry_run_models(cfg))
+        if cfg.dry_run:  # the data only when it is here: a plan needs the model's config
+            data = dry_run_data(cfg, DPOTrainer.load_data)
+            dry_run_report(cfg, n_examples=None if data is None else len(data[0]), models=DPOTrainer.dry_run_models(cfg))
             return
+        records, eval_records = DPOTrainer.load_data(cfg)
         check_output_dir(cfg)
         trainer = DPOTrainer(cfg)
         train = PreferenceDataset.from_records(records, trainer.tokenizer, cfg, cfg.data.path)

@@ -32,6 +32,7 @@ import yaml
 
 from rl.config.parse import to_dict
 from rl.config.schema import OPTIMIZER_STATE_BYTES
+from rl.data.records import HUB_ID, SUFFIXES, has_data
 from rl.models.saving import adapter_base
 from rl.models.sources import resolve_model_path
 from rl.scripts.common import KNOWN_CONFIGS
@@ -168,6 +169,11 @@ def frozen_states_bytes(n: int, largest: int, world: int, zero: ZeroSettings, we
     return int(weight_bytes * n)
 
 
+def _looks_local(name: str) -> bool:
+    """A path (runs/rm, ./out, /abs) rather than a Hub id (org/name): what a previous step would write."""
+    return name.startswith(("/", ".", "~")) or name.count("/") > 1 or Path(name.split("/")[0]).is_dir()
+
+
 def _dtype_bytes(dtype: str) -> float:
     return 4.0 if dtype == "float32" else 2.0  # auto = bf16 on the GPUs these estimates are for
 
@@ -208,6 +214,11 @@ def estimate_memory(cfg, models: dict, world: int, zero: ZeroSettings) -> list[d
                          "note": "no weights of its own"})
             continue
         conf = load_model_config(r["name"], cfg.trust_remote_code) if r["name"] else None
+        if conf is None and r["name"] and (r["task"] == "classifier" or _looks_local(r["name"])) \
+                and not Path(r["name"]).expanduser().exists():  # a reward model is always a local directory
+            rows.append({**row, "params": None, "trainable": None, "gib_per_gpu": None,
+                         "note": "not found: an earlier step writes it (e.g. launch/reward.py); not planned"})
+            continue
         if conf is None:
             rows.append({**row, "params": None, "trainable": None, "gib_per_gpu": None,
                          "note": "config not found locally: `hf download NAME config.json`, or add it to "
@@ -248,8 +259,42 @@ def format_memory_table(rows: list[dict]) -> str:
         extra = f"  ({r['note']})" if r.get("note") else ""
         lines.append(f"{r['model']:<28} {n:>10} {t:>10} {g:>8}  {r['name']}{extra}")
     total = sum(r["gib_per_gpu"] or 0 for r in rows)
-    lines.append(f"{'total model states':<28} {'':>10} {'':>10} {total:>8.2f}  (activations and KV cache on top)")
+    unplanned = sum(r["gib_per_gpu"] is None for r in rows)
+    gap = f"; {unplanned} model(s) marked ? not counted" if unplanned else ""
+    lines.append(f"{'total model states':<28} {'':>10} {'':>10} {total:>8.2f}  (activations and KV cache on top{gap})")
     return "\n".join(lines)
+
+
+# ------------------------------------------------------------------------------------- the data
+
+def missing_data(data) -> str | None:
+    """What of the recipe's data a dry run cannot read here, in words, or None when all of it is local.
+
+    A plan needs the model's config, not the data: a dry run reads local files and folders (to count the
+    examples) but never fetches a Hub dataset, and a file that is not here yet is no error."""
+    if not has_data(data):
+        return "data.path is not set"
+    sources = [data.path] if data.path is not None else [m.get("path") for m in data.mixture]
+    sources += [data.eval_path] if getattr(data, "eval_path", None) else []
+    for src in sources:
+        if src is not None and Path(str(src)).expanduser().exists():
+            continue
+        if src is not None and HUB_ID.fullmatch(str(src)) and not str(src).lower().endswith(SUFFIXES) \
+                and not Path(str(src).split("/")[0]).is_dir():
+            return f"{src} is a Hub dataset (a dry run fetches no data)"
+        return f"{src} not found"
+    return None
+
+
+def dry_run_data(cfg, load):
+    """`load(cfg)` for a --dry-run when its data is here; otherwise None, after one line saying what
+    could not be counted without it. A trainer whose environment supplies the prompts (env_type, no
+    data.path) loads nothing and is planned in full."""
+    missing = missing_data(cfg.data)
+    if missing is None or (not has_data(cfg.data) and getattr(cfg, "env_type", None)):
+        return load(cfg)
+    print(f"data: {missing} — examples, steps per epoch and token counts not planned")
+    return None
 
 
 # ------------------------------------------------------------------------------------- the report

@@ -17,7 +17,7 @@ from rl.errors import (
 )
 from rl.models.card import write_model_card
 from rl.scripts.common import fail, parse_recipe, run_training
-from rl.scripts.dryrun import dry_run_report
+from rl.scripts.dryrun import dry_run_data, dry_run_report
 from rl.trainers.base import check_output_dir
 from rl.trainers.grpo import GRPOTrainer
 from rl.trainers.grpo_config import GRPOConfig, grpo_sizes
@@ -28,7 +28,7 @@ def main(argv=None) -> None:
     cfg = parse_recipe(GRPOConfig, argv, "launch/grpo.py", __doc__)
     try:
         # 2. setup: prompts and reward functions are validated before any model is built
-        rows = GRPOTrainer.load_data(cfg)
+        rows = dry_run_data(cfg, GRPOTrainer.load_data) if cfg.dry_run else GRPOTrainer.load_data(cfg)
         if cfg.dry_run:
             n = len(rows) if rows else None
             dry_run_report(cfg, n_examples=n, models=GRPOTrainer.dry_run_models(cfg),

@@ -20,7 +20,7 @@ from rl.errors import (
 )
 from rl.models.card import write_model_card
 from rl.scripts.common import fail, parse_recipe, run_training
-from rl.scripts.dryrun import dry_run_report
+from rl.scripts.dryrun import dry_run_data, dry_run_report
 from rl.trainers.base import check_output_dir
 from rl.trainers.kto import KTOConfig, KTOTrainer
 
@@ -30,10 +30,11 @@ def main(argv=None) -> None:
     cfg = parse_recipe(KTOConfig, argv, "launch/kto.py", __doc__, require_data=True)
     try:
         # 2. setup: data is validated before any model is built, so a bad file fails in seconds
-        records, eval_records = KTOTrainer.load_data(cfg)
-        if cfg.dry_run:
-            dry_run_report(cfg, n_examples=len(records), models=KTOTrainer.dry_run_models(cfg))
+        if cfg.dry_run:  # the data only when it is here: a plan needs the model's config
+            data = dry_run_data(cfg, KTOTrainer.load_data)
+            dry_run_report(cfg, n_examples=None if data is None else len(data[0]), models=KTOTrainer.dry_run_models(cfg))
             return
+        records, eval_records = KTOTrainer.load_data(cfg)
         check_output_dir(cfg)
         trainer = KTOTrainer(cfg)
         train = UnpairedDataset.from_records(records, trainer.tokenizer, cfg, cfg.data.path)

@@ -16,7 +16,7 @@ from rl.errors import (
 )
 from rl.models.card import write_model_card
 from rl.scripts.common import fail, parse_recipe, run_training
-from rl.scripts.dryrun import dry_run_report
+from rl.scripts.dryrun import dry_run_data, dry_run_report
 from rl.trainers.base import check_output_dir
 from rl.trainers.online_dpo import OnlineDPOConfig, OnlineDPOTrainer
 
@@ -26,7 +26,7 @@ def main(argv=None) -> None:
     cfg = parse_recipe(OnlineDPOConfig, argv, "launch/online_dpo.py", __doc__)
     try:
         # 2. setup: prompts and reward functions are validated before any model is built
-        rows = OnlineDPOTrainer.load_data(cfg)
+        rows = dry_run_data(cfg, OnlineDPOTrainer.load_data) if cfg.dry_run else OnlineDPOTrainer.load_data(cfg)
         if cfg.dry_run:
             dry_run_report(cfg, n_examples=len(rows) if rows else None, models=OnlineDPOTrainer.dry_run_models(cfg))
             return

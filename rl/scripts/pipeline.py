@@ -37,6 +37,7 @@ from rl.errors import (
 from rl.models.card import write_model_card
 from rl.models.tiny import FAMILIES, write_tiny_model
 from rl.scripts.common import fail, preflight
+from rl.scripts.dryrun import dry_run_report
 from rl.trainers.base import check_output_dir
 from rl.trainers.grpo import GRPOTrainer
 from rl.trainers.grpo_config import GRPOConfig
@@ -72,6 +73,7 @@ class PipelineConfig:
     sft: dict = opt({}, "SFTConfig keys for the SFT stage (see launch/sft.py --help)")
     grpo: dict = opt({}, "GRPOConfig keys for the GRPO stage (see launch/grpo.py --help)")
     report_to: list[str] = opt(["jsonl"], "metric sinks of both stages: jsonl, wandb")
+    dry_run: bool = opt(False, "print each stage's resolved config, sizes and memory plan, then exit without training")
 
 
 def stage_configs(cfg: PipelineConfig, init_model: str, sft_dir: Path, grpo_dir: Path):
@@ -145,6 +147,16 @@ def main(argv=None) -> None:
         records = sloppy_teacher(sft_rows, cfg.teacher_error_rate, cfg.seed)
     except (ConfigError, DataError, ValueError, TypeError) as e:
         fail(str(e))
+    if cfg.dry_run:  # each stage's plan; the SFT model GRPO starts from is the one SFT starts from
+        plan_model = cfg.model_name or f"tiny:{cfg.tiny_family}"
+        for name, stage in (("sft", sft_cfg), ("grpo", grpo_cfg)):
+            if name == "sft" and cfg.skip_sft:
+                continue
+            print(f"# stage {name}")
+            models = (GRPOTrainer.dry_run_models(dataclasses.replace(stage, model_name=plan_model)) if name == "grpo"
+                      else {"policy (trainable)": plan_model})
+            dry_run_report(stage, n_examples=len(records) if name == "sft" else None, models=models)
+        return
     try:
         for stage in (sft_cfg, grpo_cfg):
             check_output_dir(stage)

@@ -17,6 +17,7 @@ none the run stops at once. An environment may also supply the prompts when data
 from __future__ import annotations
 
 import os
+from pathlib import Path
 
 from rl.errors import (
     ConfigError,
@@ -25,7 +26,7 @@ from rl.errors import (
 )
 from rl.models.card import write_model_card
 from rl.scripts.common import fail, parse_recipe, run_training
-from rl.scripts.dryrun import dry_run_report
+from rl.scripts.dryrun import dry_run_data, dry_run_report
 from rl.trainers.base import check_output_dir
 from rl.trainers.ppo import PPOTrainer
 from rl.trainers.ppo_config import PPOConfig, check_reward_source, ppo_plan
@@ -35,13 +36,15 @@ def main(argv=None) -> None:
     # 1. parse; reward source and data are checked before any model is built
     cfg = parse_recipe(PPOConfig, argv, "launch/ppo.py", __doc__)
     try:
-        check_reward_source(cfg)
-        prompts, metadata, eval_prompts, eval_metadata = PPOTrainer.load_data(cfg)
-        if cfg.dry_run:
-            n = len(prompts) if prompts else None
+        if not (cfg.dry_run and cfg.reward_model_path and not Path(cfg.reward_model_path).exists()):
+            check_reward_source(cfg)  # a dry run plans without the reward model that an earlier step writes
+        if cfg.dry_run:  # the data only when it is here: a plan needs the model's config
+            data = dry_run_data(cfg, PPOTrainer.load_data)
+            n = len(data[0]) if data and data[0] else None
             plan = ppo_plan(cfg, n, int(os.environ.get("WORLD_SIZE", "1")))
             dry_run_report(cfg, n_examples=n, models=PPOTrainer.dry_run_models(cfg), extra=plan)
             return
+        prompts, metadata, eval_prompts, eval_metadata = PPOTrainer.load_data(cfg)
         # 2. setup
         check_output_dir(cfg)
         trainer = PPOTrainer(cfg)

@@ -20,7 +20,7 @@ from rl.errors import (
 )
 from rl.models.card import write_model_card
 from rl.scripts.common import fail, parse_recipe, run_training
-from rl.scripts.dryrun import dry_run_report
+from rl.scripts.dryrun import dry_run_data, dry_run_report
 from rl.trainers.base import check_output_dir
 from rl.trainers.reward import RewardModelTrainer
 from rl.trainers.reward_config import RewardTrainConfig
@@ -30,14 +30,15 @@ def main(argv=None) -> None:
     # 1. parse; the data is validated before any model is built, so a bad file fails in seconds
     cfg = parse_recipe(RewardTrainConfig, argv, "launch/reward.py", __doc__, require_data=True)
     try:
+        if cfg.dry_run:  # the data only when it is here: a plan needs the model's config
+            data = dry_run_data(cfg, RewardModelTrainer.load_data)
+            dry_run_report(cfg, n_examples=None if data is None else len(data[0]),
+                           models=RewardModelTrainer.dry_run_models(cfg))
+            return
         train, evals = RewardModelTrainer.load_data(cfg)  # the model settings were checked when cfg was built
-        if not cfg.dry_run:
-            check_output_dir(cfg)
+        check_output_dir(cfg)
     except (ConfigError, DataError, RunError) as e:
         fail(str(e))
-    if cfg.dry_run:
-        dry_run_report(cfg, n_examples=len(train), models=RewardModelTrainer.dry_run_models(cfg))
-        return
 
     # 2. setup
     try:

@@ -21,7 +21,7 @@ from rl.errors import (
 )
 from rl.models.card import write_model_card
 from rl.scripts.common import NO_DATA_ERROR, fail, preflight, run_training
-from rl.scripts.dryrun import dry_run_report
+from rl.scripts.dryrun import dry_run_data, dry_run_report
 from rl.trainers.base import check_output_dir
 from rl.trainers.sft import SFTConfig, SFTTrainer
 
@@ -30,17 +30,21 @@ def main(argv=None) -> None:
     # 1. parse
     cfg = cli_config(SFTConfig, argv, prog="launch/sft.py", description=__doc__)
     preflight(cfg)  # model names, deepspeed file, resume path, output_dir: before any model
-    if not has_data(cfg.data):
+    if not has_data(cfg.data) and not cfg.dry_run:  # a plan needs no data
         fail(NO_DATA_ERROR)
     try:
+        if cfg.dry_run:  # the data only when it is here: a plan needs the model's config
+            records = dry_run_data(cfg, lambda c: load_sft_records(c.data.path, c))
+            if records is not None and not cfg.data.eval_path:
+                records = split_eval(records, cfg.data.eval_fraction, cfg.seed)[0]
+            dry_run_report(cfg, n_examples=None if records is None else len(records),
+                           models={"policy (trainable)": cfg.model_name})
+            return
         # 2. setup: data is validated before any model is built, so a bad file fails in seconds
         records = load_sft_records(cfg.data.path, cfg)
         eval_records = load_sft_records(cfg.data.eval_path, cfg, for_eval=True) if cfg.data.eval_path else None
         if eval_records is None:
             records, eval_records = split_eval(records, cfg.data.eval_fraction, cfg.seed)
-        if cfg.dry_run:
-            dry_run_report(cfg, n_examples=len(records), models={"policy (trainable)": cfg.model_name})
-            return
         check_output_dir(cfg)
         trainer = SFTTrainer(cfg)
         train = tokenize_examples(records, trainer.tokenizer, cfg, cfg.data.path)
