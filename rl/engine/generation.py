@@ -23,11 +23,13 @@ How it works, and why:
 * Prompts are left-padded, with an attention mask and position ids counted from each row's first real
   token (what HF `generate` does), so a row's tokens do not depend on the other rows.
 * One prefill with `logits_to_keep=1` (no (B, P, V) logits), then one token per step with a KV cache.
+* The G samples of a prompt share one prefill (`share_prefill`): the prompt's KV cache is computed
+  once and repeated G times, so a GRPO step prefills prompts, not prompts x G.
 * Finished rows leave the decode batch (dynamic cache; `drop_finished`): with uneven completion
   lengths the cost is the tokens generated rather than rows x the longest row, which is what HF
   `generate` (and so TRL) computes. Measured on the tiny model, 64 rows of geometric lengths (2,518
   tokens, longest 151), 1 CPU thread: 1.3 -> 0.74 CPU s (bench/README.md, GRPO with uneven lengths).
-* Sampling is Gumbel-max with noise that is a pure function of (seed, row, step, token id)
+* Sampling is inverse-CDF with one uniform per row and step, a pure function of (seed, row, step)
   (`rl.engine.scoring.sample_tokens`): row r of a call with `seed=s` draws from seed `s + r`. Seeded
   runs repeat exactly, a row samples the same tokens whatever else is in the batch (so batched ==
   one-by-one with seed s + r), and nothing reads the global RNG. `seed=None` takes a base seed from
@@ -197,7 +199,8 @@ def _as_prompt_list(prompts) -> list[list[int]]:
 def generate(model, tokenizer_or_pad_id, prompts, max_new_tokens: int = 64, temperature: float = 1.0,
              top_k: int = 0, top_p: float = 1.0, stop_token_ids=None, stop_strings=None,
              seed: int | None = None, *, num_samples: int = 1, eos_token_id=None, cache: str = "dynamic",
-             compile: bool = False, sync_every: int = 8, drop_finished: bool = True) -> Rollout:
+             compile: bool = False, sync_every: int = 8, drop_finished: bool = True,
+             share_prefill: bool = True) -> Rollout:
     """Sample `max_new_tokens` (at most) after each prompt; see the module docstring.
 
     Args:
@@ -214,6 +217,10 @@ def generate(model, tokenizer_or_pad_id, prompts, max_new_tokens: int = 64, temp
             KV cache) at each check, so that uneven completion lengths cost the tokens generated, not
             rows x the longest row; the other rows' tokens and log-probs do not change (each row's
             computation and noise are its own). False keeps every row to the end, as HF `generate` does.
+        share_prefill: with num_samples > 1 and the dynamic cache, run the prefill once per distinct
+            prompt and repeat its KV cache num_samples times (a GRPO group's G completions share their
+            prompt), instead of G identical prefills; the outputs are the same (each row's noise is its
+            own), up to float rounding of a batch of another size.
     """
     if max_new_tokens < 1:
         raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
@@ -241,7 +248,8 @@ def generate(model, tokenizer_or_pad_id, prompts, max_new_tokens: int = 64, temp
         try:
             tokens, logps, gmask, reasons = _decode(lm, ids, pmask, prompts, max_new_tokens, temperature,
                                                     top_k, top_p, stop_ids, stop_strings, tok, seed, cache,
-                                                    compile, sync_every, drop_finished)
+                                                    compile, sync_every, drop_finished,
+                                                    num_samples if share_prefill else 1)
         finally:
             lm.train(was_training)
     tokens = tokens.masked_fill(gmask == 0, pad_id)
@@ -250,10 +258,12 @@ def generate(model, tokenizer_or_pad_id, prompts, max_new_tokens: int = 64, temp
 
 
 def _decode(lm, ids, pmask, prompts, max_new_tokens, temperature, top_k, top_p, stop_ids, stop_strings,
-            tok, seed, cache_kind, compile, sync_every, drop_finished=True):
+            tok, seed, cache_kind, compile, sync_every, drop_finished=True, group=1):
     """The decoding loop. Outputs are (B, N) in the caller's row order; the model runs on the rows in
     `live` (original indices still decoding): all B, or with `drop_finished` the unfinished ones, the
-    KV cache and attention mask compacted with them (`DynamicCache.batch_select_indices`)."""
+    KV cache and attention mask compacted with them (`DynamicCache.batch_select_indices`). `group` > 1:
+    rows come in runs of `group` copies of one prompt; the prefill runs on one row of each run and its
+    cache is repeated (`DynamicCache.batch_repeat_interleave`)."""
     B, P = ids.shape
     device = ids.device
     row_seeds = torch.arange(B, device=device, dtype=torch.int64) + int(seed)
@@ -269,11 +279,13 @@ def _decode(lm, ids, pmask, prompts, max_new_tokens, temperature, top_k, top_p, 
     # fixed shapes (static cache, CUDA graphs) cannot shrink; a cache without batch selection neither
     compact = drop_finished and not static and not compile and hasattr(cache, "batch_select_indices")
 
+    def forward(step_ids, m, pos):
+        return lm(input_ids=step_ids, attention_mask=m, position_ids=pos, use_cache=True,
+                  logits_to_keep=1, **{ckw: cache}).logits[:, -1]
+
     def step_fn(step_ids, pos, end, step):
         # amask and row_seeds are read from the enclosing scope: compaction rebinds them
-        m = amask if static else amask[:, :end]
-        logits = lm(input_ids=step_ids, attention_mask=m, position_ids=pos, use_cache=True,
-                    logits_to_keep=1, **{ckw: cache}).logits[:, -1]
+        logits = forward(step_ids, amask if static else amask[:, :end], pos)
         return sample_tokens(logits, row_seeds, step, temperature, top_k, top_p)
 
     decode_fn = step_fn
@@ -292,7 +304,14 @@ def _decode(lm, ids, pmask, prompts, max_new_tokens, temperature, top_k, top_p, 
     max_stop = max((len(s) for s in stop_strings), default=0) if stop_strings else 0
     check_every = sync_every if device.type == "cuda" else 1
 
-    cur = step_fn(ids, positions, P, 0)  # prefill (never compiled)
+    # prefill (never compiled); a shared one needs a cache that can repeat its rows
+    if group > 1 and not static and hasattr(cache, "batch_repeat_interleave") and B % group == 0:
+        first = slice(None, None, group)
+        logits = forward(ids[first], amask[first, :P], positions[first]).repeat_interleave(group, dim=0)
+        cache.batch_repeat_interleave(group)
+        cur = sample_tokens(logits, row_seeds, 0, temperature, top_k, top_p)
+    else:
+        cur = step_fn(ids, positions, P, 0)
     for t in range(max_new_tokens):
         tok_t, lp_t = cur  # (b,) for the rows `live`
         alive = ~finished[live]

@@ -8,7 +8,7 @@ import torch
 from rl.engine.generation import Rollout, generate
 from rl.engine.losses import token_logprobs
 from rl.engine.packing import left_pad, position_ids_from_mask
-from rl.engine.scoring import hashed_uniform, process_logits, sequence_logprobs
+from rl.engine.scoring import hashed_uniform, process_logits, sample_tokens, sequence_logprobs
 
 EOS = 258
 
@@ -56,6 +56,24 @@ def test_hashed_uniform_is_uniform_and_row_independent():
     alone = hashed_uniform(torch.tensor([4]), 7, 50000)
     assert torch.equal(u[1:], alone)
     assert not torch.equal(u, hashed_uniform(torch.tensor([3, 4]), 8, 50000))
+
+
+@pytest.mark.parametrize("filters", [dict(), dict(top_k=3), dict(top_p=0.8, temperature=0.5)])
+def test_sample_tokens_draws_from_the_sampling_distribution(filters):
+    """40,000 rows (seeds) of one logits vector: each token's frequency is within 4.5 standard errors of
+    its probability under the filtered distribution, cut tokens are never drawn, and the returned
+    log-probs are those of the drawn tokens."""
+    probs = torch.tensor([0.4, 0.25, 0.15, 0.1, 0.06, 0.03, 0.01])
+    n = 40_000
+    logits = torch.log(probs).expand(n, -1)
+    kw = dict(temperature=1.0, top_k=0, top_p=1.0) | filters
+    tok, lp = sample_tokens(logits, torch.arange(n) * 7919 + 3, 5, **kw)
+    target = torch.softmax(process_logits(logits[:1], **kw), -1)[0]
+    freq = torch.bincount(tok, minlength=len(probs)).double() / n
+    se = (target.double() * (1 - target.double()) / n).sqrt()
+    assert ((freq - target).abs() <= 4.5 * se + 1e-12).all(), (freq, target)
+    assert (freq[target == 0] == 0).all()
+    assert torch.allclose(lp, torch.log(target)[tok], atol=1e-6)
 
 
 def test_sampled_logprobs_equal_a_later_forward(lm, prompts):
@@ -252,10 +270,10 @@ def test_dropping_finished_rows_changes_no_output(lm, sampling):
     prompts = [[257] + list(range(60, 60 + k)) for k in range(6)]
     kw = dict(max_new_tokens=14, seed=11, eos_token_id=EOS, num_samples=2, **sampling)
     kept = generate(wrapped, 256, prompts, drop_finished=False, **kw)
-    assert set(wrapped.batch_sizes) == {12}
+    assert wrapped.batch_sizes[0] == 6 and set(wrapped.batch_sizes[1:]) == {12}  # 6 prompts prefilled once
     wrapped.batch_sizes.clear()
     dropped = generate(wrapped, 256, prompts, drop_finished=True, **kw)
-    assert wrapped.batch_sizes[0] == 12 and wrapped.batch_sizes[-1] < 12  # rows did leave the batch
+    assert wrapped.batch_sizes[0] == 6 and wrapped.batch_sizes[-1] < 12  # the shared prefill; rows did leave the batch
     assert torch.equal(dropped.mask, kept.mask) and torch.equal(dropped.tokens, kept.tokens)
     assert dropped.finish_reasons == kept.finish_reasons
     assert torch.allclose(dropped.logprobs, kept.logprobs, atol=1e-6, rtol=0)
@@ -264,3 +282,20 @@ def test_dropping_finished_rows_changes_no_output(lm, sampling):
     lengths = dropped.lengths.view(6, 2)
     assert (lengths <= torch.tensor([10 - k for k in range(6)])[:, None]).all()
     assert int(lengths.max()) > int(lengths.min())
+
+
+@pytest.mark.parametrize("sampling", [dict(temperature=1.0), dict(temperature=0.0)])
+def test_shared_prefill_gives_the_same_rollout(lm, sampling):
+    """num_samples > 1: one prefill per distinct prompt, its cache repeated, gives the tokens, masks and
+    log-probs of num_samples separate prefills, and the model sees the prompts once in the prefill."""
+    wrapped = _EOSFromPosition(lm, at=9)
+    prompts = [[257] + list(range(60, 60 + k)) for k in range(1, 5)]
+    kw = dict(max_new_tokens=12, seed=5, eos_token_id=EOS, num_samples=3, **sampling)
+    separate = generate(wrapped, 256, prompts, share_prefill=False, **kw)
+    assert wrapped.batch_sizes[0] == 12
+    wrapped.batch_sizes.clear()
+    shared = generate(wrapped, 256, prompts, share_prefill=True, **kw)
+    assert wrapped.batch_sizes[0] == 4  # the prefill ran on the 4 prompts, not the 12 rows
+    assert torch.equal(shared.tokens, separate.tokens) and torch.equal(shared.mask, separate.mask)
+    assert shared.finish_reasons == separate.finish_reasons
+    assert torch.allclose(shared.logprobs, separate.logprobs, atol=1e-5, rtol=0)
