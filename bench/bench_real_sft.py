@@ -65,6 +65,12 @@ def make_rows(n: int, tokenizer, seed: int, lo: int = 42, hi: int = 404, median:
     return rows
 
 
+def step_tokens(lengths: list[int], batch: int, steps: int) -> list[int]:
+    """Input tokens of each step's rows, the rows taken in order and again from the start each epoch."""
+    n = len(lengths)
+    return [sum(lengths[(i * batch + j) % n] for j in range(batch)) for i in range(steps)]
+
+
 def _setup(spec):
     import torch
 
@@ -110,8 +116,7 @@ def side_ours(spec: dict, packing: bool, bf16: bool, segments: bool = True) -> d
     history = trainer.train(data)
     return {"step_times": [b - a for a, b in zip(wall, wall[1:])],
             "step_cpu_times": [b - a for a, b in zip(cpu, cpu[1:])], "x_first_loss": history[0]["loss"],
-            "x_tokens_per_step": [sum(lengths[i * spec["batch"]:(i + 1) * spec["batch"]])
-                                  for i in range(len(history))],
+            "x_tokens_per_step": step_tokens(lengths, spec["batch"], len(history)),
             "x_attn": trainer.pipeline.unwrapped_model.config._attn_implementation, "x_torch_threads": torch.get_num_threads()}
 
 
@@ -155,7 +160,7 @@ def side_trl(spec: dict, padding_free: bool, bf16: bool) -> dict:
     logs = [r for r in trainer.state.log_history if "loss" in r]
     return {"step_times": [b - a for a, b in zip(ends, ends[1:])],
             "step_cpu_times": [b - a for a, b in zip(cpu, cpu[1:])], "x_first_loss": logs[0]["loss"] if logs else None,
-            "x_tokens_per_step": [sum(lengths[i * spec["batch"]:(i + 1) * spec["batch"]]) for i in range(len(logs))],
+            "x_tokens_per_step": step_tokens(lengths, spec["batch"], len(logs)),
             "x_attn": model.config._attn_implementation, "x_torch_threads": torch.get_num_threads()}
 
 
@@ -196,7 +201,7 @@ def main(argv=None) -> None:
     steps = a.warmup + a.steps
     print(f"model {a.model}; {a.rows} chat rows of {min(lens)}-{max(lens)} tokens (median {sorted(lens)[len(lens) // 2]}),"
           f" batch {a.batch}, {steps} steps ({a.warmup} untimed); tokens per step "
-          f"{[sum(lens[i * a.batch:(i + 1) * a.batch]) for i in range(steps)]}; load average {os.getloadavg()}")
+          f"{step_tokens(lens, a.batch, steps)}; load average {os.getloadavg()}")
     spec = {"model": a.model, "device": a.device, "pairs": a.batch, "rows": a.rows, "batch": a.batch,
             "steps": a.steps, "warmup": a.warmup, "seed": a.seed, "threads": a.threads,
             "load_avg_start": os.getloadavg()}
