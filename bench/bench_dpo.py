@@ -8,8 +8,8 @@ and no gradient checkpointing on either side. Sides:
     trl              TRL, reference forward every step (its default)
     trl_precompute   TRL with precompute_ref_log_probs=True
     ours             rl.dpo defaults: frozen-copy reference forward every step (LM head chunked automatically
-                     once B*T*V > 2**26, `rl.engine.chunked`), packed micro-batches (the default since issue 27)
-    ours_padded      ours with packing=False: chosen and rejected rows padded to the longest
+                     once B*T*V > 2**26, `rl.engine.chunked`), padded micro-batches (packing is off by default)
+    ours_padded      ours with packing=False (the default, explicitly): rows padded to the longest
     ours_full        rl.dpo with logprob_chunk_size=0, padded: full (2B, T, V) logits, as before rl.engine.chunked
     ours_precompute  rl.dpo with precompute_ref_logps=True (one reference pass before training)
     ours_packed      rl.dpo with packing=True: each step's chosen and rejected sequences packed padding-free
@@ -37,7 +37,7 @@ untimed step on both sides. Run:
 The real model (issue 27): SmolLM2-135M-Instruct, long-tailed pairs, batch 4, 2 threads per side:
 
     python bench/bench_dpo.py --model smollm2-135m-instruct --lengths longtail --pairs 4 --threads 2 \
-        --sides trl,ours,ours_padded --rounds 3 --steps 2 --warmup 1      # add --bf16 for bf16 autocast
+        --sides trl,ours,ours_packed --rounds 3 --steps 2 --warmup 1      # add --bf16 for bf16 autocast
 """
 
 from __future__ import annotations
@@ -100,7 +100,7 @@ def _n_steps(spec):
 
 
 def side_ours(spec: dict, precompute: bool, chunk: int | None = None, packing: bool | None = None) -> dict:
-    """`packing` None: DPOConfig's default (packed since issue 27)."""
+    """`packing` None: DPOConfig's default (padded)."""
     import torch
 
     if spec.get("threads"):

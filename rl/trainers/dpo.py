@@ -124,10 +124,11 @@ class DPOConfig(TrainConfig):
     chat_template: bool = opt(False, "render plain-text prompt/answers as user/assistant turns with the "
                               "tokenizer's chat template (message-list data always uses it)")
     eval_batch_size: int | None = opt(None, "pairs per evaluation forward (default: batch_size)")
-    packing: bool = opt(True, "padding-free micro-batches: each micro-batch's chosen and rejected sequences "
+    packing: bool = opt(False, "padding-free micro-batches: each micro-batch's chosen and rejected sequences "
                         "packed into rows no longer than its longest, with per-sequence position_ids "
                         "(rl.engine.packing); same loss, no compute on padding (training, reference and eval "
-                        "forwards). On by default: exact, and 1.5-2x faster on long-tailed pairs; false pads")
+                        "forwards). Off by default: on SmolLM2 with pairs of near-equal length it measured "
+                        "slower than padding (bench/bench_dpo.py); it pays on long-tailed pairs")
     device: str | None = opt(None, "cpu or cuda (null: auto-detected)")
 
 

@@ -1,6 +1,6 @@
 """The fast packed paths stay exact: per-sequence attention over packed rows (rl.engine.segments) equals
 SDPA under transformers' block-diagonal mask and the padded batch (logits, loss, gradients); SFT packing
-uses it; DPO packs by default (per-sequence attention too) and its default step equals the padded one; bf16 autocast on CPU stays
+uses it; DPO with packing (per-sequence attention too) equals the padded step; bf16 autocast on CPU stays
 within bf16 tolerance of fp32."""
 
 import random
@@ -166,17 +166,16 @@ def _dpo_step_grads(tmp_path, tiny_llama, tiny_tokenizer, monkeypatch, **over):
     return cfg, {**row, "attn": t.pipeline.unwrapped_model.config._attn_implementation}, grads
 
 
-def test_default_dpo_is_packed_and_equals_the_padded_loss_and_gradients(tmp_path, tiny_llama, tiny_tokenizer,
-                                                                         monkeypatch):
+def test_packed_dpo_equals_the_padded_loss_and_gradients(tmp_path, tiny_llama, tiny_tokenizer, monkeypatch):
     monkeypatch.setattr("rl.engine.tracking.plot_history", lambda *a, **k: None)
     packs = []
     monkeypatch.setattr("rl.trainers.dpo.pack_pairs", lambda *a, **k: packs.append(1) or pack_pairs(*a, **k))
-    cfg, packed, g_packed = _dpo_step_grads(tmp_path, tiny_llama, tiny_tokenizer, monkeypatch)
-    assert cfg.packing and packs  # the default packs (training and reference forwards)
+    cfg, packed, g_packed = _dpo_step_grads(tmp_path, tiny_llama, tiny_tokenizer, monkeypatch, packing=True)
+    assert cfg.packing and packs  # packs the training and reference forwards
     assert packed["attn"] == segments.NAME  # and attends per sequence
     n_packs = len(packs)
-    _, padded, g_padded = _dpo_step_grads(tmp_path, tiny_llama, tiny_tokenizer, monkeypatch, packing=False)
-    assert len(packs) == n_packs and padded["attn"] == "sdpa"  # packing: false pads
+    _, padded, g_padded = _dpo_step_grads(tmp_path, tiny_llama, tiny_tokenizer, monkeypatch)
+    assert len(packs) == n_packs and padded["attn"] == "sdpa"  # the default pads
     assert packed["loss"] == pytest.approx(padded["loss"], abs=1e-6)
     assert packed["grad_norm"] == pytest.approx(padded["grad_norm"], rel=1e-5)
     assert set(g_packed) == set(g_padded) and g_packed
