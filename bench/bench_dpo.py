@@ -7,9 +7,10 @@ and no gradient checkpointing on either side. Sides:
 
     trl              TRL, reference forward every step (its default)
     trl_precompute   TRL with precompute_ref_log_probs=True
-    ours             rl.dpo, frozen-copy reference forward every step (LM head chunked automatically once
-                     B*T*V > 2**26, `rl.engine.chunked`)
-    ours_full        rl.dpo with logprob_chunk_size=0: full (2B, T, V) logits, as before rl.engine.chunked
+    ours             rl.dpo defaults: frozen-copy reference forward every step (LM head chunked automatically
+                     once B*T*V > 2**26, `rl.engine.chunked`), padded micro-batches (packing is off by default)
+    ours_padded      ours with packing=False (the default, explicitly): rows padded to the longest
+    ours_full        rl.dpo with logprob_chunk_size=0, padded: full (2B, T, V) logits, as before rl.engine.chunked
     ours_precompute  rl.dpo with precompute_ref_logps=True (one reference pass before training)
     ours_packed      rl.dpo with packing=True: each step's chosen and rejected sequences packed padding-free
                      into rows no longer than the longest (`rl.engine.packing`), training and reference forwards
@@ -32,10 +33,16 @@ untimed step on both sides. Run:
     python bench/bench_dpo.py --vocab 152064 --lengths longtail --pairs 4 --hidden 256 --layers 2 \
         --sides trl,ours,ours_packed --rounds 1 --steps 1 --warmup 1
     python bench/bench_dpo.py --device cuda --hidden 896 --layers 24 --heads 14 --family qwen2
+
+The real model (issue 27): SmolLM2-135M-Instruct, long-tailed pairs, batch 4, 2 threads per side:
+
+    python bench/bench_dpo.py --model smollm2-135m-instruct --lengths longtail --pairs 4 --threads 2 \
+        --sides trl,ours,ours_packed --rounds 3 --steps 2 --warmup 1      # add --bf16 for bf16 autocast
 """
 
 from __future__ import annotations
 
+import os
 import random
 import sys
 import tempfile
@@ -92,8 +99,12 @@ def _n_steps(spec):
     return spec["warmup"] + spec["steps"]
 
 
-def side_ours(spec: dict, precompute: bool, chunk: int | None = None, packing: bool = False) -> dict:
+def side_ours(spec: dict, precompute: bool, chunk: int | None = None, packing: bool | None = None) -> dict:
+    """`packing` None: DPOConfig's default (padded)."""
     import torch
+
+    if spec.get("threads"):
+        torch.set_num_threads(spec["threads"])
 
     from rl.config.fields import build
     from rl.data.preference import PreferenceDataset, collate_pairs, pack_pairs
@@ -102,13 +113,15 @@ def side_ours(spec: dict, precompute: bool, chunk: int | None = None, packing: b
     n = _n_steps(spec)
     P, C, R = _data(spec)
     longtail = spec.get("lengths", "fixed") == "longtail"
+    chosen = {} if packing is None else {"packing": packing}
     cfg = build(DPOConfig, dict(
         model_name=spec["model"], output_dir=tempfile.mkdtemp(prefix="bench-dpo-"), report_to=["none"],
         batch_size=spec["pairs"], max_steps=n, learning_rate=1e-6, lr_scheduler="constant", max_grad_norm=1.0,
         max_length=_max_length(spec),
         max_prompt_length=LONGTAIL["prompt"][1] + 4 if longtail else spec["prompt_len"] + 4,
-        dtype="float32" if spec["device"] == "cpu" else "auto", device=spec["device"],
-        precompute_ref_logps=precompute, seed=spec["seed"], logprob_chunk_size=chunk, packing=packing))
+        dtype=("bfloat16" if spec.get("bf16") else "float32") if spec["device"] == "cpu" else "auto",
+        device=spec["device"], precompute_ref_logps=precompute, seed=spec["seed"], logprob_chunk_size=chunk,
+        **chosen))
     from rl.engine.pipeline import ForwardBackwardPipeline
 
     # Step ends, measured the same way as on the TRL side (intervals between consecutive optimizer steps).
@@ -136,7 +149,7 @@ def side_ours(spec: dict, precompute: bool, chunk: int | None = None, packing: b
         assert {len(e["prompt_ids"]) for e in ds.examples} == {spec["prompt_len"]}
         assert {len(e["chosen_ids"]) for e in ds.examples} == {spec["answer_len"]}
     # positions per training forward of one step's pairs: padded (2B rows x the longest) or packed rows
-    rows = (pack_pairs if packing else collate_pairs)(ds.examples[:spec["pairs"]], ds.pad_token_id)["input_ids"]
+    rows = (pack_pairs if cfg.packing else collate_pairs)(ds.examples[:spec["pairs"]], ds.pad_token_id)["input_ids"]
     t0 = time.perf_counter()
     wall[0], cpu[0] = t0, time.process_time()
     history = trainer.train(ds)
@@ -150,6 +163,9 @@ def side_ours(spec: dict, precompute: bool, chunk: int | None = None, packing: b
 
 def side_trl(spec: dict, precompute: bool) -> dict:
     import torch
+
+    if spec.get("threads"):
+        torch.set_num_threads(spec["threads"])
     from datasets import Dataset
     from transformers import TrainerCallback
     from trl import DPOConfig as TRLDPOConfig
@@ -176,7 +192,7 @@ def side_trl(spec: dict, precompute: bool) -> dict:
     cuda = spec["device"].startswith("cuda")
     args = TRLDPOConfig(
         output_dir=tempfile.mkdtemp(prefix="bench-trl-"), per_device_train_batch_size=spec["pairs"], max_steps=n,
-        learning_rate=1e-6, lr_scheduler_type="constant", max_grad_norm=1.0, beta=0.1, bf16=cuda,
+        learning_rate=1e-6, lr_scheduler_type="constant", max_grad_norm=1.0, beta=0.1, bf16=cuda or bool(spec.get("bf16")),
         gradient_checkpointing=False, logging_steps=1, report_to="none", save_strategy="no", use_cpu=not cuda,
         max_length=_max_length(spec), seed=spec["seed"], disable_tqdm=True,
         precompute_ref_log_probs=precompute)
@@ -199,7 +215,8 @@ SIDES = {
     "trl": lambda s: side_trl(s, False),
     "trl_precompute": lambda s: side_trl(s, True),
     "ours": lambda s: side_ours(s, False),
-    "ours_full": lambda s: side_ours(s, False, chunk=0),
+    "ours_padded": lambda s: side_ours(s, False, packing=False),
+    "ours_full": lambda s: side_ours(s, False, chunk=0, packing=False),
     "ours_precompute": lambda s: side_ours(s, True),
     "ours_packed": lambda s: side_ours(s, False, packing=True),
     "ours_packed_precompute": lambda s: side_ours(s, True, packing=True),
@@ -221,11 +238,19 @@ def main(argv=None) -> None:
     p.add_argument("--vocab", type=int, default=None, help="widen the tiny model's vocabulary (e.g. 49152, 152064)")
     p.add_argument("--lengths", choices=("fixed", "longtail"), default="fixed",
                    help="fixed: --prompt-len/--answer-len; longtail: prompts 16-256, answers 16-512 tokens")
-    p.add_argument("--model", default=None, help="an existing model dir instead of writing a tiny one")
+    p.add_argument("--model", default=None, help="an existing model dir (or a packaged name, e.g. "
+                   "smollm2-135m-instruct) instead of writing a tiny one")
+    p.add_argument("--threads", type=int, default=None, help="torch threads per side (default: torch's)")
+    p.add_argument("--bf16", action="store_true", help="bf16 autocast on CPU on both sides (ours dtype "
+                   "bfloat16, TRL bf16=True), fp32 weights")
     p.add_argument("--sides", default="trl,ours_precompute,ours,trl_precompute",
                    help="comma-separated sides; the first is the baseline")
     a = p.parse_args(argv)
     model = a.model
+    if model is not None:
+        from rl.models.sources import resolve_model_path
+
+        model = resolve_model_path(model)
     if model is None:
         from rl.models.tiny import write_tiny_model
 
@@ -240,13 +265,15 @@ def main(argv=None) -> None:
           f"tokens; device {a.device}")
     spec = {"model": model, "n_params": n_params, "device": a.device, "pairs": a.pairs, "prompt_len": a.prompt_len,
             "answer_len": a.answer_len, "steps": a.steps, "warmup": a.warmup, "seed": a.seed, "lengths": a.lengths,
-            "vocab": a.vocab}
+            "vocab": a.vocab, "threads": a.threads, "bf16": a.bf16}
     if a.lengths == "longtail":
         P, C, R = _data(spec)
         rows = [len(p) + 1 + max(len(c), len(r)) + 1 for p, c, r in zip(P, C, R)]
         print(f"long-tailed pairs: prompt+answer tokens per pair {sorted(rows)} (padded to {max(rows)})")
     sides = a.sides.split(",")
+    print(f"load average at the start {os.getloadavg()}")
     harness.main_side_by_side("dpo", __file__, spec, sides, baseline=sides[0], rounds=a.rounds)
+    print(f"load average at the end {os.getloadavg()}")
 
 
 def widen_vocab(model_dir: str, vocab: int) -> str:

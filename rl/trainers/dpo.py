@@ -57,6 +57,7 @@ from rl.data.preference import (
     pack_pairs,
     shard_batches,
 )
+from rl.engine import segments
 from rl.engine.dist import zero_stage
 from rl.engine.scoring import concatenated_logps, sequence_logps
 from rl.errors import ConfigError
@@ -97,6 +98,14 @@ def dpo_batch_loss(logits, labels, attention_mask, *, loss_type: str, beta: floa
 
 # ================================================================================= configuration
 
+def _packed_loss(loss_fn, labels, sequence_index, loss_kw, model, inputs, outputs):
+    """`dpo_batch_loss` as a custom loss of `forward_backward_custom` (packed rows whose forward also
+    carries the sequences' boundaries, rl.engine.segments)."""
+    dev = inputs["input_ids"].device
+    kw = {k: v.to(dev) if torch.is_tensor(v) else v for k, v in loss_kw.items()}
+    return loss_fn(outputs.logits, labels.to(dev), None, sequence_index=sequence_index.to(dev), **kw)
+
+
 @dataclasses.dataclass
 class DPOConfig(TrainConfig):
     learning_rate: float = opt(1e-6, "peak learning rate of AdamW (DPO wants it small: 1e-6 to 1e-5)")
@@ -117,7 +126,9 @@ class DPOConfig(TrainConfig):
     eval_batch_size: int | None = opt(None, "pairs per evaluation forward (default: batch_size)")
     packing: bool = opt(False, "padding-free micro-batches: each micro-batch's chosen and rejected sequences "
                         "packed into rows no longer than its longest, with per-sequence position_ids "
-                        "(rl.engine.packing); same loss, no compute on padding (training, reference and eval forwards)")
+                        "(rl.engine.packing); same loss, no compute on padding (training, reference and eval "
+                        "forwards). Off by default: on SmolLM2 with pairs of near-equal length it measured "
+                        "slower than padding (bench/bench_dpo.py); it pays on long-tailed pairs")
     device: str | None = opt(None, "cpu or cuda (null: auto-detected)")
 
 
@@ -196,6 +207,8 @@ class DPOTrainer(EpochTrainer):
         cfg = self.cfg
         self.pipeline = self.build_pipeline(self._model, total_steps, cfg.batch_size)
         self.reference.place(self.accelerator)
+        # packed training forwards attend per sequence (rl.engine.segments), not over each row's whole block mask
+        self._segments = cfg.packing and segments.enable(self.pipeline.unwrapped_model)
 
     def _reference_logps(self, batch: dict) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         """Reference log-probs of a collated batch: precomputed, a forward of the frozen copy or of the
@@ -271,9 +284,14 @@ class DPOTrainer(EpochTrainer):
             # Padded: right padding, so the engine's default positions equal b["position_ids"]. Packed: the
             # position ids and no mask (the engine then gives the model none), the sequence index to the loss.
             packed = {k: b[k] for k in ("position_ids", "sequence_index")} if cfg.packing else {}
-            r = pipe.forward_backward(b["input_ids"], None if cfg.packing else b["attention_mask"], b["labels"],
-                                      loss_fn=self._loss_fn, ref_chosen_logps=ref_c, ref_rejected_logps=ref_r,
-                                      pair_weight=weight, **packed).result()
+            loss_kw = dict(ref_chosen_logps=ref_c, ref_rejected_logps=ref_r, pair_weight=weight)
+            if self._segments:  # the same loss; the model also gets the sequences' boundaries
+                loss = partial(_packed_loss, self._loss_fn, b["labels"], b["sequence_index"], loss_kw)
+                r = pipe.forward_backward_custom(loss, b["input_ids"], None,
+                                                 model_inputs=segments.model_inputs(b["position_ids"])).result()
+            else:
+                r = pipe.forward_backward(b["input_ids"], None if cfg.packing else b["attention_mask"], b["labels"],
+                                          loss_fn=self._loss_fn, **loss_kw, **packed).result()
             for k, v in r.metrics.items():
                 sums[k] = sums.get(k, 0.0) + v / N
         o = pipe.optim_step(max_grad_norm=cfg.max_grad_norm).result()

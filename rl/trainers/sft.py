@@ -22,7 +22,7 @@ from rl.config.fields import opt
 from rl.config.plan import epoch_plan
 from rl.config.schema import TrainConfig
 from rl.data.sft import collate, counted_tokens
-from rl.engine import losses
+from rl.engine import losses, segments
 from rl.engine.dist import zero_stage
 from rl.engine.packing import pack_examples
 from rl.trainers.epoch import EpochTrainer, split_even
@@ -46,6 +46,14 @@ def sum_normalised_nll(logits, labels, attention_mask, scale: float):
     nll_sum = -(logp * mask).sum()
     n = mask.sum().clamp(min=1)
     return nll_sum * scale, {"nll": nll_sum.detach() / n, "correct": correct_tokens(logits, labels)}
+
+
+def _packed_nll(model, inputs, outputs, labels, scale: float):
+    """`sum_normalised_nll` as a custom loss of `forward_backward_custom` (the packed forward with the
+    sequences' boundaries as model inputs), with the counted tokens among the metrics."""
+    labels = labels.to(inputs["input_ids"].device)
+    loss, metrics = sum_normalised_nll(outputs.logits, labels, None, scale)
+    return loss, {**metrics, "tokens": (labels[:, 1:] != -100).sum()}
 
 
 def correct_tokens(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
@@ -79,6 +87,9 @@ class SFTTrainer(EpochTrainer):
         if plan["warning"]:
             tracker.write(plan["warning"])
         self._train, self._num_tokens = train_examples, 0
+        # packed rows attend per example ("rl_segments", rl.engine.segments): SDPA on CPU would otherwise pay
+        # for the whole row's (sum of lengths)^2 score matrix under the block-diagonal mask
+        self._segments = cfg.packing and segments.enable(self.pipeline.unwrapped_model)
         self.start_epochs(len(train_examples), eval_examples)
         return self.fit(plan["total_steps"], tracker)
 
@@ -95,8 +106,14 @@ class SFTTrainer(EpochTrainer):
             micro = micro or [{"input_ids": batch[0]["input_ids"], "labels": [-100] * len(batch[0]["labels"])}]
             if cfg.packing:  # one row, no mask: the model separates the examples by their position ids
                 b = pack_examples(micro)
-                r = pipe.forward_backward(b["input_ids"], None, b["labels"], position_ids=b["position_ids"],
-                                          loss_fn=partial(sum_normalised_nll, scale=scale)).result()
+                if self._segments:
+                    r = pipe.forward_backward_custom(partial(_packed_nll, labels=b["labels"], scale=scale),
+                                                     b["input_ids"], None,
+                                                     model_inputs=segments.model_inputs(b["position_ids"])).result()
+                    r.num_tokens = int(r.metrics.pop("tokens"))
+                else:
+                    r = pipe.forward_backward(b["input_ids"], None, b["labels"], position_ids=b["position_ids"],
+                                              loss_fn=partial(sum_normalised_nll, scale=scale)).result()
             else:
                 b = collate(micro, self.tokenizer.pad_token_id)
                 r = pipe.forward_backward(b["input_ids"], b["attention_mask"], b["labels"],

@@ -1,0 +1,231 @@
+"""The fast packed paths stay exact: per-sequence attention over packed rows (rl.engine.segments) equals
+SDPA under transformers' block-diagonal mask and the padded batch (logits, loss, gradients); SFT packing
+uses it; DPO with packing (per-sequence attention too) equals the padded step; bf16 autocast on CPU stays
+within bf16 tolerance of fp32."""
+
+import random
+
+import pytest
+import torch
+
+from rl.data.preference import pack_pairs
+from rl.data.sft import collate
+from rl.engine import segments
+from rl.engine.losses import token_logprobs
+from rl.engine.packing import pack_examples, pack_sequences
+from rl.models.tiny import build_config
+
+EXAMPLES = [  # unequal lengths, a prompt masked with -100, a one-token example (two position-0s in a row)
+    {"input_ids": [5, 17, 42, 9, 100, 7], "labels": [-100, -100, 42, 9, 100, 7]},
+    {"input_ids": [250], "labels": [250]},
+    {"input_ids": [11, 12, 13], "labels": [11, 12, 13]},
+    {"input_ids": [200, 3, 77, 78, 79, 80, 81, 82, 83], "labels": [-100, -100, -100, 77, 78, 79, 80, 81, 82]},
+]
+
+
+def _model(family="llama", seed=0):
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(seed)
+    m = AutoModelForCausalLM.from_config(build_config(family, 259, hidden=32, layers=2, heads=2),
+                                             attn_implementation="sdpa").float()
+    m.train()
+    return m
+
+
+def _nll_and_grads(model, ids, labels, **kw):
+    model.zero_grad()
+    logits = model(input_ids=ids, use_cache=False, **kw).logits
+    logp, mask = token_logprobs(logits, labels)
+    nll = -(logp * mask).sum()
+    nll.backward()
+    return logits.detach(), nll.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}
+
+
+def test_cu_seq_lens_by_hand():
+    pos = torch.tensor([[0, 1, 2, 0, 0, 1], [0, 1, 0, 1, 2, 3]])
+    assert segments.cu_seq_lens(pos).tolist() == [0, 3, 4, 6, 8, 12]
+    assert segments.cu_seq_lens(torch.tensor([[3, 4, 5]])).tolist() == [0, 3]  # a row starts a sequence
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2"])
+def test_segment_attention_equals_the_mask_and_the_padded_batch(family):
+    """One packed row (SFT) and several rows with a padding segment (DPO's layout): the same logits,
+    summed NLL and every parameter's gradient under rl_segments as under SDPA's block-diagonal mask,
+    and the same per-token NLL as the padded batch (label boundaries between examples included)."""
+    model = _model(family)
+    b = pack_examples(EXAMPLES)
+    masked = _nll_and_grads(model, b["input_ids"], b["labels"], position_ids=b["position_ids"])
+    padded = collate(EXAMPLES, 0)
+    pad_logits, pad_nll, pad_grads = _nll_and_grads(model, padded["input_ids"], padded["labels"],
+                                                    attention_mask=padded["attention_mask"])
+    assert segments.enable(model) and model.config._attn_implementation == segments.NAME
+    seg = _nll_and_grads(model, b["input_ids"], b["labels"], **segments.model_inputs(b["position_ids"]))
+    assert torch.allclose(seg[0], masked[0], atol=1e-5)
+    assert seg[1] == pytest.approx(float(masked[1]), rel=1e-6)
+    assert seg[1] == pytest.approx(float(pad_nll), rel=1e-6)
+    for n, g in seg[2].items():
+        assert torch.allclose(g, masked[2][n], atol=1e-5, rtol=1e-4), n
+        assert torch.allclose(g, pad_grads[n], atol=1e-5, rtol=1e-4), n
+    # without cu_seq_lens the registered function IS sdpa (padded batches, generation, evaluation)
+    again = _nll_and_grads(model, padded["input_ids"], padded["labels"], attention_mask=padded["attention_mask"])
+    assert torch.equal(again[0], pad_logits)
+    # several rows, each ending in a padding segment
+    seqs = [(e["input_ids"], e["labels"]) for e in EXAMPLES] + [([9, 8, 7, 6, 5, 4, 3, 2, 1, 2], [1] * 10)]
+    rows = pack_sequences(seqs, pad_id=0)
+    assert rows["input_ids"].shape[0] > 1 and (rows["sequence_index"] == -1).any()
+    seg_rows = _nll_and_grads(model, rows["input_ids"], rows["labels"], **segments.model_inputs(rows["position_ids"]))
+    model.config._attn_implementation = "sdpa"
+    mask_rows = _nll_and_grads(model, rows["input_ids"], rows["labels"], position_ids=rows["position_ids"])
+    real = rows["sequence_index"] >= 0
+    assert torch.allclose(seg_rows[0][real], mask_rows[0][real], atol=1e-5)
+    for n, g in seg_rows[2].items():
+        assert torch.allclose(g, mask_rows[2][n], atol=1e-5, rtol=1e-4), n
+
+
+def test_without_boundaries_the_packed_row_attends_across_examples():
+    """Negative control: rl_segments given one boundary for the whole row (cu_seq_lens [0, W]) lets the
+    later examples attend to the earlier ones, so their logits differ: the boundaries are what isolates them."""
+    model = _model()
+    segments.enable(model)
+    b = pack_examples(EXAMPLES)
+    W = b["input_ids"].shape[1]
+    whole = torch.tensor([0, W], dtype=torch.int32)
+    with torch.no_grad():
+        right = model(input_ids=b["input_ids"], use_cache=False, **segments.model_inputs(b["position_ids"])).logits
+        wrong = model(input_ids=b["input_ids"], use_cache=False, position_ids=b["position_ids"],
+                      cu_seq_lens_q=whole, cu_seq_lens_k=whole).logits
+    n0 = len(EXAMPLES[0]["input_ids"])
+    assert torch.allclose(right[0, :n0], wrong[0, :n0], atol=1e-5)  # the first example sees only itself anyway
+    assert not torch.allclose(right[0, n0:], wrong[0, n0:], atol=1e-3)
+
+
+def test_enable_leaves_other_attention_kernels_alone():
+    from transformers import AutoModelForCausalLM
+
+    eager = AutoModelForCausalLM.from_config(build_config("llama", 259, hidden=32, layers=2, heads=2),
+                                                 attn_implementation="eager")
+    assert not segments.enable(eager) and eager.config._attn_implementation == "eager"
+
+
+def test_sft_packing_runs_per_example_attention_and_equals_padding(tmp_path, tiny_llama, monkeypatch):
+    """SFT with packing routes the model through rl_segments (every training forward carries the
+    examples' boundaries) and its losses and grad norms equal the padded path's."""
+    from rl.config.fields import build
+    from rl.trainers.sft import SFTConfig, SFTTrainer
+
+    calls = []
+    real = segments.cu_seq_lens
+    monkeypatch.setattr(segments, "cu_seq_lens", lambda pos: calls.append(pos.shape) or real(pos))
+    rng = random.Random(0)
+    data = []
+    for _ in range(8):
+        n = rng.randint(1, 20)
+        ids = [rng.randrange(3, 250) for _ in range(n)]
+        data.append({"input_ids": ids, "labels": [-100] * (n // 3) + ids[n // 3:]})
+    rows, trainers = {}, {}
+    for packing in (False, True):
+        cfg = build(SFTConfig, dict(model_name=tiny_llama, output_dir=str(tmp_path / str(packing)), batch_size=4,
+                                    max_steps=2, learning_rate=1e-2, seed=0, report_to=["none"], packing=packing,
+                                    dtype="float32"))
+        trainers[packing] = SFTTrainer(cfg)
+        rows[packing] = trainers[packing].train(data)
+    assert trainers[True].pipeline.unwrapped_model.config._attn_implementation == segments.NAME
+    assert trainers[False].pipeline.unwrapped_model.config._attn_implementation == "sdpa"
+    assert len(calls) == 2  # one packed training forward per step
+    for a, b in zip(rows[False], rows[True]):
+        assert b["loss"] == pytest.approx(a["loss"], abs=1e-5)
+        assert b["grad_norm"] == pytest.approx(a["grad_norm"], rel=1e-4)
+
+
+def _dpo_step_grads(tmp_path, tiny_llama, tiny_tokenizer, monkeypatch, **over):
+    """Loss and every parameter's gradient of one default DPO step (the gradients read just before
+    the optimizer applies them)."""
+    from rl.config.fields import build
+    from rl.data.preference import PreferenceDataset
+    from rl.engine.pipeline import ForwardBackwardPipeline
+    from rl.trainers.dpo import DPOConfig, DPOTrainer
+
+    grads = {}
+    original = ForwardBackwardPipeline._optim_step
+
+    def snap(self, *a, **kw):
+        grads.update({n: p.grad.clone() for n, p in self.unwrapped_model.named_parameters() if p.grad is not None})
+        return original(self, *a, **kw)
+
+    monkeypatch.setattr(ForwardBackwardPipeline, "_optim_step", snap)
+    rng = random.Random(1)
+    P = [f"q{i}: " + "z" * rng.randint(0, 20) for i in range(6)]
+    C = ["a" * rng.randint(1, 30) for _ in P]
+    R = ["b" * rng.randint(1, 30) for _ in P]
+    cfg = build(DPOConfig, dict(model_name=tiny_llama, output_dir=str(tmp_path / str(over)), batch_size=6, max_steps=1,
+                                seed=0, max_length=96, max_prompt_length=32, report_to=["none"], dtype="float32",
+                                **over))
+    t = DPOTrainer(cfg, tokenizer=tiny_tokenizer)
+    row = t.train(PreferenceDataset(P, C, R, tiny_tokenizer, 96, 32))[0]
+    return cfg, {**row, "attn": t.pipeline.unwrapped_model.config._attn_implementation}, grads
+
+
+def test_packed_dpo_equals_the_padded_loss_and_gradients(tmp_path, tiny_llama, tiny_tokenizer, monkeypatch):
+    monkeypatch.setattr("rl.engine.tracking.plot_history", lambda *a, **k: None)
+    packs = []
+    monkeypatch.setattr("rl.trainers.dpo.pack_pairs", lambda *a, **k: packs.append(1) or pack_pairs(*a, **k))
+    cfg, packed, g_packed = _dpo_step_grads(tmp_path, tiny_llama, tiny_tokenizer, monkeypatch, packing=True)
+    assert cfg.packing and packs  # packs the training and reference forwards
+    assert packed["attn"] == segments.NAME  # and attends per sequence
+    n_packs = len(packs)
+    _, padded, g_padded = _dpo_step_grads(tmp_path, tiny_llama, tiny_tokenizer, monkeypatch)
+    assert len(packs) == n_packs and padded["attn"] == "sdpa"  # the default pads
+    assert packed["loss"] == pytest.approx(padded["loss"], abs=1e-6)
+    assert packed["grad_norm"] == pytest.approx(padded["grad_norm"], rel=1e-5)
+    assert set(g_packed) == set(g_padded) and g_packed
+    for n, g in g_packed.items():
+        assert torch.allclose(g, g_padded[n], atol=1e-6, rtol=1e-4), n
+    assert any(float(g.abs().max()) > 1e-4 for g in g_packed.values())  # the gradients are not all ~0
+
+
+def test_bf16_autocast_on_cpu_stays_within_bf16_tolerance_of_fp32():
+    """The SFT loss and gradients of a packed batch under CPU bf16 autocast (what dtype: bfloat16 gives
+    a trainer on CPU: fp32 weights, bf16 matmuls) against fp32: loss within 1%, each gradient's
+    direction within cosine 0.99 and its norm within 5% (bf16 keeps 8 bits of mantissa)."""
+    model = _model()
+    b = pack_examples(EXAMPLES)
+    segments.enable(model)
+    kw = segments.model_inputs(b["position_ids"])
+    _, nll32, g32 = _nll_and_grads(model, b["input_ids"], b["labels"], **kw)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        logits, nll16, g16 = _nll_and_grads(model, b["input_ids"], b["labels"], **kw)
+    assert logits.dtype == torch.bfloat16  # autocast did run the matmuls in bf16
+    assert float(nll16) == pytest.approx(float(nll32), rel=1e-2)
+    assert float(nll16) != float(nll32)
+    for n, g in g32.items():
+        assert g16[n].dtype == torch.float32  # fp32 master gradients
+        if float(g.norm()) < 1e-6:
+            continue
+        cos = torch.nn.functional.cosine_similarity(g.flatten(), g16[n].flatten(), dim=0)
+        assert float(cos) > 0.99, n
+        assert float(g16[n].norm()) == pytest.approx(float(g.norm()), rel=5e-2), n
+
+
+def test_sft_trainer_bf16_on_cpu_autocasts_and_tracks_fp32(tmp_path, tiny_llama):
+    """dtype: bfloat16 on CPU: the trainer's accelerator autocasts in bf16 and two steps' losses stay
+    within bf16 tolerance of the fp32 run's."""
+    from accelerate.state import AcceleratorState
+
+    from rl.config.fields import build
+    from rl.trainers.sft import SFTConfig, SFTTrainer
+
+    data = [{"input_ids": list(range(3, 3 + n)), "labels": list(range(3, 3 + n))} for n in (5, 12, 9, 16)]
+    rows = {}
+    for dtype in ("float32", "bfloat16"):
+        AcceleratorState._reset_state()  # accelerate keeps one mixed-precision setting per process
+        cfg = build(SFTConfig, dict(model_name=tiny_llama, output_dir=str(tmp_path / dtype), batch_size=4, max_steps=2,
+                                    learning_rate=1e-3, seed=0, report_to=["none"], packing=True, dtype=dtype))
+        t = SFTTrainer(cfg)
+        rows[dtype] = t.train(data)
+        assert t.accelerator.mixed_precision == ("bf16" if dtype == "bfloat16" else "no")
+        assert next(t.pipeline.unwrapped_model.parameters()).dtype == torch.float32
+    AcceleratorState._reset_state()  # leave the process's default (no mixed precision) to the next test
+    for a, b in zip(rows["float32"], rows["bfloat16"]):
+        assert b["loss"] == pytest.approx(a["loss"], rel=2e-2)
+        assert b["grad_norm"] == pytest.approx(a["grad_norm"], rel=1e-1)
