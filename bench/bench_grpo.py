@@ -21,7 +21,16 @@ Two settings (`--lengths`):
             reported (mean, quantiles, per-step max); their means differ only by sampling noise (a few
             % with a few hundred completions per side), and the script says so when they do not.
 
+    real    the real model SmolLM2-135M-Instruct (`--model`, default smollm2-135m-instruct): the chat sums
+            of data/smollm2/math_train.jsonl as user turns in the chat template on both sides, reward 1
+            when the answer's last number is the sum (bench/bench_real_grpo.py's), LoRA rank `--lora`
+            (default 8, alpha 2r, all linear layers) on both sides, token-level loss on both (ours
+            token_mean, TRL loss_type="dapo"), `--beta` (0: no reference; > 0: the adapter-free model
+            is the reference on both sides). Lengths are the model's own (it stops at <|im_end|>).
+
     python bench/bench_grpo.py                                        # fixed: 8 prompts x 8 generations x 32
+    python bench/bench_grpo.py --lengths real --prompts 4 --generations 4 --completion 64 --threads 2 \
+        --rounds 3 --beta 0.04                                        # the real model, issue 27's setting
     python bench/bench_grpo.py --lengths uneven                       # uneven: 1..256 tokens, mean ~48, 4 micro-batches
     python bench/bench_grpo.py --lengths uneven --rounds 3 --steps 6  # more completions per side, steadier means
 
@@ -114,6 +123,15 @@ def _prompts(spec) -> list[str]:
     return [f"{i}+{j}=" for i in range(100) for j in range(100)][:n]
 
 
+def _real_rows(spec) -> list[dict]:
+    """The real setting's prompts: the chat sums (question, answer), as many as the run needs."""
+    from bench.bench_real_grpo import DATA, problems
+
+    rows = problems(DATA / "math_train.jsonl")
+    n = spec["prompts"] * (spec["steps"] + spec["warmup"])
+    return [rows[i % len(rows)] for i in range(n)]
+
+
 def side_ours(spec) -> dict:
     """Our trainer; the rollout's per-completion lengths are recorded by wrapping the sampler."""
     import rl.trainers.grpo as grpo
@@ -130,13 +148,23 @@ def side_ours(spec) -> dict:
         return rollout
 
     grpo.generate = recording_generate
+    real = spec["lengths"] == "real"
+    extra = dict(chat_template=True, loss_aggregation="token_mean",
+                 lora={"enabled": True, "rank": spec["lora"], "alpha": 2 * spec["lora"], "dropout": 0.0}
+                 if spec["lora"] else {"enabled": False}) if real else {}
     cfg = build(grpo.GRPOConfig, dict(
         model_name=spec["model_dir"], output_dir=spec["out"] + "/ours", learning_rate=1e-5, batch_size=n // micro,
         gradient_accumulation_steps=micro, num_generations=spec["generations"],
         max_completion_length=spec["completion"], max_length=spec["completion"] + 64,
         max_steps=spec["steps"] + spec["warmup"], dtype="float32", report_to=["none"], lr_scheduler="constant",
-        beta=0.0, temperature=1.0, seed=spec["seed"]))
-    t = grpo.GRPOTrainer(cfg, reward_funcs=[reward_len], train_prompts=[{"prompt": p} for p in _prompts(spec)])
+        beta=spec["beta"], temperature=1.0, seed=spec["seed"], **extra))
+    if real:
+        from bench.bench_real_grpo import last_number_reward
+
+        rows = [{"prompt": r["question"], "answer": r["answer"]} for r in _real_rows(spec)]
+        t = grpo.GRPOTrainer(cfg, reward_funcs=[last_number_reward], train_prompts=rows)
+    else:
+        t = grpo.GRPOTrainer(cfg, reward_funcs=[reward_len], train_prompts=[{"prompt": p} for p in _prompts(spec)])
     ends = [(time.time(), time.process_time())]
     step = t.train_step
 
@@ -162,8 +190,14 @@ def side_trl(spec) -> dict:
     lengths: list[list[int]] = []
     ends = [(time.time(), time.process_time())]
 
+    real = spec["lengths"] == "real"
+
     def reward(prompts, completions, completion_ids=None, **kw):
         lengths.append([len(c) for c in completion_ids])
+        if real:
+            from bench.bench_real_grpo import last_number_reward
+
+            return last_number_reward(prompts, completions, kw["answer"])
         return reward_len(prompts, completions)
 
     class StepEnds(TrainerCallback):
@@ -178,12 +212,22 @@ def side_trl(spec) -> dict:
     args = GRPOConfig(output_dir=spec["out"] + "/trl", bf16=False, per_device_train_batch_size=n // micro,
                       gradient_accumulation_steps=micro, num_generations=spec["generations"],
                       max_completion_length=spec["completion"], max_steps=spec["steps"] + spec["warmup"],
-                      learning_rate=1e-5, logging_steps=1, report_to=[], save_strategy="no", beta=0.0,
+                      learning_rate=1e-5, logging_steps=1, report_to=[], save_strategy="no",
                       use_cpu=True, disable_tqdm=True, temperature=1.0, top_k=0, top_p=1.0,
-                      lr_scheduler_type="constant", seed=spec["seed"])
+                      lr_scheduler_type="constant", seed=spec["seed"], beta=spec["beta"],
+                      **({"loss_type": "dapo"} if real else {}))
+    peft = None
+    if real:
+        data = [{"prompt": [{"role": "user", "content": r["question"]}], "answer": r["answer"]} for r in _real_rows(spec)]
+        if spec["lora"]:
+            from peft import LoraConfig
+
+            peft = LoraConfig(r=spec["lora"], lora_alpha=2 * spec["lora"], lora_dropout=0.0,
+                              target_modules="all-linear", task_type="CAUSAL_LM")
+    else:
+        data = [{"prompt": p} for p in _prompts(spec)]
     trainer = GRPOTrainer(model=model, reward_funcs=[reward], args=args, processing_class=tok,
-                          train_dataset=Dataset.from_list([{"prompt": p} for p in _prompts(spec)]),
-                          callbacks=[StepEnds()])
+                          train_dataset=Dataset.from_list(data), peft_config=peft, callbacks=[StepEnds()])
     trainer.train()
     return _side_result(ends, lengths)
 
@@ -229,7 +273,7 @@ def main():
     if harness.side_main(SIDES, sys.argv):
         return
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--lengths", choices=("fixed", "uneven"), default="fixed")
+    p.add_argument("--lengths", choices=("fixed", "uneven", "real"), default="fixed")
     p.add_argument("--prompts", type=int, default=8)
     p.add_argument("--generations", type=int, default=8)
     p.add_argument("--completion", type=int, default=None, help="max completion tokens (fixed 32, uneven 256)")
@@ -242,12 +286,16 @@ def main():
     p.add_argument("--hidden", type=int, default=64)
     p.add_argument("--layers", type=int, default=2)
     p.add_argument("--sides", default="ours,trl")
+    p.add_argument("--model", default="smollm2-135m-instruct", help="real: the model (a name rl.models knows, a "
+                   "directory or a .gguf file)")
+    p.add_argument("--lora", type=int, default=8, help="real: LoRA rank on both sides (0: full fine-tune)")
+    p.add_argument("--beta", type=float, default=0.0, help="KL coefficient on both sides (0: no reference model)")
     p.add_argument("--threads", type=int, default=1,
                    help="torch threads per side (1: on a shared 2-core machine a second OpenMP thread made the "
                         "sampler 7x slower, measured 2026-12-01; 0: torch's default)")
     a = p.parse_args()
     uneven = a.lengths == "uneven"
-    completion = a.completion or (256 if uneven else 32)
+    completion = a.completion or (256 if uneven else 64 if a.lengths == "real" else 32)
     micro = a.micro or (4 if uneven else 1)
     n = a.prompts * a.generations
     if n % micro:
@@ -263,7 +311,12 @@ def main():
     os.environ["OMP_NUM_THREADS"] = str(threads)  # the children's OpenMP pools, before torch starts there
     sides = a.sides.split(",")
     with tempfile.TemporaryDirectory() as tmp:
-        model_dir = str(write_tiny_model(Path(tmp) / "model", hidden=a.hidden, layers=a.layers))
+        if a.lengths == "real":
+            from rl.models.sources import resolve_model_path
+
+            model_dir = resolve_model_path(a.model)
+        else:
+            model_dir = str(write_tiny_model(Path(tmp) / "model", hidden=a.hidden, layers=a.layers))
         stop = None
         if uneven:
             model_dir = stop_bias_model(model_dir, str(Path(tmp) / "stop_model"), a.stop_prob)
@@ -272,7 +325,8 @@ def main():
                   f"(mean {stop['mean']:.4f}, target {a.stop_prob:.4f})", flush=True)
         spec = {"model_dir": model_dir, "out": tmp, "prompts": a.prompts, "generations": a.generations,
                 "completion": completion, "micro": micro, "steps": a.steps, "warmup": a.warmup,
-                "device": device, "pairs": n, "seed": 0, "threads": threads}
+                "device": device, "pairs": n, "seed": 0, "threads": threads, "lengths": a.lengths,
+                "lora": a.lora, "beta": a.beta}
         raw: dict[str, list[dict]] = {s: [] for s in sides}
         for r in range(a.rounds):
             for side in sides:
