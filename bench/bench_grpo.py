@@ -157,7 +157,7 @@ def side_ours(spec) -> dict:
         gradient_accumulation_steps=micro, num_generations=spec["generations"],
         max_completion_length=spec["completion"], max_length=spec["completion"] + 64,
         max_steps=spec["steps"] + spec["warmup"], dtype="float32", report_to=["none"], lr_scheduler="constant",
-        beta=spec["beta"], temperature=1.0, seed=spec["seed"], **extra))
+        beta=spec["beta"], temperature=1.0, seed=spec["seed"], gradient_checkpointing=spec["gc"], **extra))
     if real:
         from bench.bench_real_grpo import last_number_reward
 
@@ -215,6 +215,7 @@ def side_trl(spec) -> dict:
                       learning_rate=1e-5, logging_steps=1, report_to=[], save_strategy="no",
                       use_cpu=True, disable_tqdm=True, temperature=1.0, top_k=0, top_p=1.0,
                       lr_scheduler_type="constant", seed=spec["seed"], beta=spec["beta"],
+                      gradient_checkpointing=spec["gc"],  # TRL's default is on; the same setting on both sides
                       **({"loss_type": "dapo"} if real else {}))
     peft = None
     if real:
@@ -290,6 +291,8 @@ def main():
                    "directory or a .gguf file)")
     p.add_argument("--lora", type=int, default=8, help="real: LoRA rank on both sides (0: full fine-tune)")
     p.add_argument("--beta", type=float, default=0.0, help="KL coefficient on both sides (0: no reference model)")
+    p.add_argument("--gc", action="store_true", help="gradient checkpointing on both sides (default off on both; "
+                   "TRL's own default is on, ours off)")
     p.add_argument("--threads", type=int, default=1,
                    help="torch threads per side (1: on a shared 2-core machine a second OpenMP thread made the "
                         "sampler 7x slower, measured 2026-12-01; 0: torch's default)")
@@ -326,7 +329,7 @@ def main():
         spec = {"model_dir": model_dir, "out": tmp, "prompts": a.prompts, "generations": a.generations,
                 "completion": completion, "micro": micro, "steps": a.steps, "warmup": a.warmup,
                 "device": device, "pairs": n, "seed": 0, "threads": threads, "lengths": a.lengths,
-                "lora": a.lora, "beta": a.beta}
+                "lora": a.lora, "beta": a.beta, "gc": a.gc}
         raw: dict[str, list[dict]] = {s: [] for s in sides}
         for r in range(a.rounds):
             for side in sides:

@@ -97,7 +97,7 @@ def sample_tokens(logits: torch.Tensor, row_seeds: torch.Tensor, step, temperatu
         tok = logp.argmax(-1)
         return tok, logp.gather(-1, tok[:, None]).squeeze(-1)
     logp = torch.log_softmax(process_logits(logits, temperature, top_k, top_p), dim=-1)
-    cdf = logp.double().exp().cumsum(-1)
+    cdf = logp.exp().double().cumsum(-1)  # exp in fp32 (2x cheaper than fp64), the sum in fp64
     words = hashed_uniform(row_seeds, step, 2).double()  # (B, 2), each (k + 0.5) / 2**24
     u = (torch.floor(words[:, :1] * (1 << 24)) + words[:, 1:]) / float(1 << 24)
     tok = torch.searchsorted(cdf, u * cdf[:, -1:], right=True).squeeze(-1).clamp_(max=logits.shape[-1] - 1)
