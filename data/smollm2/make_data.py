@@ -38,7 +38,7 @@ def main():
     write("sft_chat.jsonl", [{"messages": [{"role": "user", "content": q.format(a=a, b=b)},
                                            {"role": "assistant", "content": f"{a} + {b} = {a + b}"}]}
                              for a, b in train[:64]])
-    wrong = lambda a, b: a + b + rng.choice([-10, -2, -1, 1, 2, 10])
+    wrong = lambda a, b: a + b + rng.choice([-10, -2, -1, 1, 2, 10])  # noqa: E731
     write("dpo_pairs.jsonl", [{"prompt": [{"role": "user", "content": q.format(a=a, b=b)}],
                                "chosen": [{"role": "assistant", "content": f"{a} + {b} = {a + b}"}],
                                "rejected": [{"role": "assistant", "content": f"{a} + {b} = {wrong(a, b)}"}]}
