@@ -36,13 +36,15 @@ TESTS = [
     "tests/integration/test_simpo_launch.py::test_simpo_recipe_runs_and_learns",
     "tests/unit/trainers/test_kto.py::test_kto_recipe_runs_and_learns",
     "tests/unit/trainers/test_distill.py::test_it_learns_the_student_moves_toward_the_teacher",
+    "tests/unit/envs/test_tools.py::test_sft_teacher_then_grpo_raises_the_tool_call_rate",
 ]
 # name -> (threshold, direction): the bound each test asserts
 THRESHOLDS = {"sft_loss_ratio": (0.5, "<"), "reward_heldout_accuracy": (0.95, ">="),
               "dpo_heldout_accuracy": (0.9, ">="), "grpo_reward_gain": (0.2, ">"),
               "ppo_reward_ratio": (2.0, ">="), "ppo_reward_end": (0.03, ">"), "ppo_max_kl": (50.0, "<"), "pipeline_gain": (0.10, ">="),
               "online_dpo_score_gain": (0.15, ">"), "simpo_eval_accuracy": (0.6, ">="),
-              "kto_eval_margin": (0.2, ">"), "distill_jsd_ratio": (0.9, "<=")}
+              "kto_eval_margin": (0.2, ">"), "distill_jsd_ratio": (0.9, "<="),
+              "tool_call_probability_gain": (0.3, ">=")}
 AVX2 = {"ATEN_CPU_CAPABILITY": "avx2", "MKL_ENABLE_INSTRUCTIONS": "AVX2", "ONEDNN_MAX_CPU_ISA": "AVX2"}
 VARIANTS = {"native": {}, "native1": {"OMP_NUM_THREADS": "1"}, "avx2": {"OMP_NUM_THREADS": "1", **AVX2}}
 
@@ -62,7 +64,10 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2, 3])
     ap.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=list(VARIANTS))
+    ap.add_argument("-k", default=None, help="only the tests whose id contains this")
     args = ap.parse_args()
+    if args.k:
+        TESTS[:] = [t for t in TESTS if args.k in t]
     rows = []
     for seed in args.seeds:
         for variant in args.variants:

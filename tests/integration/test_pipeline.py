@@ -21,7 +21,10 @@ def test_tiny_pipeline_raises_heldout_accuracy(tmp_path):
     here, +49.5 on another machine, and +20.5 with AVX2 kernels forced. Cutting GRPO to 20 steps (as
     this test once did) gave between -0.5 and +42 points: no threshold holds there. Spread of the full
     recipe by bench/learning_spread.py over seeds 0-3 x {2 threads, 1 thread, AVX2 kernels}: +20.5 to
-    +77.0 points (median +60), so MIN_GAIN = 10 points is half the worst run."""
+    +77.0 points (median +60) with the former Gumbel-max sampler. With the inverse-CDF sampler
+    (2026-12-02, 1 thread, seeds 0-7): +42, +55.5, +58, +2, +65.5, +72.5, +84.5, +57 points: seed 3
+    stalls (SFT 37% -> GRPO 39%, its reward flat at ~0.4 over the 40 steps), so one run in eight falls
+    under the bar: a known risk of this test, which the CI's seed 0 (+42) does not meet."""
     out = tmp_path / "pipeline"
     proc = run_cmd([sys.executable, "launch/pipeline.py", "--config", "recipes/tiny/pipeline.yaml",
                     f"output_dir={out}", f"seed={LEARN_SEED}"], timeout=900, env={"RL_NO_PROGRESS": "1"})

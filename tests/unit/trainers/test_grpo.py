@@ -309,12 +309,14 @@ def test_config_errors(tiny_llama):
 
 def test_beta_zero_loads_no_reference_and_learns(tiny_llama, tmp_path):
     """A rewarded first character becomes the common one within a few steps; beta = 0 -> no reference.
-    It learns: the mean reward of the last 3 steps exceeds that of the first 3 by 0.2; spread measured
-    by bench/learning_spread.py over seeds 0-3 x {2 threads, 1 thread, AVX2 kernels}: gain 0.526 to 0.807
-    (median 0.69) in 12 runs, so the 0.2 bar has a margin of 0.3."""
+    It learns: the mean reward of the last 3 steps exceeds that of the first 3 by 0.2. The reward is a
+    digit first (10 of the tiny vocabulary's tokens, ~3% of first tokens at the start), not one digit
+    (~0.3%: a group of 8 then rarely holds a rewarded sample, and one seed of 4 learned nothing in 16
+    steps). Spread (bench/learning_spread.py -k beta_zero, 1 thread, seeds 0-3): gain 0.917 to 0.943, so
+    the 0.2 bar has a margin of 0.7."""
 
     def starts_with_seven(prompts, completions, **kw):
-        return [1.0 if c.startswith("7") else 0.0 for c in completions]
+        return [1.0 if c[:1].isdigit() else 0.0 for c in completions]
 
     cfg = build(GRPOConfig, dict(model_name=tiny_llama, output_dir=str(tmp_path), learning_rate=1e-2,
                                  lr_scheduler="constant", batch_size=32, gradient_accumulation_steps=2,
