@@ -15,6 +15,8 @@ from pathlib import Path
 import pytest
 import yaml
 
+from tests.conftest import run_main
+
 ROOT = Path(__file__).resolve().parents[2]
 RECIPES = sorted(p.relative_to(ROOT).as_posix() for p in (ROOT / "recipes").rglob("*.yaml"))
 OFFLINE = {"HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
@@ -54,32 +56,33 @@ def test_every_recipe_dry_runs_as_written(recipe, capsys, monkeypatch, tmp_path)
     assert policy and policy.group(2) != "?", f"{recipe}: the trained model was not planned"
 
 
-def test_readme_planning_line_runs_as_written():
-    """The README's line, verbatim, in a subprocess: 8 GPUs of ZeRO-3 for Llama-3.1-8B, sft.jsonl absent."""
+def test_readme_planning_line_runs_as_written(capfd, monkeypatch):
+    """The README's line, verbatim (its environment variable and arguments, as launch/sft.py's main() in this
+    process: a dry run loads no model): 8 GPUs of ZeRO-3 for Llama-3.1-8B, sft.jsonl absent."""
     readme = (ROOT / "README.md").read_text() + "".join(p.read_text() for p in (ROOT / "docs").glob("*.md"))
     line = "WORLD_SIZE=8 python launch/sft.py --config recipes/llama/8b_sft.yaml --data.path sft.jsonl --dry-run"
     assert line in readme
-    env = {**os.environ, **OFFLINE, "WORLD_SIZE": "8"}
-    p = subprocess.run([sys.executable, *line.split()[2:]], cwd=ROOT, env=env, capture_output=True, text=True, check=False,
-                       timeout=300)
-    assert p.returncode == 0, p.stderr[-1000:]
-    assert "data: sft.jsonl not found — examples, steps per epoch and token counts not planned" in p.stdout
-    assert "world_size: 8" in p.stdout and "zero_stage: 3" in p.stdout
-    row = re.search(r"^policy \(trainable\)\s+(\S+)M\s+\S+\s+(\S+)", p.stdout, re.MULTILINE)
-    assert row and abs(float(row.group(1)) - 8030.3) < 1 and abs(float(row.group(2)) - 18.8) < 0.1, p.stdout[-800:]
+    for k, v in {**OFFLINE, "WORLD_SIZE": "8"}.items():
+        monkeypatch.setenv(k, v)
+    code, stdout, stderr = run_main("sft", line.split()[3:], capfd, monkeypatch)
+    assert code == 0, stderr[-1000:]
+    assert "data: sft.jsonl not found — examples, steps per epoch and token counts not planned" in stdout
+    assert "world_size: 8" in stdout and "zero_stage: 3" in stdout
+    row = re.search(r"^policy \(trainable\)\s+(\S+)M\s+\S+\s+(\S+)", stdout, re.MULTILINE)
+    assert row and abs(float(row.group(1)) - 8030.3) < 1 and abs(float(row.group(2)) - 18.8) < 0.1, stdout[-800:]
 
 
-def test_a_real_recipe_offline_is_one_line(tmp_path):
+def test_a_real_recipe_offline_is_one_line(tmp_path, capfd, monkeypatch):
     """A real recipe names a Hub dataset; offline, the run (not a dry run) stops in one `error:` line, exit 2,
-    before any model is built."""
-    env = {**os.environ, **OFFLINE}
-    p = subprocess.run([sys.executable, "launch/sft.py", "--config", "recipes/qwen/0.5b_sft.yaml",
-                        f"output_dir={tmp_path / 'out'}"], cwd=ROOT, env=env, capture_output=True, text=True, check=False,
-                       timeout=300)
-    assert p.returncode == 2, p.stderr[-1000:]
-    lines = p.stderr.strip().splitlines()
+    before any model is built (launch/sft.py's main() in this process)."""
+    for k, v in OFFLINE.items():
+        monkeypatch.setenv(k, v)
+    code, _, stderr = run_main("sft", ["--config", "recipes/qwen/0.5b_sft.yaml", f"output_dir={tmp_path / 'out'}"],
+                               capfd, monkeypatch)
+    assert code == 2, stderr[-1000:]
+    lines = stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("error: trl-lib/Capybara: ") and "Hub could not be reached" in lines[0]
-    assert "Traceback" not in p.stderr
+    assert "Traceback" not in stderr
 
 
 def test_real_recipes_name_a_hub_dataset_in_their_trainers_format():
