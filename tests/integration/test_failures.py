@@ -388,14 +388,14 @@ def test_fewer_examples_than_one_global_batch_train_with_one_warning(tmp_path, s
 
 @pytest.mark.slow
 @pytest.mark.parametrize("script,extra", [
-    ("sft", ["data.max_examples=19", "num_epochs=2"]),
     ("dpo", ["data.max_examples=19", "data.eval_fraction=0", "eval_every=0", "num_epochs=2"]),
 ])
 def test_short_last_batch_two_processes_match_one(tmp_path, script, extra, capfd, monkeypatch):
     """19 examples, global batch 16: one full step and one of 3 per epoch. Under 2 ZeRO-3 processes x 2
     micro-batches of 4 the short step leaves rank 1 an empty micro-batch (a zero-weight forward); the
     loss curve equals one process's (8 x 2) to 1e-5. The one-process run is the launch script's main()
-    in this process (conftest.run_main); the ZeRO-3 run is `accelerate launch`."""
+    in this process (conftest.run_main); the ZeRO-3 run is `accelerate launch`. SFT's case is part of
+    tests/unit/trainers/test_sft.py::test_two_processes_match_one (DDP and ZeRO-3)."""
     from tests.conftest import accelerate_cmd, run_cmd
 
     common = ["--config", f"recipes/tiny/{script}.yaml", *extra, "log_every=1", "report_to=[jsonl]",

