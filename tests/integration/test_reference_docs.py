@@ -381,13 +381,15 @@ def test_python_api_trains_sft(tmp_path, monkeypatch):
 
 @pytest.mark.slow
 def test_python_api_ppo_example_runs(tmp_path, monkeypatch):
-    """The doc's snippet as written, in a directory with ./prompts.jsonl and ./reward-model."""
+    """The doc's snippet as written, in a directory with ./prompts.jsonl and ./reward-model. The file holds
+    8 of the tiny prompts: the snippet's one epoch at batch 4 is then 2 PPO iterations (all 64 made 16)."""
     from rl.models.tiny import write_tiny_model
 
     monkeypatch.chdir(tmp_path)
     monkeypatch.setenv("OMP_NUM_THREADS", "1")
     monkeypatch.setenv("PYTHONPATH", str(ROOT))
-    shutil.copy(ROOT / "data/tiny/ppo_prompts.jsonl", tmp_path / "prompts.jsonl")
+    rows = (ROOT / "data/tiny/ppo_prompts.jsonl").read_text().splitlines(keepends=True)
+    (tmp_path / "prompts.jsonl").write_text("".join(rows[:8]))
     write_tiny_model(tmp_path / "reward-model", family="gemma", task="classifier")
     run_doc(PYTHON_API, {}, {**API_IMPORTS, '"google/gemma-3-270m"': '"tiny:gemma"'})
     assert (tmp_path / "ppo-model" / "model.safetensors").exists()
