@@ -34,13 +34,31 @@ def _close_process_group() -> None:
             pass
 
 
+def _skip_cpu_shm_op() -> None:
+    """DeepSpeed on CPU JIT-compiles a shared-memory all-reduce (`deepspeed_shm_comm`) when it starts its
+    communication backend: ~1 minute of one core the first time per install (measured 2026-12-02; the build is
+    cached per site-packages path, so every fresh environment pays it) and a ninja check in every process.
+    Only `inference_all_reduce`, which DeepSpeed's tensor-parallel inference layers call, uses it; training's
+    collectives are torch.distributed's (gloo here). Marking the op incompatible makes DeepSpeed skip the
+    build, as on a platform without it. RL_DEEPSPEED_SHM=1 keeps DeepSpeed's default."""
+    if os.environ.get("RL_DEEPSPEED_SHM") == "1":
+        return
+    try:
+        import deepspeed.ops
+
+        deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
+    except Exception:  # noqa: BLE001 - another DeepSpeed layout: its default stands
+        pass
+
+
 def build_accelerator(gradient_accumulation_steps: int = 1, device: str | None = None,
                       micro_batch_size: int | None = None, max_grad_norm: float | None = None,
                       mixed_precision: str | None = None, deepspeed_config: str | None = None):
     """An Accelerator that works the same on CPU (gloo) and GPU, with or without DeepSpeed.
 
     * On CPU, torch.distributed needs the gloo backend, or accelerate silently falls back to one
-      process (measured: `num_processes == 1` under a 2-process launch without it).
+      process (measured: `num_processes == 1` under a 2-process launch without it); DeepSpeed's CPU
+      shared-memory all-reduce, which training never calls, is not compiled (`_skip_cpu_shm_op`).
     * `deepspeed_config` lets a recipe name its ds_config when `accelerate launch` was not given one.
     * DeepSpeed's "auto" micro-batch size and clipping are filled from our config, since we do not
       hand accelerate a dataloader to read them from.
@@ -57,6 +75,8 @@ def build_accelerator(gradient_accumulation_steps: int = 1, device: str | None =
     if deepspeed_config and not env_ds:
         ds_plugin = DeepSpeedPlugin(hf_ds_config=deepspeed_config,
                                     gradient_accumulation_steps=gradient_accumulation_steps)
+    if launched and not torch.cuda.is_available() and (env_ds or ds_plugin is not None):
+        _skip_cpu_shm_op()
     kwargs: dict[str, Any] = dict(
         kwargs_handlers=handlers,
         cpu=(device == "cpu"),

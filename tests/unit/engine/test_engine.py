@@ -271,3 +271,21 @@ def test_partial_accumulation_is_refused_under_deepspeed(tiny_llama, monkeypatch
         pipe.optim_step().result()
     monkeypatch.undo()
     assert pipe.micro_step == 1 and pipe.optim_step().result().metrics["num_micro_batches"] == 1
+
+
+def test_deepspeed_cpu_shm_op_is_not_built(monkeypatch):
+    """`rl.engine.dist._skip_cpu_shm_op`: DeepSpeed's comm backend then builds no shared-memory op (a fresh
+    environment JIT-compiled it for ~1 minute at the first ZeRO-3 launch); RL_DEEPSPEED_SHM=1 leaves it on."""
+    import deepspeed.ops
+    from deepspeed.comm.torch import build_shm_op
+
+    from rl.engine.dist import _skip_cpu_shm_op
+
+    monkeypatch.setitem(deepspeed.ops.__compatible_ops__, "deepspeed_shm_comm", True)
+    monkeypatch.setenv("RL_DEEPSPEED_SHM", "1")
+    _skip_cpu_shm_op()
+    assert deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] is True
+    monkeypatch.delenv("RL_DEEPSPEED_SHM")
+    _skip_cpu_shm_op()
+    assert deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] is False
+    assert build_shm_op() is None
