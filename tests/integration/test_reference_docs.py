@@ -11,8 +11,6 @@ numbers, not just "it ran".
 
 from __future__ import annotations
 
-import shutil
-
 import pytest
 import torch
 
