@@ -52,6 +52,7 @@ from bench.bench_real_grpo import (  # noqa: E402  (after the path set-up above)
     held_out,
     load_for_eval,
     problems,
+    report_child,
     summarize,
     table,
     versions,
@@ -208,8 +209,7 @@ def main():
     p.add_argument("--out", help=argparse.SUPPRESS)
     a = p.parse_args()
     if a.child:
-        result = (run_ours if a.child == "ours" else run_trl)(a.model_dir, a, a.out)
-        print(json.dumps(result))
+        report_child((run_ours if a.child == "ours" else run_trl)(a.model_dir, a, a.out))
         return
     from rl.models.gguf import prepare_packaged
 

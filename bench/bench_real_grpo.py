@@ -182,7 +182,8 @@ def evaluate(model_dir: str, n: int, max_new_tokens: int) -> float:
 
 # ------------------------------------------------------------------------------------------ plumbing
 def child(script: str, side: str, model_dir: str, a, seed: int, out: str, keys: tuple[str, ...]) -> dict:
-    """One side and seed in a fresh process: its wall time (load + train + save), CPU time, peak memory."""
+    """One side and seed in a fresh process: its wall time (load + train + save), CPU time, peak memory (the
+    child's own, `report_child`)."""
     cmd = [sys.executable, script, "--child", side, "--model-dir", model_dir, "--out", out, f"--seed={seed}",
            *[f"--{k.replace('_', '-')}={getattr(a, k)}" for k in keys]]
     load = os.getloadavg()[0]
@@ -193,7 +194,13 @@ def child(script: str, side: str, model_dir: str, a, seed: int, out: str, keys: 
         raise SystemExit(f"{side} seed {seed} failed:\n{proc.stderr[-4000:]}")
     result = json.loads(proc.stdout.strip().splitlines()[-1])
     return {**result, "wall_s": wall, "process_cpu_s": (r1.ru_utime - r0.ru_utime) + (r1.ru_stime - r0.ru_stime),
-            "peak_rss_mb": r1.ru_maxrss / 1024, "load_before": load, "load_after": os.getloadavg()[0]}
+            "load_before": load, "load_after": os.getloadavg()[0]}
+
+
+def report_child(result: dict) -> None:
+    """A child's last stdout line: its result and its own peak memory (RUSAGE_CHILDREN in the parent is the
+    maximum over every child waited for so far, so it cannot tell one run's peak from an earlier one's)."""
+    print(json.dumps({**result, "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}))
 
 
 def summarize(result: dict, sides: list[str]) -> dict:
@@ -260,8 +267,7 @@ def main():
     p.add_argument("--out", help=argparse.SUPPRESS)
     a = p.parse_args()
     if a.child:
-        result = (run_ours if a.child == "ours" else run_trl)(a.model_dir, a, a.out)
-        print(json.dumps(result))
+        report_child((run_ours if a.child == "ours" else run_trl)(a.model_dir, a, a.out))
         return
     from rl.models.gguf import prepare_packaged
 
