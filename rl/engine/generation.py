@@ -20,6 +20,8 @@ and every rank must then run the same number of steps). `tokenizer_or_pad_id` is
 pad/eos and is required for stop strings) or just the pad id.
 
 How it works, and why:
+* A LoRA model samples with its adapters merged into the base weights (`lora_merged`): one matmul per
+  linear layer instead of three.
 * Prompts are left-padded, with an attention mask and position ids counted from each row's first real
   token (what HF `generate` does), so a row's tokens do not depend on the other rows.
 * One prefill with `logits_to_keep=1` (no (B, P, V) logits), then one token per step with a KV cache.
@@ -139,7 +141,8 @@ def gathered_for_generation(model):
     may stop after different numbers of steps); hooks are restored on exit."""
     inner = unwrap_module(model)
     if not _is_zero3(inner):
-        yield inner
+        with lora_merged(inner):
+            yield inner
         return
     import deepspeed
 
@@ -159,6 +162,31 @@ def gathered_for_generation(model):
             if coord is not None and not coord.is_invalid_trace():
                 coord._invalidate_trace()
             offload._register_deepspeed_module(offload.module)
+
+
+@contextmanager
+def lora_merged(model):
+    """For the duration of a rollout, a PEFT LoRA model's adapters merged into its base weights
+    (W += B A s), and unmerged after (W -= B A s), as TRL does before it hands weights to vLLM.
+
+    Why: decoding a few rows is bound by reading the weights, and an unmerged adapter adds two small
+    matmuls and an add per linear layer per token; on SmolLM2-135M with rank-8 adapters on every linear
+    layer (16 rows, 48 new tokens, 2 threads) that cost ~27% of the sampling time (9.0 s against 7.1 s
+    merged; merge + unmerge ~0.2 s). The sampled distribution is the same model's up to fp32 rounding;
+    each merge/unmerge cycle moves a base weight by at most ~1 ulp. Only float base weights are merged
+    (a 4/8-bit quantized base would be re-quantized), and only adapters that are not merged already."""
+    tuner = getattr(model, "base_model", None)
+    layers = [m for m in model.modules() if hasattr(m, "lora_A") and hasattr(m, "get_base_layer")]
+    ok = (layers and hasattr(tuner, "merge_adapter") and not any(getattr(m, "merged", False) for m in layers)
+          and all(m.get_base_layer().weight.dtype.is_floating_point for m in layers))
+    if not ok:
+        yield
+        return
+    tuner.merge_adapter()
+    try:
+        yield
+    finally:
+        tuner.unmerge_adapter()
 
 
 def _zero_offload(model):

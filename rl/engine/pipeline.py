@@ -173,7 +173,8 @@ class ForwardBackwardPipeline(RequestQueue):
 
     # ------------------------------------------------------------------ requests
     def forward_backward(self, input_ids, attention_mask=None, labels=None,
-                         loss_fn: str | Callable = "cross_entropy", **loss_kwargs) -> Future:
+                         loss_fn: str | Callable = "cross_entropy", *, model_inputs: dict | None = None,
+                         **loss_kwargs) -> Future:
         """Forward + loss + backward on one micro-batch; returns Future[ForwardBackwardResult].
 
         `loss_fn` names a built-in loss (see `rl.engine.losses.LOSS_FNS`) or is a callable
@@ -181,10 +182,12 @@ class ForwardBackwardPipeline(RequestQueue):
         HF convention (same length as `input_ids`, -100 = ignored; the shift happens inside).
         `position_ids=` (a keyword) goes to the model; with it and no `attention_mask` the row is a
         packed one (`rl.engine.packing.pack_examples`) and the model gets no mask either.
+        `model_inputs`: more keyword tensors for the model's forward (`rl.engine.segments`' boundaries).
         """
-        return self.submit(self._forward_backward, input_ids, attention_mask, labels, loss_fn, loss_kwargs)
+        return self.submit(self._forward_backward, input_ids, attention_mask, labels, loss_fn, loss_kwargs,
+                           model_inputs or {})
 
-    def _forward_backward(self, input_ids, attention_mask, labels, loss_fn, loss_kwargs):
+    def _forward_backward(self, input_ids, attention_mask, labels, loss_fn, loss_kwargs, model_inputs):
         if isinstance(loss_fn, str) and loss_fn not in self.loss_fns:
             raise KeyError(f"unknown loss_fn {loss_fn!r}; built-in: {', '.join(self.loss_fns)}")
         fn = self.loss_fns[loss_fn] if isinstance(loss_fn, str) else loss_fn
@@ -192,14 +195,16 @@ class ForwardBackwardPipeline(RequestQueue):
         input_ids = self._to_device(input_ids)
         # position_ids without a mask: a packed row (rl.engine.packing); the model gets no mask, so that it
         # builds the block-diagonal causal mask from the position ids
-        packed = attention_mask is None and loss_kwargs.get("position_ids") is not None
+        # `position_ids` is a model input, not a loss input (left-padded rollouts need it on models
+        # with absolute positions, so training scores tokens as they were sampled)
+        model_kw = {k: self._to_device(v) for k, v in model_inputs.items()}
+        if loss_kwargs.get("position_ids") is not None:
+            model_kw["position_ids"] = self._to_device(loss_kwargs["position_ids"])
+        loss_kwargs = {k: v for k, v in loss_kwargs.items() if k != "position_ids"}
+        packed = attention_mask is None and model_kw.get("position_ids") is not None
         attention_mask = self._to_device(attention_mask) if attention_mask is not None else torch.ones_like(input_ids)
         labels = self._to_device(labels) if labels is not None else input_ids.masked_fill(attention_mask == 0, -100)
         kwargs = {k: self._to_device(v) if torch.is_tensor(v) else v for k, v in loss_kwargs.items()}
-        # `position_ids` is a model input, not a loss input (left-padded rollouts need it on models
-        # with absolute positions, so training scores tokens as they were sampled)
-        model_kw = {"position_ids": kwargs.pop("position_ids")} if kwargs.get("position_ids") is not None else {}
-        kwargs.pop("position_ids", None)
         self.model.train()
         with self.head_capture(input_ids):
             outputs = self.model(input_ids=input_ids, attention_mask=None if packed else attention_mask,

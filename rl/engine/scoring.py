@@ -110,7 +110,7 @@ def sample_tokens(logits: torch.Tensor, row_seeds: torch.Tensor, step, temperatu
 def sequence_logprobs(model, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
                       labels: torch.Tensor | None = None, chunk_size: int | None = None,
                       position_ids: torch.Tensor | None = None, temperature: float = 1.0,
-                      ) -> tuple[torch.Tensor, torch.Tensor]:
+                      model_inputs: dict | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """No-grad per-token log-probs (B, T-1) of `labels` (default: the inputs where attended) and
     their mask, like `rl.engine.losses.token_logprobs(model(...).logits / temperature, labels)`.
 
@@ -119,7 +119,8 @@ def sequence_logprobs(model, input_ids: torch.Tensor, attention_mask: torch.Tens
     fp32 copy exist at once: the peak drops from ~2 x B*T*V floats to ~B*chunk*V. The model's own
     forward runs (`rl.engine.chunked.capture_head`), so its final norm, soft-capping and scaling apply as
     they do in the full path. Falls back to chunking only the log-softmax when the model has no
-    separate head module."""
+    separate head module. `model_inputs`: the keyword inputs of a packed row (position ids and
+    `rl.engine.segments`' boundaries); the model then gets no attention mask, as in training."""
     if attention_mask is None:
         attention_mask = torch.ones_like(input_ids)
     if labels is None:
@@ -132,8 +133,8 @@ def sequence_logprobs(model, input_ids: torch.Tensor, attention_mask: torch.Tens
         chunk_size = auto_chunk_size(input_ids.shape[0], input_ids.shape[1], head_vocab(head), chunk_size)
     chunk_size = chunk_size or None  # 0: never chunk
     with capture_head(lm, chunk_size) if (chunk_size and head is not None) else nullcontext():
-        logits = lm(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
-                       use_cache=False).logits
+        inputs = model_inputs or {"attention_mask": attention_mask, "position_ids": position_ids}
+        logits = lm(input_ids=input_ids, use_cache=False, **inputs).logits
     if temperature and temperature != 1.0:
         logits = logits / temperature
     return token_logprobs(logits, labels, chunk_size=chunk_size)

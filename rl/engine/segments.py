@@ -18,6 +18,12 @@ sum(len^2); without it (padded batches, generation, evaluation) it IS transforme
 SDPA's mask. The mask function registered with it is SDPA's, so nothing else changes. Exact: a
 sequence's tokens see the same keys as under the block-diagonal mask (tests/unit/engine/
 test_packing_speed.py compares logits and gradients with the masked path).
+
+Shared prefixes (`rl_prefix_of`, a model input beside `cu_seq_lens_q`: per segment, the index of the
+segment it continues, or -1): a segment with a prefix attends to all of the prefix's keys and then
+causally to its own, as if the prefix's tokens stood before it. A GRPO group's G completions (or a
+DPO pair's two answers) then share one forward of their prompt (`rl.engine.packing.pack_shared_prompts`)
+instead of G: the prompt's keys and values are computed once and every completion reads them.
 """
 
 from __future__ import annotations
@@ -33,6 +39,7 @@ def _segment_attention(module, query, key, value, attention_mask, dropout: float
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
     cu = kwargs.pop("cu_seq_lens_q", None)
+    prefix_of = kwargs.pop("rl_prefix_of", None)
     for k in ("cu_seq_lens_k", "max_length_q", "max_length_k", "position_ids"):
         kwargs.pop(k, None)
     R, H, W, D = query.shape
@@ -42,12 +49,24 @@ def _segment_attention(module, query, key, value, attention_mask, dropout: float
     bounds = cu.tolist()
     if bounds[-1] != R * W:
         raise ValueError(f"rl_segments attention: cu_seq_lens ends at {bounds[-1]}, the rows hold {R} x {W} positions")
+    prefix = prefix_of.tolist() if prefix_of is not None else [-1] * (len(bounds) - 1)
+
+    def span(i):  # segment i as (row, start, end) within its row: a segment never crosses a row
+        r, a = divmod(bounds[i], W)
+        return r, a, a + bounds[i + 1] - bounds[i]
+
     outs = []
-    for s, e in zip(bounds, bounds[1:]):
-        r, a = divmod(s, W)  # a sequence never crosses a row (pack_sequences / pack_examples)
-        b = a + (e - s)
-        out, _ = sdpa_attention_forward(module, query[r:r + 1, :, a:b], key[r:r + 1, :, a:b], value[r:r + 1, :, a:b],
-                                        None, dropout=dropout, scaling=scaling, is_causal=True, **kwargs)
+    for i in range(len(bounds) - 1):
+        r, a, b = span(i)
+        q, k, v = query[r:r + 1, :, a:b], key[r:r + 1, :, a:b], value[r:r + 1, :, a:b]
+        mask = None
+        if prefix[i] >= 0:  # the prefix's keys first, all visible; then this segment's own, causally
+            pr, pa, pb = span(prefix[i])
+            k = torch.cat([key[pr:pr + 1, :, pa:pb], k], dim=2)
+            v = torch.cat([value[pr:pr + 1, :, pa:pb], v], dim=2)
+            mask = torch.ones(b - a, pb - pa + b - a, dtype=torch.bool, device=query.device).tril(pb - pa)[None, None]
+        out, _ = sdpa_attention_forward(module, q, k, v, mask, dropout=dropout, scaling=scaling,
+                                        is_causal=mask is None, **kwargs)
         outs.append(out)  # (1, n, H, D)
     return torch.cat(outs, dim=1).reshape(R, W, H, D), None
 
@@ -99,3 +118,10 @@ def model_inputs(position_ids: torch.Tensor) -> dict[str, torch.Tensor]:
     """The keyword inputs of a packed forward: position ids and the sequences' boundaries."""
     cu = cu_seq_lens(position_ids)
     return {"position_ids": position_ids, "cu_seq_lens_q": cu, "cu_seq_lens_k": cu}
+
+
+def shared_prefix_inputs(packed: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The keyword inputs of a forward over `rl.engine.packing.pack_shared_prompts`'s row."""
+    cu = packed["cu_seq_lens"]
+    return {"position_ids": packed["position_ids"], "cu_seq_lens_q": cu, "cu_seq_lens_k": cu,
+            "rl_prefix_of": packed["prefix_of"]}

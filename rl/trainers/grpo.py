@@ -53,10 +53,10 @@ from rl.algos.advantages import (
 )
 from rl.algos.dapo import groups_with_spread, overlong_penalty
 from rl.algos.policy_losses import grpo_loss
-from rl.engine import losses
+from rl.engine import losses, segments
 from rl.engine.dist import zero_stage
 from rl.engine.generation import generate
-from rl.engine.packing import pack_padded, position_ids_from_mask, unpack_targets
+from rl.engine.packing import pack_padded, pack_shared_prompts, position_ids_from_mask, unpack_targets
 from rl.engine.scoring import sequence_logprobs
 from rl.errors import ConfigError
 from rl.models.loading import (
@@ -156,27 +156,45 @@ class GRPOTrainer(OnlineTrainer):
 
     # ------------------------------------------------------------------ rollout pieces
     @torch.no_grad()
-    def _logprobs(self, model, batch: dict, micro: list[torch.Tensor] | None = None) -> torch.Tensor:
+    def _logprobs(self, model, batch: dict, micro: list[torch.Tensor], prompt_width: int) -> torch.Tensor:
         """(B, T-1) log-probs of the batch's labels under `model` at the sampling temperature, with the
         sampler's positions (counted from each row's first real token of the left-padded prompt).
 
-        Scored one micro-batch of rows at a time (`micro`, from `length_grouped_slices`; default all rows at
-        once), each trimmed to its own widest row by `take_micro_batch`; the results are put back in the batch's
-        row order and width (0 outside the labels), so they index like the batch itself."""
-        micro = [torch.arange(batch["input_ids"].shape[0])] if micro is None else micro
+        Scored one micro-batch of rows at a time (`micro`, from `_micro_batches`), each trimmed to its own
+        widest row by `take_micro_batch` (or packed with shared prompts, `_shared`); the results are put back
+        in the batch's row order and width (0 outside the labels), so they index like the batch itself."""
         out = torch.zeros(batch["input_ids"].shape[0], batch["input_ids"].shape[1] - 1, dtype=torch.float32,
                           device=batch["input_ids"].device)
+        shared = self._share and segments.enable(model)  # a separate reference model gets the kernel too
         for rows in micro:
             mb, (a, b) = take_micro_batch(batch, rows, with_span=True)
             mask = mb["attention_mask"]
-            lp = sequence_logprobs(model, mb["input_ids"], mask, mb["labels"], chunk_size=self.cfg.logprob_chunk_size,
-                                   position_ids=position_ids_from_mask(mask), temperature=self.cfg.temperature)[0]
+            kw = dict(chunk_size=self.cfg.logprob_chunk_size, temperature=self.cfg.temperature)
+            if shared:
+                pk = self._shared(mb, prompt_width - a)
+                lp = unpack_targets(sequence_logprobs(model, pk["input_ids"], None, pk["labels"], **kw, model_inputs=
+                                                      segments.shared_prefix_inputs(pk))[0], pk["target_index"])
+            else:
+                lp = sequence_logprobs(model, mb["input_ids"], mask, mb["labels"],
+                                       position_ids=position_ids_from_mask(mask), **kw)[0]
             out[rows.to(out.device)[:, None], torch.arange(a, b - 1, device=out.device)] = lp.float()
         return out
 
-    def _ref_logprobs(self, batch: dict, micro: list[torch.Tensor] | None = None) -> torch.Tensor:
+    def _micro_batches(self, attention_mask: torch.Tensor) -> list[torch.Tensor]:
+        """The step's micro-batches of rows: consecutive ones with shared prompts (a group stays together,
+        so its prompt is computed once), else length-grouped (each padded only to its own longest row)."""
+        parts = self.cfg.gradient_accumulation_steps
+        if self._share:
+            return list(torch.arange(attention_mask.shape[0]).chunk(parts))
+        return length_grouped_slices(attention_mask, parts)
+
+    def _shared(self, mb: dict, prompt_width: int) -> dict:
+        """A micro-batch packed with its groups' prompts computed once (`pack_shared_prompts`)."""
+        return pack_shared_prompts(mb["input_ids"], mb["attention_mask"], mb["labels"], prompt_width)
+
+    def _ref_logprobs(self, batch: dict, micro: list[torch.Tensor], prompt_width: int) -> torch.Tensor:
         with self.reference.use(self.pipeline) as model:
-            return self._logprobs(model, batch, micro)
+            return self._logprobs(model, batch, micro, prompt_width)
 
     # ------------------------------------------------------------------ training
     def train(self) -> list[dict]:
@@ -187,6 +205,8 @@ class GRPOTrainer(OnlineTrainer):
             "grad_norm", "clip_ratio/region_mean"])
         self.pipeline = self.build_pipeline(self._model, plan["total_steps"], cfg.batch_size)
         self.reference.place(acc)
+        # the groups' prompts computed once in the training forwards (rl.engine.segments: SDPA models)
+        self._share = cfg.share_prompt_forward and segments.enable(self.pipeline.unwrapped_model)
         tracker.write(f"grpo ({cfg.advantage_estimator}, {cfg.loss_aggregation}): {plan['total_steps']} steps of "
                       f"{plan['prompts_per_step']} prompts x {cfg.num_generations} generations "
                       f"({self.processes}, ZeRO stage {zero_stage(acc)}), beta {cfg.beta}, "
@@ -279,13 +299,12 @@ class GRPOTrainer(OnlineTrainer):
         batch = {k: v.to(acc.device) for k, v in rollout.to_batch().items()}
         adv = advantages.to(acc.device)
         ref_lp = old_lp = None
-        # length-grouped micro-batches, each padded only to its own longest row (rl.trainers.grpo_batch)
-        micro = length_grouped_slices(batch["attention_mask"], cfg.gradient_accumulation_steps)
+        micro, P = self._micro_batches(batch["attention_mask"]), rollout.prompt_ids.shape[1]
         if cfg.beta > 0:
             # in this thread, not the engine's worker: ZeRO-3's parameter fetching is per thread
-            ref_lp = self._ref_logprobs(batch, micro)
+            ref_lp = self._ref_logprobs(batch, micro, P)
         if cfg.num_iterations > 1:
-            old_lp = self._logprobs(pipe.model, batch, micro)
+            old_lp = self._logprobs(pipe.model, batch, micro, P)
         per_row = {k: v for k, v in {"advantages": adv, "old": old_lp, "ref": ref_lp}.items() if v is not None}
         # token_mean over the whole step: the engine divides by accumulation, DDP/ZeRO average processes
         n_tokens = acc.reduce(batch["labels"][:, 1:].ne(-100).sum().float(), "sum") if self.world > 1 else \
@@ -296,14 +315,19 @@ class GRPOTrainer(OnlineTrainer):
             t_train = time.time()
             sums: dict[str, float] = {}
             for s in micro:
-                mb = take_micro_batch({**batch, **per_row}, s)
+                mb, (a, _) = take_micro_batch({**batch, **per_row}, s, with_span=True)
                 kw = dict(advantages=mb["advantages"], old_logprobs=mb.get("old"), ref_logprobs=mb.get("ref"),
                           temperature=cfg.temperature,
                           beta=cfg.beta, epsilon_low=cfg.epsilon_low, epsilon_high=cfg.epsilon_high,
                           loss_aggregation=cfg.loss_aggregation, max_completion_length=cfg.max_completion_length,
                           num_items=num_items, use_bias_correction_kl=cfg.use_bias_correction_kl,
                           importance_sampling_level=cfg.importance_sampling_level, policy_loss=cfg.policy_loss)
-                if cfg.packing:  # the rows' real tokens packed; positions restart per row, as the sampler counts
+                if self._share:  # each group's prompt once, its completions attending to it; no padding
+                    b = self._shared(mb, P - a)
+                    r = pipe.forward_backward(b["input_ids"], None, b["labels"], target_index=b["target_index"],
+                                              loss_fn=partial(grpo_loss_fn, **kw),
+                                              model_inputs=segments.shared_prefix_inputs(b)).result()
+                elif cfg.packing:  # the rows' real tokens packed; positions restart per row, as the sampler counts
                     b = pack_padded(mb["input_ids"], mb["attention_mask"], mb["labels"],
                                     self.tokenizer.pad_token_id or 0)
                     r = pipe.forward_backward(b["input_ids"], None, b["labels"], position_ids=b["position_ids"],

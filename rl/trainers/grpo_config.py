@@ -39,6 +39,10 @@ class GRPOConfig(OnlineConfig):
                                "overlong_buffer tokens lose reward linearly, down to -overlong_penalty at the "
                                "maximum (0: off)")
     overlong_penalty: float = opt(1.0, "DAPO overlong shaping: the reward penalty at max_completion_length")
+    share_prompt_forward: bool = opt(True, "training and scoring forwards compute each group's prompt once for its "
+                                     "num_generations completions, packed without padding (rl.engine.packing."
+                                     "pack_shared_prompts; same log-probs; SDPA models, else the padded batch)")
+
     def __post_init__(self):
         super().__post_init__()
         check("grpo_policy_loss", self.policy_loss, "policy_loss")

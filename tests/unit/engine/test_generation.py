@@ -299,3 +299,36 @@ def test_shared_prefill_gives_the_same_rollout(lm, sampling):
     assert torch.equal(shared.tokens, separate.tokens) and torch.equal(shared.mask, separate.mask)
     assert shared.finish_reasons == separate.finish_reasons
     assert torch.allclose(shared.logprobs, separate.logprobs, atol=1e-5, rtol=0)
+
+
+def test_lora_model_samples_with_its_adapters_merged(tiny_llama, prompts, monkeypatch):
+    """A PEFT LoRA model decodes with the adapters merged into its base weights (one matmul per layer),
+    gives the unmerged model's tokens and log-probs, and gets its base weights back (to float rounding)."""
+    from peft import LoraConfig, get_peft_model
+
+    import rl.engine.generation as generation
+    from rl.models.loading import load_causal_lm
+
+    torch.manual_seed(0)
+    model = get_peft_model(load_causal_lm(tiny_llama, dtype="float32"),
+                           LoraConfig(r=4, lora_alpha=8, target_modules="all-linear", init_lora_weights=False))
+    layer = model.base_model.model.model.layers[0].self_attn.q_proj
+    base = {n: p.detach().clone() for n, p in model.named_parameters() if "base_layer" in n}
+    seen = []
+    layer.register_forward_hook(lambda m, i, o: seen.append(m.merged))
+    merged = generate(model, EOS, prompts, max_new_tokens=6, seed=3, num_samples=2)
+    assert seen and all(seen)  # every decode step ran merged
+    assert not layer.merged
+    for n, p in model.named_parameters():
+        if n in base:
+            torch.testing.assert_close(p, base[n], atol=1e-6, rtol=0)
+    seen.clear()
+    monkeypatch.setattr(generation, "lora_merged", lambda m: generation.contextmanager(lambda: (yield))())
+    plain = generate(model, EOS, prompts, max_new_tokens=6, seed=3, num_samples=2)
+    assert seen and not any(seen)
+    assert torch.equal(merged.tokens, plain.tokens)
+    torch.testing.assert_close(merged.logprobs, plain.logprobs, atol=1e-5, rtol=0)
+    # an adapter merged by its owner stays merged (and is not merged twice)
+    model.base_model.merge_adapter()
+    generate(model, EOS, prompts, max_new_tokens=2, seed=3)
+    assert layer.merged

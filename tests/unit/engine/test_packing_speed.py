@@ -12,7 +12,7 @@ from rl.data.preference import pack_pairs
 from rl.data.sft import collate
 from rl.engine import segments
 from rl.engine.losses import token_logprobs
-from rl.engine.packing import pack_examples, pack_sequences
+from rl.engine.packing import pack_examples, pack_sequences, pack_shared_prompts, unpack_targets
 from rl.models.tiny import build_config
 
 EXAMPLES = [  # unequal lengths, a prompt masked with -100, a one-token example (two position-0s in a row)
@@ -99,6 +99,82 @@ def test_without_boundaries_the_packed_row_attends_across_examples():
     assert torch.allclose(right[0, :n0], wrong[0, :n0], atol=1e-5)  # the first example sees only itself anyway
     assert not torch.allclose(right[0, n0:], wrong[0, n0:], atol=1e-3)
 
+
+
+def _rollout_batch():
+    """A GRPO-like batch: 3 prompts (one of a single token) x 2-3 completions of uneven lengths, prompts
+    left-padded to 5 columns, completions right-padded to 6; one completion token is a tool's (label -100)."""
+    prompts = [[5, 17, 42, 9], [250], [11, 12, 13, 14, 15]]
+    groups = [[[60, 61, 62], [70], [80, 81, 82, 83, 84, 85]], [[90, 91]] * 2, [[100, 101, 102], [110, 111]]]
+    P, N = 5, 6
+    rows = [(p, c) for p, cs in zip(prompts, groups) for c in cs]
+    ids = torch.zeros(len(rows), P + N, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for i, (p, c) in enumerate(rows):
+        ids[i, P - len(p):P], ids[i, P:P + len(c)] = torch.tensor(p), torch.tensor(c)
+        mask[i, P - len(p):P + len(c)] = 1
+    labels = ids.masked_fill(mask == 0, -100)
+    labels[:, :P] = -100
+    labels[0, P + 1] = -100
+    return ids, mask, labels, P
+
+
+def test_shared_prompts_by_hand():
+    ids, mask, labels, P = _rollout_batch()
+    b = pack_shared_prompts(ids, mask, labels, P)
+    # prompt [5,17,42,9]: prefix [5,17,42], then [9, completion] per row; [250] has no prefix
+    assert b["input_ids"][0, :11].tolist() == [5, 17, 42, 9, 60, 61, 62, 9, 70, 9, 80]
+    assert b["position_ids"][0, :11].tolist() == [0, 1, 2, 3, 4, 5, 6, 3, 4, 3, 4]
+    assert b["labels"][0, :9].tolist() == [-100, -100, -100, -100, 60, -100, 62, -100, 70]
+    assert b["cu_seq_lens"].tolist()[:5] == [0, 3, 7, 9, 16]
+    assert b["prefix_of"].tolist() == [-1, 0, 0, 0, -1, -1, -1, 6, 6]
+    # tokens: each prompt but its last token once, then per row that token and the completion (not 8 x 11)
+    assert b["input_ids"].shape[1] == (3 + 0 + 4) + sum(n + 1 for n in (3, 1, 6, 2, 2, 3, 2))
+    assert b["target_index"][0, P - 1:P + 2].tolist() == [3, 4, 5]  # predicted from the 9 copy, 60, 61
+    assert (b["target_index"][0, :P - 1] == -1).all() and (b["target_index"][0, P + 2:] == -1).all()
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2"])
+def test_shared_prompts_equal_the_padded_batch(family):
+    """Completions that share their prompt's forward (prefix segments) get the padded batch's per-token
+    log-probs and every parameter's gradient of a per-token weighted sum."""
+    model = _model(family)
+    ids, mask, labels, P = _rollout_batch()
+    weights = torch.linspace(0.5, 2.0, ids.shape[1] - 1)  # distinct per position, as advantages x tokens
+
+    def run(**kw):
+        model.zero_grad()
+        logits = model(use_cache=False, **kw).logits
+        return logits
+
+    from rl.engine.packing import position_ids_from_mask
+
+    logits = run(input_ids=ids, attention_mask=mask, position_ids=position_ids_from_mask(mask))
+    lp_pad, m_pad = token_logprobs(logits, labels)
+    (lp_pad * weights).sum().backward()
+    g_pad = {n: p.grad.clone() for n, p in model.named_parameters()}
+    assert segments.enable(model)
+    b = pack_shared_prompts(ids, mask, labels, P)
+    logits = run(input_ids=b["input_ids"], **segments.shared_prefix_inputs(b))
+    lp, m = token_logprobs(logits, b["labels"])
+    lp, m = unpack_targets(lp, b["target_index"]), unpack_targets(m, b["target_index"])
+    assert torch.equal(m, m_pad)
+    assert torch.allclose(lp, lp_pad, atol=1e-5)
+    (lp * weights).sum().backward()
+    for n, p in model.named_parameters():
+        assert torch.allclose(p.grad, g_pad[n], atol=1e-5, rtol=1e-4), n
+    # negative control: without the prefixes the completions see no prompt, and their log-probs change
+    alone = dict(segments.shared_prefix_inputs(b), rl_prefix_of=torch.full_like(b["prefix_of"], -1))
+    with torch.no_grad():
+        lp_alone = token_logprobs(model(input_ids=b["input_ids"], use_cache=False, **alone).logits, b["labels"])[0]
+    assert not torch.allclose(unpack_targets(lp_alone, b["target_index"])[0], lp_pad[0], atol=1e-3)
+
+
+def test_shared_prompts_reject_a_layout_they_cannot_read():
+    ids, mask, labels, P = _rollout_batch()
+    mask[0, P] = 0  # a hole at the completion's start
+    with pytest.raises(ValueError, match="row 0"):
+        pack_shared_prompts(ids, mask, labels, P)
 
 def test_enable_leaves_other_attention_kernels_alone():
     from transformers import AutoModelForCausalLM

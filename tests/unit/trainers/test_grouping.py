@@ -1,6 +1,7 @@
 """Length-grouped GRPO micro-batches (rl.trainers.grpo_batch `length_grouped_slices`, `take_micro_batch`; rl.trainers.grpo
 `_logprobs`): rows sorted by length and cut into equal groups, each trimmed to its own widest row, give the same log-probs, loss and
-gradients as the former contiguous, full-width micro-batches; per-row results come back in row order."""
+gradients as the former contiguous, full-width micro-batches; per-row results come back in row order. So do
+shared prompts (`share_prompt_forward`, the default: each group's prompt computed once, rl.engine.segments)."""
 
 from __future__ import annotations
 
@@ -33,12 +34,15 @@ def _mask(lengths, width):
     return torch.tensor([[1] * n + [0] * (width - n) for n in lengths])
 
 
-def _uneven_batch(seed=0):
+def _uneven_batch(seed=0, groups=False):
     """A rollout batch of 6 rows, prompts of 1-5 tokens (left-padded), completions of 1-9 (right-padded),
-    random tokens; the sampler's old log-probs are random negatives."""
+    random tokens; the sampler's old log-probs are random negatives. `groups`: rows 2k and 2k+1 share
+    their prompt (a GRPO group of 2)."""
     g = torch.Generator().manual_seed(seed)
     prompt_lens, comp_lens = [3, 1, 5, 2, 4, 1], [9, 2, 1, 7, 3, 5]
     prompts = [[257] + torch.randint(3, 250, (n - 1,), generator=g).tolist() for n in prompt_lens]
+    if groups:
+        prompts = [prompts[i - i % 2] for i in range(6)]
     ids, pmask = left_pad(prompts, 256)
     N = max(comp_lens)
     mask = _mask(comp_lens, N)
@@ -89,12 +93,28 @@ def test_grouped_scoring_equals_one_full_batch_forward(lm):
     mask = b["attention_mask"]
     full, m = sequence_logprobs(lm, b["input_ids"], mask, b["labels"], position_ids=position_ids_from_mask(mask),
                                 temperature=0.7)
-    me = SimpleNamespace(cfg=SimpleNamespace(logprob_chunk_size=None, temperature=0.7))
+    me = SimpleNamespace(cfg=SimpleNamespace(logprob_chunk_size=None, temperature=0.7), _share=False)
     for parts in (1, 2, 3):
         micro = length_grouped_slices(mask, parts)
-        got = GRPOTrainer._logprobs(me, lm, b, micro)
+        got = GRPOTrainer._logprobs(me, lm, b, micro, 5)
         assert got.shape == full.shape
         torch.testing.assert_close(got * m, full * m, atol=1e-6, rtol=0)
+        assert (got[m == 0] == 0).all()
+
+
+def test_shared_prompt_scoring_equals_one_full_batch_forward(lm):
+    """`GRPOTrainer._logprobs` with shared prompts (each group's prompt computed once, packed) = one
+    forward of the whole padded batch, in the batch's row order and width, for 1-3 contiguous micro-batches."""
+    b = _uneven_batch(groups=True)
+    mask = b["attention_mask"]
+    full, m = sequence_logprobs(lm, b["input_ids"], mask, b["labels"], position_ids=position_ids_from_mask(mask),
+                                temperature=0.7)
+    me = SimpleNamespace(cfg=SimpleNamespace(logprob_chunk_size=None, temperature=0.7), _share=True,
+                         _shared=lambda mb, width: GRPOTrainer._shared(None, mb, width))
+    for parts in (1, 2, 3):
+        got = GRPOTrainer._logprobs(me, lm, b, list(torch.arange(6).chunk(parts)), 5)
+        assert got.shape == full.shape
+        torch.testing.assert_close(got * m, full * m, atol=1e-5, rtol=0)
         assert (got[m == 0] == 0).all()
 
 
@@ -154,11 +174,11 @@ def test_train_step_with_grouping_equals_the_former_micro_batches(tiny_llama, tm
 
     monkeypatch.setattr(ForwardBackwardPipeline, "optim_step", recording_step)
 
-    def run(out):
+    def run(out, share=False):
         cfg = build(GRPOConfig, dict(model_name=tiny_llama, output_dir=str(out), learning_rate=1e-2, batch_size=4,
                                      gradient_accumulation_steps=2, num_generations=2, max_completion_length=4,
                                      max_length=24, max_steps=1, num_iterations=2, beta=0.1, report_to=["none"],
-                                     seed=0))
+                                     seed=0, share_prompt_forward=share))
         rows = [{"prompt": "x" * k} for k in range(1, 9)]
         t = GRPOTrainer(cfg, reward_funcs=[lambda prompts, completions, **kw: [float(len(c)) for c in completions]],
                         train_prompts=rows)
@@ -190,4 +210,16 @@ def test_train_step_with_grouping_equals_the_former_micro_batches(tiny_llama, tm
         assert grouped_row[k] == pytest.approx(former_row[k], abs=1e-5), k
     assert len(grouped_g) == len(former_g) > 0
     for a, e in zip(grouped_g, former_g):
+        torch.testing.assert_close(a, e, atol=1e-5, rtol=1e-5)
+    monkeypatch.undo()
+    monkeypatch.setattr(ForwardBackwardPipeline, "optim_step", recording_step)
+    grads.clear()
+    # the default: each group's prompt computed once, completions packed (scoring and training forwards)
+    packed, real_pack = [], grpo.pack_shared_prompts
+    monkeypatch.setattr(grpo, "pack_shared_prompts", lambda *a: packed.append(a[0].shape) or real_pack(*a))
+    shared_row, shared_g = run(tmp_path / "shared", share=True)
+    assert len(packed) == 8  # 2 micro-batches x (reference, old log-probs, 2 training iterations)
+    for k in ("loss", "kl"):
+        assert shared_row[k] == pytest.approx(former_row[k], abs=1e-5), k
+    for a, e in zip(shared_g, former_g):
         torch.testing.assert_close(a, e, atol=1e-5, rtol=1e-5)
