@@ -8,11 +8,12 @@ and no gradient checkpointing on either side. Sides:
     trl              TRL, reference forward every step (its default)
     trl_precompute   TRL with precompute_ref_log_probs=True
     ours             rl.dpo defaults: frozen-copy reference forward every step (LM head chunked automatically
-                     once B*T*V > 2**26, `rl.engine.chunked`), padded micro-batches (packing is off by default)
-    ours_padded      ours with packing=False (the default, explicitly): rows padded to the longest
+                     once B*T*V > 2**26, `rl.engine.chunked`), each pair's prompt computed once for both answers,
+                     packed without padding (share_prompt_forward: `rl.data.preference.pack_pairs_shared`)
+    ours_padded      ours with share_prompt_forward=False, packing=False: rows padded to the longest
     ours_full        rl.dpo with logprob_chunk_size=0, padded: full (2B, T, V) logits, as before rl.engine.chunked
     ours_precompute  rl.dpo with precompute_ref_logps=True (one reference pass before training)
-    ours_packed      rl.dpo with packing=True: each step's chosen and rejected sequences packed padding-free
+    ours_packed      rl.dpo with packing=True (share_prompt_forward=False): each step's chosen and rejected sequences packed padding-free
                      into rows no longer than the longest (`rl.engine.packing`), training and reference forwards
     ours_packed_precompute  ours_packed with precompute_ref_logps=True
 
@@ -100,20 +101,20 @@ def _n_steps(spec):
 
 
 def side_ours(spec: dict, precompute: bool, chunk: int | None = None, packing: bool | None = None) -> dict:
-    """`packing` None: DPOConfig's default (padded)."""
+    """`packing` None: DPOConfig's defaults (shared prompts); True / False: packed / padded, prompts not shared."""
     import torch
 
     if spec.get("threads"):
         torch.set_num_threads(spec["threads"])
 
     from rl.config.fields import build
-    from rl.data.preference import PreferenceDataset, collate_pairs, pack_pairs
+    from rl.data.preference import PreferenceDataset
     from rl.trainers.dpo import DPOConfig, DPOTrainer
 
     n = _n_steps(spec)
     P, C, R = _data(spec)
     longtail = spec.get("lengths", "fixed") == "longtail"
-    chosen = {} if packing is None else {"packing": packing}
+    chosen = {} if packing is None else {"packing": packing, "share_prompt_forward": False}
     cfg = build(DPOConfig, dict(
         model_name=spec["model"], output_dir=tempfile.mkdtemp(prefix="bench-dpo-"), report_to=["none"],
         batch_size=spec["pairs"], max_steps=n, learning_rate=1e-6, lr_scheduler="constant", max_grad_norm=1.0,
@@ -148,12 +149,12 @@ def side_ours(spec: dict, precompute: bool, chunk: int | None = None, packing: b
     if not longtail:
         assert {len(e["prompt_ids"]) for e in ds.examples} == {spec["prompt_len"]}
         assert {len(e["chosen_ids"]) for e in ds.examples} == {spec["answer_len"]}
-    # positions per training forward of one step's pairs: padded (2B rows x the longest) or packed rows
-    rows = (pack_pairs if cfg.packing else collate_pairs)(ds.examples[:spec["pairs"]], ds.pad_token_id)["input_ids"]
     t0 = time.perf_counter()
     wall[0], cpu[0] = t0, time.process_time()
     history = trainer.train(ds)
     total = time.perf_counter() - t0
+    # positions per training forward of one step's pairs: padded (2B rows x the longest) or packed rows
+    rows = trainer._collate(ds.examples[:spec["pairs"]], ds.pad_token_id)["input_ids"]
     inner = [h["step_time"] for h in history]  # the trainer's own per-step clock, for comparison
     return {"step_times": [b - a for a, b in zip(wall, wall[1:])],
             "step_cpu_times": [b - a for a, b in zip(cpu, cpu[1:])], "x_trainer_step_time_s": inner,

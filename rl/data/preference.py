@@ -36,7 +36,7 @@ from rl.data.records import (
     where,
 )
 from rl.engine import losses
-from rl.engine.packing import pack_sequences
+from rl.engine.packing import pack_prompt_groups, pack_sequences
 from rl.errors import DataError
 
 logger = logging.getLogger(__name__)
@@ -359,6 +359,25 @@ def pack_pairs(examples: list[dict], pad_token_id: int) -> dict[str, torch.Tenso
     seqs = [(e["prompt_ids"] + e[key], [losses.IGNORE_INDEX] * len(e["prompt_ids"]) + e[key])
             for key in ("chosen_ids", "rejected_ids") for e in examples]
     out = pack_sequences(seqs, pad_token_id)
+    if "ref_chosen_logps" in examples[0]:
+        out["ref_chosen_logps"] = torch.tensor([e["ref_chosen_logps"] for e in examples], dtype=torch.float32)
+        out["ref_rejected_logps"] = torch.tensor([e["ref_rejected_logps"] for e in examples], dtype=torch.float32)
+    return out
+
+
+def pack_pairs_shared(examples: list[dict], pad_token_id: int = 0) -> dict[str, torch.Tensor]:
+    """B pairs -> one packed row where each pair's prompt is computed once for both answers
+    (`rl.engine.packing.pack_prompt_groups`): input_ids, labels (-100 on prompts), position_ids and
+    sequence_index (0..B-1 the chosen answers, B..2B-1 the rejected, as `pack_pairs`; -1 on prompt
+    prefixes), each (1, W), plus `cu_seq_lens` and `prefix_of` (the model inputs of
+    `rl.engine.segments.shared_prefix_inputs`) and ref_*_logps (B,) when present. No padding at all, so
+    `pad_token_id` is unused (it keeps `collate_pairs`' signature)."""
+    out = pack_prompt_groups([(e["prompt_ids"], [(e["chosen_ids"], e["chosen_ids"]), (e["rejected_ids"], e["rejected_ids"])])
+                              for e in examples])
+    out.pop("starts")
+    seq, B = out["sequence_index"], len(examples)
+    # group order is chosen_0, rejected_0, chosen_1, ...: number them [chosen..., rejected...]
+    out["sequence_index"] = torch.where(seq >= 0, (seq % 2) * B + seq // 2, seq)
     if "ref_chosen_logps" in examples[0]:
         out["ref_chosen_logps"] = torch.tensor([e["ref_chosen_logps"] for e in examples], dtype=torch.float32)
         out["ref_rejected_logps"] = torch.tensor([e["ref_rejected_logps"] for e in examples], dtype=torch.float32)

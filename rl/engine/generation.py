@@ -21,7 +21,8 @@ pad/eos and is required for stop strings) or just the pad id.
 
 How it works, and why:
 * A LoRA model samples with its adapters merged into the base weights (`lora_merged`): one matmul per
-  linear layer instead of three.
+  linear layer instead of three. On CPU the linear layers compute with weights reordered once per
+  rollout for oneDNN (`prepacked_linears`) rather than re-packed at every matmul.
 * Prompts are left-padded, with an attention mask and position ids counted from each row's first real
   token (what HF `generate` does), so a row's tokens do not depend on the other rows.
 * One prefill with `logits_to_keep=1` (no (B, P, V) logits), then one token per step with a KV cache.
@@ -50,7 +51,7 @@ The reference's one-prompt `sample` (`ForwardBackwardPipeline.sample`) is `gener
 from __future__ import annotations
 
 import inspect
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
 
 import torch
@@ -189,6 +190,45 @@ def lora_merged(model):
         tuner.unmerge_adapter()
 
 
+# Below this many new tokens, prepacking the weights (a copy of every linear weight, ~0.3 s for 135M
+# parameters on 2 cores) costs more than it saves (~25 ms per decode step there).
+PREPACK_MIN_NEW_TOKENS = 16
+
+
+@contextmanager
+def prepacked_linears(model, rows: int):
+    """On CPU, for the duration of a rollout, every fp32 `nn.Linear` of `model` computes with a copy of
+    its weight reordered once for oneDNN (`torch.ops.mkldnn._reorder_linear_weight`), instead of the
+    default matmul, which re-packs the weight at every call.
+
+    Why: decoding a few rows per step is a matmul of a (rows, K) input with every weight; measured on
+    this project's 2-core machines (2026-12-02) a (16, 576) x (576, 1536) product took ~490 us plainly and
+    ~330 us prepacked, and SmolLM2-135M sampled 16 rows x 48 tokens ~20% faster. The result is the same
+    fp32 product up to summation order. The copies (one per weight, the model's linear weights again)
+    live only inside this block. A module that already has its own `forward` attribute (accelerate's
+    offloading hooks) is left alone, and so is everything when oneDNN is unavailable."""
+    linears = [m for m in model.modules() if type(m) is torch.nn.Linear and "forward" not in m.__dict__
+               and m.weight.device.type == "cpu" and m.weight.dtype == torch.float32]
+    if not linears or not torch.backends.mkldnn.is_available():
+        yield
+        return
+    try:
+        packed = [torch.ops.mkldnn._reorder_linear_weight(m.weight.detach(), rows) for m in linears]
+    except (RuntimeError, AttributeError):  # an op this build lacks: the plain path
+        yield
+        return
+    for m, w in zip(linears, packed):
+        def forward(x, m=m, w=w):
+            y = torch.ops.mkldnn._linear_pointwise(x.reshape(-1, x.shape[-1]), w, m.bias, "none", [], "")
+            return y.reshape(*x.shape[:-1], y.shape[-1])
+        m.forward = forward
+    try:
+        yield
+    finally:
+        for m in linears:
+            del m.forward
+
+
 def _zero_offload(model):
     """The object holding a ZeRO-3 engine's parameter hooks (None if `model` is not an engine)."""
     opt = getattr(model, "optimizer", None)
@@ -273,11 +313,13 @@ def generate(model, tokenizer_or_pad_id, prompts, max_new_tokens: int = 64, temp
         ids, pmask = left_pad(prompts, pad_id, device)
         was_training = lm.training
         lm.eval()
+        fast = device.type == "cpu" and max_new_tokens >= PREPACK_MIN_NEW_TOKENS
         try:
-            tokens, logps, gmask, reasons = _decode(lm, ids, pmask, prompts, max_new_tokens, temperature,
-                                                    top_k, top_p, stop_ids, stop_strings, tok, seed, cache,
-                                                    compile, sync_every, drop_finished,
-                                                    num_samples if share_prefill else 1)
+            with prepacked_linears(lm, len(prompts)) if fast else nullcontext():
+                tokens, logps, gmask, reasons = _decode(lm, ids, pmask, prompts, max_new_tokens, temperature,
+                                                        top_k, top_p, stop_ids, stop_strings, tok, seed, cache,
+                                                        compile, sync_every, drop_finished,
+                                                        num_samples if share_prefill else 1)
         finally:
             lm.train(was_training)
     tokens = tokens.masked_fill(gmask == 0, pad_id)

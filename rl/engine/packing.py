@@ -179,59 +179,79 @@ def unpack_targets(values: torch.Tensor, target_index: torch.Tensor) -> torch.Te
     return torch.where(target_index >= 0, flat[target_index.clamp(min=0)], flat.new_zeros(()))
 
 
+def pack_prompt_groups(groups: list[tuple[list[int], list[tuple[list[int], list[int]]]]],
+                       device=None) -> dict:
+    """Groups of answers that share a prompt -> one packed row where each prompt is computed once.
+
+    `groups`: [(prompt ids, [(answer ids, answer labels), ...]), ...]. Layout, per group with prompt p
+    (length L) and answers a_1..a_k: a prefix segment p[:-1] (positions 0..L-2), then per answer a
+    segment [p[-1], a_i] (positions L-1..L-1+len(a_i)) that attends to the prefix and then causally to
+    itself (`rl.engine.segments`, `rl_prefix_of`). Each answer segment repeats the prompt's last token,
+    so its first token is predicted from that token's hidden state as in a padded row (the same token
+    at the same position over the same keys). A one-token prompt has no prefix segment.
+
+    Returns input_ids, labels (-100 on prompt tokens), position_ids, sequence_index (the answer's index
+    in group order, -1 on prefixes), each (1, W) long; `cu_seq_lens` (S+1,) int32 segment boundaries
+    and `prefix_of` (S,) long (each segment's prefix segment, -1 none): the model inputs of
+    `rl.engine.segments.shared_prefix_inputs`; and `starts`, the position of each answer's copy of the
+    prompt's last token (the answer's j-th token is predicted at starts[i] + j)."""
+    ids, lab, pos, seq, bounds, prefix_of, starts = [], [], [], [], [0], [], []
+    for prompt, answers in groups:
+        if not prompt:
+            raise ValueError("pack_prompt_groups: a prompt has no token")
+        prefix = -1
+        if len(prompt) > 1:
+            ids += prompt[:-1]
+            lab += [IGNORE_INDEX] * (len(prompt) - 1)
+            pos += range(len(prompt) - 1)
+            seq += [-1] * (len(prompt) - 1)
+            bounds.append(len(ids))
+            prefix_of.append(-1)
+            prefix = len(prefix_of) - 1
+        for a_ids, a_lab in answers:
+            starts.append(len(ids))
+            ids += [prompt[-1]] + list(a_ids)
+            lab += [IGNORE_INDEX] + list(a_lab)
+            pos += range(len(prompt) - 1, len(prompt) + len(a_ids))
+            seq += [len(starts) - 1] * (len(a_ids) + 1)
+            bounds.append(len(ids))
+            prefix_of.append(prefix)
+    as_row = lambda xs: torch.tensor(xs, dtype=torch.long, device=device)[None]  # noqa: E731
+    return {"input_ids": as_row(ids), "labels": as_row(lab), "position_ids": as_row(pos),
+            "sequence_index": as_row(seq), "cu_seq_lens": torch.tensor(bounds, dtype=torch.int32, device=device),
+            "prefix_of": torch.tensor(prefix_of, dtype=torch.long, device=device), "starts": starts}
+
+
 def pack_shared_prompts(input_ids: torch.Tensor, attention_mask: torch.Tensor, labels: torch.Tensor,
                         prompt_width: int) -> dict[str, torch.Tensor]:
     """A rollout batch (B, T) (prompts left-padded to `prompt_width` columns, completions after them,
-    right-padded) -> one packed row where consecutive rows with the same prompt share one forward of it.
-
-    Layout, per run of rows with prompt p (length L) and completions c_1..c_G: a prefix segment p[:-1]
-    (positions 0..L-2), then per row a segment [p[-1], c_i] (positions L-1..L-1+len(c_i)) that attends to
-    the prefix and then causally to itself (`rl.engine.segments`, `rl_prefix_of`). Each completion
-    segment repeats the prompt's last token, so its first token is predicted from that token's hidden
-    state as in the padded row (the same token at the same position over the same keys). Rows whose
-    prompt is a single token have no prefix segment. Tokens cost: one prompt per run instead of per
-    row, and no padding. Per-token log-probs equal the padded path's up to float rounding
-    (tests/unit/engine/test_packing_speed.py).
-
-    Returns input_ids, labels (-100 on the prompt tokens), position_ids, each (1, W); `cu_seq_lens`
-    (S+1,) int32 segment boundaries and `prefix_of` (S,) long (the prefix segment of each, -1 none),
-    the model inputs of `rl.engine.segments`; `target_index` (B, T-1) as `pack_padded`'s, for
+    right-padded) -> `pack_prompt_groups`' row, consecutive rows with the same prompt (a GRPO group's G
+    completions) forming one group: the prompt is computed once per group instead of per row, and no
+    padding. Per-token log-probs equal the padded path's up to float rounding
+    (tests/unit/engine/test_packing_speed.py). Adds `target_index` (B, T-1) as `pack_padded`'s, for
     `unpack_targets`."""
     B, T = input_ids.shape
     P = int(prompt_width)
     mask = attention_mask.bool().cpu()
     ids_all, lab_all = input_ids.cpu(), labels.cpu()
-    ids, lab, pos, bounds, prefix_of = [], [], [], [0], []
-    target_index = torch.full((B, T - 1), -1, dtype=torch.long)
-    previous, prefix = None, -1
+    groups: list = []
+    lengths = []
     for b in range(B):
         prompt = ids_all[b, :P][mask[b, :P]].tolist()
         n = int(mask[b, P:].sum())
         if not prompt or not bool(mask[b, P:P + n].all()):
             raise ValueError(f"pack_shared_prompts: row {b} has no prompt token, or its completion's tokens do not "
                              f"start at column {P} contiguously (prompts left-padded, completions right-padded)")
-        if prompt != previous:  # a new run: its prompt (but the last token) as the prefix segment
-            previous, prefix = prompt, -1
-            if len(prompt) > 1:
-                ids += prompt[:-1]
-                lab += [IGNORE_INDEX] * (len(prompt) - 1)
-                pos += range(len(prompt) - 1)
-                bounds.append(len(ids))
-                prefix_of.append(-1)
-                prefix = len(prefix_of) - 1
-        start = len(ids)  # the copy of the prompt's last token, which predicts the completion's first
-        ids += [prompt[-1]] + ids_all[b, P:P + n].tolist()
-        lab += [IGNORE_INDEX] + lab_all[b, P:P + n].tolist()
-        pos += range(len(prompt) - 1, len(prompt) + n)
-        bounds.append(len(ids))
-        prefix_of.append(prefix)
+        if not groups or groups[-1][0] != prompt:
+            groups.append((prompt, []))
+        groups[-1][1].append((ids_all[b, P:P + n].tolist(), lab_all[b, P:P + n].tolist()))
+        lengths.append(n)
+    out = pack_prompt_groups(groups, input_ids.device)
+    target_index = torch.full((B, T - 1), -1, dtype=torch.long)
+    for b, (start, n) in enumerate(zip(out.pop("starts"), lengths)):
         target_index[b, P - 1:P - 1 + n] = torch.arange(start, start + n)
-    as_row = lambda xs: torch.tensor(xs, dtype=torch.long, device=input_ids.device)[None]  # noqa: E731
-    return {"input_ids": as_row(ids), "labels": as_row(lab), "position_ids": as_row(pos),
-            "cu_seq_lens": torch.tensor(bounds, dtype=torch.int32, device=input_ids.device),
-            "prefix_of": torch.tensor(prefix_of, dtype=torch.long, device=input_ids.device),
-            "target_index": target_index.to(input_ids.device)}
-
+    out["target_index"] = target_index.to(input_ids.device)
+    return out
 
 # ------------------------------------------------------------------------------------ pure pieces
 

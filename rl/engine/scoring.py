@@ -184,6 +184,14 @@ def _packed_logps(model, batch: dict[str, torch.Tensor], chunk_size: int | None)
     mask, `rl.engine.packing`)."""
     lm = unwrap_module(model)
     ids = batch["input_ids"]
+    inputs = {"position_ids": batch["position_ids"]}
+    if "prefix_of" in batch:  # shared prompts (pack_pairs_shared): answers attend to their prompt's segment
+        from rl.engine import segments
+
+        if not segments.enable(lm):
+            raise ValueError("shared-prompt rows need SDPA attention (rl.engine.segments); this model's is "
+                             f"{getattr(getattr(lm, 'config', None), '_attn_implementation', None)!r}")
+        inputs = segments.shared_prefix_inputs(batch)
     with auto_capture_head(lm, ids, chunk_size):
-        logits = lm(input_ids=ids, position_ids=batch["position_ids"], use_cache=False).logits
+        logits = lm(input_ids=ids, use_cache=False, **inputs).logits
     return sequence_logps(logits, batch["labels"], batch["sequence_index"])

@@ -55,6 +55,7 @@ from rl.data.preference import (
     collate_pairs,
     load_pair_records,
     pack_pairs,
+    pack_pairs_shared,
     shard_batches,
 )
 from rl.engine import segments
@@ -129,6 +130,9 @@ class DPOConfig(TrainConfig):
                         "(rl.engine.packing); same loss, no compute on padding (training, reference and eval "
                         "forwards). Off by default: on SmolLM2 with pairs of near-equal length it measured "
                         "slower than padding (bench/bench_dpo.py); it pays on long-tailed pairs")
+    share_prompt_forward: bool = opt(True, "compute each pair's prompt once for its chosen and rejected answers, "
+                                     "packed without padding (rl.data.preference.pack_pairs_shared; training, "
+                                     "reference and eval forwards; same loss; SDPA models, else as packing says)")
     device: str | None = opt(None, "cpu or cuda (null: auto-detected)")
 
 
@@ -199,7 +203,10 @@ class DPOTrainer(EpochTrainer):
         return epoch_plan(self.cfg, n_pairs, self.world, "pairs")
 
     def _collate(self, examples: list[dict], pad_token_id: int) -> dict[str, torch.Tensor]:
-        """A micro-batch of pairs: packed rows with `packing` (`pack_pairs`), else padded (`collate_pairs`)."""
+        """A micro-batch of pairs: one row with each prompt computed once (`share_prompt_forward`,
+        `pack_pairs_shared`), packed rows with `packing` (`pack_pairs`), else padded (`collate_pairs`)."""
+        if getattr(self, "_share", False):
+            return pack_pairs_shared(examples, pad_token_id)
         return (pack_pairs if self.cfg.packing else collate_pairs)(examples, pad_token_id)
 
     # ------------------------------------------------------------------------------- reference
@@ -208,7 +215,9 @@ class DPOTrainer(EpochTrainer):
         self.pipeline = self.build_pipeline(self._model, total_steps, cfg.batch_size)
         self.reference.place(self.accelerator)
         # packed training forwards attend per sequence (rl.engine.segments), not over each row's whole block mask
-        self._segments = cfg.packing and segments.enable(self.pipeline.unwrapped_model)
+        self._segments = (cfg.packing or cfg.share_prompt_forward) and segments.enable(self.pipeline.unwrapped_model)
+        # each pair's prompt computed once for both answers (SDPA models; else the padded or packed batch)
+        self._share = cfg.share_prompt_forward and self._segments
 
     def _reference_logps(self, batch: dict) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         """Reference log-probs of a collated batch: precomputed, a forward of the frozen copy or of the
@@ -283,14 +292,14 @@ class DPOTrainer(EpochTrainer):
             ref_c, ref_r = self._reference_logps(b)
             # Padded: right padding, so the engine's default positions equal b["position_ids"]. Packed: the
             # position ids and no mask (the engine then gives the model none), the sequence index to the loss.
-            packed = {k: b[k] for k in ("position_ids", "sequence_index")} if cfg.packing else {}
+            packed = {k: b[k] for k in ("position_ids", "sequence_index")} if "sequence_index" in b else {}
             loss_kw = dict(ref_chosen_logps=ref_c, ref_rejected_logps=ref_r, pair_weight=weight)
             if self._segments:  # the same loss; the model also gets the sequences' boundaries
                 loss = partial(_packed_loss, self._loss_fn, b["labels"], b["sequence_index"], loss_kw)
-                r = pipe.forward_backward_custom(loss, b["input_ids"], None,
-                                                 model_inputs=segments.model_inputs(b["position_ids"])).result()
+                inputs = segments.shared_prefix_inputs(b) if "prefix_of" in b else segments.model_inputs(b["position_ids"])
+                r = pipe.forward_backward_custom(loss, b["input_ids"], None, model_inputs=inputs).result()
             else:
-                r = pipe.forward_backward(b["input_ids"], None if cfg.packing else b["attention_mask"], b["labels"],
+                r = pipe.forward_backward(b["input_ids"], None if packed else b["attention_mask"], b["labels"],
                                           loss_fn=self._loss_fn, **loss_kw, **packed).result()
             for k, v in r.metrics.items():
                 sums[k] = sums.get(k, 0.0) + v / N

@@ -332,3 +332,27 @@ def test_lora_model_samples_with_its_adapters_merged(tiny_llama, prompts, monkey
     model.base_model.merge_adapter()
     generate(model, EOS, prompts, max_new_tokens=2, seed=3)
     assert layer.merged
+
+
+def test_cpu_sampling_uses_prepacked_weights_and_the_same_numbers(lm, prompts, monkeypatch):
+    """On CPU a rollout of >= PREPACK_MIN_NEW_TOKENS computes its linear layers with oneDNN-prepacked
+    weights, gets the plain path's tokens and log-probs (fp32, summation order only), and leaves the
+    modules as they were."""
+    import rl.engine.generation as generation
+
+    if not torch.backends.mkldnn.is_available():
+        pytest.skip("no oneDNN in this torch build")
+    calls = []
+    real = torch.ops.mkldnn._linear_pointwise
+    monkeypatch.setattr(generation.torch.ops.mkldnn, "_linear_pointwise", lambda *a: calls.append(1) or real(*a),
+                        raising=False)
+    n = generation.PREPACK_MIN_NEW_TOKENS
+    fast = generate(lm, EOS, prompts, max_new_tokens=n, seed=5, num_samples=2, stop_token_ids=[])
+    assert calls  # the prepacked path ran
+    assert not any("forward" in m.__dict__ for m in lm.modules())  # and was undone
+    calls.clear()
+    monkeypatch.setattr(generation, "PREPACK_MIN_NEW_TOKENS", 10 ** 9)
+    plain = generate(lm, EOS, prompts, max_new_tokens=n, seed=5, num_samples=2, stop_token_ids=[])
+    assert not calls
+    assert torch.equal(fast.tokens, plain.tokens) and torch.equal(fast.mask, plain.mask)
+    torch.testing.assert_close(fast.logprobs, plain.logprobs, atol=1e-5, rtol=0)

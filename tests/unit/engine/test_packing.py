@@ -306,7 +306,7 @@ def test_dpo_and_reward_trainers_packing_equals_padding(tmp_path, tiny_llama, ti
         cfg = build(DPOConfig, dict(model_name=tiny_llama, output_dir=str(tmp_path / f"dpo{packing}"), batch_size=4,
                                     gradient_accumulation_steps=2, max_steps=2, learning_rate=1e-2, seed=0,
                                     max_length=64, max_prompt_length=32, report_to=["none"], packing=packing,
-                                    dtype="float32"))
+                                    dtype="float32", share_prompt_forward=False))
         t = DPOTrainer(cfg, tokenizer=tiny_tokenizer)
         ds = PreferenceDataset(P, C, R, tiny_tokenizer, 64, 32)
         dpo[packing] = (t.train(ds), t.evaluate(PreferenceDataset(P[:6], C[:6], R[:6], tiny_tokenizer, 64, 32)))
@@ -479,7 +479,7 @@ def test_grpo_and_ppo_trainers_packing_equals_padding(tmp_path, tiny_llama, monk
         cfg = build(GRPOConfig, dict(model_name=tiny_llama, output_dir=str(tmp_path / f"g{packing}"),
                                      learning_rate=1e-2, batch_size=4, gradient_accumulation_steps=2, num_generations=4,
                                      max_completion_length=6, max_length=24, max_steps=1, beta=0.1,
-                                     report_to=["none"], seed=0, packing=packing))
+                                     report_to=["none"], seed=0, packing=packing, share_prompt_forward=False))
         grpo[packing] = GRPOTrainer(cfg, reward_funcs=[length_reward], train_prompts=rows).train()
         cfg = PPOConfig(model_name=tiny_llama, output_dir=str(tmp_path / f"p{packing}"), seed=0, learning_rate=1e-2,
                         batch_size=8, mini_batch_size=8, gradient_accumulation_steps=2, ppo_epochs=1, max_new_tokens=6,

@@ -243,21 +243,46 @@ def _dpo_step_grads(tmp_path, tiny_llama, tiny_tokenizer, monkeypatch, **over):
 
 
 def test_packed_dpo_equals_the_padded_loss_and_gradients(tmp_path, tiny_llama, tiny_tokenizer, monkeypatch):
+    """One DPO step (policy + reference forwards) gives the padded batch's loss and gradients when packed
+    (`packing`) and when each pair's prompt is computed once for both answers (`share_prompt_forward`,
+    the default)."""
+    from rl.data.preference import pack_pairs_shared
+
     monkeypatch.setattr("rl.engine.tracking.plot_history", lambda *a, **k: None)
-    packs = []
+    packs, shares = [], []
     monkeypatch.setattr("rl.trainers.dpo.pack_pairs", lambda *a, **k: packs.append(1) or pack_pairs(*a, **k))
-    cfg, packed, g_packed = _dpo_step_grads(tmp_path, tiny_llama, tiny_tokenizer, monkeypatch, packing=True)
-    assert cfg.packing and packs  # packs the training and reference forwards
+    monkeypatch.setattr("rl.trainers.dpo.pack_pairs_shared",
+                        lambda *a, **k: shares.append(1) or pack_pairs_shared(*a, **k))
+    cfg, packed, g_packed = _dpo_step_grads(tmp_path, tiny_llama, tiny_tokenizer, monkeypatch, packing=True,
+                                            share_prompt_forward=False)
+    assert cfg.packing and packs and not shares  # packs the training and reference forwards
     assert packed["attn"] == segments.NAME  # and attends per sequence
     n_packs = len(packs)
-    _, padded, g_padded = _dpo_step_grads(tmp_path, tiny_llama, tiny_tokenizer, monkeypatch)
-    assert len(packs) == n_packs and padded["attn"] == "sdpa"  # the default pads
-    assert packed["loss"] == pytest.approx(padded["loss"], abs=1e-6)
-    assert packed["grad_norm"] == pytest.approx(padded["grad_norm"], rel=1e-5)
-    assert set(g_packed) == set(g_padded) and g_packed
-    for n, g in g_packed.items():
-        assert torch.allclose(g, g_padded[n], atol=1e-6, rtol=1e-4), n
+    _, padded, g_padded = _dpo_step_grads(tmp_path, tiny_llama, tiny_tokenizer, monkeypatch, share_prompt_forward=False)
+    assert len(packs) == n_packs and padded["attn"] == "sdpa" and not shares
+    _, shared, g_shared = _dpo_step_grads(tmp_path, tiny_llama, tiny_tokenizer, monkeypatch)  # the default
+    # one collation serves the training and the reference forward
+    assert len(packs) == n_packs and len(shares) == 1 and shared["attn"] == segments.NAME
+    for other, g_other in ((packed, g_packed), (shared, g_shared)):
+        assert other["loss"] == pytest.approx(padded["loss"], abs=1e-6)
+        assert other["grad_norm"] == pytest.approx(padded["grad_norm"], rel=1e-5)
+        assert set(g_other) == set(g_padded) and g_other
+        for n, g in g_other.items():
+            assert torch.allclose(g, g_padded[n], atol=1e-6, rtol=1e-4), n
     assert any(float(g.abs().max()) > 1e-4 for g in g_packed.values())  # the gradients are not all ~0
+
+
+def test_shared_pairs_by_hand():
+    from rl.data.preference import pack_pairs_shared
+
+    b = pack_pairs_shared([{"prompt_ids": [1, 2, 3], "chosen_ids": [7, 8], "rejected_ids": [9]},
+                           {"prompt_ids": [4], "chosen_ids": [5], "rejected_ids": [6, 6]}], 0)
+    assert b["input_ids"].tolist() == [[1, 2, 3, 7, 8, 3, 9, 4, 5, 4, 6, 6]]
+    assert b["labels"].tolist() == [[-100, -100, -100, 7, 8, -100, 9, -100, 5, -100, 6, 6]]
+    assert b["position_ids"].tolist() == [[0, 1, 2, 3, 4, 2, 3, 0, 1, 0, 1, 2]]
+    # chosen answers are sequences 0..B-1, rejected B..2B-1 (pack_pairs' numbering); prefixes -1
+    assert b["sequence_index"].tolist() == [[-1, -1, 0, 0, 0, 2, 2, 1, 1, 3, 3, 3]]
+    assert b["cu_seq_lens"].tolist() == [0, 2, 5, 7, 9, 12] and b["prefix_of"].tolist() == [-1, 0, 0, -1, -1]
 
 
 def test_bf16_autocast_on_cpu_stays_within_bf16_tolerance_of_fp32():
