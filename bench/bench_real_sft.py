@@ -11,7 +11,9 @@ same 8 rows on every side. Sides:
 
     ours_padded            rl SFT, micro-batches right-padded to their longest row
     ours_packing           rl SFT, packing: true (one row per micro-batch, per-example attention,
-                           rl.engine.segments)
+                           rl.engine.segments; the rows' common system-prompt prefix computed once,
+                           share_prompt_forward's default)
+    ours_packing_noshare   the same with share_prompt_forward: false (every row computes its own prefix)
     ours_packing_mask      the same without rl.engine.segments: SDPA under transformers' block-diagonal mask
     trl_padded             TRL SFTConfig defaults (padded batches)
     trl_padding_free       TRL SFTConfig(padding_free=True): one row per batch, position_ids, SDPA
@@ -81,7 +83,7 @@ def _setup(spec):
     return tok, make_rows(spec["rows"], tok, spec["seed"])
 
 
-def side_ours(spec: dict, packing: bool, bf16: bool, segments: bool = True) -> dict:
+def side_ours(spec: dict, packing: bool, bf16: bool, segments: bool = True, share: bool = True) -> dict:
     import torch
 
     from rl.config.fields import build
@@ -95,7 +97,7 @@ def side_ours(spec: dict, packing: bool, bf16: bool, segments: bool = True) -> d
         model_name=spec["model"], output_dir=tempfile.mkdtemp(prefix="bench-sft-"), report_to=["none"],
         batch_size=spec["batch"], max_steps=spec["warmup"] + spec["steps"], learning_rate=2e-5,
         lr_scheduler="constant", max_grad_norm=1.0, max_length=1024, seed=spec["seed"], packing=packing,
-        dtype="bfloat16" if bf16 else "float32"))
+        dtype="bfloat16" if bf16 else "float32", share_prompt_forward=share))
     cfg.shuffle = False  # file order, as the TRL side (rl.trainers.epoch reads it)
     if not segments:
         seg.enable = lambda model: False
@@ -168,6 +170,7 @@ SIDES = {
     "ours_padded": lambda s: side_ours(s, False, False),
     "ours_packing": lambda s: side_ours(s, True, False),
     "ours_packing_mask": lambda s: side_ours(s, True, False, segments=False),
+    "ours_packing_noshare": lambda s: side_ours(s, True, False, share=False),
     "trl_padded": lambda s: side_trl(s, False, False),
     "trl_padding_free": lambda s: side_trl(s, True, False),
     "ours_padded_bf16": lambda s: side_ours(s, False, True),

@@ -17,7 +17,8 @@ creates one and silently attends across examples). The engine's training forward
 (`ForwardBackwardPipeline.forward_backward`, `forward_backward_custom(model_inputs=...)`).
 
 Who packs what (`packing: true` in each trainer's config):
-  SFT            `pack_examples`: a micro-batch's examples in one row.
+  SFT            `pack_examples`: a micro-batch's examples in one row; `pack_common_prefix` (default)
+                 first computes the unlabeled prefix they all start with (a system prompt) once.
   DPO, reward    `pack_sequences`: the chosen and rejected sequences in rows, with `sequence_index`
                  (R, W), the sequence each token belongs to (-1 on a row's padding); `segment_sum`
                  and `pool_packed` gather per-sequence log-prob sums and pooled hidden states from it.
@@ -220,6 +221,29 @@ def pack_prompt_groups(groups: list[tuple[list[int], list[tuple[list[int], list[
     return {"input_ids": as_row(ids), "labels": as_row(lab), "position_ids": as_row(pos),
             "sequence_index": as_row(seq), "cu_seq_lens": torch.tensor(bounds, dtype=torch.int32, device=device),
             "prefix_of": torch.tensor(prefix_of, dtype=torch.long, device=device), "starts": starts}
+
+
+def pack_common_prefix(examples: list[dict]) -> dict | None:
+    """SFT examples (`input_ids`, `labels`) that all begin with the same tokens carrying no loss (a chat
+    template's system prompt and turn header) -> `pack_prompt_groups`' row with that prefix computed once
+    and each example's rest as an answer attending to it; None when they share fewer than 2 such tokens
+    (or there is one example), so the caller packs them as they are (`pack_examples`).
+
+    Only unlabeled tokens are shared (every example's labels are -100 there), so the loss counts the
+    same tokens as the padded batch; the first token after the prefix is predicted from the prefix's
+    last token, as in the example itself."""
+    if len(examples) < 2:
+        return None
+    first = examples[0]["input_ids"]
+    n = min(len(e["input_ids"]) for e in examples)
+    L = 0
+    while L < n and all(e["input_ids"][L] == first[L] and e["labels"][L] == IGNORE_INDEX for e in examples):
+        L += 1
+    if L < 2:
+        return None
+    out = pack_prompt_groups([(list(first[:L]), [(list(e["input_ids"][L:]), list(e["labels"][L:])) for e in examples])])
+    out.pop("starts")
+    return out
 
 
 def pack_shared_prompts(input_ids: torch.Tensor, attention_mask: torch.Tensor, labels: torch.Tensor,

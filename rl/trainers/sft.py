@@ -24,7 +24,7 @@ from rl.config.schema import TrainConfig
 from rl.data.sft import collate, counted_tokens
 from rl.engine import losses, segments
 from rl.engine.dist import zero_stage
-from rl.engine.packing import pack_examples
+from rl.engine.packing import pack_common_prefix, pack_examples
 from rl.trainers.epoch import EpochTrainer, split_even
 
 logger = logging.getLogger(__name__)
@@ -37,6 +37,10 @@ class SFTConfig(TrainConfig):
     add_eos: bool = opt(True, "append the EOS token to every example so the model learns to stop")
     packing: bool = opt(False, "padding-free micro-batches: each micro-batch's examples concatenated into one "
                         "row with per-example position_ids (rl.engine.packing); same loss, no compute on padding")
+    share_prompt_forward: bool = opt(True, "with packing: the tokens every example of a micro-batch starts with and "
+                                     "that carry no loss (a chat template's system prompt) are computed once, the "
+                                     "examples attending to them (rl.engine.packing.pack_common_prefix; same loss; "
+                                     "SDPA models)")
 
 
 def sum_normalised_nll(logits, labels, attention_mask, scale: float):
@@ -105,11 +109,12 @@ class SFTTrainer(EpochTrainer):
             # counted token, so the step's loss stays sum / tokens of the real examples
             micro = micro or [{"input_ids": batch[0]["input_ids"], "labels": [-100] * len(batch[0]["labels"])}]
             if cfg.packing:  # one row, no mask: the model separates the examples by their position ids
-                b = pack_examples(micro)
+                shared = pack_common_prefix(micro) if self._segments and cfg.share_prompt_forward else None
+                b = shared or pack_examples(micro)
                 if self._segments:
+                    inputs = segments.shared_prefix_inputs(b) if shared else segments.model_inputs(b["position_ids"])
                     r = pipe.forward_backward_custom(partial(_packed_nll, labels=b["labels"], scale=scale),
-                                                     b["input_ids"], None,
-                                                     model_inputs=segments.model_inputs(b["position_ids"])).result()
+                                                     b["input_ids"], None, model_inputs=inputs).result()
                     r.num_tokens = int(r.metrics.pop("tokens"))
                 else:
                     r = pipe.forward_backward(b["input_ids"], None, b["labels"], position_ids=b["position_ids"],

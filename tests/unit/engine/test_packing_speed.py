@@ -330,3 +330,50 @@ def test_sft_trainer_bf16_on_cpu_autocasts_and_tracks_fp32(tmp_path, tiny_llama)
     for a, b in zip(rows["float32"], rows["bfloat16"]):
         assert b["loss"] == pytest.approx(a["loss"], rel=2e-2)
         assert b["grad_norm"] == pytest.approx(a["grad_norm"], rel=1e-1)
+
+
+def test_common_prefix_by_hand():
+    from rl.engine.packing import pack_common_prefix
+
+    ex = [{"input_ids": [1, 2, 3, 4, 5], "labels": [-100, -100, -100, 4, 5]},
+          {"input_ids": [1, 2, 3, 9], "labels": [-100, -100, -100, 9]},
+          {"input_ids": [1, 2, 7, 7, 7], "labels": [-100, -100, -100, 7, 7]}]
+    b = pack_common_prefix(ex)  # shared: [1, 2] (the third example differs at its 3rd token)
+    assert b["input_ids"].tolist() == [[1, 2, 3, 4, 5, 2, 3, 9, 2, 7, 7, 7]]
+    assert b["labels"].tolist() == [[-100, -100, -100, 4, 5, -100, -100, 9, -100, -100, 7, 7]]
+    assert b["position_ids"].tolist() == [[0, 1, 2, 3, 4, 1, 2, 3, 1, 2, 3, 4]]
+    assert b["prefix_of"].tolist() == [-1, 0, 0, 0]
+    # a labeled token is never shared (the loss would count it once instead of per example)
+    assert pack_common_prefix([{"input_ids": [1, 2, 3], "labels": [1, 2, 3]}] * 2) is None
+    assert pack_common_prefix(ex[:1]) is None
+
+
+def test_sft_shares_the_common_prompt_prefix_and_equals_padding(tmp_path, tiny_llama, monkeypatch):
+    """SFT with packing computes the micro-batch's common unlabeled prefix once (share_prompt_forward,
+    the default) and its losses and grad norms equal the padded path's and the unshared packed path's."""
+    import rl.trainers.sft as sft
+    from rl.config.fields import build
+
+    shared = []
+    real = sft.pack_common_prefix
+    monkeypatch.setattr(sft, "pack_common_prefix", lambda ex: (lambda b: shared.append(b is not None) or b)(real(ex)))
+    rng = random.Random(1)
+    system = [257, 40, 41, 42, 43, 44, 45]  # the "system prompt" every example starts with
+    data = []
+    for _ in range(8):
+        q = [rng.randrange(3, 250) for _ in range(rng.randint(1, 6))]
+        a = [rng.randrange(3, 250) for _ in range(rng.randint(1, 12))]
+        data.append({"input_ids": system + q + a, "labels": [-100] * (len(system) + len(q)) + a})
+    rows = {}
+    for name, over in (("padded", {}), ("packed", {"packing": True, "share_prompt_forward": False}),
+                       ("shared", {"packing": True})):
+        cfg = build(sft.SFTConfig, dict(model_name=tiny_llama, output_dir=str(tmp_path / name), batch_size=4,
+                                        max_steps=2, learning_rate=1e-2, seed=0, report_to=["none"],
+                                        dtype="float32", **over))
+        rows[name] = sft.SFTTrainer(cfg).train(data)
+    assert shared == [True, True]  # both steps' micro-batches shared their prefix
+    for name in ("packed", "shared"):
+        for a, b in zip(rows["padded"], rows[name]):
+            assert b["loss"] == pytest.approx(a["loss"], abs=1e-5)
+            assert b["grad_norm"] == pytest.approx(a["grad_norm"], rel=1e-4)
+            assert b["mean_token_accuracy"] == pytest.approx(a["mean_token_accuracy"])
