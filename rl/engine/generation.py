@@ -57,6 +57,7 @@ from dataclasses import dataclass, field
 import torch
 
 from rl.engine.dist import unwrap_module
+from rl.engine.fast_decode import PREPACK_MIN_NEW_TOKENS, lora_merged, prepacked_linears
 from rl.engine.losses import IGNORE_INDEX
 from rl.engine.packing import left_pad, position_ids_from_mask
 from rl.engine.scoring import sample_tokens
@@ -163,70 +164,6 @@ def gathered_for_generation(model):
             if coord is not None and not coord.is_invalid_trace():
                 coord._invalidate_trace()
             offload._register_deepspeed_module(offload.module)
-
-
-@contextmanager
-def lora_merged(model):
-    """For the duration of a rollout, a PEFT LoRA model's adapters merged into its base weights
-    (W += B A s), and unmerged after (W -= B A s), as TRL does before it hands weights to vLLM.
-
-    Why: decoding a few rows is bound by reading the weights, and an unmerged adapter adds two small
-    matmuls and an add per linear layer per token; on SmolLM2-135M with rank-8 adapters on every linear
-    layer (16 rows, 48 new tokens, 2 threads) that cost ~27% of the sampling time (9.0 s against 7.1 s
-    merged; merge + unmerge ~0.2 s). The sampled distribution is the same model's up to fp32 rounding;
-    each merge/unmerge cycle moves a base weight by at most ~1 ulp. Only float base weights are merged
-    (a 4/8-bit quantized base would be re-quantized), and only adapters that are not merged already."""
-    tuner = getattr(model, "base_model", None)
-    layers = [m for m in model.modules() if hasattr(m, "lora_A") and hasattr(m, "get_base_layer")]
-    ok = (layers and hasattr(tuner, "merge_adapter") and not any(getattr(m, "merged", False) for m in layers)
-          and all(m.get_base_layer().weight.dtype.is_floating_point for m in layers))
-    if not ok:
-        yield
-        return
-    tuner.merge_adapter()
-    try:
-        yield
-    finally:
-        tuner.unmerge_adapter()
-
-
-# Below this many new tokens, prepacking the weights (a copy of every linear weight, ~0.3 s for 135M
-# parameters on 2 cores) costs more than it saves (~25 ms per decode step there).
-PREPACK_MIN_NEW_TOKENS = 16
-
-
-@contextmanager
-def prepacked_linears(model, rows: int):
-    """On CPU, for the duration of a rollout, every fp32 `nn.Linear` of `model` computes with a copy of
-    its weight reordered once for oneDNN (`torch.ops.mkldnn._reorder_linear_weight`), instead of the
-    default matmul, which re-packs the weight at every call.
-
-    Why: decoding a few rows per step is a matmul of a (rows, K) input with every weight; measured on
-    this project's 2-core machines (2026-12-02) a (16, 576) x (576, 1536) product took ~490 us plainly and
-    ~330 us prepacked, and SmolLM2-135M sampled 16 rows x 48 tokens ~20% faster. The result is the same
-    fp32 product up to summation order. The copies (one per weight, the model's linear weights again)
-    live only inside this block. A module that already has its own `forward` attribute (accelerate's
-    offloading hooks) is left alone, and so is everything when oneDNN is unavailable."""
-    linears = [m for m in model.modules() if type(m) is torch.nn.Linear and "forward" not in m.__dict__
-               and m.weight.device.type == "cpu" and m.weight.dtype == torch.float32]
-    if not linears or not torch.backends.mkldnn.is_available():
-        yield
-        return
-    try:
-        packed = [torch.ops.mkldnn._reorder_linear_weight(m.weight.detach(), rows) for m in linears]
-    except (RuntimeError, AttributeError):  # an op this build lacks: the plain path
-        yield
-        return
-    for m, w in zip(linears, packed):
-        def forward(x, m=m, w=w):
-            y = torch.ops.mkldnn._linear_pointwise(x.reshape(-1, x.shape[-1]), w, m.bias, "none", [], "")
-            return y.reshape(*x.shape[:-1], y.shape[-1])
-        m.forward = forward
-    try:
-        yield
-    finally:
-        for m in linears:
-            del m.forward
 
 
 def _zero_offload(model):

@@ -125,3 +125,13 @@ def shared_prefix_inputs(packed: dict[str, torch.Tensor]) -> dict[str, torch.Ten
     cu = packed["cu_seq_lens"]
     return {"position_ids": packed["position_ids"], "cu_seq_lens_q": cu, "cu_seq_lens_k": cu,
             "rl_prefix_of": packed["prefix_of"]}
+
+
+def prefix_sharing(model) -> bool:
+    """Whether shared-prompt rows (`rl_prefix_of`) can run on `model`, switching its attention to
+    "rl_segments" when they can: SDPA attention, and positions that are not a learned table bounded by
+    the model's length (GPT-2's `n_positions`: a packed row of several answers can outgrow it)."""
+    config = getattr(getattr(model, "module", model), "config", None)
+    if config is None or getattr(config, "n_positions", None) is not None:
+        return False
+    return enable(model)

@@ -217,7 +217,7 @@ class DPOTrainer(EpochTrainer):
         # packed training forwards attend per sequence (rl.engine.segments), not over each row's whole block mask
         self._segments = (cfg.packing or cfg.share_prompt_forward) and segments.enable(self.pipeline.unwrapped_model)
         # each pair's prompt computed once for both answers (SDPA models; else the padded or packed batch)
-        self._share = cfg.share_prompt_forward and self._segments
+        self._share = cfg.share_prompt_forward and self._segments and segments.prefix_sharing(self.pipeline.unwrapped_model)
 
     def _reference_logps(self, batch: dict) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         """Reference log-probs of a collated batch: precomputed, a forward of the frozen copy or of the

@@ -206,7 +206,7 @@ class GRPOTrainer(OnlineTrainer):
         self.pipeline = self.build_pipeline(self._model, plan["total_steps"], cfg.batch_size)
         self.reference.place(acc)
         # the groups' prompts computed once in the training forwards (rl.engine.segments: SDPA models)
-        self._share = cfg.share_prompt_forward and segments.enable(self.pipeline.unwrapped_model)
+        self._share = cfg.share_prompt_forward and segments.prefix_sharing(self.pipeline.unwrapped_model)
         tracker.write(f"grpo ({cfg.advantage_estimator}, {cfg.loss_aggregation}): {plan['total_steps']} steps of "
                       f"{plan['prompts_per_step']} prompts x {cfg.num_generations} generations "
                       f"({self.processes}, ZeRO stage {zero_stage(acc)}), beta {cfg.beta}, "

@@ -94,6 +94,7 @@ class SFTTrainer(EpochTrainer):
         # packed rows attend per example ("rl_segments", rl.engine.segments): SDPA on CPU would otherwise pay
         # for the whole row's (sum of lengths)^2 score matrix under the block-diagonal mask
         self._segments = cfg.packing and segments.enable(self.pipeline.unwrapped_model)
+        self._share = self._segments and cfg.share_prompt_forward and segments.prefix_sharing(self.pipeline.unwrapped_model)
         self.start_epochs(len(train_examples), eval_examples)
         return self.fit(plan["total_steps"], tracker)
 
@@ -109,7 +110,7 @@ class SFTTrainer(EpochTrainer):
             # counted token, so the step's loss stays sum / tokens of the real examples
             micro = micro or [{"input_ids": batch[0]["input_ids"], "labels": [-100] * len(batch[0]["labels"])}]
             if cfg.packing:  # one row, no mask: the model separates the examples by their position ids
-                shared = pack_common_prefix(micro) if self._segments and cfg.share_prompt_forward else None
+                shared = pack_common_prefix(micro) if self._share else None
                 b = shared or pack_examples(micro)
                 if self._segments:
                     inputs = segments.shared_prefix_inputs(b) if shared else segments.model_inputs(b["position_ids"])
