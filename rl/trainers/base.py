@@ -244,6 +244,15 @@ class Trainer:
         vec = torch.tensor([float(values[k]) for k in keys], device=self.accelerator.device, dtype=torch.float64)
         return dict(zip(keys, self.accelerator.reduce(vec, op).tolist()))
 
+    def reduce_extremes(self, values: dict[str, float]) -> dict[str, float]:
+        """Cross-process max of the keys ending in "/max" and min of those ending in "/min"."""
+        if self.world == 1 or not values:
+            return dict(values)
+        keys = list(values)
+        vec = torch.tensor([float(values[k]) for k in keys], device=self.accelerator.device, dtype=torch.float64)
+        every = self.accelerator.gather(vec[None]).view(self.world, -1)
+        return {k: float(every[:, i].max() if k.endswith("/max") else every[:, i].min()) for i, k in enumerate(keys)}
+
     def build_pipeline(self, model, total_steps: int, micro_batch_size: int, *, learning_rate: float | None = None,
                        ckpt: Path | None = None, warmup_steps: int | None = None) -> ForwardBackwardPipeline:
         """The engine of `model` with the recipe's AdamW, schedule, gradient accumulation and chunked LM

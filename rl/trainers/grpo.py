@@ -52,10 +52,10 @@ from rl.algos.advantages import (
     compute_advantages,
 )
 from rl.algos.dapo import groups_with_spread, overlong_penalty
+from rl.algos.mismatch import importance_weights
 from rl.algos.policy_losses import grpo_loss
 from rl.engine import losses, segments
 from rl.engine.dist import zero_stage
-from rl.engine.generation import generate
 from rl.engine.packing import pack_padded, pack_shared_prompts, position_ids_from_mask, unpack_targets
 from rl.engine.scoring import sequence_logprobs
 from rl.errors import ConfigError
@@ -77,6 +77,7 @@ from rl.trainers.grpo_batch import (
 )
 from rl.trainers.grpo_config import GRPOConfig, grpo_sizes
 from rl.trainers.online import OnlineTrainer
+from rl.trainers.sampling import rollout_sampler
 from rl.trainers.rewards import (
     combine_rewards,
 )
@@ -85,20 +86,28 @@ from rl.trainers.rewards import (
 # Advantages and the loss are in rl.algos, the reward sources and combine_rewards in rl.trainers.rewards.
 
 def grpo_loss_fn(logits, labels, attention_mask=None, *, advantages, old_logprobs=None, ref_logprobs=None,
-                 temperature: float = 1.0, target_index=None, **kw):
+                 temperature: float = 1.0, target_index=None, behaviour_logprobs=None, is_cap: float = 3.0,
+                 is_mode: str = "token_truncate", is_apply: bool = True, **kw):
     """Engine signature `(logits, labels, attention_mask, **kw) -> (loss, metrics)`.
 
     old_logprobs/ref_logprobs are (B, T-1) aligned with labels[:, 1:]; old_logprobs None means the
     current policy (detached), i.e. ratio 1 (num_iterations = 1). Packed rows (`rl.engine.packing.pack_padded`):
     logits and labels are the packed rows' and `target_index` (B, T-1) brings their log-probs back to
-    the rollout's padded layout, where the rest of the loss runs as before."""
+    the rollout's padded layout, where the rest of the loss runs as before. behaviour_logprobs (B, T-1):
+    the rollout engine's (vLLM's) log-probs of the sampled tokens; their mismatch with the old policy is
+    measured, and with `is_apply` corrected by truncated importance weights (`rl.algos.mismatch`)."""
     if temperature and temperature != 1.0:
         logits = logits / temperature
     logp, mask = losses.token_logprobs(logits, labels)
     if target_index is not None:
         logp, mask = unpack_targets(logp, target_index), unpack_targets(mask, target_index)
     old = logp.detach() if old_logprobs is None else old_logprobs
-    return grpo_loss(logp, old, advantages, mask, ref_logp=ref_logprobs, **kw)
+    weights, extra = None, {}
+    if behaviour_logprobs is not None:
+        weights, extra = importance_weights(old, behaviour_logprobs, mask, is_cap, is_mode)
+    loss, metrics = grpo_loss(logp, old, advantages, mask, ref_logp=ref_logprobs,
+                              token_weights=weights if is_apply else None, **kw)
+    return loss, {**metrics, **extra}
 
 
 # ============================================================================ trainer
@@ -235,7 +244,8 @@ class GRPOTrainer(OnlineTrainer):
                 + round_ * 2 ** 40)
         t_gen = time.time()
         # a multi-turn environment (rl.envs.tool_math) runs whole episodes: tool tokens get labels -100 in to_batch
-        sample = partial(run_episodes, env=self.env) if getattr(self.env, "multi_turn", False) else generate
+        gen = rollout_sampler(self)  # our sampler, or vLLM with the policy's current weights
+        sample = partial(run_episodes, env=self.env, generate_fn=gen) if getattr(self.env, "multi_turn", False) else gen
         rollout = sample(self.pipeline.model, self.tokenizer, prompt_ids, max_new_tokens=cfg.max_completion_length,
                          temperature=cfg.temperature, top_k=cfg.top_k, top_p=cfg.top_p, seed=seed,
                          num_samples=cfg.num_generations)
@@ -305,7 +315,10 @@ class GRPOTrainer(OnlineTrainer):
             ref_lp = self._ref_logprobs(batch, micro, P)
         if cfg.num_iterations > 1:
             old_lp = self._logprobs(pipe.model, batch, micro, P)
-        per_row = {k: v for k, v in {"advantages": adv, "old": old_lp, "ref": ref_lp}.items() if v is not None}
+        # vLLM's log-probs of its samples: the mismatch with the trainer's is measured (and corrected)
+        behaviour = batch["old_logprobs"] if cfg.use_vllm else None
+        per_row = {k: v for k, v in {"advantages": adv, "old": old_lp, "ref": ref_lp, "behaviour": behaviour}.items()
+                   if v is not None}
         # token_mean over the whole step: the engine divides by accumulation, DDP/ZeRO average processes
         n_tokens = acc.reduce(batch["labels"][:, 1:].ne(-100).sum().float(), "sum") if self.world > 1 else \
             batch["labels"][:, 1:].ne(-100).sum().float()
@@ -314,6 +327,7 @@ class GRPOTrainer(OnlineTrainer):
         for _ in range(cfg.num_iterations):
             t_train = time.time()
             sums: dict[str, float] = {}
+            extremes: dict[str, float] = {}
             for s in micro:
                 mb, (a, _) = take_micro_batch({**batch, **per_row}, s, with_span=True)
                 kw = dict(advantages=mb["advantages"], old_logprobs=mb.get("old"), ref_logprobs=mb.get("ref"),
@@ -321,7 +335,9 @@ class GRPOTrainer(OnlineTrainer):
                           beta=cfg.beta, epsilon_low=cfg.epsilon_low, epsilon_high=cfg.epsilon_high,
                           loss_aggregation=cfg.loss_aggregation, max_completion_length=cfg.max_completion_length,
                           num_items=num_items, use_bias_correction_kl=cfg.use_bias_correction_kl,
-                          importance_sampling_level=cfg.importance_sampling_level, policy_loss=cfg.policy_loss)
+                          importance_sampling_level=cfg.importance_sampling_level, policy_loss=cfg.policy_loss,
+                          behaviour_logprobs=mb.get("behaviour"), is_cap=cfg.vllm_importance_sampling_cap,
+                          is_mode=cfg.vllm_importance_sampling_mode, is_apply=cfg.vllm_importance_sampling_correction)
                 if self._share:  # each group's prompt once, its completions attending to it; no padding
                     b = self._shared(mb, P - a)
                     r = pipe.forward_backward(b["input_ids"], None, b["labels"], target_index=b["target_index"],
@@ -338,9 +354,13 @@ class GRPOTrainer(OnlineTrainer):
                                               loss_fn=partial(grpo_loss_fn, **kw),
                                               position_ids=position_ids_from_mask(mb["attention_mask"])).result()
                 for key, v in {"loss": r.loss, **r.metrics}.items():
-                    sums[key] = sums.get(key, 0.0) + v / len(micro)
+                    if key.endswith(("/max", "/min")):  # extremes over micro-batches, not their mean
+                        pick = max if key.endswith("/max") else min
+                        extremes[key] = pick(extremes.get(key, v), v)
+                    else:
+                        sums[key] = sums.get(key, 0.0) + v / len(micro)
             o = pipe.optim_step(max_grad_norm=cfg.max_grad_norm).result()
-            row = {"step": pipe.step, **metrics, **self.reduce(sums),
+            row = {"step": pipe.step, **metrics, **self.reduce(sums), **self.reduce_extremes(extremes),
                    "grad_norm": o.grad_norm, "learning_rate": o.learning_rate}
             completion_tokens = float(g["lengths"].sum())
             row["step_time"] = time.time() - t0

@@ -1,0 +1,104 @@
+"""The policy's weights as (Hugging Face name, tensor) pairs, a module at a time: what a rollout engine
+(vLLM colocated, or a vLLM server over a torch.distributed group) loads after each optimizer step.
+
+    for name, tensor in policy_weights(pipeline.model):   # every rank under ZeRO-3 (collective)
+        engine_loader(name, tensor)
+
+What it handles, and why:
+* Wrappers: DDP / DeepSpeed engines (`.module`), PPO's value-head model (`PPOModel.base_model`; the head
+  is not the engine's), PEFT LoRA models (the names of the plain HF model, `base_model.model.` and
+  `.base_layer` removed, adapters merged into the base weights for the duration of the iteration, as TRL
+  syncs merged weights to vLLM; the adapters themselves are never sent).
+* Tied embeddings: `lm_head.weight` is the embedding matrix; it is sent once, under the embedding's
+  name, as a checkpoint stores it (vLLM's loaders skip a tied `lm_head.weight`).
+* ZeRO-3: each module's own parameters are gathered (`deepspeed.zero.GatheredParameters`, every rank
+  enters) and copied out one module at a time, so no rank holds more than one module's full weights
+  beyond its shard; never the whole model at once (the most memory a colocated sync takes).
+Names are yielded in `named_modules()` order, deterministic across ranks and runs.
+"""
+
+from __future__ import annotations
+
+from contextlib import nullcontext
+from typing import Iterator
+
+import torch
+
+from rl.engine.dist import unwrap_module
+from rl.engine.fast_decode import lora_merged
+
+
+def policy_module(model) -> torch.nn.Module:
+    """The causal LM inside `model`: engines and DDP unwrapped, PPO's value head left out (a PEFT model
+    stays a PEFT model: `policy_weights` merges and renames its adapters)."""
+    inner = unwrap_module(model)
+    if type(inner).__name__ == "PPOModel":  # rl.models.value: the head is the trainer's, not the engine's
+        inner = inner.base_model
+    return inner
+
+
+def hf_name(name: str) -> str | None:
+    """A parameter name of a (PEFT-wrapped) model as the plain HF model names it; None for LoRA's own
+    parameters (merged into the base weights, never sent)."""
+    if ".lora_" in name or "original_module" in name:
+        return None
+    if name.startswith("base_model.model."):
+        name = name[len("base_model.model."):]
+    return name.replace(".base_layer.", ".").replace(".modules_to_save.default.", ".")
+
+
+def _is_zero3(module: torch.nn.Module) -> bool:
+    return any(hasattr(p, "ds_id") for p in module.parameters())
+
+
+def policy_weights(model) -> Iterator[tuple[str, torch.Tensor]]:
+    """Yield (HF name, tensor) for every weight of the policy's LM, a module at a time (see the module
+    docstring). Tensors are valid until the next item is requested under ZeRO-3 (copies), and are the
+    parameters themselves otherwise (the consumer copies them into its own storage)."""
+    lm = policy_module(model)
+    tied = bool(getattr(getattr(lm, "config", None), "tie_word_embeddings", False))
+    zero3 = _is_zero3(lm)
+    # merging under ZeRO-3 would need every rank's full weights at once; there the adapters are merged
+    # per module below instead
+    with (nullcontext() if zero3 else lora_merged(lm)):
+        for mod_name, module in lm.named_modules():
+            own = list(module.named_parameters(recurse=False))
+            if not own or ".lora_" in f".{mod_name}":
+                continue  # LoRA's own matrices: merged into their base weight, never sent
+            if zero3:
+                import deepspeed
+
+                with deepspeed.zero.GatheredParameters([p for _, p in own], modifier_rank=None):
+                    items = [(n, p.detach().clone()) for n, p in own]
+                parent = _lora_parent(lm, mod_name)
+                if parent is not None:
+                    items = _merged_zero3(parent, items)
+            else:
+                items = [(n, p.detach()) for n, p in own]
+            for n, t in items:
+                name = hf_name(f"{mod_name}.{n}" if mod_name else n)
+                if name is None or (tied and name == "lm_head.weight"):
+                    continue
+                yield name, t
+
+
+def _lora_parent(lm, mod_name: str):
+    """The PEFT LoRA layer whose `base_layer` is the module `mod_name` (ZeRO-3 merging), else None."""
+    if not mod_name.endswith(".base_layer"):
+        return None
+    parent = lm.get_submodule(mod_name[: -len(".base_layer")])
+    return parent if hasattr(parent, "lora_A") else None
+
+
+def _merged_zero3(layer, items: list[tuple[str, torch.Tensor]]) -> list[tuple[str, torch.Tensor]]:
+    """`items` (the gathered base weight) with the active adapters' delta W = B A s added, the adapter's
+    own parameters gathered for it (ZeRO-3 partitions them too)."""
+    import deepspeed
+
+    adapters = [a for a in getattr(layer, "active_adapters", []) if a in layer.lora_A]
+    params = [p for a in adapters for p in (*layer.lora_A[a].parameters(), *layer.lora_B[a].parameters())]
+    with deepspeed.zero.GatheredParameters(params, modifier_rank=None):
+        delta = sum(layer.get_delta_weight(a) for a in adapters) if adapters else None
+    if delta is None:
+        return items
+    return [(n, t + delta.to(t.dtype) if n == "weight" else t) for n, t in items]

@@ -1,0 +1,289 @@
+"""vLLM behind a server: `rl vllm-serve --model M` (like `trl vllm-serve`) on other GPUs, another node or
+simply another process, and the trainer's client for it.
+
+    rl vllm-serve --model tiny:llama-hd64 --port 8000          # in its own venv if vLLM pins other packages
+    python launch/grpo.py --config recipes/tiny/grpo.yaml use_vllm=true vllm_mode=server model_name=tiny:llama-hd64
+
+Protocol (plain data and tensors only, so the server may run in another virtual environment):
+* HTTP + JSON on `--host:--port`: GET /health, GET /info (the model's shape, to refuse another model),
+  POST /generate (prompt token ids and sampling keywords -> token ids, log-probs, finish reasons),
+  POST /init_communicator, POST /update_weights, POST /close_communicator.
+* Weights travel over a two-rank torch.distributed group (gloo on the CPU, NCCL on GPUs) whose store
+  the server holds on `--group-port`; the trainer's main process is rank 0 (the source), the server
+  rank 1. An update is a stream of (1 KiB JSON header, tensor) broadcasts ending with an end header,
+  fed straight into vLLM's in-place `reload_weights`, so neither side holds more than one tensor extra.
+* Every wait is bounded: HTTP calls by `timeout`, the group's collectives by its timeout, so a server
+  that is not there, dies or hangs gives one line (`RunError`) instead of the silent hang of a stuck
+  weight sync.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import threading
+import time
+import urllib.error
+import urllib.request
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Iterable
+
+import torch
+
+from rl.errors import RunError
+
+HEADER_BYTES = 1024
+SHAPE_KEYS = ("model_type", "vocab_size", "hidden_size", "num_hidden_layers")
+
+
+def model_shape(config) -> dict:
+    """What must match between the policy and the served model (a config object or a dict)."""
+    get = config.get if isinstance(config, dict) else (lambda k: getattr(config, k, None))
+    return {k: get(k) for k in SHAPE_KEYS}
+
+
+def _group(host: str, port: int, rank: int, timeout: float, backend: str):
+    """A two-rank process group of its own (not the default group: the trainer's launch has that)."""
+    import torch.distributed as dist
+
+    td = datetime.timedelta(seconds=timeout)
+    store = dist.TCPStore(host, port, 2, is_master=(rank == 1), timeout=td, wait_for_workers=False)
+    prefix = dist.PrefixStore("rl-weights", store)
+    if backend == "nccl":
+        return store, dist.ProcessGroupNCCL(prefix, rank, 2, dist.ProcessGroupNCCL.Options())
+    return store, dist.ProcessGroupGloo(prefix, rank, 2, td)
+
+
+def _header(meta: dict) -> torch.Tensor:
+    raw = json.dumps(meta).encode()
+    if len(raw) > HEADER_BYTES:
+        raise RunError(f"weight name too long for the sync header: {meta.get('name', '')[:80]}...")
+    return torch.tensor(list(raw.ljust(HEADER_BYTES)), dtype=torch.uint8)
+
+
+# ------------------------------------------------------------------------------------------- server
+
+class _Server:
+    def __init__(self, llm, model_dir: str, host: str, group_port: int):
+        from transformers import AutoConfig
+
+        self.llm, self.model_dir, self.host, self.group_port = llm, model_dir, host, group_port
+        self.shape = model_shape(AutoConfig.from_pretrained(model_dir).get_text_config())
+        self.lock = threading.Lock()  # one engine call at a time
+        self.pg = self.store = None
+        self.device = "cuda" if torch.cuda.is_available() else "cpu"
+
+    def generate(self, body: dict) -> dict:
+        from vllm import SamplingParams
+        from vllm.inputs import TokensPrompt
+
+        from rl.rollout.vllm_engine import completions_of
+
+        with self.lock:
+            outs = self.llm.generate([TokensPrompt(prompt_token_ids=p) for p in body["prompts"]],
+                                     SamplingParams(**body["sampling"]), use_tqdm=False)
+        return {"completions": completions_of(outs)}
+
+    def init_communicator(self, body: dict) -> dict:
+        backend = "nccl" if self.device == "cuda" else "gloo"
+
+        def join():  # blocks until the trainer joins: answered first, so the trainer can
+            self.store, self.pg = _group(self.host, self.group_port, 1, float(body.get("timeout", 120)), backend)
+        threading.Thread(target=join, daemon=True).start()
+        return {"ok": True, "backend": backend}
+
+    def update_weights(self, body: dict) -> dict:
+        from rl.rollout.vllm_engine import load_weights
+
+        for _ in range(200):  # the group may still be forming (init_communicator answers first)
+            if self.pg is not None:
+                break
+            time.sleep(0.05)
+        if self.pg is None:
+            raise RuntimeError("no communicator: POST /init_communicator first")
+
+        def received():
+            while True:
+                h = torch.empty(HEADER_BYTES, dtype=torch.uint8, device=self.device)
+                self.pg.broadcast(h, 0).wait()
+                meta = json.loads(bytes(h.cpu().tolist()).decode().rstrip())
+                if meta.get("end"):
+                    return
+                t = torch.empty(meta["shape"], dtype=getattr(torch, meta["dtype"]), device=self.device)
+                self.pg.broadcast(t, 0).wait()
+                yield meta["name"], t
+
+        with self.lock:
+            load_weights(self.llm, received())
+        return {"ok": True}
+
+    def close_communicator(self, body: dict) -> dict:
+        self.pg = self.store = None
+        return {"ok": True}
+
+
+def serve(model: str, host: str = "0.0.0.0", port: int = 8000, group_port: int = 51216, dtype: str = "auto",
+          max_model_len: int = 1024, gpu_memory_utilization: float = 0.9, tensor_parallel_size: int = 1,
+          seed: int = 0) -> None:
+    """Start the engine on `model`, then answer requests until interrupted."""
+    from rl.models.sources import resolve_model_path
+    from rl.rollout.vllm_engine import colocated_llm
+
+    model_dir = resolve_model_path(model)
+    llm = colocated_llm(model_dir, dtype=dtype, max_model_len=max_model_len, tensor_parallel_size=tensor_parallel_size,
+                        gpu_memory_utilization=gpu_memory_utilization, enable_sleep_mode=False, seed=seed)
+    state = _Server(llm, model_dir, host, group_port)
+    routes = {"/generate": state.generate, "/init_communicator": state.init_communicator,
+              "/update_weights": state.update_weights, "/close_communicator": state.close_communicator}
+
+    class Handler(BaseHTTPRequestHandler):
+        def _send(self, code: int, obj: dict) -> None:
+            data = json.dumps(obj).encode()
+            self.send_response(code)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(data)))
+            self.end_headers()
+            self.wfile.write(data)
+
+        def do_GET(self):  # noqa: N802 - http.server's name
+            if self.path == "/health":
+                return self._send(200, {"ok": True})
+            if self.path == "/info":
+                return self._send(200, {"model": model, "shape": state.shape, "max_model_len": max_model_len})
+            self._send(404, {"error": f"no route {self.path}"})
+
+        def do_POST(self):  # noqa: N802
+            fn = routes.get(self.path)
+            if fn is None:
+                return self._send(404, {"error": f"no route {self.path}"})
+            body = json.loads(self.rfile.read(int(self.headers.get("Content-Length", 0))) or b"{}")
+            try:
+                self._send(200, fn(body))
+            except Exception as e:  # noqa: BLE001 - the client gets the reason as one line
+                self._send(500, {"error": f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"})
+
+        def log_message(self, *args):  # one line per request is noise at one request per step
+            pass
+
+    httpd = ThreadingHTTPServer((host, port), Handler)
+    print(f"vLLM server for {model} on http://{host}:{port} (weights group port {group_port})", flush=True)
+    try:
+        httpd.serve_forever()
+    except KeyboardInterrupt:
+        pass
+    finally:
+        httpd.server_close()
+
+
+def main(argv=None) -> None:
+    p = argparse.ArgumentParser(prog="rl vllm-serve", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", required=True, help="model to serve: a hub id, a local directory, tiny:<family> or a "
+                   "packaged name (smollm2-135m-instruct); the trainer's model_name")
+    p.add_argument("--host", default="0.0.0.0", help="address to listen on (default 0.0.0.0)")
+    p.add_argument("--port", type=int, default=8000, help="HTTP port (the trainer's vllm_server_port; default 8000)")
+    p.add_argument("--group-port", type=int, default=51216, help="port of the weight-sync group's store (the "
+                   "trainer's vllm_group_port; default 51216)")
+    p.add_argument("--dtype", default="auto", help="float32, bfloat16, float16 or auto (default: auto; float32 on CPU)")
+    p.add_argument("--max-model-len", type=int, default=1024, help="prompt + completion tokens per request at most "
+                   "(at least the trainer's max_length)")
+    p.add_argument("--gpu-memory-utilization", type=float, default=0.9, help="fraction of GPU memory vLLM may use")
+    p.add_argument("--tensor-parallel-size", type=int, default=1, help="GPUs per engine (tensor parallel)")
+    p.add_argument("--seed", type=int, default=0, help="the engine's sampling seed")
+    a = p.parse_args(argv)
+    try:
+        serve(a.model, a.host, a.port, a.group_port, a.dtype, a.max_model_len, a.gpu_memory_utilization,
+              a.tensor_parallel_size, a.seed)
+    except RunError as e:
+        raise SystemExit(f"error: {e}") from None
+
+
+# ------------------------------------------------------------------------------------------- client
+
+class ServerClient:
+    """The trainer's side: generate over HTTP; the main process pushes weights over the group."""
+
+    def __init__(self, host: str, port: int, timeout: float, group_port: int = 51216):
+        self.base, self.host, self.timeout, self.group_port = f"http://{host}:{port}", host, timeout, group_port
+        self.pg = self.store = None
+
+    def _call(self, path: str, body: dict | None = None, timeout: float | None = None) -> dict:
+        data = None if body is None else json.dumps(body).encode()
+        req = urllib.request.Request(self.base + path, data=data, headers={"Content-Type": "application/json"})
+        try:
+            with urllib.request.urlopen(req, timeout=timeout or self.timeout) as r:
+                return json.loads(r.read())
+        except urllib.error.HTTPError as e:
+            msg = json.loads(e.read() or b"{}").get("error", str(e))
+            raise RunError(f"the vLLM server at {self.base} failed {path}: {msg}") from None
+        except (urllib.error.URLError, ConnectionError, TimeoutError, OSError) as e:
+            reason = getattr(e, "reason", e)
+            raise RunError(f"the vLLM server at {self.base} did not answer {path} ({reason}): is `rl vllm-serve` "
+                           f"still running there? (vllm_server_host / vllm_server_port)") from None
+
+    def wait_ready(self, expect: dict | None = None) -> dict:
+        """Poll /health until the server answers (at most `timeout` seconds), then check it serves a model
+        of the policy's shape (`model_shape`)."""
+        deadline = time.time() + self.timeout
+        while True:
+            try:
+                info = self._call("/info", timeout=5)
+                break
+            except RunError:
+                if time.time() > deadline:
+                    raise RunError(f"no vLLM server answered at {self.base} within vllm_server_timeout="
+                                   f"{self.timeout:g} s: start one with `rl vllm-serve --model <model_name> --port "
+                                   f"{self.base.rsplit(':', 1)[1]}`, or set vllm_mode=colocate") from None
+                time.sleep(1.0)
+        if expect is not None and model_shape(info["shape"]) != expect:
+            raise RunError(f"the vLLM server at {self.base} serves {info['model']} {info['shape']}, another model than "
+                           f"the policy {expect}: start it with the trainer's model_name")
+        return info
+
+    def generate(self, prompts: list[list[int]], sampling: dict) -> list[list[dict]]:
+        return self._call("/generate", {"prompts": prompts, "sampling": sampling})["completions"]
+
+    def init_communicator(self) -> None:
+        backend = "nccl" if torch.cuda.is_available() else "gloo"
+        self._call("/init_communicator", {"timeout": self.timeout})
+        try:
+            self.store, self.pg = _group(self.host, self.group_port, 0, self.timeout, backend)
+        except RuntimeError as e:
+            raise RunError(f"could not join the vLLM server's weight group at {self.host}:{self.group_port} within "
+                           f"{self.timeout:g} s ({str(e).splitlines()[0]}); vllm_group_port must be the server's "
+                           f"--group-port and reachable from here") from None
+
+    def push(self, weights: Iterable[tuple[str, torch.Tensor]]) -> int:
+        """Stream the weights to the server (it loads them as they arrive); returns the tensors sent."""
+        if self.pg is None:
+            self.init_communicator()
+        answer: dict = {}
+
+        def post():  # answered once the server has loaded everything
+            try:
+                answer["r"] = self._call("/update_weights", {})
+            except RunError as e:
+                answer["e"] = e
+        th = threading.Thread(target=post, daemon=True)
+        th.start()
+        n = 0
+        try:
+            dev = "cuda" if torch.cuda.is_available() else "cpu"
+            for name, t in weights:
+                t = t.detach().to(dev).contiguous()
+                self.pg.broadcast(_header({"name": name, "dtype": str(t.dtype).split(".")[-1],
+                                           "shape": list(t.shape)}).to(dev), 0).wait()
+                self.pg.broadcast(t, 0).wait()
+                n += 1
+            self.pg.broadcast(_header({"end": True}).to(dev), 0).wait()
+        except RuntimeError as e:
+            self.pg = None
+            raise RunError(f"weight sync to the vLLM server at {self.base} failed after {n} tensors "
+                           f"({str(e).splitlines()[0][:200]}): the server stopped or hung") from None
+        th.join(self.timeout)
+        if "e" in answer:
+            raise answer["e"]
+        if "r" not in answer:
+            raise RunError(f"the vLLM server at {self.base} did not confirm the weight update within {self.timeout:g} s")
+        return n

@@ -1,0 +1,24 @@
+"""Which engine a trainer samples with: our sampler (`rl.engine.generation.generate`, the default and the
+reference) or, with `use_vllm=true`, vLLM (`rl.rollout.vllm_engine`) holding the policy's current weights."""
+
+from __future__ import annotations
+
+from rl.engine.dist import unwrap_module
+from rl.engine.generation import generate
+
+
+def rollout_sampler(trainer):
+    """A function with `generate`'s signature for the trainer's next rollout. With vLLM the engine is
+    built at the first call (every process: colocated engines, or the server's client) and its weights
+    are synced whenever the policy took an optimizer step since the last rollout."""
+    cfg = trainer.cfg
+    if not getattr(cfg, "use_vllm", False):
+        return generate
+    engine = getattr(trainer, "_vllm", None)
+    if engine is None:
+        from rl.models.sources import resolve_model_path
+        from rl.rollout.vllm_engine import VLLMRollout
+
+        config = getattr(unwrap_module(trainer.pipeline.model), "config", None)
+        engine = trainer._vllm = VLLMRollout(cfg, trainer.accelerator, resolve_model_path(cfg.model_name), config)
+    return engine.sampler(trainer.pipeline.model, trainer.pipeline.step)
