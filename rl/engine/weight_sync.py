@@ -9,8 +9,10 @@ What it handles, and why:
   is not the engine's), PEFT LoRA models (the names of the plain HF model, `base_model.model.` and
   `.base_layer` removed, adapters merged into the base weights for the duration of the iteration, as TRL
   syncs merged weights to vLLM; the adapters themselves are never sent).
-* Tied embeddings: `lm_head.weight` is the embedding matrix; it is sent once, under the embedding's
-  name, as a checkpoint stores it (vLLM's loaders skip a tied `lm_head.weight`).
+* Tied embeddings: the embedding matrix is sent under both names, `model.embed_tokens.weight` and
+  `lm_head.weight`, as the state dict lists it: vLLM's in-place reload counts a tied head as a layer of
+  its own, and without its weight restores the head's old values ("ParallelLMHead: Failed to load
+  weights"; measured: the engine's log-probs then matched neither the old nor the new policy).
 * ZeRO-3: each module's own parameters are gathered (`deepspeed.zero.GatheredParameters`, every rank
   enters) and copied out one module at a time, so no rank holds more than one module's full weights
   beyond its shard; never the whole model at once (the most memory a colocated sync takes).
@@ -56,7 +58,6 @@ def policy_weights(model) -> Iterator[tuple[str, torch.Tensor]]:
     docstring). Tensors are valid until the next item is requested under ZeRO-3 (copies), and are the
     parameters themselves otherwise (the consumer copies them into its own storage)."""
     lm = policy_module(model)
-    tied = bool(getattr(getattr(lm, "config", None), "tie_word_embeddings", False))
     zero3 = _is_zero3(lm)
     # merging under ZeRO-3 would need every rank's full weights at once; there the adapters are merged
     # per module below instead
@@ -77,9 +78,8 @@ def policy_weights(model) -> Iterator[tuple[str, torch.Tensor]]:
                 items = [(n, p.detach()) for n, p in own]
             for n, t in items:
                 name = hf_name(f"{mod_name}.{n}" if mod_name else n)
-                if name is None or (tied and name == "lm_head.weight"):
-                    continue
-                yield name, t
+                if name is not None:
+                    yield name, t
 
 
 def _lora_parent(lm, mod_name: str):

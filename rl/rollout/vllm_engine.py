@@ -95,11 +95,12 @@ CPU_HEAD_DIMS = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)
 def colocated_llm(model_dir: str, *, dtype: str, max_model_len: int, gpu_memory_utilization: float,
                   tensor_parallel_size: int, enable_sleep_mode: bool, seed: int):
     """This process's `vllm.LLM` for `model_dir`'s shape (created once, reused: see the module docstring)."""
+    cpu = not torch.cuda.is_available()
+    dtype = "float32" if dtype == "auto" and cpu else dtype  # (a GPU's auto is vLLM's own choice)
     key = (os.path.realpath(model_dir), dtype, max_model_len, tensor_parallel_size, enable_sleep_mode)
     if key in _ENGINES:
         return _ENGINES[key]
     vllm = require_vllm()
-    cpu = not torch.cuda.is_available()
     if cpu:
         from transformers import AutoConfig
 
@@ -110,7 +111,7 @@ def colocated_llm(model_dir: str, *, dtype: str, max_model_len: int, gpu_memory_
                            f"{head_dim}: use another model (tiny:llama-hd64 is the tiny one with head_dim 64) or "
                            "use_vllm=false")
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # the engine in this process: in-place weight loads
-    kw = dict(model=model_dir, dtype="float32" if dtype == "auto" and cpu else dtype, max_model_len=max_model_len,
+    kw = dict(model=model_dir, dtype=dtype, max_model_len=max_model_len,
               seed=seed, logprobs_mode="processed_logprobs", tensor_parallel_size=tensor_parallel_size,
               gpu_memory_utilization=gpu_memory_utilization, enable_prefix_caching=True)
     if cpu:

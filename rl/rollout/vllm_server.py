@@ -287,3 +287,7 @@ class ServerClient:
         if "r" not in answer:
             raise RunError(f"the vLLM server at {self.base} did not confirm the weight update within {self.timeout:g} s")
         return n
+
+
+if __name__ == "__main__":
+    main()

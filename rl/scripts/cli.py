@@ -168,5 +168,24 @@ def main(argv: list[str] | None = None) -> None:
     os.execv(sys.executable, command(trainer, args))
 
 
+RL_COMMANDS = {"train": "rl-train's options (--trainer NAME ...)", "vllm-serve": "a vLLM server for use_vllm=true "
+               "vllm_mode=server (rl.rollout.vllm_server; like `trl vllm-serve`)"}
+
+
+def rl_main(argv=None) -> None:
+    """`rl <command> ...`: `rl train` (= rl-train) and `rl vllm-serve`."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv or argv[0] not in RL_COMMANDS:
+        lines = "\n".join(f"  rl {k:<11} {v}" for k, v in RL_COMMANDS.items())
+        print(f"usage: rl <command> [options]\n{lines}", file=sys.stderr if argv and argv[0] not in ("-h", "--help")
+              else sys.stdout)
+        raise SystemExit(0 if argv and argv[0] in ("-h", "--help") else 2)
+    if argv[0] == "vllm-serve":
+        from rl.rollout.vllm_server import main as serve_main
+
+        return serve_main(argv[1:])
+    return main(argv[1:])
+
+
 if __name__ == "__main__":
     main()
