@@ -27,7 +27,6 @@ so each guarantee is proven once (tests/unit/trainers/test_lifecycle.py runs it 
 
 from __future__ import annotations
 
-import errno
 import logging
 import math
 import shutil
@@ -51,7 +50,7 @@ from rl.engine.state import (
     resolve_resume,
 )
 from rl.engine.tracking import Tracker
-from rl.errors import RunError
+from rl.errors import RunError, disk_full
 from rl.models.loading import (
     apply_lora,
     load_tokenizer,
@@ -72,13 +71,6 @@ def _guarded(key: str) -> bool:
 
 class NonFiniteError(RunError):
     """A loss or gradient norm became NaN or infinite."""
-
-
-def _zip_write_failed(e: BaseException) -> bool:
-    """torch.save's writer failing on a full disk (it raises RuntimeError, not OSError(ENOSPC))."""
-    text = str(e)
-    return isinstance(e, RuntimeError) and ("inline_container" in text or "PytorchStreamWriter failed" in text
-                                            or "file write failed" in text)
 
 
 def check_finite(row: dict) -> None:
@@ -331,10 +323,10 @@ class Trainer:
         name = checkpoint_name(self.current_step)
         try:
             self.save_checkpoint(name, self.checkpoint_extra())
-        except (OSError, RuntimeError) as e:
-            # a full disk: ENOSPC from a plain write, or torch.save's zip writer failing mid-file (a
-            # RuntimeError "[enforce fail at inline_container.cc] ..." / "PytorchStreamWriter failed ...")
-            if not (getattr(e, "errno", None) == errno.ENOSPC or _zip_write_failed(e)):
+        except Exception as e:
+            # a full disk, in the words of each writer (an OSError, safetensors' own error, torch.save's
+            # RuntimeError: see rl.errors.disk_full); anything else is not ours to explain
+            if not disk_full(e):
                 raise
             root = checkpoint_dir(self.run_dir)
             for part in (root / name, *self.checkpoint_parts(name)):  # the half-written ones

@@ -242,11 +242,12 @@ def test_ctrl_c_checkpoints_and_exits_130(tmp_path, tiny_llama):
     assert complete_checkpoints(out) and not (out / "model.safetensors").exists()
 
 
-@pytest.mark.parametrize("fault", ["enospc", "zip_writer"])
+@pytest.mark.parametrize("fault", ["enospc", "zip_writer", "safetensors"])
 def test_disk_full_during_a_checkpoint_keeps_the_previous_one(fault, tmp_path, tiny_llama, monkeypatch):
-    """A full disk while writing checkpoint-2 (ENOSPC from a write, or torch.save's zip writer failing with
-    its RuntimeError): one RunError line naming the directory, the partial checkpoint is removed,
-    checkpoint-1 stays complete and loadable."""
+    """A full disk while writing checkpoint-2 (ENOSPC from a write, torch.save's zip writer failing with
+    its RuntimeError, or safetensors' own SafetensorError, the words it used on a real 64 KiB tmpfs): one
+    RunError line naming the directory, the partial checkpoint is removed, checkpoint-1 stays complete and
+    loadable."""
     import errno
 
     import safetensors.torch
@@ -266,6 +267,10 @@ def test_disk_full_during_a_checkpoint_keeps_the_previous_one(fault, tmp_path, t
         if ".tmp-checkpoint-2" in str(filename):
             if fault == "zip_writer":
                 raise RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 512 vs 448")
+            if fault == "safetensors":
+                from safetensors import SafetensorError
+
+                raise SafetensorError("Error while serializing: I/O error: No space left on device (os error 28)")
             raise OSError(errno.ENOSPC, "No space left on device")
         return real_save(tensors, filename, *a, **k)
 
