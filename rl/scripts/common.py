@@ -9,12 +9,13 @@ import json
 import os
 import sys
 import traceback
+from contextlib import contextmanager
 from pathlib import Path
 
 from rl.config.parse import cli_config
 from rl.data.records import has_data
 from rl.engine.tracking import quiet_third_party
-from rl.errors import ConfigError, DataError, RunError
+from rl.errors import ConfigError, DataError, RunError, disk_full
 from rl.models.reward_format import reward_model_problem
 from rl.models.sources import TINY_PREFIX
 from rl.models.tiny import FAMILIES
@@ -42,9 +43,36 @@ def run_training(trainer, train, *args, **kwargs):
         fail(str(e))
     except RunError as e:
         fail(str(e), code=1)
+    except Exception as e:  # a full disk in a write of the run's own (metrics.jsonl, a plot): one line too
+        if not disk_full(e):
+            raise
+        out = getattr(getattr(trainer, "cfg", None), "output_dir", "the output directory")
+        fail(f"no space left on {out} during training ({_first_line(e)}); free space, then rerun with "
+             f"resume=auto to continue from the newest checkpoint", code=1)
     if getattr(trainer, "stopped_by", None):
         raise SystemExit(128 + int(trainer.stopped_by))
     return history
+
+
+def _first_line(e: BaseException) -> str:
+    return (str(e).strip().splitlines() or [type(e).__name__])[0][:160]
+
+
+@contextmanager
+def final_save(output_dir):
+    """Step 4 of a launch script, writing the final model (and its card) into `output_dir`: a full disk is
+    one `error:` line and exit 1, as it is for a checkpoint, instead of the writer's traceback. The
+    checkpoints are untouched, so a rerun with resume=auto trains what is left and writes the model again."""
+    try:
+        yield
+    except RunError as e:
+        fail(str(e), code=1)
+    except Exception as e:
+        if not disk_full(e):
+            raise
+        fail(f"no space left on {output_dir} while writing the final model ({_first_line(e)}); its files there "
+             f"are incomplete: free space, then rerun with resume=auto (it continues from the newest checkpoint "
+             f"and saves again)", code=1)
 
 
 # ------------------------------------------------------------------------------------ preflight
