@@ -30,6 +30,7 @@ import hashlib
 import json
 import os
 import shutil
+import struct
 import subprocess
 import sys
 import tempfile
@@ -120,10 +121,13 @@ def convert_gguf(gguf: Path, out: Path, source: dict | None = None) -> Path:
             try:
                 loaded = AutoModelForCausalLM.from_pretrained(gguf.parent, dtype=torch.float32, **kw)
                 tok = AutoTokenizer.from_pretrained(gguf.parent, **kw)
-            except (ValueError, OSError, KeyError, EOFError) as e:  # a truncated or foreign file
+            except (ValueError, OSError, KeyError, EOFError, struct.error) as e:  # a truncated or foreign file
+                # a file cut inside its header fails in gguf's struct.unpack_from ("requires a buffer of at
+                # least N bytes"), one cut inside the tensors in numpy's reshape
+                why = ("its header is cut short" if isinstance(e, struct.error) else
+                       f"{type(e).__name__}: {(str(e).splitlines() or [''])[0][:160]}")
                 raise ModelSourceError(
-                    f"{gguf}: not a complete GGUF model file ({type(e).__name__}: "
-                    f"{(str(e).splitlines() or [''])[0][:160]}); download it again, or check its size "
+                    f"{gguf}: not a complete GGUF model file ({why}); download it again, or check its size "
                     f"({gguf.stat().st_size:,} bytes)") from None
             cfg_dict = loaded.config.to_dict()
             cfg_dict.pop("quantization_config", None)

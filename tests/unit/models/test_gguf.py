@@ -248,3 +248,23 @@ def test_broken_gguf_sources_are_one_line_or_rebuilt(tiny_gguf, tmp_path, cache)
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert json.loads((cache / "smollm2-135m-instruct.json").read_text())["dir"] == \
         Path(proc.stdout.strip().splitlines()[-1]).name
+
+
+def test_gguf_cut_inside_its_header_is_one_line(tiny_gguf, tmp_path, cache):
+    """Issue 39 point 6: a .gguf cut inside its header (the magic, the counts, the key/value metadata) is one
+    ModelSourceError naming the file and the fix, at every cut (it was gguf's `struct.error: unpack_from
+    requires a buffer of at least N bytes` traceback); `--prepare` prints it as one line, exit 2."""
+    from rl.models.gguf import ModelSourceError, resolve
+
+    data = tiny_gguf.read_bytes()
+    for n in (4, 12, 24, 40, 100, 1000, 5000):
+        cut = tmp_path / f"cut{n}" / "tiny.Q.gguf"
+        cut.parent.mkdir()
+        cut.write_bytes(data[:n])
+        with pytest.raises(ModelSourceError) as e:
+            resolve(str(cut))
+        assert str(e.value) == (f"{cut}: not a complete GGUF model file (its header is cut short); download it "
+                                f"again, or check its size ({n:,} bytes)")
+    proc = prepare(str(cut), {"RL_MODEL_CACHE": str(cache)})
+    lines = proc.stderr.strip().splitlines()
+    assert proc.returncode == 2 and lines == [f"error: {e.value}"], proc.stderr[-2000:]
