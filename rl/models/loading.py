@@ -66,6 +66,10 @@ def check_source(name: str, path: str, task: str = "causal-lm") -> None:
     if looks_local and not p.exists():
         raise ConfigError(f"model {name!r}: no such file or directory; give a run's output directory, a model "
                           f"directory, a .gguf file or a hub id")
+    if p.is_file() and p.suffix.lower() != ".gguf":  # transformers would take it for a hub id to download
+        parent = f" (its folder {p.parent} is one: give that)" if (p.parent / "config.json").is_file() else ""
+        raise ConfigError(f"model {name!r} is a file, not a model directory{parent}; give a directory holding "
+                          f"config.json (a run's output_dir), a .gguf file, a hub id or tiny:<family>")
     if task == "classifier" or not p.is_dir():
         return
     arch = []

@@ -233,3 +233,22 @@ def test_chat_and_eval_refuse_broken_or_wrong_models_in_one_line(tiny_llama, tmp
     assert "raised KeyError" in line
     line = _one_error_line(capsys, ev, ["--model", tiny_llama, "--data", str(data), "--out", str(tmp_path)])
     assert "is a directory" in line
+
+
+def test_chat_model_that_is_a_file_says_so_in_one_line(tiny_llama, tmp_path, capsys, monkeypatch):
+    """Issue 39 point 6: `chat.py --model <a file>` (a model's config.json, any other file, by a relative
+    name too) says it is a file and what is expected, naming the model folder when the file is in one (it
+    was taken for a hub id: "Repo id must be in the form ...", "hf download <the local path>")."""
+    from pathlib import Path
+
+    chat = _launch("chat").main
+    config = str(Path(tiny_llama) / "config.json")
+    line = _one_error_line(capsys, chat, ["--model", config, "--prompt", "hi"])
+    assert line == (f"error: model {config!r} is a file, not a model directory (its folder {tiny_llama} is one: "
+                    f"give that); give a directory holding config.json (a run's output_dir), a .gguf file, a hub id "
+                    f"or tiny:<family>")
+    (tmp_path / "notes.txt").write_text("hello\n")
+    monkeypatch.chdir(tmp_path)
+    line = _one_error_line(capsys, chat, ["--model", "notes.txt", "--prompt", "hi"])
+    assert line.startswith("error: model 'notes.txt' is a file, not a model directory; give a directory")
+    assert "hf download" not in line
