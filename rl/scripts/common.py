@@ -16,6 +16,7 @@ from rl.config.parse import cli_config
 from rl.data.records import has_data
 from rl.engine.tracking import quiet_third_party
 from rl.errors import ConfigError, DataError, RunError, disk_full
+from rl.models.loading import bad_safetensors
 from rl.models.reward_format import reward_model_problem
 from rl.models.sources import TINY_PREFIX
 from rl.models.tiny import FAMILIES
@@ -126,16 +127,10 @@ def model_problem(key: str, name: str, role: str = "model") -> str | None:
 
 def safetensors_problem(key: str, directory: Path) -> str | None:
     """The first *.safetensors file in `directory` whose header or size is unreadable (no tensor is read)."""
-    from safetensors import safe_open
-
-    for f in sorted(directory.glob("*.safetensors")):
-        try:
-            with safe_open(str(f), "pt") as st:
-                st.keys()
-        except Exception as e:  # the library's own errors are several types; its message says which
-            return f"key '{key}': {f} is not a readable safetensors file ({str(e).splitlines()[0][:120]}); " \
-                   f"re-save or re-download the model"
-    return None
+    found = bad_safetensors(directory)
+    if found is None:
+        return None
+    return f"key '{key}': {found[0]} is not a readable safetensors file ({found[1]}); re-save or re-download the model"
 
 
 def writable_problem(key: str, directory: str) -> str | None:
