@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import logging
 import math
+import re
 import shutil
 import signal
 from pathlib import Path
@@ -71,6 +72,26 @@ def _guarded(key: str) -> bool:
 
 class NonFiniteError(RunError):
     """A loss or gradient norm became NaN or infinite."""
+
+
+_MISMATCH = re.compile(r"size mismatch for ([^:]+): copying a param with shape torch\.Size\((\[[^\]]*\])\) from "
+                       r"checkpoint, the shape in current model is torch\.Size\((\[[^\]]*\])\)")
+
+
+def _load_error(e: BaseException) -> tuple[str, str]:
+    """Why a checkpoint did not load, in one line, and the fix when it is known ("; ..." or ""). torch's
+    load_state_dict puts the detail (which tensor, the two shapes) on the lines below "Error(s) in loading
+    state_dict for X:", one line per tensor: keep the first tensor, count the rest, say what changes a shape."""
+    text = str(e)
+    found = _MISMATCH.findall(text)
+    if found:
+        name, saved, now = found[0]
+        more = f", and {len(found) - 1} more tensors" if len(found) > 1 else ""
+        return (f"size mismatch for {name}: {saved} in the checkpoint, {now} in this run's model{more}",
+                "; the model differs from the one that wrote it (a changed lora.rank, lora.target_modules or "
+                "model_name?): resume with the settings it was written with, or start a new output_dir")
+    lines = [line.strip() for line in text.splitlines() if line.strip()]
+    return (f"{type(e).__name__}: {'; '.join(lines[:2])[:300]}" if lines else type(e).__name__), ""
 
 
 def check_finite(row: dict) -> None:
@@ -310,8 +331,8 @@ class Trainer:
                 extra = self.load_checkpoint(path)
             except Exception as e:  # noqa: BLE001 - any unreadable file: fall back to an older checkpoint
                 if cfg.resume != "auto" or i + 1 == len(candidates):
-                    raise RunError(f"resume: checkpoint {path} cannot be loaded ({type(e).__name__}: "
-                                   f"{str(e).splitlines()[0] if str(e) else ''})") from None
+                    detail, fix = _load_error(e)
+                    raise RunError(f"resume: checkpoint {path} cannot be loaded ({detail}){fix}") from None
                 tracker.write(f"warning: checkpoint {path} cannot be loaded ({type(e).__name__}); "
                               f"trying the previous one")
                 continue

@@ -328,3 +328,30 @@ def test_every_trainer_takes_config_then_model_and_tokenizer(tmp_path, tiny_llam
     assert (trainer.model is rm, trainer.tokenizer is tok, trainer.cfg is rm_cfg) == (True, True, True)
     # the reference docs' keyword shape builds the model from the config
     assert isinstance(RewardModelTrainer(config=rm_cfg, tokenizer=tok).model, RewardModel)
+
+
+def test_resume_with_another_lora_rank_keeps_the_size_mismatch_in_one_line(tmp_path, tiny_llama):
+    """Issue 39 point 6: a checkpoint written with lora.rank=2 resumed with rank 4 is one RunError line that
+    keeps torch's detail (the tensor, both shapes, how many more) and the fix; only torch's first line,
+    "Error(s) in loading state_dict for PeftModelForCausalLM:", was kept."""
+    from rl.data.sft import tokenize_examples
+    from rl.trainers.sft import SFTTrainer
+
+    def run(rank: int, **extra):
+        cfg = build(SFTConfig, {"model_name": tiny_llama, "output_dir": str(tmp_path / "run"), "max_steps": 2,
+                                "save_every": 1, "batch_size": 2, "report_to": ["none"],
+                                "lora": {"enabled": True, "rank": rank, "target_modules": "q_proj"}, **extra})
+        trainer = SFTTrainer(cfg)
+        trainer.train(tokenize_examples([{"prompt": f"{i}+1=", "completion": str(i + 1)} for i in range(4)],
+                                        trainer.tokenizer, cfg))
+
+    run(2, max_steps=1)
+    with pytest.raises(RunError) as e:
+        run(4, resume="auto")
+    ckpt = tmp_path / "run" / "checkpoints" / "checkpoint-1"
+    assert str(e.value) == (
+        f"resume: checkpoint {ckpt} cannot be loaded (size mismatch for "
+        f"base_model.model.model.layers.0.self_attn.q_proj.lora_A.default.weight: [2, 64] in the checkpoint, "
+        f"[4, 64] in this run's model, and 3 more tensors); the model differs from the one that wrote it (a changed "
+        f"lora.rank, lora.target_modules or model_name?): resume with the settings it was written with, or start "
+        f"a new output_dir")
