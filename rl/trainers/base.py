@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import logging
 import math
+import os
 import re
 import shutil
 import signal
@@ -46,6 +47,7 @@ from rl.engine.state import (
     checkpoint_dir,
     checkpoint_name,
     complete_checkpoints,
+    hold_run_lock,
     previous_run,
     prune_checkpoints,
     resolve_resume,
@@ -102,22 +104,29 @@ def check_finite(row: dict) -> None:
                                  f"learning_rate, or check the data and rewards); nothing was saved at this step")
 
 
+def _previous(cfg, out: Path) -> str | None:
+    """What of a previous run `out` holds (None on resume, or when nothing); refused without overwrite=true."""
+    found = None if cfg.resume else previous_run(out)
+    if found is not None and not getattr(cfg, "overwrite", False):
+        raise RunError(f"output_dir={out} holds a previous run ({found}); pass resume=auto to continue it, "
+                       f"overwrite=true to replace it, or another output_dir")
+    return found
+
+
 def check_output_dir(cfg) -> None:
-    """Refuse to start a new run over a previous one; with overwrite=true clear its metrics and checkpoints
-    (a later resume=auto must not pick up the old run's checkpoints)."""
+    """Refuse to start a new run over a previous one, or beside a live one: the main process holds the
+    directory's run lock from here to its exit (`hold_run_lock`). With overwrite=true clear the previous
+    run's metrics and checkpoints (a later resume=auto must not pick up the old run's checkpoints)."""
     out = Path(cfg.output_dir)
     if out.exists() and not out.is_dir():
         raise RunError(f"output_dir={out} is a file; give a directory")
-    if cfg.resume:
-        return
-    found = previous_run(out)
-    if found is None:
-        return
-    if not getattr(cfg, "overwrite", False):
-        raise RunError(f"output_dir={out} holds a previous run ({found}); pass resume=auto to continue it, "
-                       f"overwrite=true to replace it, or another output_dir")
-    (out / "metrics.jsonl").unlink(missing_ok=True)
-    shutil.rmtree(checkpoint_dir(out), ignore_errors=True)
+    found = _previous(cfg, out)  # before the lock: a refused run writes nothing into output_dir
+    if os.environ.get("RANK", "0") == "0":  # the main process (accelerate launch sets RANK on each)
+        hold_run_lock(out)
+        found = _previous(cfg, out)  # again: another run may have written there before the lock was ours
+    if found is not None:
+        (out / "metrics.jsonl").unlink(missing_ok=True)
+        shutil.rmtree(checkpoint_dir(out), ignore_errors=True)
 
 
 class CallbackTracker:

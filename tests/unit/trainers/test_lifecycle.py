@@ -140,7 +140,7 @@ def test_output_dir_guard(tmp_path):
 
     cfg = Cfg()
     check_output_dir(cfg)  # nothing there yet
-    (tmp_path / "run").mkdir()
+    assert (tmp_path / "run" / ".rl-run.lock").exists()  # made for this process's run lock, not a previous run
     (tmp_path / "run" / "metrics.jsonl").write_text("{}\n")
     _fake_checkpoint(tmp_path / "run", 2)
     with pytest.raises(RunError, match="holds a previous run .*resume=auto.*overwrite=true"):
@@ -355,3 +355,34 @@ def test_resume_with_another_lora_rank_keeps_the_size_mismatch_in_one_line(tmp_p
         f"[4, 64] in this run's model, and 3 more tensors); the model differs from the one that wrote it (a changed "
         f"lora.rank, lora.target_modules or model_name?): resume with the settings it was written with, or start "
         f"a new output_dir")
+
+
+def test_a_second_run_into_a_live_output_dir_is_refused_by_its_lock(tmp_path, capfd, monkeypatch):
+    """Issue 39 point 9: while a run holds output_dir (its main process, from check_output_dir to exit), a
+    second one is refused in one line naming the directory and the holder's pid, although the first has
+    written nothing yet (only its metrics.jsonl, milliseconds in, refused it before); once the holder is
+    gone, even killed, the directory is free again and the lock file names the new holder."""
+    from rl.engine.state import RUN_LOCK
+
+    out = tmp_path / "run"
+    holder = subprocess.Popen(
+        [sys.executable, "-c", "import sys; from rl.engine.state import hold_run_lock; "
+                               f"hold_run_lock({str(out)!r}); print('held', flush=True); sys.stdin.read()"],
+        cwd=ROOT, env=_env(), stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        cfg = build(SFTConfig, {"model_name": "m", "output_dir": str(out), "report_to": ["none"]})
+        with pytest.raises(RunError) as e:
+            check_output_dir(cfg)
+        assert str(e.value).startswith(f"output_dir={out} is in use by another run (pid {holder.pid} on ")
+        assert str(e.value).endswith(f", holding {out / RUN_LOCK}); wait for it to end, or give another output_dir")
+        code, stdout, stderr = run_main("sft", ["--config", "recipes/tiny/sft.yaml", f"output_dir={out}"], capfd,
+                                        monkeypatch)
+        errors = [line for line in stderr.splitlines() if line.startswith("error:")]
+        assert code == 2 and errors == [f"error: {e.value}"] and "Traceback" not in stderr, stderr[-2000:]
+    finally:
+        holder.kill()  # SIGKILL: the kernel drops its lock
+        holder.wait()
+    check_output_dir(cfg)
+    assert (out / RUN_LOCK).read_text().startswith(f"pid {os.getpid()} on ")
+    assert not (out / "metrics.jsonl").exists()
