@@ -12,6 +12,8 @@ written by `save_pipeline_state` (`ForwardBackwardPipeline.save_state`, on every
     rng_<rank>.pt                each process's torch CPU (and CUDA) generator state
     state.json                   step, micro_step, gradient_accumulation_steps, num_processes, Python and
                                  NumPy RNG state, the caller's `extra_state`
+    ...                          whatever `pipeline.before_commit(tmp_dir)` writes, if set (a trainer's
+                                 `config.json` or adapter files and tokenizer, for `from_pretrained`)
     COMPLETE                     the last file written
 
 It is written into `.tmp-<name>` and renamed when complete (the previous one moved to `.old-<name>`
@@ -95,6 +97,8 @@ def save_pipeline_state(pipeline, name: str, extra_state: dict) -> dict:
                  "num_processes": acc.num_processes, "python_rng": _py_rng_state(),
                  "numpy_rng": _np_rng_state(), "extra": extra_state}
         (tmp / "state.json").write_text(json.dumps(state))
+        if pipeline.before_commit is not None:  # inside the atomic write: loadable from the moment it exists
+            pipeline.before_commit(tmp)
         (tmp / COMPLETE_MARKER).write_text("ok\n")
     acc.wait_for_everyone()
     if acc.is_main_process:

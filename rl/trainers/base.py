@@ -351,6 +351,10 @@ class Trainer:
 
     def _checkpoint(self) -> None:
         name = checkpoint_name(self.current_step)
+        # from_pretrained's files go in before the rename (written after it, a SIGKILL right after the
+        # rename left a complete checkpoint without config.json that from_pretrained could not load)
+        self.pipeline.before_commit = lambda tmp: make_loadable(tmp, self.pipeline.unwrapped_model,
+                                                                getattr(self, "tokenizer", None))
         try:
             self.save_checkpoint(name, self.checkpoint_extra())
         except Exception as e:
@@ -364,7 +368,5 @@ class Trainer:
             raise RunError(f"no space left on {root} while writing {name}; the previous checkpoint is kept "
                            f"(free space or lower save_total_limit, then resume=auto)") from None
         if self.accelerator.is_main_process:
-            make_loadable(checkpoint_dir(self.run_dir) / name, self.pipeline.unwrapped_model,
-                          getattr(self, "tokenizer", None))
             prune_checkpoints(self.run_dir, getattr(self.cfg, "save_total_limit", None), self.checkpoint_parts)
         self.accelerator.wait_for_everyone()
