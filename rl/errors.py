@@ -16,3 +16,27 @@ class DataError(ValueError):
 
 class RunError(RuntimeError):
     """A failure during training that the user can act on; its message is one line."""
+
+
+def disk_full(error: BaseException) -> bool:
+    """Whether `error` from a write, or an error it was raised from, is a full disk (or an exhausted quota;
+    "inline_container" also names a corrupt file when *reading*, so ask only about writes). Each writer
+    says it its own way: an `OSError` with errno ENOSPC/EDQUOT from a plain write, safetensors' own
+    `SafetensorError("... No space left on device (os error 28)")` (not an OSError), and torch.save's zip
+    writer a `RuntimeError` ("[enforce fail at inline_container.cc] ... unexpected pos", "PytorchStreamWriter
+    failed ...") that names no errno at all."""
+    import errno
+
+    seen = set()
+    while error is not None and id(error) not in seen:
+        seen.add(id(error))
+        if getattr(error, "errno", None) in (errno.ENOSPC, errno.EDQUOT):
+            return True
+        text = str(error)
+        if "No space left on device" in text or "os error 28" in text or "Disk quota exceeded" in text:
+            return True
+        if isinstance(error, RuntimeError) and ("inline_container" in text or "PytorchStreamWriter failed" in text
+                                                or "file write failed" in text):
+            return True
+        error = error.__cause__ or error.__context__
+    return False

@@ -32,7 +32,7 @@ from rl.config.fields import (
     hints_of,
     type_name,
 )
-from rl.errors import ConfigError
+from rl.errors import ConfigError, RunError, disk_full
 
 # --------------------------------------------------------------------------------------------------
 # Command line
@@ -208,9 +208,16 @@ def to_dict(cfg) -> dict:
 
 
 def save_config(cfg, directory: str | Path, name: str = "config.yaml") -> Path:
-    """Write the resolved config (every field, defaults included) as YAML next to the outputs."""
+    """Write the resolved config (every field, defaults included) as YAML next to the outputs. A full disk
+    is one `RunError` line naming the file: this is a run's first write, before any model is built."""
     d = Path(directory)
-    d.mkdir(parents=True, exist_ok=True)
     path = d / name
-    path.write_text(yaml.safe_dump(to_dict(cfg), sort_keys=False))
+    try:
+        d.mkdir(parents=True, exist_ok=True)
+        path.write_text(yaml.safe_dump(to_dict(cfg), sort_keys=False))
+    except OSError as e:
+        if not disk_full(e):
+            raise
+        raise RunError(f"no space left on {d} while writing {path}; free space there or choose another "
+                       f"output_dir") from None
     return path

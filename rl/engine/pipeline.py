@@ -128,6 +128,7 @@ class ForwardBackwardPipeline(RequestQueue):
             self.model = accelerator.prepare(model)
         self.step = 0  # optimizer steps taken
         self.micro_step = 0  # micro-batches since the last optimizer step
+        self.before_commit: Callable[[Path], None] | None = None  # rl.engine.state.save_pipeline_state calls it
         self.loss_fns: dict[str, Callable] = dict(losses.LOSS_FNS)
         super().__init__(asynchronous=asynchronous)  # the request queue: submit, shutdown
 

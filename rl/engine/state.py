@@ -12,6 +12,8 @@ written by `save_pipeline_state` (`ForwardBackwardPipeline.save_state`, on every
     rng_<rank>.pt                each process's torch CPU (and CUDA) generator state
     state.json                   step, micro_step, gradient_accumulation_steps, num_processes, Python and
                                  NumPy RNG state, the caller's `extra_state`
+    ...                          whatever `pipeline.before_commit(tmp_dir)` writes, if set (a trainer's
+                                 `config.json` or adapter files and tokenizer, for `from_pretrained`)
     COMPLETE                     the last file written
 
 It is written into `.tmp-<name>` and renamed when complete (the previous one moved to `.old-<name>`
@@ -22,18 +24,21 @@ on load (`torch.load(weights_only=True)`).
 
 from __future__ import annotations
 
+import fcntl
 import json
 import os
 import random
 import re
 import shutil
 import signal
+import socket
 from pathlib import Path
 
 import numpy as np
 import torch
 
 from rl.engine.dist import inner_optimizer, is_deepspeed
+from rl.errors import RunError
 
 COMPLETE_MARKER = "COMPLETE"
 
@@ -92,6 +97,8 @@ def save_pipeline_state(pipeline, name: str, extra_state: dict) -> dict:
                  "num_processes": acc.num_processes, "python_rng": _py_rng_state(),
                  "numpy_rng": _np_rng_state(), "extra": extra_state}
         (tmp / "state.json").write_text(json.dumps(state))
+        if pipeline.before_commit is not None:  # inside the atomic write: loadable from the moment it exists
+            pipeline.before_commit(tmp)
         (tmp / COMPLETE_MARKER).write_text("ok\n")
     acc.wait_for_everyone()
     if acc.is_main_process:
@@ -270,6 +277,38 @@ def previous_run(output_dir: str | Path) -> str | None:
     if complete_checkpoints(out):
         return "checkpoints/"
     return None
+
+
+RUN_LOCK = ".rl-run.lock"  # in output_dir: flock-ed by the run's main process, its pid and host inside
+_held: dict[str, object] = {}  # resolved output_dir -> the open lock file, kept open (locked) until exit
+
+
+def hold_run_lock(output_dir: str | Path) -> None:
+    """Take `<output_dir>/RUN_LOCK` (an exclusive `flock`) for the rest of this process's life, so that a
+    second run into the same directory is refused however close behind it starts (the check for a previous
+    run alone let through one that started before the first wrote its metrics.jsonl). The kernel drops the
+    lock when the process ends, a crash or SIGKILL too, so a stale file never blocks. A second call for the
+    same directory in this process (the launch script, then `train()`) is a no-op. Call it on the main
+    process only: the other ranks of the same run would be refused. Raises RunError naming the directory
+    and the holder."""
+    out = Path(output_dir)
+    key = str(out.resolve())
+    if key in _held:
+        return
+    out.mkdir(parents=True, exist_ok=True)
+    f = open(out / RUN_LOCK, "a+")  # never truncated before the lock is ours: it names the holder
+    try:
+        fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        f.seek(0)
+        holder = f.read().strip() or "a process that is starting"
+        f.close()
+        raise RunError(f"output_dir={out} is in use by another run ({holder}, holding {out / RUN_LOCK}); wait "
+                       f"for it to end, or give another output_dir") from None
+    f.truncate(0)
+    f.write(f"pid {os.getpid()} on {socket.gethostname()}\n")
+    f.flush()
+    _held[key] = f
 
 
 # ------------------------------------------------------------------------------ preemption

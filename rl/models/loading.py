@@ -42,15 +42,32 @@ def not_loadable(name: str, what: str, error: Exception) -> ConfigError:
                        f"first (hf download {name}) when this machine is offline")
 
 
-def unreadable(name: str, error: Exception) -> ConfigError | None:
+def bad_safetensors(directory: str | Path) -> tuple[Path, str] | None:
+    """The first `*.safetensors` file in `directory` whose header or size is unreadable (a truncated file
+    fails here too: its header no longer covers the file), with the reader's complaint; no tensor is read."""
+    from safetensors import safe_open
+
+    for f in sorted(Path(directory).glob("*.safetensors")):
+        try:
+            with safe_open(str(f), "pt") as st:
+                st.keys()
+        except Exception as e:  # noqa: BLE001 - the library's own errors are several types; its message says which
+            return f, (str(e).strip().splitlines() or [type(e).__name__])[0][:120]
+    return None
+
+
+def unreadable(name: str, error: Exception, path: str | Path | None = None) -> ConfigError | None:
     """One line for weights that were refused or cannot be read, or None for another error: a truncated or
-    corrupt safetensors file, or a pickle (`.bin`) that `weights_only` loading refused (a pickle can run
+    corrupt safetensors file (named: the first bad one in the model directory `path`; safetensors' own
+    message names no file), or a pickle (`.bin`) that `weights_only` loading refused (a pickle can run
     code; nothing of it ran)."""
     kind = type(error).__name__
     first = (str(error).strip().splitlines() or [kind])[0][:200]
     if kind == "SafetensorError" or "safetensors" in type(error).__module__:
-        return ConfigError(f"model {name!r}: a safetensors file cannot be read ({first}); it is truncated or "
-                           f"corrupt: copy or download it again")
+        found = bad_safetensors(path) if path is not None and Path(path).is_dir() else None
+        what, first = (f"{found[0]} cannot be read", found[1]) if found else ("a safetensors file cannot be read",
+                                                                             first)
+        return ConfigError(f"model {name!r}: {what} ({first}); it is truncated or corrupt: copy or download it again")
     if isinstance(error, pickle.UnpicklingError) or "weights_only" in str(error):
         return ConfigError(f"model {name!r}: refused to unpickle its weights (a pickled .bin file can run code; "
                            f"nothing of it ran): save them as safetensors (save_pretrained(..., "
@@ -66,6 +83,10 @@ def check_source(name: str, path: str, task: str = "causal-lm") -> None:
     if looks_local and not p.exists():
         raise ConfigError(f"model {name!r}: no such file or directory; give a run's output directory, a model "
                           f"directory, a .gguf file or a hub id")
+    if p.is_file() and p.suffix.lower() != ".gguf":  # transformers would take it for a hub id to download
+        parent = f" (its folder {p.parent} is one: give that)" if (p.parent / "config.json").is_file() else ""
+        raise ConfigError(f"model {name!r} is a file, not a model directory{parent}; give a directory holding "
+                          f"config.json (a run's output_dir), a .gguf file, a hub id or tiny:<family>")
     if task == "classifier" or not p.is_dir():
         return
     arch = []
@@ -119,7 +140,7 @@ def load_causal_lm(name: str, dtype: str | torch.dtype | None = "auto", trust_re
             try:
                 model = PeftModel.from_pretrained(model, path).merge_and_unload()
             except Exception as e:  # noqa: BLE001 - refused or unreadable adapter weights: one line
-                raise (unreadable(name, e) or e) from None
+                raise (unreadable(name, e, path) or e) from None
         # named after the adapter, so that a LoRA run on top records this directory as its base
         # (adapter_config.json's base_model_name_or_path), not the model under it
         model.name_or_path = model.config._name_or_path = str(path)
@@ -141,9 +162,9 @@ def load_causal_lm(name: str, dtype: str | torch.dtype | None = "auto", trust_re
         else:
             model = AutoModelForCausalLM.from_pretrained(path, **kwargs)
     except OSError as e:
-        raise (unreadable(name, e) or not_loadable(name, "weights", e)) from None
+        raise (unreadable(name, e, path) or not_loadable(name, "weights", e)) from None
     except Exception as e:  # noqa: BLE001 - safetensors' own error, a refused pickle: one line; else re-raised
-        raise (unreadable(name, e) or e) from None
+        raise (unreadable(name, e, path) or e) from None
     if task == "classifier" and model.config.pad_token_id is None:
         model.config.pad_token_id = model.config.eos_token_id
     if gradient_checkpointing:

@@ -9,12 +9,14 @@ import json
 import os
 import sys
 import traceback
+from contextlib import contextmanager
 from pathlib import Path
 
 from rl.config.parse import cli_config
 from rl.data.records import has_data
 from rl.engine.tracking import quiet_third_party
-from rl.errors import ConfigError, DataError, RunError
+from rl.errors import ConfigError, DataError, RunError, disk_full
+from rl.models.loading import bad_safetensors
 from rl.models.reward_format import reward_model_problem
 from rl.models.sources import TINY_PREFIX
 from rl.models.tiny import FAMILIES
@@ -42,9 +44,36 @@ def run_training(trainer, train, *args, **kwargs):
         fail(str(e))
     except RunError as e:
         fail(str(e), code=1)
+    except Exception as e:  # a full disk in a write of the run's own (metrics.jsonl, a plot): one line too
+        if not disk_full(e):
+            raise
+        out = getattr(getattr(trainer, "cfg", None), "output_dir", "the output directory")
+        fail(f"no space left on {out} during training ({_first_line(e)}); free space, then rerun with "
+             f"resume=auto to continue from the newest checkpoint", code=1)
     if getattr(trainer, "stopped_by", None):
         raise SystemExit(128 + int(trainer.stopped_by))
     return history
+
+
+def _first_line(e: BaseException) -> str:
+    return (str(e).strip().splitlines() or [type(e).__name__])[0][:160]
+
+
+@contextmanager
+def final_save(output_dir):
+    """Step 4 of a launch script, writing the final model (and its card) into `output_dir`: a full disk is
+    one `error:` line and exit 1, as it is for a checkpoint, instead of the writer's traceback. The
+    checkpoints are untouched, so a rerun with resume=auto trains what is left and writes the model again."""
+    try:
+        yield
+    except RunError as e:
+        fail(str(e), code=1)
+    except Exception as e:
+        if not disk_full(e):
+            raise
+        fail(f"no space left on {output_dir} while writing the final model ({_first_line(e)}); its files there "
+             f"are incomplete: free space, then rerun with resume=auto (it continues from the newest checkpoint "
+             f"and saves again)", code=1)
 
 
 # ------------------------------------------------------------------------------------ preflight
@@ -98,16 +127,10 @@ def model_problem(key: str, name: str, role: str = "model") -> str | None:
 
 def safetensors_problem(key: str, directory: Path) -> str | None:
     """The first *.safetensors file in `directory` whose header or size is unreadable (no tensor is read)."""
-    from safetensors import safe_open
-
-    for f in sorted(directory.glob("*.safetensors")):
-        try:
-            with safe_open(str(f), "pt") as st:
-                st.keys()
-        except Exception as e:  # the library's own errors are several types; its message says which
-            return f"key '{key}': {f} is not a readable safetensors file ({str(e).splitlines()[0][:120]}); " \
-                   f"re-save or re-download the model"
-    return None
+    found = bad_safetensors(directory)
+    if found is None:
+        return None
+    return f"key '{key}': {found[0]} is not a readable safetensors file ({found[1]}); re-save or re-download the model"
 
 
 def writable_problem(key: str, directory: str) -> str | None:

@@ -51,7 +51,7 @@ def load_for_inference(name: str, dtype: str = "auto", trust_remote_code: bool =
         try:
             model = PeftModel.from_pretrained(model, str(path)).merge_and_unload()
         except Exception as e:  # noqa: BLE001 - refused or unreadable adapter weights: one line
-            raise (unreadable(name, e) or e) from None
+            raise (unreadable(name, e, path) or e) from None
         has_tokenizer = any((path / f).exists() for f in ("tokenizer.json", "tokenizer_config.json"))
         tok = load_tokenizer(str(path) if has_tokenizer else base, trust_remote_code, padding_side="left")
     elif path.is_dir() and not (path / "config.json").exists():

@@ -19,7 +19,7 @@ from rl.errors import (
     RunError,
 )
 from rl.models.card import write_model_card
-from rl.scripts.common import fail, parse_recipe, run_training
+from rl.scripts.common import fail, final_save, parse_recipe, run_training
 from rl.scripts.dryrun import dry_run_data, dry_run_report
 from rl.trainers.base import check_output_dir
 from rl.trainers.kto import KTOConfig, KTOTrainer
@@ -46,9 +46,10 @@ def main(argv=None) -> None:
     # 3. train (a stop on a signal exits here, after its checkpoint)
     history = run_training(trainer, trainer.train, train, evals)
     # 4. save (every process takes part: ZeRO-3 gathers the weights)
-    out = trainer.save()
-    if trainer.accelerator.is_main_process:
-        write_model_card(out, cfg, history, "kto")
+    with final_save(cfg.output_dir):  # a full disk: one line, exit 1
+        out = trainer.save()
+        if trainer.accelerator.is_main_process:
+            write_model_card(out, cfg, history, "kto")
     if trainer.accelerator.is_main_process and history:
         first, last = history[0], history[-1]
         margin = last.get("eval/rewards/margins", last.get("rewards/margins", float("nan")))

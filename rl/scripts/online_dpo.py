@@ -15,7 +15,7 @@ from rl.errors import (
     RunError,
 )
 from rl.models.card import write_model_card
-from rl.scripts.common import fail, parse_recipe, run_training
+from rl.scripts.common import fail, final_save, parse_recipe, run_training
 from rl.scripts.dryrun import dry_run_data, dry_run_report
 from rl.trainers.base import check_output_dir
 from rl.trainers.online_dpo import OnlineDPOConfig, OnlineDPOTrainer
@@ -38,9 +38,11 @@ def main(argv=None) -> None:
     # 3. train (a stop on a signal exits here, after its checkpoint)
     history = run_training(trainer, trainer.train)
     # 4. save (every process takes part: ZeRO-3 gathers the weights)
-    out = trainer.save()
+    with final_save(cfg.output_dir):  # a full disk: one line, exit 1
+        out = trainer.save()
+        if trainer.accelerator.is_main_process:
+            write_model_card(out, cfg, history, "online_dpo")
     if trainer.accelerator.is_main_process:
-        write_model_card(out, cfg, history, "online_dpo")
         train_rows = [r for r in history if "objective/scores" in r]
         evals = [r["eval/accuracy"] for r in history if "eval/accuracy" in r]
         msg = f"online_dpo done: {plan['total_steps']} steps"

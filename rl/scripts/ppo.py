@@ -25,7 +25,7 @@ from rl.errors import (
     RunError,
 )
 from rl.models.card import write_model_card
-from rl.scripts.common import fail, parse_recipe, run_training
+from rl.scripts.common import fail, final_save, parse_recipe, run_training
 from rl.scripts.dryrun import dry_run_data, dry_run_report
 from rl.trainers.base import check_output_dir
 from rl.trainers.ppo import PPOTrainer
@@ -55,9 +55,10 @@ def main(argv=None) -> None:
     history = run_training(trainer, trainer.train, prompts, metadata=metadata, eval_prompts=eval_prompts,
                            eval_metadata=eval_metadata)
     # 4. save (every process takes part: ZeRO-3 gathers the weights)
-    out = trainer.save()
-    if trainer.accelerator.is_main_process:
-        write_model_card(out, cfg, history, "ppo")
+    with final_save(cfg.output_dir):  # a full disk: one line, exit 1
+        out = trainer.save()
+        if trainer.accelerator.is_main_process:
+            write_model_card(out, cfg, history, "ppo")
     if trainer.accelerator.is_main_process and history:
         first, last = history[0], history[-1]
         print(f"ppo done: objective/scores {first['objective/scores']:.4f} -> {last['objective/scores']:.4f}, "

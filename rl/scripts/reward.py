@@ -19,7 +19,7 @@ from rl.errors import (
     RunError,
 )
 from rl.models.card import write_model_card
-from rl.scripts.common import fail, parse_recipe, run_training
+from rl.scripts.common import fail, final_save, parse_recipe, run_training
 from rl.scripts.dryrun import dry_run_data, dry_run_report
 from rl.trainers.base import check_output_dir
 from rl.trainers.reward import RewardModelTrainer
@@ -49,10 +49,12 @@ def main(argv=None) -> None:
     metrics = run_training(trainer, trainer.train_recipe, cfg, train, evals)
 
     # 4. save (every process takes part: ZeRO-3 gathers the weights)
-    out = trainer.save_model(cfg.output_dir)
+    with final_save(cfg.output_dir):  # a full disk: one line, exit 1
+        out = trainer.save_model(cfg.output_dir)
+        if trainer.accelerator.is_main_process:
+            save_config(cfg, cfg.output_dir, "recipe.yaml")
+            write_model_card(out, cfg, trainer.history, "reward")
     if trainer.accelerator.is_main_process:
-        save_config(cfg, cfg.output_dir, "recipe.yaml")
-        write_model_card(out, cfg, trainer.history, "reward")
         first = trainer.history[0]["loss"] if trainer.history else float("nan")
         ev = f", eval accuracy {metrics['eval/accuracy']:.3f}" if "eval/accuracy" in metrics else ""
         print(f"reward done: loss {first:.4f} -> {metrics.get('loss', float('nan')):.4f}, "

@@ -20,7 +20,7 @@ from rl.errors import (
     RunError,
 )
 from rl.models.card import write_model_card
-from rl.scripts.common import NO_DATA_ERROR, fail, preflight, run_training
+from rl.scripts.common import NO_DATA_ERROR, fail, final_save, preflight, run_training
 from rl.scripts.dryrun import dry_run_data, dry_run_report
 from rl.trainers.base import check_output_dir
 from rl.trainers.sft import SFTConfig, SFTTrainer
@@ -54,9 +54,10 @@ def main(argv=None) -> None:
     # 3. train (a stop on a signal exits here, after its checkpoint)
     history = run_training(trainer, trainer.train, train, evals or None)
     # 4. save (every process takes part: ZeRO-3 gathers the weights)
-    out = trainer.save()
-    if trainer.accelerator.is_main_process:
-        write_model_card(out, cfg, history, "sft")
+    with final_save(cfg.output_dir):  # a full disk: one line, exit 1
+        out = trainer.save()
+        if trainer.accelerator.is_main_process:
+            write_model_card(out, cfg, history, "sft")
     if trainer.accelerator.is_main_process and history:
         first, last = history[0]["loss"], history[-1]["loss"]
         print(f"sft done: loss {first:.4f} -> {last:.4f} over {len(history)} steps; model saved to {out}")

@@ -27,9 +27,10 @@ so each guarantee is proven once (tests/unit/trainers/test_lifecycle.py runs it 
 
 from __future__ import annotations
 
-import errno
 import logging
 import math
+import os
+import re
 import shutil
 import signal
 from pathlib import Path
@@ -46,12 +47,13 @@ from rl.engine.state import (
     checkpoint_dir,
     checkpoint_name,
     complete_checkpoints,
+    hold_run_lock,
     previous_run,
     prune_checkpoints,
     resolve_resume,
 )
 from rl.engine.tracking import Tracker
-from rl.errors import RunError
+from rl.errors import RunError, disk_full
 from rl.models.loading import (
     apply_lora,
     load_tokenizer,
@@ -74,11 +76,24 @@ class NonFiniteError(RunError):
     """A loss or gradient norm became NaN or infinite."""
 
 
-def _zip_write_failed(e: BaseException) -> bool:
-    """torch.save's writer failing on a full disk (it raises RuntimeError, not OSError(ENOSPC))."""
+_MISMATCH = re.compile(r"size mismatch for ([^:]+): copying a param with shape torch\.Size\((\[[^\]]*\])\) from "
+                       r"checkpoint, the shape in current model is torch\.Size\((\[[^\]]*\])\)")
+
+
+def _load_error(e: BaseException) -> tuple[str, str]:
+    """Why a checkpoint did not load, in one line, and the fix when it is known ("; ..." or ""). torch's
+    load_state_dict puts the detail (which tensor, the two shapes) on the lines below "Error(s) in loading
+    state_dict for X:", one line per tensor: keep the first tensor, count the rest, say what changes a shape."""
     text = str(e)
-    return isinstance(e, RuntimeError) and ("inline_container" in text or "PytorchStreamWriter failed" in text
-                                            or "file write failed" in text)
+    found = _MISMATCH.findall(text)
+    if found:
+        name, saved, now = found[0]
+        more = f", and {len(found) - 1} more tensors" if len(found) > 1 else ""
+        return (f"size mismatch for {name}: {saved} in the checkpoint, {now} in this run's model{more}",
+                "; the model differs from the one that wrote it (a changed lora.rank, lora.target_modules or "
+                "model_name?): resume with the settings it was written with, or start a new output_dir")
+    lines = [line.strip() for line in text.splitlines() if line.strip()]
+    return (f"{type(e).__name__}: {'; '.join(lines[:2])[:300]}" if lines else type(e).__name__), ""
 
 
 def check_finite(row: dict) -> None:
@@ -89,22 +104,29 @@ def check_finite(row: dict) -> None:
                                  f"learning_rate, or check the data and rewards); nothing was saved at this step")
 
 
+def _previous(cfg, out: Path) -> str | None:
+    """What of a previous run `out` holds (None on resume, or when nothing); refused without overwrite=true."""
+    found = None if cfg.resume else previous_run(out)
+    if found is not None and not getattr(cfg, "overwrite", False):
+        raise RunError(f"output_dir={out} holds a previous run ({found}); pass resume=auto to continue it, "
+                       f"overwrite=true to replace it, or another output_dir")
+    return found
+
+
 def check_output_dir(cfg) -> None:
-    """Refuse to start a new run over a previous one; with overwrite=true clear its metrics and checkpoints
-    (a later resume=auto must not pick up the old run's checkpoints)."""
+    """Refuse to start a new run over a previous one, or beside a live one: the main process holds the
+    directory's run lock from here to its exit (`hold_run_lock`). With overwrite=true clear the previous
+    run's metrics and checkpoints (a later resume=auto must not pick up the old run's checkpoints)."""
     out = Path(cfg.output_dir)
     if out.exists() and not out.is_dir():
         raise RunError(f"output_dir={out} is a file; give a directory")
-    if cfg.resume:
-        return
-    found = previous_run(out)
-    if found is None:
-        return
-    if not getattr(cfg, "overwrite", False):
-        raise RunError(f"output_dir={out} holds a previous run ({found}); pass resume=auto to continue it, "
-                       f"overwrite=true to replace it, or another output_dir")
-    (out / "metrics.jsonl").unlink(missing_ok=True)
-    shutil.rmtree(checkpoint_dir(out), ignore_errors=True)
+    found = _previous(cfg, out)  # before the lock: a refused run writes nothing into output_dir
+    if os.environ.get("RANK", "0") == "0":  # the main process (accelerate launch sets RANK on each)
+        hold_run_lock(out)
+        found = _previous(cfg, out)  # again: another run may have written there before the lock was ours
+    if found is not None:
+        (out / "metrics.jsonl").unlink(missing_ok=True)
+        shutil.rmtree(checkpoint_dir(out), ignore_errors=True)
 
 
 class CallbackTracker:
@@ -327,8 +349,8 @@ class Trainer:
                 extra = self.load_checkpoint(path)
             except Exception as e:  # noqa: BLE001 - any unreadable file: fall back to an older checkpoint
                 if cfg.resume != "auto" or i + 1 == len(candidates):
-                    raise RunError(f"resume: checkpoint {path} cannot be loaded ({type(e).__name__}: "
-                                   f"{str(e).splitlines()[0] if str(e) else ''})") from None
+                    detail, fix = _load_error(e)
+                    raise RunError(f"resume: checkpoint {path} cannot be loaded ({detail}){fix}") from None
                 tracker.write(f"warning: checkpoint {path} cannot be loaded ({type(e).__name__}); "
                               f"trying the previous one")
                 continue
@@ -338,12 +360,16 @@ class Trainer:
 
     def _checkpoint(self) -> None:
         name = checkpoint_name(self.current_step)
+        # from_pretrained's files go in before the rename (written after it, a SIGKILL right after the
+        # rename left a complete checkpoint without config.json that from_pretrained could not load)
+        self.pipeline.before_commit = lambda tmp: make_loadable(tmp, self.pipeline.unwrapped_model,
+                                                                getattr(self, "tokenizer", None))
         try:
             self.save_checkpoint(name, self.checkpoint_extra())
-        except (OSError, RuntimeError) as e:
-            # a full disk: ENOSPC from a plain write, or torch.save's zip writer failing mid-file (a
-            # RuntimeError "[enforce fail at inline_container.cc] ..." / "PytorchStreamWriter failed ...")
-            if not (getattr(e, "errno", None) == errno.ENOSPC or _zip_write_failed(e)):
+        except Exception as e:
+            # a full disk, in the words of each writer (an OSError, safetensors' own error, torch.save's
+            # RuntimeError: see rl.errors.disk_full); anything else is not ours to explain
+            if not disk_full(e):
                 raise
             root = checkpoint_dir(self.run_dir)
             for part in (root / name, *self.checkpoint_parts(name)):  # the half-written ones
@@ -351,7 +377,5 @@ class Trainer:
             raise RunError(f"no space left on {root} while writing {name}; the previous checkpoint is kept "
                            f"(free space or lower save_total_limit, then resume=auto)") from None
         if self.accelerator.is_main_process:
-            make_loadable(checkpoint_dir(self.run_dir) / name, self.pipeline.unwrapped_model,
-                          getattr(self, "tokenizer", None))
             prune_checkpoints(self.run_dir, getattr(self.cfg, "save_total_limit", None), self.checkpoint_parts)
         self.accelerator.wait_for_everyone()

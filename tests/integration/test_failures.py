@@ -446,3 +446,81 @@ def test_ppo_with_a_correctness_reward_and_eval_data_trains_evaluates_and_saves(
     metrics = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert any("eval/scores" in m for m in metrics), metrics
     assert (out / "model.safetensors").exists()
+
+
+# ------------------------------------------------------------------------------------ a full disk
+
+def _no_space_on_write(monkeypatch, target, attr: str, when):
+    """`target.attr` (a writer) raises the full disk's error, in the words a real 64 KiB tmpfs gave, when
+    `when(path)` holds; otherwise it writes."""
+    import errno
+
+    from safetensors import SafetensorError
+
+    real = getattr(target, attr)
+
+    def full(*args, **kwargs):
+        path = next((a for a in args if isinstance(a, (str, Path))), "")
+        if when(str(path)):
+            if attr == "safe_save_file":
+                raise SafetensorError("Error while serializing: I/O error: No space left on device (os error 28)")
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(target, attr, full)
+
+
+def test_disk_full_at_the_final_save_is_one_line(tmp_path, capfd, monkeypatch):
+    """Issue 39 point 4: the final model's safetensors write failing on a full disk (the checkpoint before it
+    written) is one `error:` line naming output_dir and the fix, exit 1 (it was safetensors' traceback)."""
+    import transformers.modeling_utils as mu
+
+    out = tmp_path / "run"
+    _no_space_on_write(monkeypatch, mu, "safe_save_file", lambda p: "checkpoint" not in p)
+    code, stdout, stderr = run_main("sft", _argv("sft", "max_steps=1", "save_every=1", "batch_size=4",
+                                                 f"output_dir={out}", "report_to=[jsonl]"), capfd, monkeypatch)
+    lines = _error_lines(stderr)
+    assert code == 1 and len(lines) == 1 and "Traceback" not in stderr, stdout + stderr
+    assert lines[0].startswith(f"error: no space left on {out} while writing the final model")
+    assert "free space, then rerun with resume=auto" in lines[0]
+    assert (out / "checkpoints" / "checkpoint-1" / "COMPLETE").exists()
+
+
+def test_disk_full_when_the_resolved_config_is_written_is_one_line(tmp_path, capfd, monkeypatch):
+    """Issue 39 point 4: the run's first write, `<output_dir>/config.yaml`, on a full disk: one `error:` line
+    naming the file, exit 1 (it was the OSError's traceback)."""
+    import errno
+
+    out = tmp_path / "run"
+    real = Path.write_text
+
+    def write_text(self, *a, **k):
+        if self.name == "config.yaml":
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return real(self, *a, **k)
+
+    monkeypatch.setattr(Path, "write_text", write_text)
+    code, stdout, stderr = run_main("sft", _argv("sft", "max_steps=1", f"output_dir={out}"), capfd, monkeypatch)
+    lines = _error_lines(stderr)
+    assert code == 1 and len(lines) == 1 and "Traceback" not in stderr, stdout + stderr
+    assert lines[0] == (f"error: no space left on {out} while writing {out / 'config.yaml'}; free space there "
+                        f"or choose another output_dir")
+
+
+def test_disk_full_during_training_is_one_line(tmp_path, capfd, monkeypatch):
+    """A full disk in a write of the run's own between checkpoints (a metrics.jsonl row) is one `error:` line
+    naming output_dir and resume=auto, exit 1."""
+    import errno
+
+    from rl.engine.tracking import Tracker
+
+    def log(self, step, metrics):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(Tracker, "log", log)
+    out = tmp_path / "run"
+    code, stdout, stderr = run_main("sft", _argv("sft", "max_steps=1", f"output_dir={out}"), capfd, monkeypatch)
+    lines = _error_lines(stderr)
+    assert code == 1 and len(lines) == 1 and "Traceback" not in stderr, stdout + stderr
+    assert lines[0] == (f"error: no space left on {out} during training ([Errno 28] No space left on device); "
+                        f"free space, then rerun with resume=auto to continue from the newest checkpoint")

@@ -198,7 +198,7 @@ def test_chat_and_eval_refuse_broken_or_wrong_models_in_one_line(tiny_llama, tmp
     shutil.copytree(tiny_llama, cut)
     weights = cut / "model.safetensors"
     weights.write_bytes(weights.read_bytes()[:1000])
-    assert "safetensors file cannot be read" in _one_error_line(capsys, chat, ["--model", str(cut), "--prompt", "hi"])
+    assert f"{weights} cannot be read" in _one_error_line(capsys, chat, ["--model", str(cut), "--prompt", "hi"])
     for name, template, said in (("syntax", "{% if %}", "cannot be rendered"),
                                  ("escape", "{{ ''.__class__.__mro__ }}", "tried to leave the Jinja sandbox")):
         bad = tmp_path / name
@@ -233,3 +233,51 @@ def test_chat_and_eval_refuse_broken_or_wrong_models_in_one_line(tiny_llama, tmp
     assert "raised KeyError" in line
     line = _one_error_line(capsys, ev, ["--model", tiny_llama, "--data", str(data), "--out", str(tmp_path)])
     assert "is a directory" in line
+
+
+def test_chat_model_that_is_a_file_says_so_in_one_line(tiny_llama, tmp_path, capsys, monkeypatch):
+    """Issue 39 point 6: `chat.py --model <a file>` (a model's config.json, any other file, by a relative
+    name too) says it is a file and what is expected, naming the model folder when the file is in one (it
+    was taken for a hub id: "Repo id must be in the form ...", "hf download <the local path>")."""
+    from pathlib import Path
+
+    chat = _launch("chat").main
+    config = str(Path(tiny_llama) / "config.json")
+    line = _one_error_line(capsys, chat, ["--model", config, "--prompt", "hi"])
+    assert line == (f"error: model {config!r} is a file, not a model directory (its folder {tiny_llama} is one: "
+                    f"give that); give a directory holding config.json (a run's output_dir), a .gguf file, a hub id "
+                    f"or tiny:<family>")
+    (tmp_path / "notes.txt").write_text("hello\n")
+    monkeypatch.chdir(tmp_path)
+    line = _one_error_line(capsys, chat, ["--model", "notes.txt", "--prompt", "hi"])
+    assert line.startswith("error: model 'notes.txt' is a file, not a model directory; give a directory")
+    assert "hf download" not in line
+
+
+def test_a_corrupt_safetensors_file_is_named(tiny_llama, tmp_path, capsys):
+    """Issue 39 point 6: a truncated safetensors file is named in the one error line, not only its directory
+    (safetensors' own message names no file): a model's model.safetensors cut in its data, and a LoRA
+    adapter's adapter_model.safetensors cut in its header."""
+    import shutil
+
+    from peft import LoraConfig, get_peft_model
+
+    from rl.models.loading import load_causal_lm
+
+    chat = _launch("chat").main
+    cut = tmp_path / "cut"
+    shutil.copytree(tiny_llama, cut)
+    weights = cut / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[: weights.stat().st_size // 2])
+    line = _one_error_line(capsys, chat, ["--model", str(cut), "--prompt", "hi"])
+    assert line == (f"error: model {str(cut)!r}: {weights} cannot be read (Error while deserializing header: "
+                    f"incomplete metadata, file not fully covered); it is truncated or corrupt: copy or download "
+                    f"it again")
+    adapter = tmp_path / "adapter"
+    peft_model = get_peft_model(load_causal_lm(tiny_llama, dtype="float32"),
+                                LoraConfig(r=2, lora_alpha=4, target_modules=["q_proj"]))
+    peft_model.save_pretrained(str(adapter))
+    file = adapter / "adapter_model.safetensors"
+    file.write_bytes(file.read_bytes()[:100])
+    line = _one_error_line(capsys, chat, ["--model", str(adapter), "--prompt", "hi"])
+    assert line.startswith(f"error: model {str(adapter)!r}: {file} cannot be read (Error while deserializing")

@@ -279,3 +279,50 @@ def test_ppo_sampling_warns_nothing_and_its_output_is_a_model_output(tiny_llama,
     assert [str(w.message) for w in seen if "past_key_values" in str(w.message) or "cache" in str(w.message)] == []
     assert isinstance(out, ModelOutput) and set(out.keys()) == {"logits", "value"}
     assert out["value"].shape == (2, 2) and rollout.tokens.shape[0] == 2
+
+
+class _Killed(BaseException):
+    """A SIGKILL stand-in: nothing of ours runs after it (no `except Exception` catches it)."""
+
+
+@pytest.mark.parametrize("lora", [False, True])
+def test_a_checkpoint_killed_right_after_its_rename_loads_with_from_pretrained(lora, tiny_llama, tmp_path,
+                                                                             monkeypatch):
+    """Issue 39 point 9: the process dies right after `.tmp-checkpoint-1` becomes `checkpoint-1` (the
+    rename done, nothing after it run); the checkpoint still holds what from_pretrained reads (config.json or
+    the adapter files, the tokenizer), as docs/outputs.md promises: they are written inside the atomic write,
+    before COMPLETE and the rename, no longer after it."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from rl.data.sft import tokenize_examples
+    from rl.engine.state import complete_checkpoints
+    from rl.trainers.sft import SFTTrainer
+
+    real = os.replace
+
+    def replace_then_die(src, dst, *a, **k):
+        real(src, dst, *a, **k)
+        if Path(str(src)).name == ".tmp-checkpoint-1":
+            raise _Killed
+
+    cfg = build(SFTConfig, {"model_name": tiny_llama, "output_dir": str(tmp_path / "run"), "max_steps": 2,
+                            "save_every": 1, "batch_size": 2, "report_to": ["none"],
+                            "lora": {"enabled": lora, "rank": 2, "target_modules": "q_proj"}})
+    trainer = SFTTrainer(cfg)
+    data = tokenize_examples([{"prompt": f"{i}+1=", "completion": str(i + 1)} for i in range(4)], trainer.tokenizer,
+                             cfg)
+    monkeypatch.setattr(os, "replace", replace_then_die)
+    with pytest.raises(_Killed):
+        trainer.train(data)
+    monkeypatch.setattr(os, "replace", real)
+    (ckpt,) = complete_checkpoints(tmp_path / "run")
+    assert AutoTokenizer.from_pretrained(ckpt).vocab_size == trainer.tokenizer.vocab_size
+    if lora:
+        from peft import AutoPeftModelForCausalLM
+
+        model = AutoPeftModelForCausalLM.from_pretrained(ckpt)
+        assert model.peft_config["default"].r == 2
+    else:
+        model = AutoModelForCausalLM.from_pretrained(ckpt)
+    want = trainer.pipeline.unwrapped_model.state_dict()
+    assert all(torch.equal(v, want[k]) for k, v in model.state_dict().items() if ".lora_" in k or not lora)

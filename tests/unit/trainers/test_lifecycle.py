@@ -140,7 +140,7 @@ def test_output_dir_guard(tmp_path):
 
     cfg = Cfg()
     check_output_dir(cfg)  # nothing there yet
-    (tmp_path / "run").mkdir()
+    assert (tmp_path / "run" / ".rl-run.lock").exists()  # made for this process's run lock, not a previous run
     (tmp_path / "run" / "metrics.jsonl").write_text("{}\n")
     _fake_checkpoint(tmp_path / "run", 2)
     with pytest.raises(RunError, match="holds a previous run .*resume=auto.*overwrite=true"):
@@ -242,11 +242,12 @@ def test_ctrl_c_checkpoints_and_exits_130(tmp_path, tiny_llama):
     assert complete_checkpoints(out) and not (out / "model.safetensors").exists()
 
 
-@pytest.mark.parametrize("fault", ["enospc", "zip_writer"])
+@pytest.mark.parametrize("fault", ["enospc", "zip_writer", "safetensors"])
 def test_disk_full_during_a_checkpoint_keeps_the_previous_one(fault, tmp_path, tiny_llama, monkeypatch):
-    """A full disk while writing checkpoint-2 (ENOSPC from a write, or torch.save's zip writer failing with
-    its RuntimeError): one RunError line naming the directory, the partial checkpoint is removed,
-    checkpoint-1 stays complete and loadable."""
+    """A full disk while writing checkpoint-2 (ENOSPC from a write, torch.save's zip writer failing with
+    its RuntimeError, or safetensors' own SafetensorError, the words it used on a real 64 KiB tmpfs): one
+    RunError line naming the directory, the partial checkpoint is removed, checkpoint-1 stays complete and
+    loadable."""
     import errno
 
     import safetensors.torch
@@ -266,6 +267,10 @@ def test_disk_full_during_a_checkpoint_keeps_the_previous_one(fault, tmp_path, t
         if ".tmp-checkpoint-2" in str(filename):
             if fault == "zip_writer":
                 raise RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 512 vs 448")
+            if fault == "safetensors":
+                from safetensors import SafetensorError
+
+                raise SafetensorError("Error while serializing: I/O error: No space left on device (os error 28)")
             raise OSError(errno.ENOSPC, "No space left on device")
         return real_save(tensors, filename, *a, **k)
 
@@ -323,3 +328,61 @@ def test_every_trainer_takes_config_then_model_and_tokenizer(tmp_path, tiny_llam
     assert (trainer.model is rm, trainer.tokenizer is tok, trainer.cfg is rm_cfg) == (True, True, True)
     # the reference docs' keyword shape builds the model from the config
     assert isinstance(RewardModelTrainer(config=rm_cfg, tokenizer=tok).model, RewardModel)
+
+
+def test_resume_with_another_lora_rank_keeps_the_size_mismatch_in_one_line(tmp_path, tiny_llama):
+    """Issue 39 point 6: a checkpoint written with lora.rank=2 resumed with rank 4 is one RunError line that
+    keeps torch's detail (the tensor, both shapes, how many more) and the fix; only torch's first line,
+    "Error(s) in loading state_dict for PeftModelForCausalLM:", was kept."""
+    from rl.data.sft import tokenize_examples
+    from rl.trainers.sft import SFTTrainer
+
+    def run(rank: int, **extra):
+        cfg = build(SFTConfig, {"model_name": tiny_llama, "output_dir": str(tmp_path / "run"), "max_steps": 2,
+                                "save_every": 1, "batch_size": 2, "report_to": ["none"],
+                                "lora": {"enabled": True, "rank": rank, "target_modules": "q_proj"}, **extra})
+        trainer = SFTTrainer(cfg)
+        trainer.train(tokenize_examples([{"prompt": f"{i}+1=", "completion": str(i + 1)} for i in range(4)],
+                                        trainer.tokenizer, cfg))
+
+    run(2, max_steps=1)
+    with pytest.raises(RunError) as e:
+        run(4, resume="auto")
+    ckpt = tmp_path / "run" / "checkpoints" / "checkpoint-1"
+    assert str(e.value) == (
+        f"resume: checkpoint {ckpt} cannot be loaded (size mismatch for "
+        f"base_model.model.model.layers.0.self_attn.q_proj.lora_A.default.weight: [2, 64] in the checkpoint, "
+        f"[4, 64] in this run's model, and 3 more tensors); the model differs from the one that wrote it (a changed "
+        f"lora.rank, lora.target_modules or model_name?): resume with the settings it was written with, or start "
+        f"a new output_dir")
+
+
+def test_a_second_run_into_a_live_output_dir_is_refused_by_its_lock(tmp_path, capfd, monkeypatch):
+    """Issue 39 point 9: while a run holds output_dir (its main process, from check_output_dir to exit), a
+    second one is refused in one line naming the directory and the holder's pid, although the first has
+    written nothing yet (only its metrics.jsonl, milliseconds in, refused it before); once the holder is
+    gone, even killed, the directory is free again and the lock file names the new holder."""
+    from rl.engine.state import RUN_LOCK
+
+    out = tmp_path / "run"
+    holder = subprocess.Popen(
+        [sys.executable, "-c", "import sys; from rl.engine.state import hold_run_lock; "
+                               f"hold_run_lock({str(out)!r}); print('held', flush=True); sys.stdin.read()"],
+        cwd=ROOT, env=_env(), stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        cfg = build(SFTConfig, {"model_name": "m", "output_dir": str(out), "report_to": ["none"]})
+        with pytest.raises(RunError) as e:
+            check_output_dir(cfg)
+        assert str(e.value).startswith(f"output_dir={out} is in use by another run (pid {holder.pid} on ")
+        assert str(e.value).endswith(f", holding {out / RUN_LOCK}); wait for it to end, or give another output_dir")
+        code, stdout, stderr = run_main("sft", ["--config", "recipes/tiny/sft.yaml", f"output_dir={out}"], capfd,
+                                        monkeypatch)
+        errors = [line for line in stderr.splitlines() if line.startswith("error:")]
+        assert code == 2 and errors == [f"error: {e.value}"] and "Traceback" not in stderr, stderr[-2000:]
+    finally:
+        holder.kill()  # SIGKILL: the kernel drops its lock
+        holder.wait()
+    check_output_dir(cfg)
+    assert (out / RUN_LOCK).read_text().startswith(f"pid {os.getpid()} on ")
+    assert not (out / "metrics.jsonl").exists()
