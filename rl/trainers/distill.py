@@ -46,6 +46,7 @@ from rl.errors import ConfigError, DataError
 from rl.models.loading import release_device_cache
 from rl.rollout.prompts import encode_prompt, load_prompt_rows, step_prompts
 from rl.trainers.base import Trainer
+from rl.trainers.sampling import rollout_sampler
 
 
 @dataclasses.dataclass
@@ -203,7 +204,9 @@ class DistillTrainer(Trainer):
         if on_policy or cfg.seq_kd:
             seed = cfg.seed * 7_919 + (step * self.world + acc.process_index) * k  # row r samples seed + r
             model = self.pipeline.model if on_policy else self.reference.model
-            rollout = generate(model, self.tokenizer, prompts, max_new_tokens=cfg.max_completion_length,
+            # the student's samples may come from vLLM (use_vllm); the teacher's (seq_kd) from our sampler
+            sample = rollout_sampler(self) if on_policy else generate
+            rollout = sample(model, self.tokenizer, prompts, max_new_tokens=cfg.max_completion_length,
                                temperature=cfg.temperature, top_k=cfg.top_k, top_p=cfg.top_p, seed=seed)
             if cfg.optimize_device_cache:
                 release_device_cache()

@@ -45,7 +45,6 @@ from rl.algos.kl import (
     FixedKLController,
 )
 from rl.engine.dist import is_deepspeed, zero_stage
-from rl.engine.generation import generate
 from rl.engine.packing import pack_padded
 from rl.engine.pipeline import ForwardBackwardPipeline
 from rl.engine.state import checkpoint_dir
@@ -60,6 +59,7 @@ from rl.models.value import Critic, PPOModel
 from rl.rollout.episodes import run_episodes
 from rl.rollout.prompts import prompt_order
 from rl.trainers.base import Trainer
+from rl.trainers.sampling import rollout_sampler
 from rl.trainers.ppo_config import (
     PPOConfig,
     encode_prompts,
@@ -146,7 +146,8 @@ class PPOTrainer(Trainer):
         model = self.pipeline.model if self.pipeline is not None else self.policy
         # a multi-turn environment (rl.envs.tool_math) runs whole episodes; their tool tokens are out of the loss
         env = getattr(self.reward, "env", None)
-        sample = partial(run_episodes, env=env) if getattr(env, "multi_turn", False) else generate
+        gen = rollout_sampler(self)  # our sampler, or vLLM holding the policy's current weights
+        sample = partial(run_episodes, env=env, generate_fn=gen) if getattr(env, "multi_turn", False) else gen
         rollout = sample(model, self.tokenizer, prompt_ids, max_new_tokens=cfg.max_new_tokens,
                          temperature=cfg.temperature, top_k=cfg.top_k, top_p=cfg.top_p, seed=seed)
         if cfg.optimize_device_cache:

@@ -11,7 +11,7 @@ from typing import Literal, Sequence
 
 from rl.algos import names
 from rl.config.fields import opt
-from rl.config.schema import TrainConfig
+from rl.config.schema import TrainConfig, VLLMKeys
 from rl.data.records import (
     has_data,
     load_records,
@@ -25,7 +25,7 @@ logger = logging.getLogger(__name__)
 
 
 @dataclasses.dataclass
-class PPOConfig(TrainConfig):
+class PPOConfig(VLLMKeys, TrainConfig):
     """Every field of the reference's PPOConfig, plus the rest of what a PPO run needs.
 
     Sizes are per process: each process samples `batch_size` prompts per iteration, and each optimizer
@@ -90,6 +90,7 @@ class PPOConfig(TrainConfig):
 
     def __post_init__(self):
         super().__post_init__()
+        self.check_vllm()
         if self.mini_batch_size is None:  # derived once here, so the doc's batch_size=4 needs no extra key
             self.mini_batch_size = min(8, self.batch_size)
         for name in ("mini_batch_size", "ppo_epochs", "max_new_tokens", "kl_horizon"):

@@ -15,10 +15,12 @@ def rollout_sampler(trainer):
     if not getattr(cfg, "use_vllm", False):
         return generate
     engine = getattr(trainer, "_vllm", None)
+    pipe = trainer.pipeline  # PPO samples its first rollout before its engine exists: the policy itself
+    policy = pipe.model if pipe is not None else trainer.policy
     if engine is None:
         from rl.models.sources import resolve_model_path
         from rl.rollout.vllm_engine import VLLMRollout
 
-        config = getattr(unwrap_module(trainer.pipeline.model), "config", None)
+        config = getattr(unwrap_module(policy), "config", None)
         engine = trainer._vllm = VLLMRollout(cfg, trainer.accelerator, resolve_model_path(cfg.model_name), config)
-    return engine.sampler(trainer.pipeline.model, trainer.pipeline.step)
+    return engine.sampler(policy, pipe.step if pipe is not None else 0)

@@ -1,0 +1,54 @@
+"""Truncated importance sampling of the rollout/trainer mismatch (rl.algos.mismatch), by hand."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from rl.algos.mismatch import importance_weights
+from rl.algos.policy_losses import grpo_loss
+
+OLD = torch.tensor([[0.0, -1.0, -2.0, 0.0]])
+BEH = torch.tensor([[0.0, -1.5, -0.5, 7.0]])  # the last token is padding (mask 0): ignored everywhere
+MASK = torch.tensor([[1, 1, 1, 0]])
+
+
+def test_token_modes_by_hand():
+    # old - behaviour = 0, 0.5, -1.5 -> ratios 1, e^0.5 = 1.6487, e^-1.5 = 0.2231; cap 1.5 clips the second
+    w, m = importance_weights(OLD, BEH, MASK, cap=1.5, mode="token_truncate")
+    assert w.tolist()[0] == pytest.approx([1.0, 1.5, math.exp(-1.5), 0.0], abs=1e-6)
+    assert float(m["sampling/sampling_logp_difference/mean"]) == pytest.approx(2.0 / 3, abs=1e-6)
+    assert float(m["sampling/sampling_logp_difference/max"]) == pytest.approx(1.5, abs=1e-6)
+    assert float(m["sampling/importance_sampling_ratio/clipped_frac"]) == pytest.approx(1.0 / 3, abs=1e-6)
+    assert float(m["sampling/importance_sampling_ratio/min"]) == pytest.approx(math.exp(-1.5), abs=1e-6)
+    assert float(m["sampling/importance_sampling_ratio/max"]) == pytest.approx(1.5, abs=1e-6)
+    w, _ = importance_weights(OLD, BEH, MASK, cap=1.5, mode="token_mask")
+    assert w.tolist()[0] == pytest.approx([1.0, 0.0, math.exp(-1.5), 0.0], abs=1e-6)
+
+
+def test_sequence_modes_by_hand():
+    # the sequence's ratio is the product: exp(0 + 0.5 - 1.5) = e^-1 for every token of it
+    w, m = importance_weights(OLD, BEH, MASK, cap=1.5, mode="sequence_truncate")
+    assert w.tolist()[0] == pytest.approx([math.exp(-1)] * 3 + [0.0], abs=1e-6)
+    assert float(m["sampling/importance_sampling_ratio/clipped_frac"]) == 0.0
+    w, m = importance_weights(OLD, BEH, MASK, cap=0.3, mode="sequence_mask")  # e^-1 = 0.37 > 0.3: masked
+    assert w.abs().sum() == 0 and float(m["sampling/importance_sampling_ratio/clipped_frac"]) == 1.0
+    with pytest.raises(ValueError, match="token_truncate"):
+        importance_weights(OLD, BEH, MASK, cap=2.0, mode="tis")
+
+
+def test_the_weights_scale_each_tokens_policy_gradient_term():
+    logp = torch.tensor([[-0.5, -1.2, -2.0, 0.0]], requires_grad=True)
+    adv = torch.tensor([1.0])
+    w = torch.tensor([[1.0, 0.5, 2.0, 0.0]])
+    loss_w, _ = grpo_loss(logp, logp.detach(), adv, MASK, token_weights=w)
+    (g_w,) = torch.autograd.grad(loss_w, logp)
+    loss, _ = grpo_loss(logp, logp.detach(), adv, MASK)
+    (g,) = torch.autograd.grad(loss, logp)
+    # ratio 1: per-token term -A r_t, token_mean over 3 tokens -> d/dlogp_t = -A w_t / 3
+    assert g.tolist()[0] == pytest.approx([-1 / 3, -1 / 3, -1 / 3, 0.0], abs=1e-6)
+    assert g_w.tolist()[0] == pytest.approx([-1 / 3, -0.5 / 3, -2 / 3, 0.0], abs=1e-6)
+    ones, _ = grpo_loss(logp, logp.detach(), adv, MASK, token_weights=torch.ones_like(w))
+    assert float(ones.detach()) == float(loss.detach())

