@@ -23,6 +23,7 @@ is trusted. Accuracies are fractions of n_eval; gain = after - before.
 
     python bench/bench_real_grpo.py --steps 12 --lr 2e-4      # the README's runs: 3 seeds x 2 sides, 128 problems
     python bench/bench_real_grpo.py --steps 2 --eval-n 8 --seeds 0   # a quick check of the script
+    python bench/bench_real_grpo.py --steps 12 --lr 2e-4 --sides ours,ours_vllm --out-json bench/results/real_grpo_vllm.json
 
 Writes bench/results/real_grpo.json ({n_eval, ours: [runs], trl: [runs], ...}, each run {seed, before,
 after, gain, seconds, ...}) and prints the markdown table of the README's "Real model" section.
@@ -91,7 +92,8 @@ def run_ours(model_dir: str, a, out: str) -> dict:
         temperature=1.0, top_k=0, top_p=1.0, advantage_estimator="grpo", loss_aggregation="token_mean",
         epsilon_low=0.2, epsilon_high=0.2, num_iterations=1, beta=0.0, chat_template=True, dtype="float32",
         gradient_checkpointing=False, report_to=["none"], log_every=1, eval_every=0, save_merged=True,
-        lora={"enabled": True, "rank": 8, "alpha": 16, "dropout": 0.0, "target_modules": "all-linear"}))
+        lora={"enabled": True, "rank": 8, "alpha": 16, "dropout": 0.0, "target_modules": "all-linear"},
+        use_vllm=a.child == "ours_vllm"))  # side ours_vllm: the same run, rollouts from vLLM (needs vLLM)
     rows = [{"prompt": p["question"], "answer": p["answer"]} for p in problems(DATA / "math_train.jsonl")]
     trainer = GRPOTrainer(cfg, reward_funcs=[last_number_reward], train_prompts=rows)
     t0, c0 = time.time(), time.process_time()
@@ -259,7 +261,8 @@ def main():
     p.add_argument("--seeds", default="0,1,2", help="comma-separated seeds; each side runs once per seed")
     p.add_argument("--seed", type=int, default=0, help=argparse.SUPPRESS)  # a child's seed
     p.add_argument("--eval-n", type=int, default=128, help="held-out problems scored (of 256)")
-    p.add_argument("--sides", default="ours,trl", help="comma-separated: ours, trl")
+    p.add_argument("--sides", default="ours,trl", help="comma-separated: ours, trl, ours_vllm (ours with "
+                   "use_vllm=true: the vLLM rollout engine, colocated)")
     p.add_argument("--workdir", default=str(ROOT / "runs" / "bench-real-grpo"))
     p.add_argument("--keep-models", action="store_true", help="keep each run's merged model (517 MB each)")
     p.add_argument("--out-json", default=str(ROOT / "bench" / "results" / "real_grpo.json"))
@@ -268,7 +271,7 @@ def main():
     p.add_argument("--out", help=argparse.SUPPRESS)
     a = p.parse_args()
     if a.child:
-        report_child((run_ours if a.child == "ours" else run_trl)(a.model_dir, a, a.out))
+        report_child((run_ours if a.child in ("ours", "ours_vllm") else run_trl)(a.model_dir, a, a.out))
         return
     from rl.models.gguf import prepare_packaged
 

@@ -198,6 +198,8 @@ class VLLMRollout:
             sp.update(stop=list(stop_strings), include_stop_str_in_output=True)
         if self.llm is not None:
             from vllm import SamplingParams
+
+            self.wake_up()  # asleep since its last rollout (sleep mode) when no sync came between
             from vllm.inputs import TokensPrompt
 
             outs = self.llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], SamplingParams(**sp),
