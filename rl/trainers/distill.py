@@ -37,6 +37,7 @@ import torch
 
 from rl.algos.distill import generalized_jsd
 from rl.config.fields import opt
+from rl.config.plan import prompts_step_problem
 from rl.config.schema import OnlineConfig
 from rl.data.records import has_data
 from rl.engine.dist import zero_stage
@@ -171,10 +172,7 @@ class DistillTrainer(Trainer):
         per_process = cfg.batch_size * cfg.gradient_accumulation_steps
         per_step = per_process * self.world
         if len(self.train_prompts) < per_step:
-            raise ConfigError(f"{len(self.train_prompts)} training prompts are fewer than one step's {per_step} "
-                              f"(batch_size {cfg.batch_size} x gradient_accumulation_steps "
-                              f"{cfg.gradient_accumulation_steps} x {self.world} processes); add prompts or "
-                              f"lower batch_size")
+            raise ConfigError(prompts_step_problem(cfg, len(self.train_prompts), self.world))
         total = cfg.max_steps or len(self.train_prompts) // per_step * cfg.num_epochs
         return {"prompts_per_process": per_process, "prompts_per_step": per_step, "total_steps": total}
 

@@ -320,6 +320,26 @@ def test_grpo_max_steps_with_fewer_prompts_than_one_step(tmp_path):
     assert "batch_size" in line
 
 
+@pytest.mark.parametrize("script,extra", [
+    ("grpo", ["env_type=null", "reward_funcs=[correctness]", "batch_size=32", "num_generations=8"]),
+    ("online_dpo", ["batch_size=4"]),
+    ("distill", ["batch_size=2", "gradient_accumulation_steps=2"]),
+])
+def test_dry_run_refuses_fewer_prompts_than_one_step_as_the_launch_does(script, extra, tmp_path, capsys,
+                                                                         monkeypatch):
+    """A trainer whose every step draws distinct prompts: with 3 rows and a step of 4, the launch refuses
+    in one line; --dry-run printed a plan of `steps_per_epoch: 0` (GRPO) or 1 (online DPO, distillation)
+    without a word. Now it prints the launch's own line, exit 2 (WORLD_SIZE=1: the plan is for one process)."""
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    p = tmp_path / "rows.jsonl"
+    p.write_text("".join(json.dumps({"prompt": f"{i}+1=", "completion": str(i + 1), "answer": str(i + 1)}) + "\n"
+                         for i in range(3)))
+    args = [f"data.path={p}", "data.prompt_column=prompt", *extra]
+    expected = fails_in_process(capsys, script, *args, f"output_dir={tmp_path / 'run'}",
+                                names=("3 training prompts are fewer than one step's 4",))
+    assert fails_in_process(capsys, script, *args, "--dry-run", names=()) == expected
+
+
 def test_short_batch_weights_give_the_exact_step_mean():
     """DPO: 3 pairs in a step of 2 processes x 2 micro-batches, split [2], [1] / [0 (padding)], [] :
     sum over micro-batches of loss / accumulation, then the mean over processes (what the engine and
