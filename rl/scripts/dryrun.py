@@ -35,6 +35,7 @@ from rl.config.plan import prompts_step_problem
 from rl.config.schema import OPTIMIZER_STATE_BYTES
 from rl.data.records import HUB_ID, SUFFIXES, has_data
 from rl.errors import ConfigError
+from rl.models.limits import check_length
 from rl.models.saving import adapter_base
 from rl.models.sources import resolve_model_path
 from rl.scripts.common import KNOWN_CONFIGS
@@ -334,6 +335,10 @@ def dry_run_report(cfg, n_examples: int | None = None, models: dict | None = Non
                 raise ConfigError(problem)
             info["steps_per_epoch"] = n_examples // (per_device * cfg.gradient_accumulation_steps // prompt_group * world)
     info.update(extra or {})
+    policy = next(iter(models.values()), None) if models else None
+    conf = load_model_config(policy, cfg.trust_remote_code) if isinstance(policy, str) else None
+    if conf is not None and hasattr(cfg, "max_length"):  # the launch's refusal (rl.models.limits), from the config
+        check_length(cfg.max_length, conf, policy)
     if models:
         info["models"] = {k: (v if isinstance(v, str) else v.get("name")) for k, v in models.items()}
         info["memory_per_gpu"] = estimate_memory(cfg, models, world, zero)

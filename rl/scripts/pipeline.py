@@ -38,9 +38,10 @@ from rl.errors import (
     RunError,
 )
 from rl.models.card import write_model_card
+from rl.models.limits import check_length
 from rl.models.tiny import FAMILIES, write_tiny_model
 from rl.scripts.common import fail, preflight, run_training
-from rl.scripts.dryrun import dry_run_report
+from rl.scripts.dryrun import dry_run_report, load_model_config
 from rl.trainers.base import check_output_dir
 from rl.trainers.grpo import GRPOTrainer
 from rl.trainers.grpo_config import GRPOConfig
@@ -215,7 +216,10 @@ def main(argv=None) -> None:
             print(f"# stage {name}")
             models = (GRPOTrainer.dry_run_models(dataclasses.replace(stage, model_name=plan_model)) if name == "grpo"
                       else {"policy (trainable)": plan_model})
-            dry_run_report(stage, n_examples=len(records) if name == "sft" else None, models=models)
+            try:
+                dry_run_report(stage, n_examples=len(records) if name == "sft" else None, models=models)
+            except ConfigError as e:
+                fail(f"{name} stage: {e}")
         return
     # a resumed GRPO stage continues from the finished SFT stage's model: SFT is not run again
     run_sft = not cfg.skip_sft and not (grpo_cfg.resume and saved_model(sft_cfg.output_dir))
@@ -231,13 +235,24 @@ def main(argv=None) -> None:
     if cfg.model_name is None:
         write_tiny_model(init_model, family=cfg.tiny_family, hidden=cfg.tiny_hidden, layers=cfg.tiny_layers,
                          seed=cfg.seed)
+    # both stages' lengths against the model's context now: GRPO's trainer would find its own only after SFT
+    conf = load_model_config(init_model, sft_cfg.trust_remote_code)
+    try:
+        for name, stage in (("sft", sft_cfg), ("grpo", grpo_cfg)):
+            if conf is not None:
+                check_length(stage.max_length, conf, init_model, key=f"{name}.max_length")
+    except ConfigError as e:
+        fail(str(e))
     # 3. SFT on the train split's reference answers
     if cfg.chat_template:
         records = [{"messages": [{"role": "user", "content": r["prompt"]},
                                  {"role": "assistant", "content": r["completion"]}]} for r in records]
     if run_sft:
-        sft = SFTTrainer(sft_cfg)
-        data = tokenize_examples(records, sft.tokenizer, sft_cfg, "math environment (train split)")
+        try:
+            sft = SFTTrainer(sft_cfg)
+            data = tokenize_examples(records, sft.tokenizer, sft_cfg, "math environment (train split)")
+        except (ConfigError, DataError, RunError) as e:
+            fail(str(e))
         sft_history = run_stage("sft", sft, out, "grpo", data)
         sft.save()
         if sft.accelerator.is_main_process:
@@ -245,7 +260,10 @@ def main(argv=None) -> None:
     t_sft = time.time() - t0
     # 4. GRPO on the math environment; it evaluates the held-out split before its first step (= the SFT
     #    model's accuracy) and after its last one
-    grpo = GRPOTrainer(grpo_cfg)
+    try:
+        grpo = GRPOTrainer(grpo_cfg)
+    except (ConfigError, DataError, RunError) as e:
+        fail(str(e))
     history = run_stage("grpo", grpo, out, None)
     grpo.save()
     if grpo.accelerator.is_main_process:
