@@ -124,7 +124,7 @@ def run_stage(stage: str, trainer, out: Path, later: str | None, *args) -> list[
     try:
         return run_training(trainer, trainer.train, *args)
     except SystemExit:
-        if trainer.stopped_by:
+        if trainer.stopped_by and trainer.accelerator.is_main_process:  # every rank stops; one line says so
             later = f"{later} not run, " if later else ""
             print(f"pipeline: the {stage} stage stopped on signal {trainer.stopped_by} (checkpoint in "
                   f"{out / stage / 'checkpoints'}); {later}summary.json not written; continue with "
