@@ -12,6 +12,20 @@ import math
 from rl.errors import ConfigError
 
 
+def prompts_step_problem(cfg, n_prompts: int, world: int, num_generations: int = 1) -> str | None:
+    """The one-line refusal of a trainer whose every step draws distinct prompts (GRPO, online DPO,
+    distillation) when the data holds fewer than one step's (batch_size x gradient_accumulation_steps x
+    world / num_generations: GRPO's batch counts completions); None when they suffice. The launch and its
+    --dry-run (rl.scripts.dryrun) print this same line."""
+    per_step = cfg.batch_size * cfg.gradient_accumulation_steps // num_generations * world
+    if n_prompts >= per_step:
+        return None
+    groups = f" / num_generations {num_generations}" if num_generations != 1 else ""
+    return (f"{n_prompts} training prompts are fewer than one step's {per_step} (batch_size {cfg.batch_size} x "
+            f"gradient_accumulation_steps {cfg.gradient_accumulation_steps} x {world} processes{groups}); add "
+            f"prompts or lower batch_size")
+
+
 def epoch_plan(cfg, n_examples: int, world: int, what: str = "examples") -> dict:
     """Derived sizes of an epoch-based trainer, computed once: global batch, steps per epoch and
     total optimizer steps (`max_steps` wins over `num_epochs`).

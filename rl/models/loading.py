@@ -115,6 +115,20 @@ def load_tokenizer(name: str, trust_remote_code: bool = False, padding_side: str
     return tok
 
 
+def vocabulary_mismatch(tokenizer, other) -> str | None:
+    """Why two tokenizers do not share one vocabulary (None when they do): the first id both define that
+    they map to different tokens. Ids only one of them defines (a special token a tokenizer class adds on
+    load, as Qwen2's does) do not count: the models' output sizes are compared where both are loaded."""
+    mine = {i: t for t, i in tokenizer.get_vocab().items()}
+    theirs = {i: t for t, i in other.get_vocab().items()}
+    differ = sorted(i for i in mine.keys() & theirs.keys() if mine[i] != theirs[i])
+    if not differ:
+        return None
+    i = differ[0]
+    return (f"maps id {i} to {theirs[i]!r} where the student's tokenizer has {mine[i]!r} ({len(differ)} of "
+            f"{len(mine.keys() & theirs.keys())} shared ids differ)")
+
+
 def load_causal_lm(name: str, dtype: str | torch.dtype | None = "auto", trust_remote_code: bool = False,
                    attn_implementation: str | None = None, gradient_checkpointing: bool = False,
                    quantization: str | None = None, task: str = "causal-lm", num_labels: int = 1):

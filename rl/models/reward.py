@@ -33,6 +33,7 @@ from rl.algos.reduce import masked_mse
 from rl.data.preference import encode_texts, pad_batch, stack_pair
 from rl.engine.packing import pool_packed, position_ids_from_mask
 from rl.errors import ConfigError
+from rl.models.limits import check_length
 from rl.models.loading import apply_lora, load_causal_lm, load_tokenizer
 from rl.models.reward_config import RewardModelConfig
 from rl.models.reward_format import (
@@ -89,6 +90,7 @@ class RewardModel(nn.Module):
         hf = load_causal_lm(config.model_name, dtype=config.dtype, trust_remote_code=config.trust_remote_code,
                             gradient_checkpointing=False, quantization=config.quantization,
                             task="classifier", num_labels=config.num_labels)
+        check_length(config.max_length, hf, config.model_name)  # texts are cut to max_length, which must fit
         self.hf_config = hf.config  # written next to full fine-tunes for AutoModelForSequenceClassification
         self.hf_prefix = hf.base_model_prefix
         self.hf_config.architectures = [type(hf).__name__]

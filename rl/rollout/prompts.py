@@ -32,11 +32,15 @@ def encode_prompt(tokenizer, prompt: str | list[dict], budget: int | None = None
     elif chat:
         prompt = render_chat(tokenizer, [{"role": "user", "content": prompt}], add_generation_prompt=True)
     ids = with_bos(tokenizer, tokenizer(prompt, add_special_tokens=False)["input_ids"])
-    if budget is not None and len(ids) > budget:
-        bos = getattr(tokenizer, "bos_token_id", None)
-        head = ids[:1] if bos is not None and ids[:1] == [bos] else []
-        ids = head + ids[len(ids) - budget + len(head):]
-    return ids
+    return keep_last(ids, budget, getattr(tokenizer, "bos_token_id", None))
+
+
+def keep_last(ids: list[int], budget: int | None, bos: int | None) -> list[int]:
+    """`ids` cut to `budget` tokens from the left (None: uncut), keeping a leading BOS."""
+    if budget is None or len(ids) <= budget:
+        return ids
+    head = ids[:1] if bos is not None and ids[:1] == [bos] else []
+    return head + ids[len(ids) - budget + len(head):]
 
 
 def prompt_order(step: int, n: int, per_step: int, seed: int) -> list[int]:

@@ -7,7 +7,8 @@
 
 Prompts are tokenised as the trainers tokenise them (BOS once, then the prompt; with the chat template,
 a user turn and the assistant header). Interactive chat keeps the conversation (with the chat
-template); `/reset` starts over. Input that is not a terminal is read one prompt per line.
+template); `/reset` starts over. Input that is not a terminal is read one prompt per line. A prompt longer
+than the model's context leaves next to --max-new-tokens keeps its last tokens (one warning line).
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from pathlib import Path
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 from rl.errors import ConfigError
+from rl.models.limits import prompt_room
 from rl.scripts.common import fail
 from rl.scripts.inference import chat_setting, complete, encode, load_for_inference
 
@@ -115,7 +117,7 @@ def interactive(model, tok, a, chat: bool) -> None:
         else:
             prompt = line
         reply = complete(model, tok, [encode(tok, prompt, chat)], a.max_new_tokens, a.temperature, a.top_p,
-                         a.seed)[0]
+                         a.seed, name=a.model)[0]
         if chat and tty:
             history.append({"role": "assistant", "content": reply})
         print(f"model> {reply}" if tty else reply, flush=True)
@@ -128,6 +130,7 @@ def main(argv=None) -> None:
         if a.prompt and not all(p.strip() for p in a.prompt):
             raise ConfigError("--prompt: empty prompt; give the text to answer")
         model, tok = load_for_inference(a.model, a.dtype, a.trust_remote_code)
+        prompt_room(model, a.max_new_tokens, a.model)  # refused here, in one line, when no prompt fits
         has_template = bool(getattr(tok, "chat_template", None))
         if a.chat_template == "yes" and not has_template:
             raise ConfigError(f"--chat-template yes: {a.model}'s tokenizer has no chat template; "
@@ -142,7 +145,7 @@ def main(argv=None) -> None:
     if prompts is None:
         interactive(model, tok, a, chat)
         return
-    replies = complete(model, tok, prompt_ids, a.max_new_tokens, a.temperature, a.top_p, a.seed)
+    replies = complete(model, tok, prompt_ids, a.max_new_tokens, a.temperature, a.top_p, a.seed, name=a.model)
     for prompt, reply in zip(prompts, replies):
         shown = prompt if isinstance(prompt, str) else prompt[-1]["content"]
         print(f">>> {shown}\n{reply}\n", flush=True)

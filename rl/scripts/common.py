@@ -205,25 +205,25 @@ def parse_recipe(cls, argv, prog: str, description: str, require_data: bool = Fa
 
 # ------------------------------------------------------------------------------ model configs
 
-# config.json fields (the ones that decide the parameter count) of the real models our recipes name,
-# so that a dry run works offline. Instruct/-it variants share the base model's architecture.
+# config.json fields (the ones that decide the parameter count, and the context that rl.models.limits checks
+# max_length against) of the real models our recipes name, so that a dry run works offline. Instruct/-it variants share the base model's architecture.
 KNOWN_CONFIGS: dict[str, dict] = {
     "gemma-3-270m": dict(model_type="gemma3_text", vocab_size=262144, hidden_size=640, intermediate_size=2048,
                          num_hidden_layers=18, num_attention_heads=4, num_key_value_heads=1, head_dim=256,
-                         tie_word_embeddings=True),
+                         tie_word_embeddings=True, max_position_embeddings=32768),
     "gemma-2-2b": dict(model_type="gemma2", vocab_size=256000, hidden_size=2304, intermediate_size=9216,
                        num_hidden_layers=26, num_attention_heads=8, num_key_value_heads=4, head_dim=256,
-                       tie_word_embeddings=True),
+                       tie_word_embeddings=True, max_position_embeddings=8192),
     "qwen2.5-0.5b": dict(model_type="qwen2", vocab_size=151936, hidden_size=896, intermediate_size=4864,
                          num_hidden_layers=24, num_attention_heads=14, num_key_value_heads=2,
-                         tie_word_embeddings=True),
+                         tie_word_embeddings=True, max_position_embeddings=32768),
     "qwen2.5-7b": dict(model_type="qwen2", vocab_size=152064, hidden_size=3584, intermediate_size=18944,
                        num_hidden_layers=28, num_attention_heads=28, num_key_value_heads=4,
-                       tie_word_embeddings=False),
+                       tie_word_embeddings=False, max_position_embeddings=32768),
     "smollm2-135m": dict(model_type="llama", vocab_size=49152, hidden_size=576, intermediate_size=1536,
                          num_hidden_layers=30, num_attention_heads=9, num_key_value_heads=3,
-                         tie_word_embeddings=True),  # also the packaged name smollm2-135m-instruct (rl.models.gguf)
+                         tie_word_embeddings=True, max_position_embeddings=8192),  # also the packaged name smollm2-135m-instruct (rl.models.gguf)
     "llama-3.1-8b": dict(model_type="llama", vocab_size=128256, hidden_size=4096, intermediate_size=14336,
                          num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8,
-                         tie_word_embeddings=False),
+                         tie_word_embeddings=False, max_position_embeddings=131072),
 }

@@ -31,7 +31,8 @@ def main(argv=None) -> None:
         # 2. setup: prompts and completions are validated before any model is built
         if cfg.dry_run:  # the data only when it is here: a plan needs the model's config
             rows = dry_run_data(cfg, DistillTrainer.load_data)
-            dry_run_report(cfg, n_examples=None if rows is None else len(rows), models=DistillTrainer.dry_run_models(cfg))
+            dry_run_report(cfg, n_examples=None if rows is None else len(rows), models=DistillTrainer.dry_run_models(cfg),
+                           prompt_group=1)
             return
         rows = DistillTrainer.load_data(cfg)
         check_output_dir(cfg)

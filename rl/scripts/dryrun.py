@@ -31,8 +31,11 @@ from pathlib import Path
 import yaml
 
 from rl.config.parse import to_dict
+from rl.config.plan import prompts_step_problem
 from rl.config.schema import OPTIMIZER_STATE_BYTES
 from rl.data.records import HUB_ID, SUFFIXES, has_data
+from rl.errors import ConfigError
+from rl.models.limits import check_length
 from rl.models.saving import adapter_base
 from rl.models.sources import resolve_model_path
 from rl.scripts.common import KNOWN_CONFIGS
@@ -300,13 +303,16 @@ def dry_run_data(cfg, load):
 # ------------------------------------------------------------------------------------- the report
 
 def dry_run_report(cfg, n_examples: int | None = None, models: dict | None = None,
-                   extra: dict | None = None) -> dict:
+                   extra: dict | None = None, prompt_group: int | None = None) -> dict:
     """Print the resolved config, the derived sizes and the memory estimate; builds no real model.
 
     `models` maps a label to a model name (or a dict with name/trainable/task/shared): "policy
     (trainable)", "reference (frozen)", "value (trainable)", "reward model (frozen)". The world size is
     WORLD_SIZE (set by `accelerate launch`; set it by hand to plan for N GPUs without them). `extra`
-    holds a trainer's own derived sizes (PPO's rollout and minibatch sizes, ...), printed in the plan."""
+    holds a trainer's own derived sizes (PPO's rollout and minibatch sizes, ...), printed in the plan.
+    `prompt_group`: the trainer draws whole steps of distinct prompts (GRPO: its num_generations, online DPO
+    and distillation: 1), so steps per epoch are floor(n / prompts per step) and data with fewer than one
+    step's prompts is the launch's own refusal (a ConfigError), not a plan of 0 steps."""
     world = int(os.environ.get("WORLD_SIZE", "1"))
     per_device = cfg.batch_size
     global_batch = per_device * cfg.gradient_accumulation_steps * world
@@ -323,7 +329,16 @@ def dry_run_report(cfg, n_examples: int | None = None, models: dict | None = Non
     if n_examples is not None:
         info["examples"] = n_examples
         info["steps_per_epoch"] = -(-n_examples // global_batch)  # a short last step counts (rl.config.fields.epoch_plan)
+        if prompt_group is not None:
+            problem = prompts_step_problem(cfg, n_examples, world, prompt_group)
+            if problem:
+                raise ConfigError(problem)
+            info["steps_per_epoch"] = n_examples // (per_device * cfg.gradient_accumulation_steps // prompt_group * world)
     info.update(extra or {})
+    policy = next(iter(models.values()), None) if models else None
+    conf = load_model_config(policy, cfg.trust_remote_code) if isinstance(policy, str) else None
+    if conf is not None and hasattr(cfg, "max_length"):  # the launch's refusal (rl.models.limits), from the config
+        check_length(cfg.max_length, conf, policy)
     if models:
         info["models"] = {k: (v if isinstance(v, str) else v.get("name")) for k, v in models.items()}
         info["memory_per_gpu"] = estimate_memory(cfg, models, world, zero)

@@ -38,6 +38,7 @@ from rl.errors import (
     ConfigError,
     DataError,
 )
+from rl.models.limits import prompt_room
 from rl.rewards.functions import get_reward_fn
 from rl.rollout.eval import greedy_eval, unique_eval_set
 from rl.scripts.common import fail
@@ -170,6 +171,7 @@ def evaluate(a, model_name: str, reward_fn, examples: list[dict]) -> dict:
         return evaluate_in_environment(a, model_name, saved)
     try:
         model, tok = load_for_inference(model_name, a.dtype, a.trust_remote_code)
+        prompt_room(model, a.max_new_tokens, model_name)  # refused here, in one line, when no prompt fits
         chat = chat_setting(model_name, a.chat_template, default=False)
         if chat and not getattr(tok, "chat_template", None):
             raise ConfigError(f"{model_name}'s tokenizer has no chat template; use --chat-template no")
@@ -177,7 +179,7 @@ def evaluate(a, model_name: str, reward_fn, examples: list[dict]) -> dict:
     except (ConfigError, DataError, OSError, ValueError, ImportError) as e:
         fail(str(e).splitlines()[0] if str(e) else type(e).__name__)
     completions = complete(model, tok, prompt_ids, a.max_new_tokens, a.temperature, seed=a.seed,
-                           batch_size=a.batch_size)
+                           batch_size=a.batch_size, name=model_name)
     try:
         result = score(reward_fn, examples, completions, a.threshold)
     except Exception as e:  # noqa: BLE001 - the user's reward function failing: one line naming it

@@ -32,7 +32,8 @@ def main(argv=None) -> None:
         if cfg.dry_run:
             n = len(rows) if rows else None
             dry_run_report(cfg, n_examples=n, models=GRPOTrainer.dry_run_models(cfg),
-                           extra=grpo_sizes(cfg, int(os.environ.get("WORLD_SIZE", "1")), n))
+                           extra=grpo_sizes(cfg, int(os.environ.get("WORLD_SIZE", "1")), n),
+                           prompt_group=cfg.num_generations)
             return
         check_output_dir(cfg)
         trainer = GRPOTrainer(cfg, train_prompts=rows)

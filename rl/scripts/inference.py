@@ -18,6 +18,7 @@ data), so both see a model exactly as the trainers did:
 from __future__ import annotations
 
 import json
+import sys
 from pathlib import Path
 
 import torch
@@ -25,8 +26,9 @@ import yaml
 
 from rl.engine.generation import generate
 from rl.errors import ConfigError
+from rl.models.limits import prompt_room
 from rl.models.loading import check_source, load_causal_lm, load_tokenizer, unreadable
-from rl.rollout.prompts import encode_prompt
+from rl.rollout.prompts import encode_prompt, keep_last
 
 
 def load_for_inference(name: str, dtype: str = "auto", trust_remote_code: bool = False):
@@ -87,11 +89,20 @@ def encode(tokenizer, prompt: str | list[dict], chat: bool) -> list[int]:
 
 @torch.no_grad()
 def complete(model, tokenizer, prompt_ids: list[list[int]], max_new_tokens: int = 128,
-             temperature: float = 0.0, top_p: float = 1.0, seed: int = 0, batch_size: int = 16) -> list[str]:
+             temperature: float = 0.0, top_p: float = 1.0, seed: int = 0, batch_size: int = 16,
+             name: str = "the model") -> list[str]:
     """Decoded completions (special tokens dropped) of `prompt_ids`, `batch_size` prompts at a time.
 
     `temperature=0` is greedy; otherwise seeded sampling (rl.engine.generation: row r of a batch starting at
-    prompt i draws from seed `seed + i + r`, so results do not depend on batch_size)."""
+    prompt i draws from seed `seed + i + r`, so results do not depend on batch_size). A prompt longer than
+    the model's context leaves next to max_new_tokens keeps its last tokens, as the trainers cut prompts,
+    with one warning line; a max_new_tokens that leaves no room is refused (rl.models.limits.prompt_room)."""
+    room = prompt_room(model, max_new_tokens, name)
+    cut = sum(room is not None and len(p) > room for p in prompt_ids)
+    if cut:
+        print(f"warning: {cut} prompt(s) longer than {name}'s context leaves next to {max_new_tokens} new tokens "
+              f"keep their last {room} tokens (lower --max-new-tokens to keep more)", file=sys.stderr)
+        prompt_ids = [keep_last(p, room, getattr(tokenizer, "bos_token_id", None)) for p in prompt_ids]
     out: list[str] = []
     for start in range(0, len(prompt_ids), batch_size):
         chunk = prompt_ids[start:start + batch_size]

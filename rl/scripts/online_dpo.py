@@ -28,7 +28,8 @@ def main(argv=None) -> None:
         # 2. setup: prompts and reward functions are validated before any model is built
         rows = dry_run_data(cfg, OnlineDPOTrainer.load_data) if cfg.dry_run else OnlineDPOTrainer.load_data(cfg)
         if cfg.dry_run:
-            dry_run_report(cfg, n_examples=len(rows) if rows else None, models=OnlineDPOTrainer.dry_run_models(cfg))
+            dry_run_report(cfg, n_examples=len(rows) if rows else None, models=OnlineDPOTrainer.dry_run_models(cfg),
+                           prompt_group=1)
             return
         check_output_dir(cfg)
         trainer = OnlineDPOTrainer(cfg, train_prompts=rows)

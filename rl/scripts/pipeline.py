@@ -2,7 +2,7 @@
 improve it with GRPO on the math environment, measure again; print both numbers, write the plots.
 
     python launch/pipeline.py --config recipes/tiny/pipeline.yaml          # ~3 minutes on 2 CPU cores
-    python launch/pipeline.py --config recipes/tiny/pipeline.yaml grpo.max_steps=40
+    python launch/pipeline.py --config recipes/tiny/pipeline.yaml grpo.max_steps=40 overwrite=true   # replaces the run
     python launch/pipeline.py --help
     OMP_NUM_THREADS=1 python launch/pipeline.py --config recipes/tiny/tool_pipeline.yaml   # tool use
 
@@ -11,7 +11,9 @@ examples and GRPO trains on multi-turn episodes; the summary then adds the tool-
 
 Stages write under output_dir: model-init/ (the tiny model), sft/ (SFT run and model), grpo/ (GRPO run
 and final model), each with metrics.jsonl and metrics.png; summary.json and accuracy.png hold the
-before/after numbers. Held-out accuracy is greedy decoding on the math environment's test split
+before/after numbers. A rerun into a previous run's output_dir is refused unless overwrite=true; a stage
+stopped by SIGINT/SIGTERM ends the pipeline (exit 128 + signal, no summary), and `sft.resume=auto` or
+`grpo.resume=auto` continues it. Held-out accuracy is greedy decoding on the math environment's test split
 (problems never seen in SFT or GRPO), with the answer extracted and compared by rl.rewards.answers.
 """
 
@@ -27,6 +29,7 @@ from typing import Literal
 from rl.config.fields import build, opt
 from rl.config.parse import cli_config, save_config
 from rl.data.sft import tokenize_examples
+from rl.engine.state import previous_run
 from rl.envs.math import create_math_problem_env
 from rl.envs.tool_math import create_tool_math_env
 from rl.errors import (
@@ -35,9 +38,10 @@ from rl.errors import (
     RunError,
 )
 from rl.models.card import write_model_card
+from rl.models.limits import check_length
 from rl.models.tiny import FAMILIES, write_tiny_model
-from rl.scripts.common import fail, preflight
-from rl.scripts.dryrun import dry_run_report
+from rl.scripts.common import fail, preflight, run_training
+from rl.scripts.dryrun import dry_run_report, load_model_config
 from rl.trainers.base import check_output_dir
 from rl.trainers.grpo import GRPOTrainer
 from rl.trainers.grpo_config import GRPOConfig
@@ -74,14 +78,16 @@ class PipelineConfig:
     grpo: dict = opt({}, "GRPOConfig keys for the GRPO stage (see launch/grpo.py --help)")
     report_to: list[str] = opt(["jsonl"], "metric sinks of both stages: jsonl, wandb")
     dry_run: bool = opt(False, "print each stage's resolved config, sizes and memory plan, then exit without training")
+    overwrite: bool = opt(False, "replace a previous run in output_dir (its summary, plots and both stages); without "
+                          "it such a rerun is refused, as every trainer refuses one")
 
 
 def stage_configs(cfg: PipelineConfig, init_model: str, sft_dir: Path, grpo_dir: Path):
     env = {"seed": cfg.seed, **cfg.env_config}
-    # overwrite: rerunning the demo replaces its stages' previous outputs (metrics, checkpoints, model)
-    sft = build(SFTConfig, {"seed": cfg.seed, "report_to": cfg.report_to, "overwrite": True, **cfg.sft,
+    # the pipeline's overwrite is its stages' (each then clears its own metrics and checkpoints)
+    sft = build(SFTConfig, {"seed": cfg.seed, "report_to": cfg.report_to, "overwrite": cfg.overwrite, **cfg.sft,
                             "model_name": init_model, "output_dir": str(sft_dir)}, where="sft")
-    grpo = build(GRPOConfig, {"seed": cfg.seed, "report_to": cfg.report_to, "overwrite": True,
+    grpo = build(GRPOConfig, {"seed": cfg.seed, "report_to": cfg.report_to, "overwrite": cfg.overwrite,
                               "chat_template": cfg.chat_template, **cfg.grpo,
                               "model_name": init_model if cfg.skip_sft else str(sft_dir),
                               "output_dir": str(grpo_dir), "env_type": cfg.env_type,
@@ -89,6 +95,61 @@ def stage_configs(cfg: PipelineConfig, init_model: str, sft_dir: Path, grpo_dir:
                               "eval_num_prompts": cfg.eval_num_prompts},
                  where="grpo")
     return sft, grpo
+
+
+RESULTS = ("summary.json", "accuracy.png")  # what only a finished pipeline writes
+
+
+def check_pipeline_output_dir(cfg: PipelineConfig, stages: dict) -> None:
+    """Refuse a new pipeline run over a previous one (its summary or a stage's run; a stage given
+    `<stage>.resume` continues its own) unless overwrite=true, which removes the old summary and plots
+    first: a run stopped later must not leave the previous run's figures beside its own stages."""
+    out = Path(cfg.output_dir)
+    found = [name for name in RESULTS if (out / name).exists()]
+    found += [f"{name}/{previous_run(s.output_dir)}" for name, s in stages.items()
+              if not s.resume and previous_run(s.output_dir)]
+    if not found:
+        return
+    if not cfg.overwrite:
+        raise RunError(f"output_dir={out} holds a previous pipeline run ({found[0]}); pass overwrite=true to replace "
+                       f"it, or another output_dir")
+    for name in RESULTS:
+        (out / name).unlink(missing_ok=True)
+
+
+def run_stage(stage: str, trainer, out: Path, later: str | None, *args) -> list[dict]:
+    """`trainer.train(*args)` through `run_training` (one `error:` line for a failure). A stage stopped by a
+    signal ends the pipeline with 128 + signal, as the launch scripts do: the next stage would train on a
+    half-trained model and the summary would report it as the result."""
+    try:
+        return run_training(trainer, trainer.train, *args)
+    except SystemExit:
+        if trainer.stopped_by and trainer.accelerator.is_main_process:  # every rank stops; one line says so
+            later = f"{later} not run, " if later else ""
+            print(f"pipeline: the {stage} stage stopped on signal {trainer.stopped_by} (checkpoint in "
+                  f"{out / stage / 'checkpoints'}); {later}summary.json not written; continue with "
+                  f"{stage}.resume=auto, or start again with overwrite=true", file=sys.stderr)
+        raise
+
+
+def saved_model(directory: str) -> bool:
+    """Whether a finished stage's model (or LoRA adapter) is in `directory` (checkpoints are below it)."""
+    return any(Path(directory).glob("*.safetensors"))
+
+
+def logged_history(run_dir: Path, history: list[dict]) -> list[dict]:
+    """A resumed stage's whole history from its metrics.jsonl (the rows before the stop included; the
+    last row of a step logged twice wins), so that its step-0 evaluation, the SFT model's accuracy, is
+    the summary's "before"; `history` (this run's rows only) when the file is not there."""
+    path = run_dir / "metrics.jsonl"
+    if not path.exists():
+        return history
+    rows = {}
+    for line in path.read_text().splitlines():
+        if line.strip():
+            row = json.loads(line)
+            rows.setdefault(row["step"], {}).update(row)
+    return [rows[k] for k in sorted(rows)]
 
 
 def sloppy_teacher(records: list[dict], error_rate: float, seed: int) -> list[dict]:
@@ -155,10 +216,16 @@ def main(argv=None) -> None:
             print(f"# stage {name}")
             models = (GRPOTrainer.dry_run_models(dataclasses.replace(stage, model_name=plan_model)) if name == "grpo"
                       else {"policy (trainable)": plan_model})
-            dry_run_report(stage, n_examples=len(records) if name == "sft" else None, models=models)
+            try:
+                dry_run_report(stage, n_examples=len(records) if name == "sft" else None, models=models)
+            except ConfigError as e:
+                fail(f"{name} stage: {e}")
         return
+    # a resumed GRPO stage continues from the finished SFT stage's model: SFT is not run again
+    run_sft = not cfg.skip_sft and not (grpo_cfg.resume and saved_model(sft_cfg.output_dir))
     try:
-        for stage in (sft_cfg, grpo_cfg):
+        check_pipeline_output_dir(cfg, {"sft": sft_cfg, "grpo": grpo_cfg} if run_sft else {"grpo": grpo_cfg})
+        for stage in (sft_cfg, grpo_cfg) if run_sft else (grpo_cfg,):
             check_output_dir(stage)
     except RunError as e:
         fail(str(e))
@@ -168,24 +235,41 @@ def main(argv=None) -> None:
     if cfg.model_name is None:
         write_tiny_model(init_model, family=cfg.tiny_family, hidden=cfg.tiny_hidden, layers=cfg.tiny_layers,
                          seed=cfg.seed)
+    # both stages' lengths against the model's context now: GRPO's trainer would find its own only after SFT
+    conf = load_model_config(init_model, sft_cfg.trust_remote_code)
+    try:
+        for name, stage in (("sft", sft_cfg), ("grpo", grpo_cfg)):
+            if conf is not None:
+                check_length(stage.max_length, conf, init_model, key=f"{name}.max_length")
+    except ConfigError as e:
+        fail(str(e))
     # 3. SFT on the train split's reference answers
     if cfg.chat_template:
         records = [{"messages": [{"role": "user", "content": r["prompt"]},
                                  {"role": "assistant", "content": r["completion"]}]} for r in records]
-    if not cfg.skip_sft:
-        sft = SFTTrainer(sft_cfg)
-        sft_history = sft.train(tokenize_examples(records, sft.tokenizer, sft_cfg, "math environment (train split)"))
+    if run_sft:
+        try:
+            sft = SFTTrainer(sft_cfg)
+            data = tokenize_examples(records, sft.tokenizer, sft_cfg, "math environment (train split)")
+        except (ConfigError, DataError, RunError) as e:
+            fail(str(e))
+        sft_history = run_stage("sft", sft, out, "grpo", data)
         sft.save()
         if sft.accelerator.is_main_process:
             write_model_card(sft_cfg.output_dir, sft_cfg, sft_history, "sft")
     t_sft = time.time() - t0
     # 4. GRPO on the math environment; it evaluates the held-out split before its first step (= the SFT
     #    model's accuracy) and after its last one
-    grpo = GRPOTrainer(grpo_cfg)
-    history = grpo.train()
+    try:
+        grpo = GRPOTrainer(grpo_cfg)
+    except (ConfigError, DataError, RunError) as e:
+        fail(str(e))
+    history = run_stage("grpo", grpo, out, None)
     grpo.save()
     if grpo.accelerator.is_main_process:
         write_model_card(grpo_cfg.output_dir, grpo_cfg, history, "grpo")
+    if grpo_cfg.resume:
+        history = logged_history(Path(grpo_cfg.output_dir), history)
     evals = [r for r in history if "eval/accuracy" in r]
     before, after = evals[0]["eval/accuracy"], evals[-1]["eval/accuracy"]
     if grpo.accelerator.is_main_process:

@@ -61,6 +61,7 @@ from rl.models.loading import (
     resolve_dtype,
     trainable_fraction,
 )
+from rl.models.limits import check_length
 from rl.models.reference import ReferencePolicy
 from rl.models.saving import make_loadable, save_pretrained
 from rl.trainers.rewards import RewardModelReward
@@ -226,8 +227,12 @@ class Trainer:
             rm.model.to(self.accelerator.device)
         if model is None:
             model = load_trainable_policy(cfg)
+        # a sequence of max_length tokens must fit the model's positions (a learned table has no row past them)
+        check_length(cfg.max_length, model, cfg.model_name)
         self.reference = (ReferencePolicy.build(cfg, model, self.accelerator, **reference)
                           if reference is not None else None)
+        if self.reference is not None and self.reference.model is not None and reference.get("name"):
+            check_length(cfg.max_length, self.reference.model, reference["name"])  # a teacher of its own
         if cfg.lora.enabled and not hasattr(model, "disable_adapter"):  # a PEFT model given keeps its adapters
             model = apply_lora(model, cfg.lora.rank, cfg.lora.alpha, cfg.lora.dropout, cfg.lora.target_modules)
         self.trainable, self.total_params = trainable_fraction(model)

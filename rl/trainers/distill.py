@@ -37,13 +37,14 @@ import torch
 
 from rl.algos.distill import generalized_jsd
 from rl.config.fields import opt
+from rl.config.plan import prompts_step_problem
 from rl.config.schema import OnlineConfig
 from rl.data.records import has_data
 from rl.engine.dist import zero_stage
 from rl.engine.generation import generate
 from rl.engine.packing import IGNORE_INDEX, left_pad, position_ids_from_mask
 from rl.errors import ConfigError, DataError
-from rl.models.loading import release_device_cache
+from rl.models.loading import load_tokenizer, release_device_cache, vocabulary_mismatch
 from rl.rollout.prompts import encode_prompt, load_prompt_rows, step_prompts
 from rl.trainers.base import Trainer
 from rl.trainers.sampling import rollout_sampler
@@ -134,6 +135,15 @@ class DistillTrainer(Trainer):
     def __init__(self, config: DistillConfig, *, model=None, tokenizer=None, teacher=None,
                  train_prompts: list[dict] | None = None):
         self.train_prompts = train_prompts
+        tokenizer = tokenizer or load_tokenizer(config.model_name, config.trust_remote_code)
+        if teacher is None:  # before any model is loaded; a given teacher model has no tokenizer to compare
+            # the loss compares the two next-token distributions id by id: equal sizes are not enough
+            problem = vocabulary_mismatch(tokenizer, load_tokenizer(config.teacher_model_name,
+                                                                    config.trust_remote_code))
+            if problem:
+                raise ConfigError(f"key 'teacher_model_name': {config.teacher_model_name}'s tokenizer {problem}; "
+                                  f"distillation needs the student's vocabulary: use a teacher with the student's "
+                                  f"tokenizer (model_name={config.model_name})")
         self.build(config, model=model, tokenizer=tokenizer,
                    reference=dict(name=config.teacher_model_name, model=teacher))
 
@@ -163,10 +173,7 @@ class DistillTrainer(Trainer):
         per_process = cfg.batch_size * cfg.gradient_accumulation_steps
         per_step = per_process * self.world
         if len(self.train_prompts) < per_step:
-            raise ConfigError(f"{len(self.train_prompts)} training prompts are fewer than one step's {per_step} "
-                              f"(batch_size {cfg.batch_size} x gradient_accumulation_steps "
-                              f"{cfg.gradient_accumulation_steps} x {self.world} processes); add prompts or "
-                              f"lower batch_size")
+            raise ConfigError(prompts_step_problem(cfg, len(self.train_prompts), self.world))
         total = cfg.max_steps or len(self.train_prompts) // per_step * cfg.num_epochs
         return {"prompts_per_process": per_process, "prompts_per_step": per_step, "total_steps": total}
 

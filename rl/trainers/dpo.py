@@ -215,9 +215,12 @@ class DPOTrainer(EpochTrainer):
         self.pipeline = self.build_pipeline(self._model, total_steps, cfg.batch_size)
         self.reference.place(self.accelerator)
         # packed training forwards attend per sequence (rl.engine.segments), not over each row's whole block mask
-        self._segments = (cfg.packing or cfg.share_prompt_forward) and segments.enable(self.pipeline.unwrapped_model)
+        kernel = (cfg.packing or cfg.share_prompt_forward) and segments.enable(self.pipeline.unwrapped_model)
         # each pair's prompt computed once for both answers (SDPA models; else the padded or packed batch)
-        self._share = cfg.share_prompt_forward and self._segments and segments.prefix_sharing(self.pipeline.unwrapped_model)
+        self._share = cfg.share_prompt_forward and kernel and segments.prefix_sharing(self.pipeline.unwrapped_model)
+        # the segment path reads a packed batch's sequence_index: not when sharing was refused (GPT-2's learned
+        # positions) and packing is off, where _collate gives a padded batch
+        self._segments = kernel and (cfg.packing or self._share)
 
     def _reference_logps(self, batch: dict) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         """Reference log-probs of a collated batch: precomputed, a forward of the frozen copy or of the

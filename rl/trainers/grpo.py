@@ -54,6 +54,7 @@ from rl.algos.advantages import (
 from rl.algos.dapo import groups_with_spread, overlong_penalty
 from rl.algos.mismatch import importance_weights
 from rl.algos.policy_losses import grpo_loss
+from rl.config.plan import prompts_step_problem
 from rl.engine import losses, segments
 from rl.engine.dist import zero_stage
 from rl.engine.packing import pack_padded, pack_shared_prompts, position_ids_from_mask, unpack_targets
@@ -149,10 +150,7 @@ class GRPOTrainer(OnlineTrainer):
         prompts_per_process, steps_per_epoch = sizes["prompts_per_process"], sizes["steps_per_epoch"]
         # checked with max_steps too: a step draws prompts_per_step distinct rows (ZeroDivisionError before)
         if steps_per_epoch == 0:
-            raise ConfigError(f"{len(self.train_prompts)} training prompts are fewer than one step's "
-                              f"{prompts_per_step} (batch_size {cfg.batch_size} x gradient_accumulation_steps "
-                              f"{cfg.gradient_accumulation_steps} x {self.world} processes / num_generations "
-                              f"{cfg.num_generations}); add prompts or lower batch_size")
+            raise ConfigError(prompts_step_problem(cfg, len(self.train_prompts), self.world, cfg.num_generations))
         if cfg.max_steps:
             total = cfg.max_steps
         elif from_rows:

@@ -44,6 +44,7 @@ from rl.algos import names
 from rl.algos.preference import needs_reference
 from rl.algos.registry import check
 from rl.config.fields import opt
+from rl.config.plan import prompts_step_problem
 from rl.config.schema import OnlineConfig
 from rl.engine.dist import zero_stage
 from rl.engine.packing import IGNORE_INDEX, pack_sequences, position_ids_from_mask
@@ -153,10 +154,7 @@ class OnlineDPOTrainer(OnlineTrainer):
         per_step = per_process * self.world
         from_rows = self.env is None
         if from_rows and len(self.train_prompts) < per_step:
-            raise ConfigError(f"{len(self.train_prompts)} training prompts are fewer than one step's {per_step} "
-                              f"(batch_size {cfg.batch_size} x gradient_accumulation_steps "
-                              f"{cfg.gradient_accumulation_steps} x {self.world} processes); add prompts or "
-                              f"lower batch_size")
+            raise ConfigError(prompts_step_problem(cfg, len(self.train_prompts), self.world))
         if cfg.max_steps:
             total = cfg.max_steps
         elif from_rows:

@@ -320,6 +320,67 @@ def test_grpo_max_steps_with_fewer_prompts_than_one_step(tmp_path):
     assert "batch_size" in line
 
 
+@pytest.mark.parametrize("script,extra", [
+    ("grpo", ["env_type=null", "reward_funcs=[correctness]", "batch_size=32", "num_generations=8"]),
+    ("online_dpo", ["batch_size=4"]),
+    ("distill", ["batch_size=2", "gradient_accumulation_steps=2"]),
+])
+def test_dry_run_refuses_fewer_prompts_than_one_step_as_the_launch_does(script, extra, tmp_path, capsys,
+                                                                         monkeypatch):
+    """A trainer whose every step draws distinct prompts: with 3 rows and a step of 4, the launch refuses
+    in one line; --dry-run printed a plan of `steps_per_epoch: 0` (GRPO) or 1 (online DPO, distillation)
+    without a word. Now it prints the launch's own line, exit 2 (WORLD_SIZE=1: the plan is for one process)."""
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    p = tmp_path / "rows.jsonl"
+    p.write_text("".join(json.dumps({"prompt": f"{i}+1=", "completion": str(i + 1), "answer": str(i + 1)}) + "\n"
+                         for i in range(3)))
+    args = [f"data.path={p}", "data.prompt_column=prompt", *extra]
+    expected = fails_in_process(capsys, script, *args, f"output_dir={tmp_path / 'run'}",
+                                names=("3 training prompts are fewer than one step's 4",))
+    assert fails_in_process(capsys, script, *args, "--dry-run", names=()) == expected
+
+
+def _long_rows(tmp_path, n: int = 8):
+    """Rows whose prompt and completion are ~1,300 tokens each: past GPT-2's 1,024 positions."""
+    p = tmp_path / "long.jsonl"
+    p.write_text("".join(json.dumps({"prompt": "1+" * 650 + "1=", "completion": "2" * 1300, "answer": "2",
+                                     "chosen": "2" * 1300, "rejected": "3" * 1300, "label": True}) + "\n"
+                         for _ in range(n)))
+    return p
+
+
+CONTEXT_LINE = ("key 'max_length': {n} tokens exceed tiny:gpt2's context of 1024 positions (its config's "
+                "n_positions); set max_length=1024 or less")
+
+
+@pytest.mark.parametrize("script,extra", [
+    ("sft", ["max_length=2048"]),
+    ("dpo", ["max_length=2048", "max_prompt_length=1024"]),
+    ("reward", ["max_length=2048"]),
+    ("grpo", ["max_length=2048", "max_completion_length=200", "env_type=null", "reward_funcs=[default]",
+              "batch_size=8", "num_generations=4"]),
+])
+def test_max_length_above_the_models_context_is_refused(script, extra, tmp_path, capsys, monkeypatch):
+    """GPT-2's learned position table has 1,024 rows: a longer SFT row crashed the forward (IndexError), GRPO's
+    prompts (max_length - max_completion_length of them) plus the completion crashed sampling. Refused in one
+    line naming the key and the limit, by the launch and by its --dry-run."""
+    monkeypatch.setenv("RL_NO_PROGRESS", "1")
+    args = ["model_name=tiny:gpt2", f"data.path={_long_rows(tmp_path)}", "data.eval_fraction=0", *extra]
+    if script == "grpo":
+        args = [a for a in args if a != "data.eval_fraction=0"]
+    line = fails_in_process(capsys, script, *args, "max_steps=1", f"output_dir={tmp_path / 'run'}", names=())
+    assert line == "error: " + CONTEXT_LINE.format(n=2048)
+    assert fails_in_process(capsys, script, *args, "--dry-run", names=()) == line
+
+
+def test_pipeline_refuses_a_stage_length_above_the_context_before_sft(tmp_path, capsys):
+    out = tmp_path / "p"
+    line = fails_in_process(capsys, "pipeline", "tiny_family=gpt2", "grpo.max_length=2000", f"output_dir={out}",
+                            names=("key 'grpo.max_length': 2000 tokens exceed", "context of 1024 positions",
+                                   "set grpo.max_length=1024 or less"))
+    assert line and not (out / "sft").exists()  # refused before the SFT stage trained
+
+
 def test_short_batch_weights_give_the_exact_step_mean():
     """DPO: 3 pairs in a step of 2 processes x 2 micro-batches, split [2], [1] / [0 (padding)], [] :
     sum over micro-batches of loss / accumulation, then the mean over processes (what the engine and

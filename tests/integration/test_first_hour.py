@@ -153,3 +153,21 @@ def test_trackio_run_ends_without_its_upload_line(tmp_path):
     assert "Uploading logs" not in p.stdout + p.stderr
     assert p.stdout.strip().splitlines()[-1].startswith("sft done:")
     assert (tmp_path / "trackio" / "first-hour.db").exists()  # the metrics were still written
+
+
+def test_readme_training_commands_write_to_distinct_output_dirs():
+    """Each README command that trains (a launch script with --config, no --dry-run/--help) writes its own
+    output_dir (an override or its recipe's): run in order, a later one must not be refused as a rerun of an
+    earlier one, as every trainer and the pipeline refuse one."""
+    blocks = re.findall(r"```bash\n(.*?)```", (ROOT / "README.md").read_text(), re.DOTALL)
+    seen: dict[str, str] = {}
+    for line in re.sub(r"\\\n\s*", " ", "\n".join(blocks)).splitlines():
+        line = line.split("#")[0].strip()
+        m = re.search(r"launch/\w+\.py\s+--config\s+(\S+)(.*)", line)
+        if not m or "--dry-run" in line or "--help" in line:
+            continue
+        out = next((a.split("=", 1)[1] for a in m.group(2).split() if a.startswith("output_dir=")), None)
+        out = out or yaml.safe_load((ROOT / m.group(1)).read_text())["output_dir"]
+        assert out not in seen, f"README: {line!r} writes {out}, as {seen[out]!r} does: give it output_dir=..."
+        seen[out] = line
+    assert len(seen) >= 8, seen  # the commands were found

@@ -281,3 +281,24 @@ def test_a_corrupt_safetensors_file_is_named(tiny_llama, tmp_path, capsys):
     file.write_bytes(file.read_bytes()[:100])
     line = _one_error_line(capsys, chat, ["--model", str(adapter), "--prompt", "hi"])
     assert line.startswith(f"error: model {str(adapter)!r}: {file} cannot be read (Error while deserializing")
+
+def test_chat_with_a_prompt_longer_than_the_context_keeps_its_end(tiny_cache, capsys):
+    """GPT-2's 1,024 learned positions: a 1,400-token prompt crashed generation (IndexError). Now it keeps BOS
+    and its last 1,024 - max_new_tokens tokens, as the trainers cut prompts, with one warning line; the reply
+    is the one the already-cut prompt gets. A --max-new-tokens that leaves no room is one error line."""
+    from rl.rollout.prompts import encode_prompt
+    from rl.scripts.inference import complete, load_for_inference
+
+    chat = _launch("chat")
+    prompt = "1+" * 700 + "1="
+    chat.main(["--model", "tiny:gpt2", "--prompt", prompt, "--chat-template", "no", "--max-new-tokens", "4"])
+    out, err = capsys.readouterr()
+    assert err.strip().splitlines() == ["warning: 1 prompt(s) longer than tiny:gpt2's context leaves next to 4 new "
+                                        "tokens keep their last 1020 tokens (lower --max-new-tokens to keep more)"]
+    model, tok = load_for_inference("tiny:gpt2", dtype="float32")
+    cut = encode_prompt(tok, prompt, 1020)
+    assert len(cut) == 1020 and cut[0] == tok.bos_token_id
+    assert out == f">>> {prompt}\n{complete(model, tok, [cut], max_new_tokens=4)[0]}\n\n"
+    line = _one_error_line(capsys, chat.main, ["--model", "tiny:gpt2", "--prompt", "hi", "--max-new-tokens", "2000"])
+    assert line == ("error: --max-new-tokens 2000 leaves no room for the prompt in tiny:gpt2's context of 1024 "
+                    "positions (its config's n_positions); lower --max-new-tokens below 1024")

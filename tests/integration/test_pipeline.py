@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from tests.conftest import LEARN_SEED, learned, run_cmd
+from tests.conftest import LEARN_SEED, learned, run_cmd, run_main
 
 MIN_GAIN = 0.10
 
@@ -56,3 +56,84 @@ def test_pipeline_bad_key_fails_fast(tmp_path):
         pipeline.sloppy_teacher([{"prompt": "1+1=", "completion": "2"}], 1.5, 0)
     noisy = pipeline.sloppy_teacher([{"prompt": "1+1=", "completion": "2"}] * 1000, 0.7, 0)
     assert 600 < sum(r["completion"] == "3" for r in noisy) < 800
+
+
+# the tiny pipeline cut to a few steps of each stage (seconds in this process)
+CHEAP = ["num_sft_examples=64", "eval_num_prompts=4", "sft.batch_size=8", "sft.max_steps=3", "sft.log_every=1",
+         "grpo.batch_size=8", "grpo.num_generations=4", "grpo.max_steps=2", "grpo.eval_every=0",
+         "grpo.log_every=1"]
+
+
+def _pipeline(out, *extra, capfd, monkeypatch, stop: tuple | None = None):
+    """launch/pipeline.py's main() in this process (conftest.run_main); `stop` = (stage, step, signal) raises
+    the signal in the run's own thread once that stage's row of that step has passed the non-finite guard,
+    so fit()'s handler receives it as it would a Ctrl-C (see test_lifecycle._signal_in_process)."""
+    import signal as _signal
+
+    from rl.trainers import base
+
+    real = base.check_finite
+
+    def then_signal(row):
+        real(row)
+        stage = "grpo" if any(k.startswith("reward") for k in row) else "sft"
+        if stop and (stage, row["step"]) == stop[:2]:
+            _signal.raise_signal(stop[2])
+
+    monkeypatch.setattr(base, "check_finite", then_signal)
+    try:
+        return run_main("pipeline", ["--config", "recipes/tiny/pipeline.yaml", *CHEAP, f"output_dir={out}", *extra],
+                        capfd, monkeypatch)
+    finally:
+        monkeypatch.setattr(base, "check_finite", real)
+
+
+def test_a_stop_in_the_sft_stage_ends_the_pipeline_and_a_rerun_is_refused(tmp_path, capfd, monkeypatch):
+    """Ctrl-C during SFT: its checkpoint, exit 130, no GRPO stage on the half-trained model, no summary.
+    Rerunning into that output_dir is refused in one line (overwrite=true to replace it); sft.resume=auto
+    continues the SFT stage and finishes the pipeline."""
+    import signal
+
+    out = tmp_path / "p"
+    code, _, err = _pipeline(out, capfd=capfd, monkeypatch=monkeypatch, stop=("sft", 2, signal.SIGINT))
+    assert code == 130, err[-3000:]
+    assert "pipeline: the sft stage stopped on signal 2" in err and "grpo not run" in err, err[-3000:]
+    assert (out / "sft" / "checkpoints" / "checkpoint-2").is_dir()
+    assert not (out / "grpo").exists() and not (out / "summary.json").exists() and not (out / "accuracy.png").exists()
+    code, _, err = _pipeline(out, capfd=capfd, monkeypatch=monkeypatch)
+    lines = [x for x in err.splitlines() if x.startswith("error:")]
+    assert code == 2 and lines == [f"error: output_dir={out} holds a previous pipeline run (sft/metrics.jsonl); "
+                                   f"pass overwrite=true to replace it, or another output_dir"], err[-3000:]
+    assert not (out / "grpo").exists()
+    code, _, err = _pipeline(out, "sft.resume=auto", capfd=capfd, monkeypatch=monkeypatch)
+    assert code == 0, err[-3000:]
+    assert "resumed from" in err + _ and json.loads((out / "summary.json").read_text())["sft_steps"] == 3
+
+
+def test_a_stop_in_the_grpo_stage_leaves_no_summary_and_resumes_to_the_right_one(tmp_path, capfd, monkeypatch):
+    """overwrite=true over a finished run removes its summary and plots first; SIGTERM during GRPO then
+    exits 143 without a summary (neither the old one nor one of the half-trained model). grpo.resume=auto
+    continues GRPO from the finished SFT model without running SFT again, and the summary's SFT accuracy is
+    GRPO's step-0 evaluation logged before the stop."""
+    import signal
+
+    out = tmp_path / "p"
+    out.mkdir()
+    (out / "summary.json").write_text('{"sft_accuracy": 0.5}')
+    (out / "accuracy.png").write_bytes(b"old")
+    code, _, err = _pipeline(out, capfd=capfd, monkeypatch=monkeypatch)
+    assert code == 2 and "holds a previous pipeline run (summary.json)" in err, err[-3000:]
+    code, _, err = _pipeline(out, "overwrite=true", capfd=capfd, monkeypatch=monkeypatch,
+                             stop=("grpo", 1, signal.SIGTERM))
+    assert code == 143, err[-3000:]
+    assert "pipeline: the grpo stage stopped on signal 15" in err, err[-3000:]
+    assert not (out / "summary.json").exists() and not (out / "accuracy.png").exists()
+    assert (out / "sft" / "model.safetensors").exists() and not (out / "grpo" / "model.safetensors").exists()
+    sft_log = (out / "sft" / "metrics.jsonl").read_bytes()
+    code, _, err = _pipeline(out, "grpo.resume=auto", capfd=capfd, monkeypatch=monkeypatch)
+    assert code == 0, err[-3000:]
+    assert (out / "sft" / "metrics.jsonl").read_bytes() == sft_log  # SFT did not run again
+    rows = [json.loads(x) for x in (out / "grpo" / "metrics.jsonl").read_text().splitlines()]
+    step0 = next(r["eval/accuracy"] for r in rows if r["step"] == 0)
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["sft_accuracy"] == round(step0, 6) and (out / "grpo" / "model.safetensors").exists()

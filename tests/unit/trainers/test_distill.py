@@ -240,3 +240,30 @@ def test_it_learns_the_student_moves_toward_the_teacher(tmp_path, tiny_llama, ti
 
 
 MAX_JSD_RATIO = 0.9
+
+
+def test_a_teacher_whose_tokenizer_maps_ids_to_other_tokens_is_refused(tmp_path, tiny_llama, capfd, monkeypatch):
+    """The same number of ids (and of output rows), two digits' ids swapped: the loss would compare the
+    teacher's '1' with the student's '0'. One line naming the key and the first differing id, exit 2, before
+    any model is loaded; the shipped recipe's tiny:qwen2 teacher (whose class adds a token of its own) passes."""
+    import shutil
+
+    from rl.models.loading import load_tokenizer, vocabulary_mismatch
+
+    teacher = tmp_path / "teacher"
+    shutil.copytree(tiny_llama, teacher)
+    spec = json.loads((teacher / "tokenizer.json").read_text())
+    vocab = spec["model"]["vocab"]
+    vocab["0"], vocab["1"] = vocab["1"], vocab["0"]
+    (teacher / "tokenizer.json").write_text(json.dumps(spec))
+    student_tok, teacher_tok = load_tokenizer(tiny_llama), load_tokenizer(str(teacher))
+    assert len(student_tok) == len(teacher_tok)
+    assert vocabulary_mismatch(student_tok, teacher_tok) == (
+        f"maps id {vocab['1']} to '1' where the student's tokenizer has '0' (2 of 259 shared ids differ)")
+    assert vocabulary_mismatch(student_tok, load_tokenizer("tiny:qwen2")) is None
+    code, _, stderr = run_main("distill", ["--config", "recipes/tiny/distill.yaml", f"output_dir={tmp_path / 'out'}",
+                                           f"model_name={tiny_llama}", f"teacher_model_name={teacher}"],
+                               capfd, monkeypatch)
+    lines = [x for x in stderr.splitlines() if x.startswith("error:")]
+    assert code == 2 and len(lines) == 1 and "Traceback" not in stderr, stderr[-2000:]
+    assert lines[0].startswith(f"error: key 'teacher_model_name': {teacher}'s tokenizer maps id "), lines
