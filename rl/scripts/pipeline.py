@@ -40,7 +40,7 @@ from rl.errors import (
 from rl.models.card import write_model_card
 from rl.models.limits import check_length
 from rl.models.tiny import FAMILIES, write_tiny_model
-from rl.scripts.common import fail, preflight, run_training
+from rl.scripts.common import fail, final_save, preflight, run_training
 from rl.scripts.dryrun import dry_run_report, load_model_config
 from rl.trainers.base import check_output_dir
 from rl.trainers.grpo import GRPOTrainer
@@ -254,9 +254,10 @@ def main(argv=None) -> None:
         except (ConfigError, DataError, RunError) as e:
             fail(str(e))
         sft_history = run_stage("sft", sft, out, "grpo", data)
-        sft.save()
-        if sft.accelerator.is_main_process:
-            write_model_card(sft_cfg.output_dir, sft_cfg, sft_history, "sft")
+        with final_save(sft_cfg.output_dir):  # a full disk: one line, as in the standalone scripts
+            sft.save()
+            if sft.accelerator.is_main_process:
+                write_model_card(sft_cfg.output_dir, sft_cfg, sft_history, "sft")
     t_sft = time.time() - t0
     # 4. GRPO on the math environment; it evaluates the held-out split before its first step (= the SFT
     #    model's accuracy) and after its last one
@@ -265,9 +266,10 @@ def main(argv=None) -> None:
     except (ConfigError, DataError, RunError) as e:
         fail(str(e))
     history = run_stage("grpo", grpo, out, None)
-    grpo.save()
-    if grpo.accelerator.is_main_process:
-        write_model_card(grpo_cfg.output_dir, grpo_cfg, history, "grpo")
+    with final_save(grpo_cfg.output_dir):
+        grpo.save()
+        if grpo.accelerator.is_main_process:
+            write_model_card(grpo_cfg.output_dir, grpo_cfg, history, "grpo")
     if grpo_cfg.resume:
         history = logged_history(Path(grpo_cfg.output_dir), history)
     evals = [r for r in history if "eval/accuracy" in r]
