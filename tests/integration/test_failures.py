@@ -378,7 +378,8 @@ def test_pipeline_refuses_a_stage_length_above_the_context_before_sft(tmp_path, 
     line = fails_in_process(capsys, "pipeline", "tiny_family=gpt2", "grpo.max_length=2000", f"output_dir={out}",
                             names=("key 'grpo.max_length': 2000 tokens exceed", "context of 1024 positions",
                                    "set grpo.max_length=1024 or less"))
-    assert line and not (out / "sft").exists()  # refused before the SFT stage trained
+    # refused before the SFT stage trained (its output_dir may exist: a run's lock file is taken first)
+    assert line and not (out / "sft" / "metrics.jsonl").exists() and not (out / "sft" / "model.safetensors").exists()
 
 
 def test_short_batch_weights_give_the_exact_step_mean():
