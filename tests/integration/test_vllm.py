@@ -203,6 +203,9 @@ def test_zero3_two_processes_sync_gathered_weights(tmp_path):
                            "reward_funcs=[tests.integration.vllm_rewards:spread]", zero3=True), timeout=900, env={"RL_NO_PROGRESS": "1"})
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     train = [r for r in rows if "sampling/sampling_logp_difference/max" in r]
+    print("zero3 2 processes: max |engine - policy| per step",
+          [f"{r['sampling/sampling_logp_difference/max']:.1e}" for r in train], "grad norms",
+          [round(r["grad_norm"], 3) for r in train])
     assert [r["step"] for r in train] == [1, 2, 3]
     # steps 2 and 3 sampled after syncs of gathered weights: the engines' log-probs are the policy's
     assert all(r["sampling/sampling_logp_difference/max"] < 1e-4 for r in train), train
