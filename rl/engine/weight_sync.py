@@ -49,7 +49,7 @@ def hf_name(name: str) -> str | None:
     return name.replace(".base_layer.", ".").replace(".modules_to_save.default.", ".")
 
 
-def _is_zero3(module: torch.nn.Module) -> bool:
+def is_zero3(module: torch.nn.Module) -> bool:
     return any(hasattr(p, "ds_id") for p in module.parameters())
 
 
@@ -58,7 +58,7 @@ def policy_weights(model) -> Iterator[tuple[str, torch.Tensor]]:
     docstring). Tensors are valid until the next item is requested under ZeRO-3 (copies), and are the
     parameters themselves otherwise (the consumer copies them into its own storage)."""
     lm = policy_module(model)
-    zero3 = _is_zero3(lm)
+    zero3 = is_zero3(lm)
     # merging under ZeRO-3 would need every rank's full weights at once; there the adapters are merged
     # per module below instead
     with (nullcontext() if zero3 else lora_merged(lm)):

@@ -122,8 +122,8 @@ def colocated_llm(model_dir: str, *, dtype: str, max_model_len: int, gpu_memory_
     try:
         llm = vllm.LLM(**kw)
     except Exception as e:  # noqa: BLE001 - vLLM raises many kinds; the user needs the first line
-        raise RunError(f"vLLM could not start on {model_dir}: {str(e).splitlines()[0] if str(e) else type(e).__name__}"
-                       " (CPU attention needs head_dim 64, e.g. model_name=tiny:llama-hd64)") from e
+        first = str(e).splitlines()[0] if str(e) else type(e).__name__
+        raise RunError(f"vLLM could not start on {model_dir}: {first}") from e
     _ENGINES[key] = llm
     return llm
 
@@ -174,8 +174,8 @@ class VLLMRollout:
         elif self.acc.is_main_process:
             self.client.push(policy_weights(model))
         else:  # the other ranks take part in ZeRO-3's gathers only
-            from rl.engine.weight_sync import _is_zero3, policy_module
-            if _is_zero3(policy_module(model)):
+            from rl.engine.weight_sync import is_zero3, policy_module
+            if is_zero3(policy_module(model)):
                 for _ in policy_weights(model):
                     pass
         if self.client is not None and self.acc.num_processes > 1:
