@@ -151,7 +151,7 @@ class VLLMRollout:
                                      seed=cfg.seed + accelerator.process_index)
             self.client = None
         else:
-            from rl.rollout.vllm_server import ServerClient, model_shape
+            from rl.rollout.vllm_client import ServerClient, model_shape
 
             self.llm = None
             self.client = ServerClient(cfg.vllm_server_host, cfg.vllm_server_port, cfg.vllm_server_timeout,

@@ -212,7 +212,7 @@ class DistillTrainer(Trainer):
             seed = cfg.seed * 7_919 + (step * self.world + acc.process_index) * k  # row r samples seed + r
             model = self.pipeline.model if on_policy else self.reference.model
             # the student's samples may come from vLLM (use_vllm); the teacher's (seq_kd) from our sampler
-            sample = rollout_sampler(self) if on_policy else generate
+            sample = rollout_sampler(self, generate) if on_policy else generate
             rollout = sample(model, self.tokenizer, prompts, max_new_tokens=cfg.max_completion_length,
                                temperature=cfg.temperature, top_k=cfg.top_k, top_p=cfg.top_p, seed=seed)
             if cfg.optimize_device_cache:

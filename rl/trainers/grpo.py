@@ -57,6 +57,7 @@ from rl.algos.policy_losses import grpo_loss
 from rl.config.plan import prompts_step_problem
 from rl.engine import losses, segments
 from rl.engine.dist import zero_stage
+from rl.engine.generation import generate
 from rl.engine.packing import pack_padded, pack_shared_prompts, position_ids_from_mask, unpack_targets
 from rl.engine.scoring import sequence_logprobs
 from rl.errors import ConfigError
@@ -242,8 +243,9 @@ class GRPOTrainer(OnlineTrainer):
                 + round_ * 2 ** 40)
         t_gen = time.time()
         # a multi-turn environment (rl.envs.tool_math) runs whole episodes: tool tokens get labels -100 in to_batch
-        gen = rollout_sampler(self)  # our sampler, or vLLM with the policy's current weights
-        sample = partial(run_episodes, env=self.env, generate_fn=gen) if getattr(self.env, "multi_turn", False) else gen
+        gen = rollout_sampler(self, generate)  # our sampler, or vLLM with the policy's current weights
+        engine = {} if gen is generate else {"generate_fn": gen}
+        sample = partial(run_episodes, env=self.env, **engine) if getattr(self.env, "multi_turn", False) else gen
         rollout = sample(self.pipeline.model, self.tokenizer, prompt_ids, max_new_tokens=cfg.max_completion_length,
                          temperature=cfg.temperature, top_k=cfg.top_k, top_p=cfg.top_p, seed=seed,
                          num_samples=cfg.num_generations)

@@ -47,6 +47,7 @@ from rl.config.fields import opt
 from rl.config.plan import prompts_step_problem
 from rl.config.schema import OnlineConfig
 from rl.engine.dist import zero_stage
+from rl.engine.generation import generate
 from rl.engine.packing import IGNORE_INDEX, pack_sequences, position_ids_from_mask
 from rl.engine.scoring import sequence_logprobs
 from rl.errors import ConfigError
@@ -206,8 +207,9 @@ class OnlineDPOTrainer(OnlineTrainer):
         mine = step_prompts(self.env, self.train_prompts, cfg.seed, pipe.step, plan["prompts_per_step"])[acc.process_index * k:(acc.process_index + 1) * k]
         prompt_ids = [encode_prompt(self.tokenizer, r["prompt"], cfg.prompt_budget, cfg.chat_template) for r in mine]
         seed = cfg.seed * 7_919 + (pipe.step * self.world + acc.process_index) * 2 * k  # row r samples seed + r
-        rollout = rollout_sampler(self)(pipe.model, self.tokenizer, prompt_ids, max_new_tokens=cfg.max_completion_length,
-                           temperature=cfg.temperature, top_k=cfg.top_k, top_p=cfg.top_p, seed=seed, num_samples=2)
+        sample = rollout_sampler(self, generate)  # our sampler, or vLLM holding the policy's current weights
+        rollout = sample(pipe.model, self.tokenizer, prompt_ids, max_new_tokens=cfg.max_completion_length,
+                         temperature=cfg.temperature, top_k=cfg.top_k, top_p=cfg.top_p, seed=seed, num_samples=2)
         t_gen = time.time() - t0
         if cfg.optimize_device_cache:
             release_device_cache()

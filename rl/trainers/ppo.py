@@ -45,6 +45,7 @@ from rl.algos.kl import (
     FixedKLController,
 )
 from rl.engine.dist import is_deepspeed, zero_stage
+from rl.engine.generation import generate
 from rl.engine.packing import pack_padded
 from rl.engine.pipeline import ForwardBackwardPipeline
 from rl.engine.state import checkpoint_dir
@@ -146,8 +147,9 @@ class PPOTrainer(Trainer):
         model = self.pipeline.model if self.pipeline is not None else self.policy
         # a multi-turn environment (rl.envs.tool_math) runs whole episodes; their tool tokens are out of the loss
         env = getattr(self.reward, "env", None)
-        gen = rollout_sampler(self)  # our sampler, or vLLM holding the policy's current weights
-        sample = partial(run_episodes, env=env, generate_fn=gen) if getattr(env, "multi_turn", False) else gen
+        gen = rollout_sampler(self, generate)  # our sampler, or vLLM holding the policy's current weights
+        engine = {} if gen is generate else {"generate_fn": gen}
+        sample = partial(run_episodes, env=env, **engine) if getattr(env, "multi_turn", False) else gen
         rollout = sample(model, self.tokenizer, prompt_ids, max_new_tokens=cfg.max_new_tokens,
                          temperature=cfg.temperature, top_k=cfg.top_k, top_p=cfg.top_p, seed=seed)
         if cfg.optimize_device_cache:

@@ -4,16 +4,16 @@ reference) or, with `use_vllm=true`, vLLM (`rl.rollout.vllm_engine`) holding the
 from __future__ import annotations
 
 from rl.engine.dist import unwrap_module
-from rl.engine.generation import generate
 
 
-def rollout_sampler(trainer):
-    """A function with `generate`'s signature for the trainer's next rollout. With vLLM the engine is
+def rollout_sampler(trainer, ours):
+    """A function with `generate`'s signature for the trainer's next rollout: `ours` (our sampler, the
+    trainer module's `generate`) unless use_vllm=true. With vLLM the engine is
     built at the first call (every process: colocated engines, or the server's client) and its weights
     are synced whenever the policy took an optimizer step since the last rollout."""
     cfg = trainer.cfg
     if not getattr(cfg, "use_vllm", False):
-        return generate
+        return ours
     engine = getattr(trainer, "_vllm", None)
     pipe = trainer.pipeline  # PPO samples its first rollout before its engine exists: the policy itself
     policy = pipe.model if pipe is not None else trainer.policy

@@ -99,12 +99,14 @@ def test_a_stop_in_the_sft_stage_ends_the_pipeline_and_a_rerun_is_refused(tmp_pa
     assert code == 130, err[-3000:]
     assert "pipeline: the sft stage stopped on signal 2" in err and "grpo not run" in err, err[-3000:]
     assert (out / "sft" / "checkpoints" / "checkpoint-2").is_dir()
-    assert not (out / "grpo").exists() and not (out / "summary.json").exists() and not (out / "accuracy.png").exists()
+    # grpo not run: nothing of its run (its output_dir holds the run lock taken when the pipeline started)
+    assert not (out / "grpo" / "metrics.jsonl").exists() and not (out / "summary.json").exists() \
+        and not (out / "accuracy.png").exists()
     code, _, err = _pipeline(out, capfd=capfd, monkeypatch=monkeypatch)
     lines = [x for x in err.splitlines() if x.startswith("error:")]
     assert code == 2 and lines == [f"error: output_dir={out} holds a previous pipeline run (sft/metrics.jsonl); "
                                    f"pass overwrite=true to replace it, or another output_dir"], err[-3000:]
-    assert not (out / "grpo").exists()
+    assert not (out / "grpo" / "metrics.jsonl").exists()
     code, _, err = _pipeline(out, "sft.resume=auto", capfd=capfd, monkeypatch=monkeypatch)
     assert code == 0, err[-3000:]
     assert "resumed from" in err + _ and json.loads((out / "summary.json").read_text())["sft_steps"] == 3

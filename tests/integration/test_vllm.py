@@ -72,7 +72,7 @@ def engine_vs_policy(trainer, model_before) -> tuple[float, float]:
     from rl.trainers.sampling import rollout_sampler
 
     prompts = [encode_prompt(trainer.tokenizer, f"{a}+{a}=", 16, False) for a in range(6)]
-    roll = rollout_sampler(trainer)(trainer.pipeline.model, trainer.tokenizer, prompts, max_new_tokens=6,
+    roll = rollout_sampler(trainer, None)(trainer.pipeline.model, trainer.tokenizer, prompts, max_new_tokens=6,
                                     num_samples=2)
     batch = roll.to_batch()
     m = batch["labels"][:, 1:].ne(-100)

@@ -13,7 +13,7 @@ import pytest
 
 from rl.errors import RunError
 from rl.rollout.vllm_engine import require_vllm, sampling_params, to_rollout
-from rl.rollout.vllm_server import ServerClient, model_shape
+from rl.rollout.vllm_client import ServerClient, model_shape
 
 
 def test_completions_become_our_rollout():
