@@ -131,6 +131,10 @@ def load_causal_lm(name: str, dtype: str | torch.dtype | None = "auto", trust_re
     if quantization in ("4bit", "8bit"):
         from transformers import BitsAndBytesConfig
 
+        from rl.engine.optim import import_bitsandbytes
+
+        import_bitsandbytes()  # before transformers imports it: without its kernels-community line
+
         kwargs["quantization_config"] = (
             BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4",
                                bnb_4bit_compute_dtype=torch_dtype, bnb_4bit_use_double_quant=True)
