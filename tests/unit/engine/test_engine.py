@@ -345,3 +345,17 @@ def test_deepspeed_that_accelerate_drops_is_one_line(tmp_path):
                        env={**env, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "ACCELERATE_USE_CPU": "true"})
     assert "refused: DeepSpeed was asked for (key deepspeed) but accelerate set up" in r.stdout, r.stdout + r.stderr
     assert "unset ACCELERATE_USE_CPU" in r.stdout
+
+
+def test_gradient_checkpointing_uses_transformers_current_name(tiny_llama):
+    """`gradient_checkpointing: true` turns checkpointing on through `activation_checkpointing_enable`; the old
+    `gradient_checkpointing_enable` is deprecated in transformers 5.2x and warned in every such run."""
+    import warnings
+
+    from rl.models.loading import load_causal_lm
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        model = load_causal_lm(tiny_llama, dtype="float32", gradient_checkpointing=True)
+    assert not [w for w in caught if "checkpointing" in str(w.message)], [str(w.message) for w in caught]
+    assert getattr(model, "is_activation_checkpointing", getattr(model, "is_gradient_checkpointing", False))
