@@ -3,6 +3,8 @@
 * `build_accelerator`: an Accelerator that works the same on CPU (gloo) and GPU, with or without
   DeepSpeed; its DeepSpeed config gets our accumulation steps, micro- and global batch size
   (`fit_deepspeed_batch`, also for an Accelerator built elsewhere) and gradient clipping.
+  DeepSpeed without a launcher is a 1-process world (`_single_process_env`); RL_DIST_TIMEOUT bounds the wait
+  for the other processes (`dist_timeout`), a join that times out is one RunError line.
 * `is_deepspeed`, `zero_stage`; `inner_optimizer` (the torch optimizer inside accelerate's wrapper)
   and `unwrap_module` (the HF module inside DDP / a DeepSpeed engine).
 * `finish_partial_accumulation`: the mean gradient of k < N accumulated micro-batches, averaged across
