@@ -3,6 +3,8 @@
 * `build_accelerator`: an Accelerator that works the same on CPU (gloo) and GPU, with or without
   DeepSpeed; its DeepSpeed config gets our accumulation steps, micro- and global batch size
   (`fit_deepspeed_batch`, also for an Accelerator built elsewhere) and gradient clipping.
+  DeepSpeed without a launcher is a 1-process world (`_single_process_env`); RL_DIST_TIMEOUT bounds the wait
+  for the other processes (`dist_timeout`), a join that times out is one RunError line.
 * `is_deepspeed`, `zero_stage`; `inner_optimizer` (the torch optimizer inside accelerate's wrapper)
   and `unwrap_module` (the HF module inside DDP / a DeepSpeed engine).
 * `finish_partial_accumulation`: the mean gradient of k < N accumulated micro-batches, averaged across
@@ -14,10 +16,17 @@
 from __future__ import annotations
 
 import atexit
+import datetime
 import os
+import socket
 from typing import Any
 
 import torch
+
+from rl.errors import ConfigError, RunError
+
+# the variables torch.distributed's env:// init reads; `accelerate launch` (torchrun) sets them all
+LAUNCHER_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
 
 
 def _close_process_group() -> None:
@@ -51,6 +60,48 @@ def _skip_cpu_shm_op() -> None:
         pass
 
 
+def _single_process_env() -> None:
+    """A DeepSpeed run started with plain `python` (no launcher): the environment of a 1-process world, as
+    `accelerate launch --num_processes 1` would set it. Without it DeepSpeed's init_distributed falls back to
+    MPI discovery and ends in "No module named 'mpi4py'" (measured); HF's Trainer users expect
+    `python train.py --deepspeed ds.json` to run on one device. A free loopback port, so that two such runs
+    on one machine do not collide."""
+    if all(k in os.environ for k in LAUNCHER_ENV):
+        return
+    if any(k in os.environ for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK")):
+        return  # a launcher's partial environment: its own error is the honest one
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    for key, value in (("RANK", "0"), ("LOCAL_RANK", "0"), ("WORLD_SIZE", "1"), ("LOCAL_WORLD_SIZE", "1"),
+                       ("MASTER_ADDR", "127.0.0.1"), ("MASTER_PORT", str(port))):
+        os.environ.setdefault(key, value)
+
+
+def dist_timeout() -> datetime.timedelta | None:
+    """RL_DIST_TIMEOUT (seconds): how long a process waits for the others to form the process group (and,
+    torch's one knob for both, for any later collective); unset: torch's default (30 minutes). A machine
+    that never joins then ends the run with one line after that long instead of waiting."""
+    raw = os.environ.get("RL_DIST_TIMEOUT")
+    if not raw:
+        return None
+    try:
+        seconds = float(raw)
+    except ValueError:
+        seconds = -1.0
+    if not seconds > 0:
+        raise ConfigError(f"RL_DIST_TIMEOUT={raw!r} must be a positive number of seconds; unset it for torch's "
+                          f"default (1800)")
+    return datetime.timedelta(seconds=seconds)
+
+
+def _is_join_timeout(e: BaseException) -> bool:
+    """torch's error when the other ranks did not reach the store in time (DistStoreError, or a
+    RuntimeError from gloo's connect, depending on where the wait was)."""
+    text = f"{type(e).__name__}: {e}".lower()
+    return "timeout" in text or "timed out" in text
+
+
 def build_accelerator(gradient_accumulation_steps: int = 1, device: str | None = None,
                       micro_batch_size: int | None = None, max_grad_norm: float | None = None,
                       mixed_precision: str | None = None, deepspeed_config: str | None = None):
@@ -66,16 +117,23 @@ def build_accelerator(gradient_accumulation_steps: int = 1, device: str | None =
     from accelerate import Accelerator, DeepSpeedPlugin
     from accelerate.utils import InitProcessGroupKwargs
 
-    handlers = []
-    launched = int(os.environ.get("WORLD_SIZE", "1")) > 1
-    if launched and not torch.cuda.is_available():
-        handlers.append(InitProcessGroupKwargs(backend="gloo"))
     ds_plugin = None
     env_ds = os.environ.get("ACCELERATE_USE_DEEPSPEED", "false").lower() == "true"
     if deepspeed_config and not env_ds:
         ds_plugin = DeepSpeedPlugin(hf_ds_config=deepspeed_config,
                                     gradient_accumulation_steps=gradient_accumulation_steps)
-    if launched and not torch.cuda.is_available() and (env_ds or ds_plugin is not None):
+    if env_ds or ds_plugin is not None:
+        _single_process_env()
+    handlers = []
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    launched = world > 1
+    timeout = dist_timeout()
+    if (launched or ds_plugin is not None or env_ds) and not torch.cuda.is_available():
+        # DeepSpeed always builds a process group (one process too): gloo is torch's CPU backend
+        handlers.append(InitProcessGroupKwargs(backend="gloo", timeout=timeout))
+    elif timeout is not None:
+        handlers.append(InitProcessGroupKwargs(timeout=timeout))
+    if not torch.cuda.is_available() and (env_ds or ds_plugin is not None):
         _skip_cpu_shm_op()
     kwargs: dict[str, Any] = dict(
         kwargs_handlers=handlers,
@@ -85,9 +143,25 @@ def build_accelerator(gradient_accumulation_steps: int = 1, device: str | None =
         kwargs["mixed_precision"] = mixed_precision
     if ds_plugin is not None:
         kwargs["deepspeed_plugin"] = ds_plugin
-    acc = Accelerator(**kwargs)
-    if launched:
+    try:
+        acc = Accelerator(**kwargs)
+    except Exception as e:  # noqa: BLE001 - only a rendezvous timeout is ours to explain; the rest re-raised
+        if not (launched and _is_join_timeout(e)):
+            raise
+        waited = f"{timeout.total_seconds():g} s" if timeout else "torch's default 1800 s"
+        raise RunError(f"only part of the {world} processes joined at {os.environ.get('MASTER_ADDR')}:"
+                       f"{os.environ.get('MASTER_PORT')} within {waited} (RL_DIST_TIMEOUT); start every "
+                       f"machine's launch command with the same --main_process_ip/--main_process_port, check "
+                       f"that the port is reachable, or raise RL_DIST_TIMEOUT") from None
+    if torch.distributed.is_available() and torch.distributed.is_initialized():  # DeepSpeed's 1 process too
         atexit.register(_close_process_group)
+    if (env_ds or ds_plugin is not None) and not is_deepspeed(acc):
+        # accelerate drops DeepSpeed without a word when it is told to use the CPU (measured: two machines with
+        # ACCELERATE_USE_CPU=true trained as plain DDP, "ZeRO stage 0"); a run must not silently lose ZeRO
+        raise ConfigError(f"DeepSpeed was asked for ({'accelerate launch --use_deepspeed' if env_ds else 'key deepspeed'})"
+                          f" but accelerate set up {acc.distributed_type.value} because it was told to use the CPU "
+                          f"(ACCELERATE_USE_CPU=true or device=cpu); unset ACCELERATE_USE_CPU and drop device=cpu "
+                          f"(DeepSpeed runs on the CPU without them), or drop DeepSpeed")
     plugin = acc.state.deepspeed_plugin
     if plugin is not None:
         ds = plugin.deepspeed_config

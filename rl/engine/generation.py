@@ -176,6 +176,12 @@ def _zero_offload(model):
 
 
 def _cache_kwarg(model) -> str:
+    """The KV-cache keyword of the model's own forward ("cache" replaced "past_key_values", which now warns).
+    A PEFT model's forward takes **kwargs and passes them on, so its base model's signature decides."""
+    while hasattr(model, "module") and isinstance(model.module, torch.nn.Module):
+        model = model.module
+    if hasattr(model, "get_base_model"):
+        model = model.get_base_model()
     params = inspect.signature(model.forward).parameters
     return "cache" if "cache" in params else "past_key_values"
 

@@ -10,9 +10,51 @@ step (the pipeline steps it itself, not through accelerate's wrapper).
 
 from __future__ import annotations
 
+import logging
 import math
 
 import torch
+
+BNB_OPTIMS = ("adamw_8bit", "paged_adamw_8bit", "paged_adamw_32bit")
+
+
+class _NoKernelsHubLine(logging.Filter):
+    """bitsandbytes 0.50 logs "Failed to load CPU gemm_4bit_forward from kernels-community ... pip install
+    kernels" at import on CPUs with AVX-512 bf16: its hub kernel is an optional speed-up of 4-bit inference
+    (it falls back to its own kernel), and we never download it, so the line is noise in every run."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return "kernels-community" not in record.getMessage()
+
+
+def import_bitsandbytes():
+    """`import bitsandbytes` without its kernels-community line (the logger exists before the module does,
+    so the filter is in place for the import itself). Every import of bitsandbytes of ours goes through here
+    (the 8-bit optimizers, 4-bit/8-bit model loading)."""
+    log = logging.getLogger("bitsandbytes.backends.cpu.ops")
+    if not any(isinstance(f, _NoKernelsHubLine) for f in log.filters):
+        log.addFilter(_NoKernelsHubLine())
+    import bitsandbytes
+
+    return bitsandbytes
+
+
+def bitsandbytes_problem(key: str, value, instead: str) -> str | None:
+    """Why bitsandbytes, which `key`=`value` needs, cannot be used here (not installed, or its native
+    library does not load), or None: checked before the run starts (the launch scripts' preflight), not at
+    the first optimizer step."""
+    try:
+        import_bitsandbytes()
+    except Exception as e:  # noqa: BLE001 - ImportError, OSError of its native library, RuntimeError: all one line
+        reason = (str(e).strip().splitlines() or [""])[0][:160]
+        return (f"key '{key}': {key}={value} needs bitsandbytes, which cannot be loaded here ({type(e).__name__}: "
+                f"{reason}); pip install bitsandbytes, or use {instead}")
+    return None
+
+
+def optim_problem(optim: str | None) -> str | None:
+    """`bitsandbytes_problem` for an `optim` that is one of bitsandbytes' optimizers; None for the others."""
+    return bitsandbytes_problem("optim", optim, "optim=adamw_torch") if optim in BNB_OPTIMS else None
 
 
 def build_optimizer(model, learning_rate: float, weight_decay: float = 0.0, optim: str = "adamw_torch"):
@@ -26,8 +68,8 @@ def build_optimizer(model, learning_rate: float, weight_decay: float = 0.0, opti
     groups = [g for g in groups if g["params"]]
     if optim in ("adamw_torch", "adamw_torch_fused"):
         return torch.optim.AdamW(groups, lr=learning_rate, fused=True if optim.endswith("fused") else None)
-    if optim in ("adamw_8bit", "paged_adamw_8bit", "paged_adamw_32bit"):
-        import bitsandbytes as bnb  # its 8-bit and paged optimizers run on the CPU too
+    if optim in BNB_OPTIMS:
+        bnb = import_bitsandbytes()  # its 8-bit and paged optimizers run on the CPU too
 
         cls = {"adamw_8bit": bnb.optim.AdamW8bit, "paged_adamw_8bit": bnb.optim.PagedAdamW8bit,
                "paged_adamw_32bit": bnb.optim.PagedAdamW32bit}[optim]

@@ -132,6 +132,16 @@ class _ErrorsOnly(logging.Filter):
         return record.levelno >= logging.ERROR
 
 
+def progress_bar_wanted() -> bool:
+    """The live bar only on a terminal: tqdm redraws with carriage returns, which in a log file (nohup, Slurm's
+    output, `| tee`) splice every update into one long line. RL_NO_PROGRESS=1 turns it off on a terminal too,
+    RL_NO_PROGRESS=0 forces it on where stderr (tqdm's stream) is not a terminal."""
+    forced = os.environ.get("RL_NO_PROGRESS")
+    if forced in ("0", "1"):
+        return forced == "0"
+    return sys.stderr.isatty()
+
+
 class Tracker:
     def __init__(self, output_dir: str | os.PathLike, report_to: list[str] | tuple[str, ...] = ("jsonl",),
                  run_name: str | None = None, config: dict | None = None, total_steps: int | None = None,
@@ -157,8 +167,7 @@ class Tracker:
     def _start_bar(self, total_steps: int | None) -> None:
         from tqdm.auto import tqdm
 
-        self._bar = tqdm(total=total_steps, desc=self._desc, dynamic_ncols=True,
-                         disable=os.environ.get("RL_NO_PROGRESS") == "1")
+        self._bar = tqdm(total=total_steps, desc=self._desc, dynamic_ncols=True, disable=not progress_bar_wanted())
 
     def set_total(self, total_steps: int) -> None:
         """The bar's total, when only the training loop knows it (the lifecycle calls this)."""
@@ -249,11 +258,15 @@ def plot_history(history: list[dict], path: Path, keys: list[str] | None = None,
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib.ticker import MaxNLocator
 
     numeric = [k for k in dict.fromkeys(k for row in history for k in row)
                if k not in ("step", "time") and any(isinstance(r.get(k), (int, float)) for r in history)]
     if keys:
         numeric = [k for k in keys if k in numeric] or numeric
+    # a series that never changes (a constant learning rate, a clip count of 0) is a flat line that takes a
+    # panel from one that moves; a run where nothing moves (one logged step) keeps its panels
+    numeric = [k for k in numeric if len({r[k] for r in history if isinstance(r.get(k), (int, float))}) > 1] or numeric
     numeric = numeric[:max_panels]
     if not numeric:
         return None
@@ -267,6 +280,7 @@ def plot_history(history: list[dict], path: Path, keys: list[str] | None = None,
         ax.set_xlabel("step", fontsize=8)
         ax.set_ylabel(y_label(key), fontsize=8)
         ax.tick_params(labelsize=7)
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))  # optimizer steps are whole: no "2.5" ticks
     for ax in list(axes.flat)[len(numeric):]:
         ax.axis("off")
     fig.tight_layout()

@@ -166,6 +166,10 @@ def load_causal_lm(name: str, dtype: str | torch.dtype | None = "auto", trust_re
     if quantization in ("4bit", "8bit"):
         from transformers import BitsAndBytesConfig
 
+        from rl.engine.optim import import_bitsandbytes
+
+        import_bitsandbytes()  # before transformers imports it: without its kernels-community line
+
         kwargs["quantization_config"] = (
             BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4",
                                bnb_4bit_compute_dtype=torch_dtype, bnb_4bit_use_double_quant=True)
@@ -182,9 +186,18 @@ def load_causal_lm(name: str, dtype: str | torch.dtype | None = "auto", trust_re
     if task == "classifier" and model.config.pad_token_id is None:
         model.config.pad_token_id = model.config.eos_token_id
     if gradient_checkpointing:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        enable_checkpointing(model)
         model.config.use_cache = False
     return model
+
+
+def enable_checkpointing(model) -> None:
+    """Activation (gradient) checkpointing, non-reentrant, by this transformers' name for it: 5.2x renamed
+    `gradient_checkpointing_enable` to `activation_checkpointing_enable` and warns on the old one."""
+    if hasattr(model, "activation_checkpointing_enable"):
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+    else:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
 
 
 def load_trainable_policy(cfg):

@@ -34,7 +34,7 @@ from rl.data.preference import encode_texts, pad_batch, stack_pair
 from rl.engine.packing import pool_packed, position_ids_from_mask
 from rl.errors import ConfigError
 from rl.models.limits import check_length
-from rl.models.loading import apply_lora, load_causal_lm, load_tokenizer
+from rl.models.loading import apply_lora, enable_checkpointing, load_causal_lm, load_tokenizer
 from rl.models.reward_config import RewardModelConfig
 from rl.models.reward_format import (
     CONFIG_FILE,
@@ -107,7 +107,7 @@ class RewardModel(nn.Module):
                 nn.init.zeros_(head.bias)
         head.to(torch.float32 if config.quantization else next(backbone.parameters()).dtype)
         if config.gradient_checkpointing:
-            backbone.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+            enable_checkpointing(backbone)
         if config.quantization:
             from peft import (
                 prepare_model_for_kbit_training,  # optional: only for a quantized backbone

@@ -14,6 +14,7 @@ from pathlib import Path
 
 from rl.config.parse import cli_config
 from rl.data.records import has_data
+from rl.engine.optim import bitsandbytes_problem, optim_problem
 from rl.engine.tracking import quiet_third_party
 from rl.errors import ConfigError, DataError, RunError, disk_full
 from rl.models.loading import bad_safetensors
@@ -147,8 +148,9 @@ def writable_problem(key: str, directory: str) -> str | None:
 
 
 def preflight_problems(cfg) -> list[str]:
-    """Every mistake in `cfg` found without building a model: model names, the deepspeed file, the
-    resume path and output_dir. Keys a config lacks are skipped."""
+    """Every mistake in `cfg` found without building a model: model names, the deepspeed file, whether
+    bitsandbytes loads for its 8-bit optimizers, the resume path and output_dir. Keys a config lacks are
+    skipped."""
     problems = []
     planning = bool(getattr(cfg, "dry_run", False))
     for key, role in MODEL_KEYS:
@@ -167,6 +169,11 @@ def preflight_problems(cfg) -> list[str]:
                 json.loads(Path(ds).read_text())
             except (ValueError, UnicodeDecodeError) as e:
                 problems.append(f"key 'deepspeed': {ds} is not valid JSON ({e})")
+    if not planning:  # like report_to's packages (rl.config.schema): a missing library fails before the run
+        problems.append(optim_problem(getattr(cfg, "optim", None)))
+        for key in ("load_in_4bit", "load_in_8bit"):  # the reward model's QLoRA backbone
+            if getattr(cfg, key, False) is True:
+                problems.append(bitsandbytes_problem(key, "true", f"{key}=false"))
     resume = getattr(cfg, "resume", None)
     if resume and resume != "auto" and not Path(resume).exists():
         problems.append(f"key 'resume': {resume} does not exist; give a checkpoint directory "

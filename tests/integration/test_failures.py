@@ -177,6 +177,29 @@ def test_deepspeed_file_that_does_not_exist(capsys, tmp_path, script):
                      names=("deepspeed", "zero9.json", "does not exist"))
 
 
+def _broken_bitsandbytes(tmp_path: Path, monkeypatch) -> None:
+    """A bitsandbytes whose native library does not load (as on an unsupported platform), first on sys.path."""
+    site = tmp_path / "site"
+    (site / "bitsandbytes").mkdir(parents=True)
+    (site / "bitsandbytes" / "__init__.py").write_text(
+        'raise OSError("libbitsandbytes_cpu.so: cannot open shared object file")\n')
+    monkeypatch.syspath_prepend(str(site))
+    for name in [m for m in sys.modules if m == "bitsandbytes" or m.startswith("bitsandbytes.")]:
+        monkeypatch.delitem(sys.modules, name)
+
+
+@pytest.mark.parametrize("script,extra,names", [
+    ("sft", "optim=adamw_8bit", ("key 'optim'", "adamw_8bit", "bitsandbytes", "optim=adamw_torch")),
+    ("reward", "load_in_4bit=true", ("key 'load_in_4bit'", "bitsandbytes", "load_in_4bit=false"))])
+def test_bitsandbytes_that_cannot_load_is_refused_at_preflight(capsys, tmp_path, monkeypatch, script, extra, names):
+    """Before: the run started, built its model and failed at the optimizer with a traceback."""
+    _broken_bitsandbytes(tmp_path, monkeypatch)
+    out = _prepared_out(tmp_path)
+    args = (extra, "lora.enabled=true") if script == "reward" else (extra,)
+    line = fails_in_process(capsys, script, *args, out=out, names=(*names, "OSError", "libbitsandbytes_cpu.so"))
+    assert "pip install bitsandbytes" in line
+
+
 @pytest.mark.parametrize("script", TRAINERS)
 def test_resume_path_that_does_not_exist(capsys, tmp_path, script):
     out = _prepared_out(tmp_path)

@@ -45,23 +45,99 @@ def _steps_logged(out: Path) -> int:
 
 # ------------------------------------------------------------------------------------ two "nodes"
 
-def test_two_node_accelerate_launch(tmp_path, tiny_llama):
-    """Two `accelerate launch` processes, --num_machines 2, machine ranks 0 and 1, rendezvous on
-    127.0.0.1: one world of 2 processes (gloo on CPU) trains SFT for 3 steps."""
+SHORT = ["max_steps=3"]
+ZERO3 = ["--use_deepspeed", "--deepspeed_config_file", "ds_configs/zero3.json",
+         # accelerate's default for several machines is DeepSpeed's own runner over pdsh/ssh; torchrun on each
+         # machine is what `accelerate launch` per machine (and launch/slurm/train.sbatch) means
+         "--deepspeed_multinode_launcher", "standard"]
+
+
+def _accelerate(out: Path, port: int, kind: str, machines: int = 1, rank: int = 0, script: str = "launch/sft.py",
+                **env) -> subprocess.Popen:
+    """One `accelerate launch` of a 2-process world: `machines` 1 (both processes here) or 2 (one each,
+    this command being machine `rank`), rendezvous on 127.0.0.1:`port`; plain DDP (gloo) or ZeRO-3."""
+    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--num_processes", "2", "--num_machines",
+           str(machines), "--machine_rank", str(rank), "--main_process_ip", "127.0.0.1", "--main_process_port",
+           str(port), "--mixed_precision", "no", "--dynamo_backend", "no",
+           *(ZERO3 if kind == "zero3" else ["--multi_gpu"]), script, *SFT[2:], *SHORT, f"output_dir={out}"]
+    # ACCELERATE_USE_CPU gives gloo DDP on CPU; with DeepSpeed on several machines it turned DeepSpeed off
+    cpu = {"ACCELERATE_USE_CPU": "true"} if kind == "ddp" else {}
+    return subprocess.Popen(cmd, cwd=ROOT, env=_env(**cpu, RL_NO_PROGRESS="1", **env),
+                            text=True, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)
+
+
+def _losses(out: Path) -> list[float]:
+    return [json.loads(x)["loss"] for x in (out / "metrics.jsonl").read_text().splitlines()]
+
+
+def _finished(procs: list[subprocess.Popen], timeout: int = 400) -> list[str]:
+    logs = [p.communicate(timeout=timeout)[0] for p in procs]
+    assert [p.returncode for p in procs] == [0] * len(procs), "\n".join(log[-3000:] for log in logs)
+    return logs
+
+
+@pytest.fixture(scope="module")
+def one_machine(tmp_path_factory, tiny_llama):
+    """The 1-machine 2-process result of each kind, computed once: the losses of 3 steps."""
+    done: dict[str, list[float]] = {}
+
+    def get(kind: str) -> list[float]:
+        if kind not in done:
+            out = tmp_path_factory.mktemp(f"one_machine_{kind}")
+            logs = _finished([_accelerate(out, free_port(), kind)])
+            assert f"(2 processes, ZeRO stage {3 if kind == 'zero3' else 0})" in logs[0], logs[0][-2000:]
+            done[kind] = _losses(out)
+        return done[kind]
+    return get
+
+
+@pytest.mark.parametrize("kind", ["ddp", "zero3"])
+def test_two_machines_give_the_one_machine_result(tmp_path, one_machine, kind):
+    """Two `accelerate launch` commands, --num_machines 2, machine ranks 0 and 1, rendezvous on 127.0.0.1:
+    one world of 2 processes (gloo on CPU) whose metrics equal the 1-machine 2-process run's."""
     port, out = free_port(), tmp_path / "run"
-    procs = []
-    for rank in (0, 1):
-        cmd = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
-               "--num_machines", "2", "--machine_rank", str(rank), "--main_process_ip", "127.0.0.1",
-               "--main_process_port", str(port), "--mixed_precision", "no", "--dynamo_backend", "no",
-               *SFT[1:], "max_steps=3", f"output_dir={out}"]
-        procs.append(subprocess.Popen(cmd, cwd=ROOT, env=_env(ACCELERATE_USE_CPU="true"), text=True,
-                                      stdout=subprocess.PIPE, stderr=subprocess.STDOUT))
-    logs = [p.communicate(timeout=300)[0] for p in procs]
-    assert [p.returncode for p in procs] == [0, 0], "\n".join(log[-3000:] for log in logs)
-    assert "(2 processes, ZeRO stage 0)" in logs[0] and "sft done" in logs[0]
-    rows = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
-    assert [r["step"] for r in rows] == [1, 2, 3] and rows[-1]["loss"] < rows[0]["loss"]
+    logs = _finished([_accelerate(out, port, kind, machines=2, rank=r) for r in (0, 1)])
+    assert f"(2 processes, ZeRO stage {3 if kind == 'zero3' else 0})" in logs[0] and "sft done" in logs[0]
+    two, one = _losses(out), one_machine(kind)
+    print(f"\n{kind}: 1 machine x 2 processes losses {one}; 2 machines x 1 process {two}")
+    assert len(two) == 3 and two == pytest.approx(one, rel=1e-6, abs=1e-7)
+
+
+# a machine whose trainer never reaches the process group; it ends with its launcher (torchrun puts its
+# workers in sessions of their own, out of reach of a kill of the launcher's process group)
+NEVER_JOINS = "import os, time\nparent = os.getppid()\nwhile os.getppid() == parent:\n    time.sleep(0.2)\n"
+
+
+def test_a_machine_that_never_joins_is_one_line(tmp_path):
+    """Machine 1's launcher joins, its trainer never does: machine 0's trainer waits RL_DIST_TIMEOUT seconds
+    for the process group, then ends with one `error:` line naming the knob, instead of torch's 30 minutes."""
+    port, stuck = free_port(), tmp_path / "never_joins.py"
+    stuck.write_text(NEVER_JOINS)
+    absent = _accelerate(tmp_path / "run", port, "ddp", machines=2, rank=1, script=str(stuck))
+    try:
+        main = _accelerate(tmp_path / "run", port, "ddp", machines=2, rank=0, RL_DIST_TIMEOUT="10")
+        log = main.communicate(timeout=300)[0]
+    finally:
+        os.killpg(absent.pid, signal.SIGKILL)
+        absent.communicate(timeout=60)
+    assert main.returncode != 0
+    lines = [x for x in log.splitlines() if x.startswith("error:")]
+    assert len(lines) == 1, log[-3000:]
+    assert "RL_DIST_TIMEOUT" in lines[0] and "within 10 s" in lines[0] and "127.0.0.1" in lines[0], lines[0]
+    print(f"\nnever joins: {lines[0]}")
+
+
+def test_deepspeed_without_accelerate_launch_is_a_one_process_run(tmp_path, capfd, monkeypatch):
+    """`python launch/sft.py deepspeed=ds_configs/zero3.json`: a 1-process ZeRO-3 run (it ended in DeepSpeed's
+    "No module named 'mpi4py'"), with the plain 1-process run's losses."""
+    out = tmp_path / "zero3"
+    r = subprocess.run(SFT + SHORT + ["deepspeed=ds_configs/zero3.json", f"output_dir={out}"], cwd=ROOT,
+                       env=_env(RL_NO_PROGRESS="1"), capture_output=True, text=True, timeout=400)
+    assert r.returncode == 0, (r.stdout + r.stderr)[-3000:]
+    assert "(1 process, ZeRO stage 3)" in r.stdout
+    code, stdout, stderr = run_main("sft", SFT[2:] + SHORT + [f"output_dir={tmp_path / 'plain'}"], capfd, monkeypatch)
+    assert code == 0, (stdout + stderr)[-3000:]
+    assert _losses(out) == pytest.approx(_losses(tmp_path / "plain"), rel=1e-5)
 
 
 # ---------------------------------------------------------------------------------------- preemption
@@ -249,3 +325,31 @@ def test_sbatch_template_under_slurm(tmp_path, tiny_llama):
         assert "(2 processes, ZeRO stage 0)" in text and (out / "model.safetensors").exists()
     finally:
         cluster.stop()
+
+
+def test_sbatch_template_on_two_nodes_gives_the_one_machine_result(tmp_path, one_machine):
+    """The template's multi-node path with its default accelerate config (ZeRO-3): two "nodes" on this host
+    (SLURM_NNODES=2, SLURM_NODEID 0 and 1, srun/scontrol as shims, one process per node), the result of the
+    1-machine 2-process ZeRO-3 run. Before, accelerate took DeepSpeed's pdsh runner for several machines."""
+    bin_dir, out = tmp_path / "bin", tmp_path / "run"
+    bin_dir.mkdir()
+    shims = {"scontrol": '[ "$1 $2" = "show hostnames" ] && echo 127.0.0.1; exit 0',
+             "srun": 'while [[ "$1" == --* ]]; do shift; done; exec "$@"', "scancel": "exit 0"}
+    for name, body in shims.items():
+        (bin_dir / name).write_text(f"#!/bin/bash\n{body}\n")
+        (bin_dir / name).chmod(0o755)
+    port, procs = free_port(), []
+    for node in (0, 1):
+        env = _env(GPUS_PER_NODE="1", LAUNCH_ARGS="--mixed_precision no --dynamo_backend no", RL_NO_PROGRESS="1",
+                   PATH=f"{bin_dir}:{os.environ['PATH']}", PYTHON=sys.executable, SLURM_JOB_ID="4243",
+                   SLURM_JOB_NODELIST="127.0.0.1", SLURM_NNODES="2", SLURM_NODEID=str(node), SLURM_PROCID=str(node),
+                   SLURM_SUBMIT_DIR=str(ROOT), MAIN_PORT=str(port))
+        procs.append(subprocess.Popen(["bash", "launch/slurm/train.sbatch", "sft", "recipes/tiny/sft.yaml",
+                                       "log_every=1", "report_to=[jsonl]", *SHORT, f"output_dir={out}"],
+                                      cwd=ROOT, env=env, text=True, stdout=subprocess.PIPE,
+                                      stderr=subprocess.STDOUT, start_new_session=True))
+    logs = _finished(procs)
+    assert "2 node(s) x 1 process(es)" in logs[0] and "(2 processes, ZeRO stage 3)" in logs[0], logs[0][-3000:]
+    two, one = _losses(out), one_machine("zero3")
+    print(f"\nslurm template, 2 nodes x 1 process (ZeRO-3): losses {two}; 1 machine x 2 processes {one}")
+    assert len(two) == 3 and two == pytest.approx(one, rel=1e-6, abs=1e-7)

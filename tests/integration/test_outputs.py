@@ -51,6 +51,40 @@ def test_flat_config_and_y_labels():
     assert y_label("eval/rewards/accuracies") == "accuracies" and y_label("learning_rate") == "learning rate"
 
 
+def test_metrics_plot_has_no_constant_panels_and_whole_step_ticks(tmp_path, monkeypatch):
+    """metrics.png: a constant learning rate took a panel of its own, and a 3-step run had ticks at 1.5, 2.5."""
+    import matplotlib.figure
+
+    figures = []
+    monkeypatch.setattr(matplotlib.figure.Figure, "savefig", lambda fig, *a, **k: figures.append(fig))
+    history = [{"step": s, "time": 0.1 * s, "loss": 3.0 / s, "learning_rate": 1e-3, "clipped": 0} for s in (1, 2, 3)]
+    tracking.plot_history(history, tmp_path / "metrics.png")
+    axes = [ax for ax in figures[0].axes if ax.axison]
+    assert [ax.get_title() for ax in axes] == ["loss"]
+    ticks = [t for t in axes[0].get_xticks() if 1 <= t <= 3]
+    assert ticks and all(float(t).is_integer() for t in ticks), ticks
+    tracking.plot_history(history[:1], tmp_path / "metrics.png")  # one step: nothing moves, every panel stays
+    assert [ax.get_title() for ax in figures[1].axes if ax.axison] == ["loss", "learning_rate", "clipped"]
+
+
+def test_progress_bar_only_on_a_terminal(monkeypatch):
+    """The bar redraws with carriage returns: in a log file (stderr not a terminal) every update was spliced
+    into one line. RL_NO_PROGRESS=1 / 0 force it off / on."""
+    import io
+    import sys
+
+    monkeypatch.delenv("RL_NO_PROGRESS", raising=False)
+    monkeypatch.setattr(sys, "stderr", io.StringIO())
+    assert not tracking.progress_bar_wanted()
+    monkeypatch.setattr(sys.stderr, "isatty", lambda: True)
+    assert tracking.progress_bar_wanted()
+    monkeypatch.setenv("RL_NO_PROGRESS", "1")
+    assert not tracking.progress_bar_wanted()
+    monkeypatch.setattr(sys.stderr, "isatty", lambda: False)
+    monkeypatch.setenv("RL_NO_PROGRESS", "0")
+    assert tracking.progress_bar_wanted()
+
+
 def test_report_to_names_unknown_and_missing_sinks(monkeypatch):
     assert report_to_problem(["jsonl", "none"]) is None
     assert "unknown sink 'tensorbored'" in report_to_problem(["tensorbored"])

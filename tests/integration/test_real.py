@@ -312,7 +312,7 @@ def test_dpo_matches_trl_on_real_chat_pairs_and_keeps_eos(model, tok, tmp_path):
     args = TRLDPOConfig(output_dir=str(tmp_path / "trl"), per_device_train_batch_size=len(DPO_PAIRS), max_steps=1,
                         learning_rate=lr, lr_scheduler_type="constant", beta=beta, bf16=False,
                         logging_steps=1, report_to="none", save_strategy="no", use_cpu=True, max_length=128,
-                        max_grad_norm=1.0, seed=0, disable_tqdm=True, gradient_checkpointing=False)
+                        max_grad_norm=1.0, seed=0, disable_tqdm=True, activation_checkpointing=False)
     theirs = TRLDPOTrainer(model=copy.deepcopy(model).train(), args=args, processing_class=tok,
                            train_dataset=Dataset.from_dict({"prompt": P, "chosen": C, "rejected": R}))
     theirs.train()

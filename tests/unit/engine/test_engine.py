@@ -289,3 +289,73 @@ def test_deepspeed_cpu_shm_op_is_not_built(monkeypatch):
     _skip_cpu_shm_op()
     assert deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] is False
     assert build_shm_op() is None
+
+
+def test_deepspeed_without_a_launcher_gets_a_one_process_world(monkeypatch):
+    """`python launch/x.py deepspeed=...` (no `accelerate launch`): `rl.engine.dist._single_process_env` sets
+    what torchrun would for one process; without it DeepSpeed's init_distributed tried MPI discovery and
+    ended in "No module named 'mpi4py'". A launcher's environment is left as it is."""
+    from rl.engine.dist import LAUNCHER_ENV, _single_process_env
+
+    for key in LAUNCHER_ENV:
+        monkeypatch.delenv(key, raising=False)
+    _single_process_env()
+    import os
+
+    assert {k: os.environ[k] for k in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR")} == {
+        "RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1"}
+    assert int(os.environ["MASTER_PORT"]) > 0
+    for key in LAUNCHER_ENV:
+        monkeypatch.delenv(key)
+    monkeypatch.setenv("RANK", "1")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    _single_process_env()
+    assert "MASTER_ADDR" not in os.environ and os.environ["WORLD_SIZE"] == "2"
+
+
+@pytest.mark.parametrize("raw", ["abc", "0", "-5"])
+def test_rl_dist_timeout_that_is_not_positive_is_one_line(monkeypatch, raw):
+    from rl.engine.dist import dist_timeout
+    from rl.errors import ConfigError
+
+    monkeypatch.setenv("RL_DIST_TIMEOUT", raw)
+    with pytest.raises(ConfigError, match=r"^RL_DIST_TIMEOUT=.* must be a positive number of seconds; unset it"):
+        dist_timeout()
+    monkeypatch.setenv("RL_DIST_TIMEOUT", "7.5")
+    assert dist_timeout().total_seconds() == 7.5
+
+
+def test_deepspeed_that_accelerate_drops_is_one_line(tmp_path):
+    """accelerate builds no DeepSpeed engine when told to use the CPU (ACCELERATE_USE_CPU=true; two machines so
+    launched trained as plain DDP without a word): refused in one line naming the variable. A process of its own
+    (accelerate's state is process-wide)."""
+    import os
+    import subprocess
+    import sys
+
+    from tests.conftest import ROOT
+
+    code = ("from rl.engine.dist import build_accelerator\n"
+            "from rl.errors import ConfigError\n"
+            "try:\n    build_accelerator(deepspeed_config='ds_configs/zero3.json')\n"
+            "except ConfigError as e:\n    print('refused:', e)\n")
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR",
+                                                             "MASTER_PORT", "ACCELERATE_USE_DEEPSPEED")}
+    r = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=300,
+                       env={**env, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "ACCELERATE_USE_CPU": "true"})
+    assert "refused: DeepSpeed was asked for (key deepspeed) but accelerate set up" in r.stdout, r.stdout + r.stderr
+    assert "unset ACCELERATE_USE_CPU" in r.stdout
+
+
+def test_gradient_checkpointing_uses_transformers_current_name(tiny_llama):
+    """`gradient_checkpointing: true` turns checkpointing on through `activation_checkpointing_enable`; the old
+    `gradient_checkpointing_enable` is deprecated in transformers 5.2x and warned in every such run."""
+    import warnings
+
+    from rl.models.loading import load_causal_lm
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        model = load_causal_lm(tiny_llama, dtype="float32", gradient_checkpointing=True)
+    assert not [w for w in caught if "checkpointing" in str(w.message)], [str(w.message) for w in caught]
+    assert getattr(model, "is_activation_checkpointing", getattr(model, "is_gradient_checkpointing", False))

@@ -179,8 +179,9 @@ def _trl_loss(loss_type, logp, old, ref, adv, mask, beta, eps_low, eps_high, max
     from trl import GRPOConfig as TRLConfig
     from trl import GRPOTrainer as TRLTrainer
 
-    args = TRLConfig(output_dir="/tmp/trl-unused", bf16=False, beta=beta, epsilon=eps_low, epsilon_high=eps_high,
-                     loss_type=loss_type, max_completion_length=max_len, report_to=[],
+    # activation_checkpointing off by its current name: TRL's default (on) goes through a deprecated alias
+    args = TRLConfig(output_dir="/tmp/trl-unused", bf16=False, activation_checkpointing=False, beta=beta,
+                     epsilon=eps_low, epsilon_high=eps_high, loss_type=loss_type, max_completion_length=max_len, report_to=[],
                      use_bias_correction_kl=bias_kl, importance_sampling_level=level)
     fake = types.SimpleNamespace(
         args=args, loss_type=loss_type, beta=beta, epsilon_low=eps_low, epsilon_high=eps_high,

@@ -47,7 +47,7 @@ def test_kto_matches_trl(weights, tiny_llama, tiny_tokenizer, tmp_path):
 
     args = TRLKTOConfig(output_dir=str(tmp_path / "trl"), per_device_train_batch_size=8, max_steps=steps,
                         learning_rate=lr, lr_scheduler_type="constant", beta=beta, desirable_weight=dw,
-                        undesirable_weight=uw, bf16=False, gradient_checkpointing=False, logging_steps=1,
+                        undesirable_weight=uw, bf16=False, activation_checkpointing=False, logging_steps=1,
                         report_to="none", save_strategy="no", use_cpu=True, max_length=128, max_grad_norm=1.0,
                         seed=0, disable_tqdm=True)
     theirs = TRLKTOTrainer(model=copy.deepcopy(base), ref_model=copy.deepcopy(base), args=args,

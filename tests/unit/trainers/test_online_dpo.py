@@ -191,7 +191,9 @@ def test_step_equals_trl_online_dpo_training_step(tiny_llama, tiny_tokenizer, pe
 
     policy, beta = perturbed, 0.2
     ordered = list(table)  # prompt ids in prompt order
-    args = TRLConfig(output_dir=str(tmp_path / "trl"), per_device_train_batch_size=4, beta=beta, loss_type="sigmoid",
+    # activation_checkpointing off by its current name: TRL's default (on) goes through a deprecated alias
+    args = TRLConfig(output_dir=str(tmp_path / "trl"), activation_checkpointing=False,
+                     per_device_train_batch_size=4, beta=beta, loss_type="sigmoid",
                      bf16=False, use_cpu=True, report_to="none", max_new_tokens=8, max_length=72, seed=0,
                      disable_dropout=True, learning_rate=1e-3, missing_eos_penalty=10.5)
     theirs = TRLTrainer(model=copy.deepcopy(policy), ref_model=load_causal_lm(tiny_llama, dtype="float32"),

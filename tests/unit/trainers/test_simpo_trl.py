@@ -45,7 +45,7 @@ def test_simpo_matches_trl_cpo(label_smoothing, tiny_llama, tiny_tokenizer, tmp_
 
     args = CPOConfig(output_dir=str(tmp_path / "trl"), per_device_train_batch_size=8, max_steps=steps,
                      learning_rate=lr, lr_scheduler_type="constant", beta=beta, loss_type="simpo", cpo_alpha=0.0,
-                     simpo_gamma=gamma, label_smoothing=label_smoothing, bf16=False, gradient_checkpointing=False,
+                     simpo_gamma=gamma, label_smoothing=label_smoothing, bf16=False, activation_checkpointing=False,
                      logging_steps=1, report_to="none", save_strategy="no", use_cpu=True, max_length=128,
                      max_grad_norm=1.0, seed=0, disable_tqdm=True)
     theirs = CPOTrainer(model=copy.deepcopy(base), args=args, processing_class=tok,
