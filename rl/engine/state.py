@@ -10,8 +10,11 @@ written by `save_pipeline_state` (`ForwardBackwardPipeline.save_state`, on every
     optimizer.pt | deepspeed/    the optimizer state (under DeepSpeed its own sharded checkpoint)
     scheduler.pt                 when the pipeline has a scheduler
     rng_<rank>.pt                each process's torch CPU (and CUDA) generator state
+    per_process_<rank>.pt        `extra_state["per_process"]` when given: what differs between processes
+                                 (tensors, e.g. GRPO's generation batch between its updates); each
+                                 process passes its own and gets its own back under the same key
     state.json                   step, micro_step, gradient_accumulation_steps, num_processes, Python and
-                                 NumPy RNG state, the caller's `extra_state`
+                                 NumPy RNG state, the rest of the caller's `extra_state`
     ...                          whatever `pipeline.before_commit(tmp_dir)` writes, if set (a trainer's
                                  `config.json` or adapter files and tokenizer, for `from_pretrained`)
     COMPLETE                     the last file written
@@ -41,6 +44,7 @@ from rl.engine.dist import inner_optimizer, is_deepspeed
 from rl.errors import RunError
 
 COMPLETE_MARKER = "COMPLETE"
+PER_PROCESS = "per_process"  # the key of `extra_state` written per process, not into state.json
 
 
 def check_checkpoint_name(name) -> str:
@@ -91,6 +95,11 @@ def save_pipeline_state(pipeline, name: str, extra_state: dict) -> dict:
     if acc.is_main_process and pipeline.scheduler is not None:
         torch.save(pipeline.scheduler.state_dict(), tmp / "scheduler.pt")
     torch.save(_torch_rng_state(), tmp / f"rng_{acc.process_index}.pt")
+    extra_state = dict(extra_state)
+    local = extra_state.pop(PER_PROCESS, None)
+    if local is not None:  # before the marker: a checkpoint is complete with every process's part or not at all
+        torch.save(local, tmp / f"{PER_PROCESS}_{acc.process_index}.pt")
+    acc.wait_for_everyone()
     if acc.is_main_process:
         state = {"step": pipeline.step, "micro_step": pipeline.micro_step,
                  "gradient_accumulation_steps": pipeline.gradient_accumulation_steps,
@@ -149,7 +158,11 @@ def load_pipeline_state(pipeline, path: Path) -> dict:
     pipeline.step, pipeline.micro_step = state["step"], state["micro_step"]
     if pipeline.optimizer is not None:
         inner_optimizer(pipeline.optimizer).zero_grad(set_to_none=True)
-    return state.get("extra", {})
+    extra = dict(state.get("extra", {}))
+    local_path = path / f"{PER_PROCESS}_{acc.process_index}.pt"
+    if local_path.exists():
+        extra[PER_PROCESS] = torch.load(local_path, map_location="cpu", weights_only=True)
+    return extra
 
 
 # ------------------------------------------------------------------------------ weights and RNG state

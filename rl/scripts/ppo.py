@@ -62,9 +62,10 @@ def main(argv=None) -> None:
     if trainer.accelerator.is_main_process and history:
         first, last = history[0], history[-1]
         print(f"ppo done: objective/scores {first['objective/scores']:.4f} -> {last['objective/scores']:.4f}, "
-              f"objective/kl {last['objective/kl']:.4f}, kl_coef {last['kl_coef']:.4f} over {len(history)} "
-              f"iterations; seconds per iteration: generation {last['time/generation']:.2f}, scoring "
-              f"{last['time/scoring']:.2f}, training {last['time/training']:.2f}; model saved to {out}")
+              f"objective/kl {last['objective/kl']:.4f}, kl_coef {last['kl_coef']:.4f} over {last['iteration']} "
+              f"iterations ({len(history)} optimizer steps); seconds: generation {last['time/generation']:.2f} and "
+              f"scoring {last['time/scoring']:.2f} per iteration, training {last['time/training']:.2f} per step; "
+              f"model saved to {out}")
 
 
 if __name__ == "__main__":

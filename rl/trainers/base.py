@@ -3,14 +3,18 @@ cadence, a non-finite guard, stop signals, checkpoints with retention, and the r
 
 An algorithm subclasses `Trainer` and supplies only what is its own:
 
-    train_step() -> list[dict]      one unit of work (an optimizer step, a generation batch, a PPO
-                                    iteration); one metrics row per optimizer step, each with "step"
+    train_step() -> dict            exactly one optimizer step and its metrics row (with "step"); what
+                                    a trainer does between steps (sample a generation batch, a PPO
+                                    rollout) it does inside the step that needs it and keeps cached
     evaluate_now() -> dict | None   held-out metrics, or None when nothing is configured to evaluate
     checkpoint_extra() -> dict      what a checkpoint must hold besides model/optimizer/scheduler/RNG
     restore(extra)                  the inverse, after a checkpoint was loaded
 
-and calls `self.fit(total_steps, tracker)`. Everything else below is the same for all five trainers,
-so each guarantee is proven once (tests/unit/trainers/test_lifecycle.py runs it over all of them):
+and calls `self.fit(total_steps, tracker)`. One optimizer step is one step of the loop, whatever the
+trainer does between steps: logging, evaluation, checkpoints, the stop-signal check, `max_steps` and
+the scheduler all count optimizer steps (a train_step that takes none or several is an error).
+Everything else below is the same for all trainers, so each guarantee is proven once
+(tests/unit/trainers/test_lifecycle.py runs it over all of them):
 
 * `resume: auto` continues from the newest complete checkpoint; one whose files cannot be read is
   skipped with a warning and the previous complete one is used.
@@ -166,7 +170,7 @@ class Trainer:
     stopped_by: int | None = None  # the signal that stopped the run early, if any
 
     # ------------------------------------------------------------------ hooks (the algorithm's own)
-    def train_step(self) -> list[dict]:
+    def train_step(self) -> dict:
         raise NotImplementedError
 
     def evaluate_now(self) -> dict | None:
@@ -322,14 +326,19 @@ class Trainer:
                     history.append({"step": 0, **ev})
                     tracker.log(0, ev)
             while self.current_step < total_steps:
-                for row in self.train_step():
-                    check_finite(row)
-                    step = row["step"]
-                    if step == total_steps or (cfg.eval_every and step % cfg.eval_every == 0):
-                        row.update(self.evaluate_now() or {})
-                    history.append(row)
-                    if step % cfg.log_every == 0 or step == total_steps or any(k.startswith("eval") for k in row):
-                        tracker.log(step, {k: v for k, v in row.items() if k != "step"})
+                before = self.current_step
+                row = self.train_step()
+                step = row["step"]
+                if self.current_step != before + 1 or step != self.current_step:
+                    # the cadence below counts optimizer steps: a trainer must not run several per call
+                    raise RuntimeError(f"{type(self).__name__}.train_step went from step {before} to "
+                                       f"{self.current_step} (row step {step}); it must take exactly one")
+                check_finite(row)
+                if step == total_steps or (cfg.eval_every and step % cfg.eval_every == 0):
+                    row.update(self.evaluate_now() or {})
+                history.append(row)
+                if step % cfg.log_every == 0 or step == total_steps or any(k.startswith("eval") for k in row):
+                    tracker.log(step, {k: v for k, v in row.items() if k != "step"})
                 stop = stopper.agreed(self.accelerator)
                 if (cfg.save_every and self.current_step % cfg.save_every == 0) or stop:
                     self._checkpoint()

@@ -229,7 +229,7 @@ class DistillTrainer(Trainer):
             return model(input_ids=b["input_ids"], attention_mask=b["attention_mask"],
                          position_ids=b["position_ids"], use_cache=False).logits.float()
 
-    def train_step(self) -> list[dict]:
+    def train_step(self) -> dict:
         cfg, acc, pipe = self.cfg, self.accelerator, self.pipeline
         t0 = time.time()
         batch, on_policy = self.step_batch(pipe.step)
@@ -248,7 +248,7 @@ class DistillTrainer(Trainer):
             jsd_sum += r.metrics["jsd_sum"]
         o = pipe.optim_step(max_grad_norm=cfg.max_grad_norm).result()
         t = self.reduce({"jsd": jsd_sum, "len": float(n_mine)}, "sum")
-        return [{"step": pipe.step, "loss": t["jsd"] / max(n_all, 1), "grad_norm": o.grad_norm,
-                 "learning_rate": o.learning_rate, "on_policy": 1.0 if on_policy else 0.0,
-                 "completions/mean_length": t["len"] / (self._plan["prompts_per_step"]),
-                 "step_time": time.time() - t0}]
+        return {"step": pipe.step, "loss": t["jsd"] / max(n_all, 1), "grad_norm": o.grad_norm,
+                "learning_rate": o.learning_rate, "on_policy": 1.0 if on_policy else 0.0,
+                "completions/mean_length": t["len"] / (self._plan["prompts_per_step"]),
+                "step_time": time.time() - t0}

@@ -278,7 +278,7 @@ class DPOTrainer(EpochTrainer):
                                 label_smoothing=cfg.label_smoothing, hyper={"simpo_gamma": cfg.simpo_gamma})
         return self.fit(plan["total_steps"], tracker)
 
-    def train_step(self) -> list[dict]:
+    def train_step(self) -> dict:
         cfg, acc, pipe, dataset = self.cfg, self.accelerator, self.pipeline, self._train
         t0 = time.time()
         N = cfg.gradient_accumulation_steps
@@ -310,7 +310,7 @@ class DPOTrainer(EpochTrainer):
         row = self.reduce(sums)
         row.update({"grad_norm": o.grad_norm, "learning_rate": o.learning_rate, "epoch": self.epoch_progress,
                     "step_time": time.time() - t0})
-        return [{"step": pipe.step, **row}]
+        return {"step": pipe.step, **row}
 
     @torch.no_grad()
     def evaluate(self, dataset: PreferenceDataset) -> dict[str, float]:

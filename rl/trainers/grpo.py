@@ -31,8 +31,11 @@ Schema and sizes: rl.trainers.grpo_config; evaluation: rl.rollout.eval (public n
 
 Deviations and choices: with num_iterations = 1 the old policy is the current one (ratio 1, as TRL
 does); with more iterations the old log-probs are recomputed by a no-grad forward before the first
-update. Log-probs use logits / temperature, like the sampler (TRL does the same). Groups never span
-processes: each process generates whole groups, rewards are gathered so that advantages and reward
+update. Each optimizer step is one step of `Trainer.fit` (as TRL's steps are): the generation batch
+is sampled at every num_iterations-th step and cached for the others; a checkpoint taken between them
+holds it, so a resume continues on the same batch exactly (with another number of processes it is
+sampled afresh by the resumed policy). Log-probs use logits / temperature, like the sampler (TRL
+does the same). Groups never span processes: each process generates whole groups, rewards are gathered so that advantages and reward
 metrics are computed on the global batch (reinforce_pp needs it). Micro-batches are length-grouped
 (rows sorted by length, cut into equal groups, each padded only to its own longest row:
 `rl.trainers.grpo_batch.length_grouped_slices`, `take_micro_batch`); TRL pads every micro-batch to the
@@ -52,23 +55,22 @@ from rl.algos.advantages import (
     compute_advantages,
 )
 from rl.algos.dapo import groups_with_spread, overlong_penalty
-from rl.algos.mismatch import importance_weights
-from rl.algos.policy_losses import grpo_loss
 from rl.config.plan import prompts_step_problem
-from rl.engine import losses, segments
+from rl.engine import segments
 from rl.engine.dist import zero_stage
 from rl.engine.generation import generate
 from rl.engine.packing import pack_padded, pack_shared_prompts, position_ids_from_mask, unpack_targets
 from rl.engine.scoring import sequence_logprobs
+from rl.engine.state import PER_PROCESS
 from rl.errors import ConfigError
 from rl.models.loading import (
     release_device_cache,
 )
-from rl.models.saving import save_pretrained
 from rl.rollout.episodes import run_episodes
 from rl.rollout.eval import greedy_eval, unique_eval_set
 from rl.rollout.prompts import encode_prompt, step_prompts
-from rl.trainers.grpo_batch import (
+from rl.trainers.grpo_batch import (  # grpo_loss_fn: importable from here, as before
+    grpo_loss_fn,
     length_grouped_slices,
     pick_groups,
     picked_rows,
@@ -79,38 +81,14 @@ from rl.trainers.grpo_batch import (
 )
 from rl.trainers.grpo_config import GRPOConfig, grpo_sizes
 from rl.trainers.online import OnlineTrainer
-from rl.trainers.sampling import rollout_sampler
+from rl.trainers.sampling import episode_sampler
 from rl.trainers.rewards import (
     combine_rewards,
 )
 
 # ============================================================================ pure math
-# Advantages and the loss are in rl.algos, the reward sources and combine_rewards in rl.trainers.rewards.
-
-def grpo_loss_fn(logits, labels, attention_mask=None, *, advantages, old_logprobs=None, ref_logprobs=None,
-                 temperature: float = 1.0, target_index=None, behaviour_logprobs=None, is_cap: float = 3.0,
-                 is_mode: str = "token_truncate", is_apply: bool = True, **kw):
-    """Engine signature `(logits, labels, attention_mask, **kw) -> (loss, metrics)`.
-
-    old_logprobs/ref_logprobs are (B, T-1) aligned with labels[:, 1:]; old_logprobs None means the
-    current policy (detached), i.e. ratio 1 (num_iterations = 1). Packed rows (`rl.engine.packing.pack_padded`):
-    logits and labels are the packed rows' and `target_index` (B, T-1) brings their log-probs back to
-    the rollout's padded layout, where the rest of the loss runs as before. behaviour_logprobs (B, T-1):
-    the rollout engine's (vLLM's) log-probs of the sampled tokens; their mismatch with the old policy is
-    measured, and with `is_apply` corrected by truncated importance weights (`rl.algos.mismatch`)."""
-    if temperature and temperature != 1.0:
-        logits = logits / temperature
-    logp, mask = losses.token_logprobs(logits, labels)
-    if target_index is not None:
-        logp, mask = unpack_targets(logp, target_index), unpack_targets(mask, target_index)
-    old = logp.detach() if old_logprobs is None else old_logprobs
-    weights, extra = None, {}
-    if behaviour_logprobs is not None:
-        weights, extra = importance_weights(old, behaviour_logprobs, mask, is_cap, is_mode)
-    loss, metrics = grpo_loss(logp, old, advantages, mask, ref_logp=ref_logprobs,
-                              token_weights=weights if is_apply else None, **kw)
-    return loss, {**metrics, **extra}
-
+# Advantages and the loss are in rl.algos, the reward sources and combine_rewards in rl.trainers.rewards,
+# the loss in the engine's signature (grpo_loss_fn) in rl.trainers.grpo_batch.
 
 # ============================================================================ trainer
 
@@ -121,6 +99,8 @@ class GRPOTrainer(OnlineTrainer):
     reward_funcs are extra callables in TRL's signature (added after the config's); train_prompts is a
     list of {"prompt": str, <column>: value, ...} rows when no environment is configured (the launch
     script reads them from data.path)."""
+
+    _gen: dict | None = None  # the generation batch whose num_iterations updates are not all taken yet
 
     def __init__(self, config: GRPOConfig, *, model=None, tokenizer=None,
                  reward_funcs: Sequence[Callable] | None = None, train_prompts: list[dict] | None = None):
@@ -227,7 +207,20 @@ class GRPOTrainer(OnlineTrainer):
         return self.evaluate(self._eval_set) if self._eval_set is not None else None
 
     def checkpoint_extra(self) -> dict:
-        return {"step": self.pipeline.step}
+        """Between the updates of a generation batch the batch goes into the checkpoint (each process its
+        own rows): a resume then continues on it exactly, instead of re-sampling it with a policy that has
+        already taken some of its updates."""
+        extra = {"step": self.pipeline.step}
+        if self._gen is not None:
+            extra[PER_PROCESS] = {"generation_batch": self._gen}
+        return extra
+
+    def restore(self, extra: dict) -> None:
+        gb, self._gen = extra.get(PER_PROCESS, {}).get("generation_batch"), None
+        # another number of processes splits the batch otherwise: that resume samples it afresh (not exact)
+        if gb is not None and gb["world"] == self.world:
+            dev = self.accelerator.device
+            self._gen = {**gb, "batch": {k: v.to(dev) for k, v in gb["batch"].items()}}
 
     def _sample_round(self, generation: int, round_: int) -> dict:
         """Sample and score this process's groups of one round; the rewards (overlong shaping included),
@@ -243,9 +236,7 @@ class GRPOTrainer(OnlineTrainer):
                 + round_ * 2 ** 40)
         t_gen = time.time()
         # a multi-turn environment (rl.envs.tool_math) runs whole episodes: tool tokens get labels -100 in to_batch
-        gen = rollout_sampler(self, generate)  # our sampler, or vLLM with the policy's current weights
-        engine = {} if gen is generate else {"generate_fn": gen}
-        sample = partial(run_episodes, env=self.env, **engine) if getattr(self.env, "multi_turn", False) else gen
+        sample = episode_sampler(self, generate, run_episodes, self.env)  # ours or vLLM; episodes if multi-turn
         rollout = sample(self.pipeline.model, self.tokenizer, prompt_ids, max_new_tokens=cfg.max_completion_length,
                          temperature=cfg.temperature, top_k=cfg.top_k, top_p=cfg.top_p, seed=seed,
                          num_samples=cfg.num_generations)
@@ -294,12 +285,10 @@ class GRPOTrainer(OnlineTrainer):
         picked["t_gen"] = sum(ro["t_gen"] for ro in rounds)
         return rollout, picked, dapo
 
-    def train_step(self) -> list[dict]:
-        """One generation batch: sample (dynamic sampling: several rounds), score, advantages,
-        num_iterations optimizer steps."""
+    def _generation_batch(self, generation: int) -> dict:
+        """What the num_iterations updates of one generation share: sample (dynamic sampling: several
+        rounds), score, advantages, the reference's and (num_iterations > 1) the old policy's log-probs."""
         cfg, acc, pipe = self.cfg, self.accelerator, self.pipeline
-        t0 = time.time()
-        generation = pipe.step // cfg.num_iterations
         rollout, g, dapo = self._rollout(generation)
         advantages_all = compute_advantages(g["rewards"], cfg.num_generations, cfg.advantage_estimator)
         n_local = rollout.tokens.shape[0]
@@ -307,7 +296,6 @@ class GRPOTrainer(OnlineTrainer):
         metrics = {**reward_metrics(g["rewards"], g["per_func"], self.reward.names, g["components"], g["lengths"],
                                     g["truncated"], advantages_all, cfg.num_generations), **dapo}
         batch = {k: v.to(acc.device) for k, v in rollout.to_batch().items()}
-        adv = advantages.to(acc.device)
         ref_lp = old_lp = None
         micro, P = self._micro_batches(batch["attention_mask"]), rollout.prompt_ids.shape[1]
         if cfg.beta > 0:
@@ -317,69 +305,74 @@ class GRPOTrainer(OnlineTrainer):
             old_lp = self._logprobs(pipe.model, batch, micro, P)
         # vLLM's log-probs of its samples: the mismatch with the trainer's is measured (and corrected)
         behaviour = batch["old_logprobs"] if cfg.use_vllm else None
-        per_row = {k: v for k, v in {"advantages": adv, "old": old_lp, "ref": ref_lp, "behaviour": behaviour}.items()
+        per_row = {k: v for k, v in {"advantages": advantages.to(acc.device), "old": old_lp, "ref": ref_lp,
+                                     "behaviour": behaviour}.items()
                    if v is not None}
         # token_mean over the whole step: the engine divides by accumulation, DDP/ZeRO average processes
         n_tokens = acc.reduce(batch["labels"][:, 1:].ne(-100).sum().float(), "sum") if self.world > 1 else \
             batch["labels"][:, 1:].ne(-100).sum().float()
-        num_items = float(n_tokens.clamp(min=1)) / (self.world * cfg.gradient_accumulation_steps)
-        out_rows = []
-        for _ in range(cfg.num_iterations):
-            t_train = time.time()
-            sums: dict[str, float] = {}
-            extremes: dict[str, float] = {}
-            for s in micro:
-                mb, (a, _) = take_micro_batch({**batch, **per_row}, s, with_span=True)
-                kw = dict(advantages=mb["advantages"], old_logprobs=mb.get("old"), ref_logprobs=mb.get("ref"),
-                          temperature=cfg.temperature,
-                          beta=cfg.beta, epsilon_low=cfg.epsilon_low, epsilon_high=cfg.epsilon_high,
-                          loss_aggregation=cfg.loss_aggregation, max_completion_length=cfg.max_completion_length,
-                          num_items=num_items, use_bias_correction_kl=cfg.use_bias_correction_kl,
-                          importance_sampling_level=cfg.importance_sampling_level, policy_loss=cfg.policy_loss,
-                          behaviour_logprobs=mb.get("behaviour"), is_cap=cfg.vllm_importance_sampling_cap,
-                          is_mode=cfg.vllm_importance_sampling_mode, is_apply=cfg.vllm_importance_sampling_correction)
-                if self._share:  # each group's prompt once, its completions attending to it; no padding
-                    b = self._shared(mb, P - a)
-                    r = pipe.forward_backward(b["input_ids"], None, b["labels"], target_index=b["target_index"],
-                                              loss_fn=partial(grpo_loss_fn, **kw),
-                                              model_inputs=segments.shared_prefix_inputs(b)).result()
-                elif cfg.packing:  # the rows' real tokens packed; positions restart per row, as the sampler counts
-                    b = pack_padded(mb["input_ids"], mb["attention_mask"], mb["labels"],
-                                    self.tokenizer.pad_token_id or 0)
-                    r = pipe.forward_backward(b["input_ids"], None, b["labels"], position_ids=b["position_ids"],
-                                              target_index=b["target_index"], loss_fn=partial(grpo_loss_fn, **kw)
-                                              ).result()
-                else:  # the sampler's positions: on absolute-position models (GPT-2) left padding shifts them
-                    r = pipe.forward_backward(mb["input_ids"], mb["attention_mask"], mb["labels"],
-                                              loss_fn=partial(grpo_loss_fn, **kw),
-                                              position_ids=position_ids_from_mask(mb["attention_mask"])).result()
-                for key, v in {"loss": r.loss, **r.metrics}.items():
-                    if key.endswith(("/max", "/min")):  # extremes over micro-batches, not their mean
-                        pick = max if key.endswith("/max") else min
-                        extremes[key] = pick(extremes.get(key, v), v)
-                    else:
-                        sums[key] = sums.get(key, 0.0) + v / len(micro)
-            o = pipe.optim_step(max_grad_norm=cfg.max_grad_norm).result()
-            row = {"step": pipe.step, **metrics, **self.reduce(sums), **self.reduce_extremes(extremes),
-                   "grad_norm": o.grad_norm, "learning_rate": o.learning_rate}
-            completion_tokens = float(g["lengths"].sum())
-            row["step_time"] = time.time() - t0
-            row["time/generation"] = g["t_gen"]
-            row["time/train"] = time.time() - t_train
-            row["completion_tokens_per_s"] = completion_tokens / max(row["step_time"], 1e-9)
-            out_rows.append(row)
-            t0 = time.time()
-        return out_rows
+        return {"generation": generation, "world": self.world, "batch": {**batch, **per_row}, "micro": micro, "P": P,
+                "num_items": float(n_tokens.clamp(min=1)) / (self.world * cfg.gradient_accumulation_steps),
+                "metrics": metrics, "completion_tokens": float(g["lengths"].sum()), "t_gen": g["t_gen"]}
+
+    def train_step(self) -> dict:
+        """One optimizer step on the current generation batch, sampled first when the previous one has had
+        its num_iterations updates; the batch stays cached between steps (and in a checkpoint taken
+        between them), so fit() logs, evaluates, saves and stops at every optimizer step."""
+        cfg, pipe = self.cfg, self.pipeline
+        t0 = time.time()
+        generation = pipe.step // cfg.num_iterations
+        if self._gen is None or self._gen["generation"] != generation:
+            self._gen = self._generation_batch(generation)
+        gb = self._gen
+        batch, micro, P = gb["batch"], gb["micro"], gb["P"]
+        t_train = time.time()
+        sums: dict[str, float] = {}
+        extremes: dict[str, float] = {}
+        for s in micro:
+            mb, (a, _) = take_micro_batch(batch, s, with_span=True)
+            kw = dict(advantages=mb["advantages"], old_logprobs=mb.get("old"), ref_logprobs=mb.get("ref"),
+                      temperature=cfg.temperature,
+                      beta=cfg.beta, epsilon_low=cfg.epsilon_low, epsilon_high=cfg.epsilon_high,
+                      loss_aggregation=cfg.loss_aggregation, max_completion_length=cfg.max_completion_length,
+                      num_items=gb["num_items"], use_bias_correction_kl=cfg.use_bias_correction_kl,
+                      importance_sampling_level=cfg.importance_sampling_level, policy_loss=cfg.policy_loss,
+                      behaviour_logprobs=mb.get("behaviour"), is_cap=cfg.vllm_importance_sampling_cap,
+                      is_mode=cfg.vllm_importance_sampling_mode, is_apply=cfg.vllm_importance_sampling_correction)
+            if self._share:  # each group's prompt once, its completions attending to it; no padding
+                b = self._shared(mb, P - a)
+                r = pipe.forward_backward(b["input_ids"], None, b["labels"], target_index=b["target_index"],
+                                          loss_fn=partial(grpo_loss_fn, **kw),
+                                          model_inputs=segments.shared_prefix_inputs(b)).result()
+            elif cfg.packing:  # the rows' real tokens packed; positions restart per row, as the sampler counts
+                b = pack_padded(mb["input_ids"], mb["attention_mask"], mb["labels"],
+                                self.tokenizer.pad_token_id or 0)
+                r = pipe.forward_backward(b["input_ids"], None, b["labels"], position_ids=b["position_ids"],
+                                          target_index=b["target_index"], loss_fn=partial(grpo_loss_fn, **kw)
+                                          ).result()
+            else:  # the sampler's positions: on absolute-position models (GPT-2) left padding shifts them
+                r = pipe.forward_backward(mb["input_ids"], mb["attention_mask"], mb["labels"],
+                                          loss_fn=partial(grpo_loss_fn, **kw),
+                                          position_ids=position_ids_from_mask(mb["attention_mask"])).result()
+            for key, v in {"loss": r.loss, **r.metrics}.items():
+                if key.endswith(("/max", "/min")):  # extremes over micro-batches, not their mean
+                    pick = max if key.endswith("/max") else min
+                    extremes[key] = pick(extremes.get(key, v), v)
+                else:
+                    sums[key] = sums.get(key, 0.0) + v / len(micro)
+        o = pipe.optim_step(max_grad_norm=cfg.max_grad_norm).result()
+        if pipe.step % cfg.num_iterations == 0:
+            self._gen = None  # used up: its memory is free while the next one is sampled
+        row = {"step": pipe.step, **gb["metrics"], **self.reduce(sums), **self.reduce_extremes(extremes),
+               "grad_norm": o.grad_norm, "learning_rate": o.learning_rate}
+        row["step_time"] = time.time() - t0
+        row["time/generation"] = gb["t_gen"]
+        row["time/train"] = time.time() - t_train
+        row["completion_tokens_per_s"] = gb["completion_tokens"] / max(row["step_time"], 1e-9)
+        return row
 
     def evaluate(self, eval_set) -> dict:
         prompts, metas = eval_set
         model = self.pipeline.model if self.pipeline is not None else self._model
         return greedy_eval(model, self.tokenizer, self.eval_env, prompts, metas, self.cfg.max_completion_length,
                            self.cfg.prompt_budget, chat=self.cfg.chat_template)
-
-    def save(self, out_dir: str | None = None) -> str:
-        """Write the final model and tokenizer (LoRA: the PEFT adapter); every process must call it."""
-        out = out_dir or self.cfg.output_dir
-        save_pretrained(self.pipeline.model, self.tokenizer, out, self.accelerator, merged=self.cfg.save_merged)
-        self.accelerator.wait_for_everyone()
-        return out

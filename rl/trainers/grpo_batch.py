@@ -15,8 +15,11 @@ from __future__ import annotations
 import torch
 
 from rl.algos.advantages import nanstd
+from rl.algos.mismatch import importance_weights
+from rl.algos.policy_losses import grpo_loss
+from rl.engine import losses
 from rl.engine.generation import Rollout
-from rl.engine.packing import left_pad
+from rl.engine.packing import left_pad, unpack_targets
 
 # ------------------------------------------------------------------------------ dynamic sampling
 
@@ -151,3 +154,28 @@ def reward_metrics(rewards: torch.Tensor, per_func: torch.Tensor, names: list[st
     for name, v in components.items():  # an environment's components, e.g. rewards/correctness/mean
         metrics[f"rewards/{name}/mean"] = nanmean(v)
     return metrics
+
+
+def grpo_loss_fn(logits, labels, attention_mask=None, *, advantages, old_logprobs=None, ref_logprobs=None,
+                 temperature: float = 1.0, target_index=None, behaviour_logprobs=None, is_cap: float = 3.0,
+                 is_mode: str = "token_truncate", is_apply: bool = True, **kw):
+    """Engine signature `(logits, labels, attention_mask, **kw) -> (loss, metrics)`.
+
+    old_logprobs/ref_logprobs are (B, T-1) aligned with labels[:, 1:]; old_logprobs None means the
+    current policy (detached), i.e. ratio 1 (num_iterations = 1). Packed rows (`rl.engine.packing.pack_padded`):
+    logits and labels are the packed rows' and `target_index` (B, T-1) brings their log-probs back to
+    the rollout's padded layout, where the rest of the loss runs as before. behaviour_logprobs (B, T-1):
+    the rollout engine's (vLLM's) log-probs of the sampled tokens; their mismatch with the old policy is
+    measured, and with `is_apply` corrected by truncated importance weights (`rl.algos.mismatch`)."""
+    if temperature and temperature != 1.0:
+        logits = logits / temperature
+    logp, mask = losses.token_logprobs(logits, labels)
+    if target_index is not None:
+        logp, mask = unpack_targets(logp, target_index), unpack_targets(mask, target_index)
+    old = logp.detach() if old_logprobs is None else old_logprobs
+    weights, extra = None, {}
+    if behaviour_logprobs is not None:
+        weights, extra = importance_weights(old, behaviour_logprobs, mask, is_cap, is_mode)
+    loss, metrics = grpo_loss(logp, old, advantages, mask, ref_logp=ref_logprobs,
+                              token_weights=weights if is_apply else None, **kw)
+    return loss, {**metrics, **extra}

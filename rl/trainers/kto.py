@@ -169,7 +169,7 @@ class KTOTrainer(EpochTrainer):
                                 undesirable_weight=cfg.undesirable_weight)
         return self.fit(plan["total_steps"], tracker)
 
-    def train_step(self) -> list[dict]:
+    def train_step(self) -> dict:
         cfg, pipe, data = self.cfg, self.pipeline, self._train
         t0 = time.time()
         N = cfg.gradient_accumulation_steps
@@ -192,7 +192,7 @@ class KTOTrainer(EpochTrainer):
         row = {"loss": self.reduce({"loss": loss})["loss"], "kl": kl, **label_means(self.reduce(sums, op="sum"))}
         row.update({"grad_norm": o.grad_norm, "learning_rate": o.learning_rate, "epoch": self.epoch_progress,
                     "step_time": time.time() - t0})
-        return [{"step": pipe.step, **row}]
+        return {"step": pipe.step, **row}
 
     @torch.no_grad()
     def evaluate(self, dataset: UnpairedDataset) -> dict[str, float]:

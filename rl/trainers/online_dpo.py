@@ -199,7 +199,7 @@ class OnlineDPOTrainer(OnlineTrainer):
     def checkpoint_extra(self) -> dict:
         return {"step": self.pipeline.step}
 
-    def train_step(self) -> list[dict]:
+    def train_step(self) -> dict:
         """Sample two completions per prompt, rank them, one optimizer step on the untied pairs."""
         cfg, acc, pipe, plan = self.cfg, self.accelerator, self.pipeline, self._plan
         t0 = time.time()
@@ -262,7 +262,7 @@ class OnlineDPOTrainer(OnlineTrainer):
         for j, name in enumerate(self.reward.names):
             col = self.gather(per_func[:, j])
             row[f"rewards/{name}/mean"] = float(torch.nanmean(col)) if not col.isnan().all() else 0.0
-        return [{"step": pipe.step, **row}]
+        return {"step": pipe.step, **row}
 
     def save(self, out_dir: str | None = None) -> str:
         """Write the final model and tokenizer (LoRA: the PEFT adapter); every process must call it."""

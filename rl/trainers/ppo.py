@@ -14,6 +14,9 @@ One iteration:
                       + value_coef * clipped value loss - entropy_coef * entropy (response tokens only);
   5. KL control Ziegler et al.'s adaptive coefficient: coef *= 1 + clip(KL/target - 1, -0.2, 0.2) * n / horizon,
                with n = rollouts in the iteration (all processes) and KL the mean per-sequence KL sum.
+Each optimizer step of 4. is one step of `Trainer.fit` (logging, eval_every, save_every, signals count
+them): steps 1-3 and 5 run at an iteration's first step, and their result stays cached (and in a
+checkpoint taken mid-iteration, so a resume continues on the same rollout exactly) for the others.
 
 Alignment of response tokens and logits: rl.trainers.ppo_math.
 
@@ -48,7 +51,7 @@ from rl.engine.dist import is_deepspeed, zero_stage
 from rl.engine.generation import generate
 from rl.engine.packing import pack_padded
 from rl.engine.pipeline import ForwardBackwardPipeline
-from rl.engine.state import checkpoint_dir
+from rl.engine.state import PER_PROCESS, checkpoint_dir
 from rl.errors import ConfigError
 from rl.models.loading import (
     release_device_cache,
@@ -60,7 +63,7 @@ from rl.models.value import Critic, PPOModel
 from rl.rollout.episodes import run_episodes
 from rl.rollout.prompts import prompt_order
 from rl.trainers.base import Trainer
-from rl.trainers.sampling import rollout_sampler
+from rl.trainers.sampling import episode_sampler
 from rl.trainers.ppo_config import (
     PPOConfig,
     encode_prompts,
@@ -88,7 +91,7 @@ class PPOTrainer(Trainer):
     any reward source; runs single-process, DDP and DeepSpeed ZeRO-2/3 (policy and reference sharded).
 
         trainer = PPOTrainer(PPOConfig(model_name=..., ...), reward_fn=my_reward_fn)
-        history = trainer.train(prompts, num_iterations=100)   # one metrics dict per iteration
+        history = trainer.train(prompts, num_iterations=100)   # one metrics dict per optimizer step
         trainer.save()
     """
 
@@ -118,9 +121,8 @@ class PPOTrainer(Trainer):
         self.critic = Critic(self._critic_rm) if self._critic_rm is not None else None
         self.kl_ctl = (AdaptiveKLController(cfg.kl_penalty_coef, cfg.kl_target, cfg.kl_horizon) if cfg.adaptive_kl
                        else FixedKLController(cfg.kl_penalty_coef))
-        self.pipeline = None
         self.history: list[dict] = []
-        self._iteration = 0
+        self._exp = None  # the iteration's rollout while its optimizer steps are not all taken
 
     # ------------------------------------------------------------------ sizes and setup
     def plan(self, n_prompts: int, num_iterations: int | None = None) -> dict:
@@ -147,9 +149,7 @@ class PPOTrainer(Trainer):
         model = self.pipeline.model if self.pipeline is not None else self.policy
         # a multi-turn environment (rl.envs.tool_math) runs whole episodes; their tool tokens are out of the loss
         env = getattr(self.reward, "env", None)
-        gen = rollout_sampler(self, generate)  # our sampler, or vLLM holding the policy's current weights
-        engine = {} if gen is generate else {"generate_fn": gen}
-        sample = partial(run_episodes, env=env, **engine) if getattr(env, "multi_turn", False) else gen
+        sample = episode_sampler(self, generate, run_episodes, env)  # ours or vLLM; whole episodes if multi-turn
         rollout = sample(model, self.tokenizer, prompt_ids, max_new_tokens=cfg.max_new_tokens,
                          temperature=cfg.temperature, top_k=cfg.top_k, top_p=cfg.top_p, seed=seed)
         if cfg.optimize_device_cache:
@@ -159,9 +159,12 @@ class PPOTrainer(Trainer):
     def _decode(self, rollout) -> list[str]:
         return [self.tokenizer.decode(c, skip_special_tokens=True) for c in rollout.completions()]
 
-    def step(self, prompt_texts: list[str], prompt_ids: list[list[int]], metadata: list[dict] | None,
-             iteration: int) -> dict:
-        """One PPO iteration on this process's prompts; returns metrics averaged over processes."""
+    def _experience(self, prompt_texts: list[str], prompt_ids: list[list[int]], metadata: list[dict] | None,
+                    iteration: int) -> dict:
+        """Steps 1-3 and 5 of one iteration on this process's prompts: what its steps_per_iteration
+        optimizer steps share (the rollout, its advantages and returns, the ppo_epochs shuffles of the
+        minibatches, the rollout's metrics averaged over processes). The KL controller moves here: its
+        new value only enters the next iteration's rewards."""
         cfg, acc, pipe = self.cfg, self.accelerator, self.pipeline
         B = len(prompt_ids)
         # 1. rollout
@@ -188,74 +191,68 @@ class PPOTrainer(Trainer):
             logprob_chunk_size=cfg.logprob_chunk_size, head_capture=pipe.head_capture)
         t_score = time.time() - t1
         # 3. rewards and advantages (fp32, on the device)
-        t2 = time.time()
         dev = pipe.device
         maskf = loss_mask.to(dev).float()
         eos_missing = torch.tensor([r != "stop" for r in rollout.finish_reasons], device=dev)
         kl_coef = self.kl_ctl.value
         exp = ppo_advantages(cfg, scores.to(dev), eos_missing, old_logp, ref_logp, old_values.to(dev), maskf, kl_coef)
-        adv, returns, old_logp, old_values = exp["advantages"], exp["returns"], exp["old_logp"], exp["old_values"]
-        # 4. PPO epochs over shuffled minibatches
+        gen = torch.Generator().manual_seed(cfg.seed * 7919 + iteration)
+        # 5. the rollout's metrics (averaged over processes), KL controller
+        local = {k: float(v) for k, v in rollout_stats(exp, raw_scores.to(dev), eos_missing, maskf).items()}
+        stats = self.reduce({**local, **extra})
+        self.kl_ctl.update(stats["objective/kl"], cfg.batch_size * self.world)
+        stats.update({"kl_coef": kl_coef, "time/generation": t_gen, "time/scoring": t_score})
+        self.last_rollout = {"prompts": prompt_texts, "responses": responses, "scores": raw_scores.tolist()}
+        return {"iteration": iteration, "world": self.world, "P": P, "stats": stats, "last_rollout": self.last_rollout,
+                "data": {"tokens": tokens.to(dev), "mask": maskf, "old_logprobs": exp["old_logp"],
+                         "advantages": exp["advantages"], "old_values": exp["old_values"], "returns": exp["returns"],
+                         "ids": batch["input_ids"].to(dev), "attn": batch["attention_mask"].to(dev)},
+                # packing: the response tokens as labels of the [prompt | response] rows (pack_padded)
+                "labels": torch.cat([torch.full_like(rollout.prompt_ids, -100),
+                                     tokens.masked_fill(loss_mask == 0, -100)], 1).cpu(),
+                "orders": [torch.randperm(B, generator=gen) for _ in range(cfg.ppo_epochs)]}
+
+    def _update(self, ex: dict, k: int):
+        """4. the k-th optimizer step of an iteration: minibatch k % mini_batches of PPO epoch
+        k // mini_batches (its micro-batches through the engine). Returns (loss metrics averaged over the
+        micro-batches and processes, the policy's OptimStepResult)."""
+        cfg, pipe, dev, P = self.cfg, self.pipeline, self.pipeline.device, ex["P"]
         common = dict(P=P, clip_ratio=cfg.clip_ratio, value_clip=cfg.value_clip, value_coef=cfg.value_coef,
                       entropy_coef=cfg.entropy_coef, temperature=cfg.temperature)
-        data = {"tokens": tokens.to(dev), "mask": maskf, "old_logprobs": old_logp, "advantages": adv,
-                "old_values": old_values, "returns": returns}
-        ids, attn = batch["input_ids"].to(dev), batch["attention_mask"].to(dev)
-        # packing: the response tokens as labels of the [prompt | response] rows, for rl.engine.packing.pack_padded
-        labels = torch.cat([torch.full_like(rollout.prompt_ids, -100), tokens.masked_fill(loss_mask == 0, -100)], 1).cpu()
-        gen = torch.Generator().manual_seed(cfg.seed * 7919 + iteration)
-        sums: dict[str, float] = {}
-        counts: dict[str, int] = {}
-        grad_norms = []
-        lr = None
-        for _ in range(cfg.ppo_epochs):
-            order = torch.randperm(B, generator=gen)
-            for mb in range(B // cfg.mini_batch_size):
-                mb_idx = order[mb * cfg.mini_batch_size:(mb + 1) * cfg.mini_batch_size]
-                for micro in mb_idx.split(cfg.micro_batch_size):
-                    micro = micro.to(dev)
-                    kw = {k: v[micro] for k, v in data.items()}
-                    f_ids, f_mask, f_in, f_kw = ids[micro], attn[micro], {}, {}
-                    if cfg.packing:  # padding-free rows; the losses read them back into response space
-                        b = pack_padded(f_ids.cpu(), f_mask.cpu(), labels[micro.cpu()],
-                                        self.tokenizer.pad_token_id or 0)
-                        f_ids, f_mask, f_in = b["input_ids"], None, {"position_ids": b["position_ids"]}
-                        f_kw = {"target_index": b["target_index"].to(dev)}
-                        kw["packed_labels"] = b["labels"].to(dev)
-                    if self.critic_pipeline is None:
-                        fn = partial(policy_loss, **common)
-                        r = pipe.forward_backward_custom(fn, f_ids, f_mask, model_inputs=f_in, **kw, **f_kw).result()
-                    else:
-                        fn = partial(policy_loss, **{k: v for k, v in common.items()
-                                                     if k not in ("value_clip", "value_coef")})
-                        pk = {k: v for k, v in kw.items() if k not in ("old_values", "returns")}
-                        r = pipe.forward_backward_custom(fn, f_ids, f_mask, model_inputs=f_in, **pk, **f_kw).result()
-                        cfn = partial(critic_loss, P=P, value_clip=cfg.value_clip, value_coef=cfg.value_coef)
-                        rc = self.critic_pipeline.forward_backward_custom(
-                            cfn, f_ids, f_mask, model_inputs=f_in, mask=kw["mask"], old_values=kw["old_values"],
-                            returns=kw["returns"], **f_kw).result()
-                        r.metrics.update(rc.metrics)
-                    for k, v in r.metrics.items():
-                        sums[k] = sums.get(k, 0.0) + v
-                        counts[k] = counts.get(k, 0) + 1
-                o = pipe.optim_step(max_grad_norm=cfg.max_grad_norm).result()
-                if self.critic_pipeline is not None:
-                    self.critic_pipeline.optim_step(max_grad_norm=cfg.max_grad_norm).result()
-                if o.grad_norm is not None:
-                    grad_norms.append(o.grad_norm)
-                lr = o.learning_rate
-        t_train = time.time() - t2
-        # 5. metrics (averaged over processes), KL controller
-        local = rollout_stats(exp, raw_scores.to(dev), eos_missing, maskf)
-        local = {k: float(v) for k, v in local.items()}
-        local.update({k: sums[k] / counts[k] for k in sums}, **extra)
-        metrics = self.reduce(local)
-        self.kl_ctl.update(metrics["objective/kl"], cfg.batch_size * self.world)
-        metrics.update({"kl_coef": kl_coef, "learning_rate": lr, "grad_norm": sum(grad_norms) / max(1, len(grad_norms)),
-                        "time/generation": t_gen, "time/scoring": t_score, "time/training": t_train,
-                        "time/iteration": time.time() - t0})
-        self.last_rollout = {"prompts": prompt_texts, "responses": responses, "scores": raw_scores.tolist()}
-        return metrics
+        data = {key: v for key, v in ex["data"].items() if key not in ("ids", "attn")}
+        ids, attn, labels = ex["data"]["ids"], ex["data"]["attn"], ex["labels"]
+        epoch, mb = divmod(k, self._plan["mini_batches_per_epoch"])
+        mb_idx = ex["orders"][epoch][mb * cfg.mini_batch_size:(mb + 1) * cfg.mini_batch_size]
+        sums, counts = {}, {}  # per metric: the sum over the micro-batches, their number
+        for micro in mb_idx.split(cfg.micro_batch_size):
+            micro = micro.to(dev)
+            kw = {key: v[micro] for key, v in data.items()}
+            f_ids, f_mask, f_in, f_kw = ids[micro], attn[micro], {}, {}
+            if cfg.packing:  # padding-free rows; the losses read them back into response space
+                b = pack_padded(f_ids.cpu(), f_mask.cpu(), labels[micro.cpu()], self.tokenizer.pad_token_id or 0)
+                f_ids, f_mask, f_in = b["input_ids"], None, {"position_ids": b["position_ids"]}
+                f_kw = {"target_index": b["target_index"].to(dev)}
+                kw["packed_labels"] = b["labels"].to(dev)
+            if self.critic_pipeline is None:
+                fn = partial(policy_loss, **common)
+                r = pipe.forward_backward_custom(fn, f_ids, f_mask, model_inputs=f_in, **kw, **f_kw).result()
+            else:
+                fn = partial(policy_loss, **{key: v for key, v in common.items()
+                                             if key not in ("value_clip", "value_coef")})
+                pk = {key: v for key, v in kw.items() if key not in ("old_values", "returns")}
+                r = pipe.forward_backward_custom(fn, f_ids, f_mask, model_inputs=f_in, **pk, **f_kw).result()
+                cfn = partial(critic_loss, P=P, value_clip=cfg.value_clip, value_coef=cfg.value_coef)
+                rc = self.critic_pipeline.forward_backward_custom(
+                    cfn, f_ids, f_mask, model_inputs=f_in, mask=kw["mask"], old_values=kw["old_values"],
+                    returns=kw["returns"], **f_kw).result()
+                r.metrics.update(rc.metrics)
+            for key, v in r.metrics.items():
+                sums[key] = sums.get(key, 0.0) + v
+                counts[key] = counts.get(key, 0) + 1
+        o = pipe.optim_step(max_grad_norm=cfg.max_grad_norm).result()
+        if self.critic_pipeline is not None:
+            self.critic_pipeline.optim_step(max_grad_norm=cfg.max_grad_norm).result()
+        return self.reduce({key: sums[key] / counts[key] for key in sums}), o
 
     # ------------------------------------------------------------------ data
     def encode_prompts(self, prompts: Sequence[str]) -> list[list[int]]:
@@ -269,7 +266,8 @@ class PPOTrainer(Trainer):
     def train(self, prompts: Sequence[str] | None = None, num_iterations: int | None = None,
               metadata: Sequence[dict] | None = None, eval_prompts: Sequence[str] | None = None,
               eval_metadata: Sequence[dict] | None = None) -> list[dict]:
-        """Run PPO on `prompts` (strings); returns one metrics dict per iteration (also `self.history`).
+        """Run PPO on `prompts` (strings); returns one metrics dict per optimizer step, each with its
+        `iteration` and that iteration's rollout metrics (also `self.history`).
 
         Every process passes the same prompts; iteration i uses a seeded shuffle of them, and process r
         takes every world-th of the iteration's `batch_size * world` prompts. `metadata` (one dict per
@@ -286,7 +284,7 @@ class PPOTrainer(Trainer):
             raise ConfigError(f"metadata has {len(metadata)} entries for {len(prompts)} prompts")
         plan = self.plan(len(prompts), num_iterations)
         self._plan = plan
-        tracker = self.open_run(plan["iterations"], desc="ppo", plot_keys=[
+        tracker = self.open_run(plan["total_steps"], desc="ppo", plot_keys=[
             "objective/scores", "objective/kl", "kl_coef", "loss/policy", "loss/value", "val/explained_variance",
             "policy/clipfrac", "response_length", "objective/entropy"])
         self._setup(plan)
@@ -303,33 +301,49 @@ class PPOTrainer(Trainer):
             raise ConfigError(f"eval_metadata has {len(eval_metadata)} entries for "
                               f"{len(eval_prompts or [])} eval prompts")
         self._eval_prompts, self._eval_metadata = eval_prompts, eval_metadata
-        rows = self.fit(plan["iterations"], tracker)
+        rows = self.fit(plan["total_steps"], tracker)
         self.history += rows
         return self.history
 
     # ------------------------------------------------------------------ the lifecycle's hooks
-    @property
-    def current_step(self) -> int:
-        return self._iteration
-
-    def train_step(self) -> list[dict]:
-        it, prompts, metadata = self._iteration, self._prompts, self._metadata
-        idx = self._global_indices(it, len(prompts))[self.accelerator.process_index::self.world]
-        metrics = self.step([prompts[i] for i in idx], [self._encoded[i] for i in idx],
-                            [dict(metadata[i]) for i in idx] if metadata is not None else None, it)
-        self._iteration = it + 1
-        return [{"step": it + 1, **metrics, "iteration": it + 1,
-                 "epoch": (it + 1) * self._plan["global_batch"] / len(prompts)}]
+    def train_step(self) -> dict:
+        """One optimizer step; an iteration's first step makes its rollout (`_experience`), kept until its
+        steps_per_iteration steps are taken (and in a checkpoint taken between them)."""
+        spi, pipe = self._plan["steps_per_iteration"], self.pipeline
+        it, k = divmod(pipe.step, spi)
+        t0 = time.time()
+        if self._exp is None or self._exp["iteration"] != it:
+            prompts, metadata = self._prompts, self._metadata
+            idx = self._global_indices(it, len(prompts))[self.accelerator.process_index::self.world]
+            self._exp = self._experience([prompts[i] for i in idx], [self._encoded[i] for i in idx],
+                                         [dict(metadata[i]) for i in idx] if metadata is not None else None, it)
+        ex, t_train = self._exp, time.time()
+        metrics, o = self._update(ex, k)
+        if k + 1 == spi:
+            self._exp = None  # used up: its memory is free while the next rollout is sampled
+        return {"step": pipe.step, **ex["stats"], **metrics, "learning_rate": o.learning_rate,
+                "grad_norm": o.grad_norm if o.grad_norm is not None else 0.0, "time/training": time.time() - t_train,
+                "step_time": time.time() - t0, "iteration": it + 1,
+                "epoch": (it + (k + 1) / spi) * self._plan["global_batch"] / len(self._prompts)}
 
     def evaluate_now(self) -> dict | None:
         return self.evaluate(self._eval_prompts, self._eval_metadata) if self._eval_prompts else None
 
     def checkpoint_extra(self) -> dict:
-        return {"iteration": self._iteration, "kl_coef": self.kl_ctl.value}
+        """Within an iteration its rollout goes into the checkpoint (each process its own rows), so a resume
+        continues on it exactly instead of sampling it again with a policy that has taken some updates."""
+        extra = {"iteration": self.pipeline.step // self._plan["steps_per_iteration"], "kl_coef": self.kl_ctl.value}
+        if self._exp is not None:
+            extra[PER_PROCESS] = {"experience": self._exp}
+        return extra
 
     def restore(self, extra: dict) -> None:
-        self._iteration = int(extra["iteration"])
         self.kl_ctl.value = float(extra["kl_coef"])
+        ex, self._exp = extra.get(PER_PROCESS, {}).get("experience"), None
+        # another number of processes splits the rollout otherwise: that resume samples it afresh (not exact)
+        if ex is not None and ex["world"] == self.world:
+            self._exp = {**ex, "data": {k: v.to(self.pipeline.device) for k, v in ex["data"].items()}}
+            self.last_rollout = ex["last_rollout"]
 
     def checkpoint_parts(self, name: str) -> list[Path]:
         """The critic's engine state lives in `checkpoints/critic/<name>` beside the policy's."""
@@ -362,7 +376,6 @@ class PPOTrainer(Trainer):
         """The iteration's batch_size * world prompt indices: consecutive slices of per-epoch seeded
         shuffles (so every prompt is used once per epoch), identical on every process."""
         return prompt_order(iteration, n, self._plan["global_batch"], self.cfg.seed)
-
 
     @torch.no_grad()
     def evaluate(self, prompts: Sequence[str], metadata: Sequence[dict] | None = None) -> dict:

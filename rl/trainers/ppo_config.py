@@ -79,8 +79,8 @@ class PPOConfig(VLLMKeys, TrainConfig):
     critic_model_path: str | None = opt(None, "critic initialisation (default: reward_model_path, else model_name)")
     critic_learning_rate: float | None = opt(None, "critic learning rate (default: learning_rate)")
     device: str | None = opt(None, "'cpu' forces the CPU; null picks the accelerator's device")
-    save_every: int = opt(0, "checkpoint every N iterations (0: only the final model)")
-    eval_every: int = opt(0, "score held-out prompts every N iterations (0: only at the end, if any)")
+    save_every: int = opt(0, "checkpoint every N optimizer steps (0: only the final model)")
+    eval_every: int = opt(0, "score held-out prompts every N optimizer steps (0: only at the end, if any)")
     packing: bool = opt(False, "padding-free training forwards (policy and critic): each micro-batch's prompt+"
                         "response rows packed into rows no longer than its longest, with per-row position_ids "
                         "(rl.engine.packing); same loss")

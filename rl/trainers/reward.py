@@ -245,7 +245,7 @@ class RewardModelTrainer(EpochTrainer):
     def run_dir(self) -> Path:
         return self.output_dir
 
-    def train_step(self) -> list[dict]:
+    def train_step(self) -> dict:
         pipe, cfg = self.pipeline, self.config
         step_pairs = self.next_global_batch()
         unit = self.step_weight(len(step_pairs))
@@ -259,7 +259,7 @@ class RewardModelTrainer(EpochTrainer):
                 margin=margin, center_rewards_coefficient=cfg.center_rewards_coefficient))
         step = pipe.optim_step(max_grad_norm=cfg.max_grad_norm).result()
         metrics = self._step_metrics([f.result() for f in futures], step)
-        return [{"step": pipe.step, **metrics, "epoch": self.epoch_progress}]
+        return {"step": pipe.step, **metrics, "epoch": self.epoch_progress}
 
     def evaluate_now(self) -> dict | None:
         return self.evaluate(batch_size=self._bs) if self.eval_split is not None else None

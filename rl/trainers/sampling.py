@@ -3,6 +3,8 @@ reference) or, with `use_vllm=true`, vLLM (`rl.rollout.vllm_engine`) holding the
 
 from __future__ import annotations
 
+from functools import partial
+
 from rl.engine.dist import unwrap_module
 
 
@@ -24,3 +26,12 @@ def rollout_sampler(trainer, ours):
         config = getattr(unwrap_module(policy), "config", None)
         engine = trainer._vllm = VLLMRollout(cfg, trainer.accelerator, resolve_model_path(cfg.model_name), config)
     return engine.sampler(policy, pipe.step if pipe is not None else 0)
+
+
+def episode_sampler(trainer, ours, episodes, env):
+    """`rollout_sampler`'s function, or for a multi-turn environment (rl.envs.tool_math) `episodes`
+    (`run_episodes`, the trainer module's: tests patch it there) running whole episodes on it."""
+    gen = rollout_sampler(trainer, ours)
+    if not getattr(env, "multi_turn", False):
+        return gen
+    return partial(episodes, env=env, **({} if gen is ours else {"generate_fn": gen}))

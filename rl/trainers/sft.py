@@ -98,7 +98,7 @@ class SFTTrainer(EpochTrainer):
         self.start_epochs(len(train_examples), eval_examples)
         return self.fit(plan["total_steps"], tracker)
 
-    def train_step(self) -> list[dict]:
+    def train_step(self) -> dict:
         cfg, acc, pipe = self.cfg, self.accelerator, self.pipeline
         t0 = time.time()
         batch = [self._train[i] for i in self.next_global_batch()]
@@ -131,9 +131,9 @@ class SFTTrainer(EpochTrainer):
         t = self.reduce({"nll": nll_sum, "tokens": n_tok, "correct": correct}, "sum")
         self._num_tokens += sum(len(ex["input_ids"]) for ex in batch)  # input tokens so far, as TRL counts them
         n = max(t["tokens"], 1)
-        return [{"step": pipe.step, "loss": t["nll"] / n, "grad_norm": o.grad_norm,
-                 "learning_rate": o.learning_rate, "epoch": self.epoch_progress, "num_tokens": self._num_tokens,
-                 "mean_token_accuracy": t["correct"] / n, "step_time": time.time() - t0}]
+        return {"step": pipe.step, "loss": t["nll"] / n, "grad_norm": o.grad_norm,
+                "learning_rate": o.learning_rate, "epoch": self.epoch_progress, "num_tokens": self._num_tokens,
+                "mean_token_accuracy": t["correct"] / n, "step_time": time.time() - t0}
 
     def checkpoint_extra(self) -> dict:
         return {**super().checkpoint_extra(), "num_tokens": self._num_tokens}

@@ -68,11 +68,13 @@ def test_lora_reference_adaptive_kl_and_critic(tmp_path, tiny_llama):
     """LoRA policy whose reference is itself without adapters (KL exactly 0 before the first update,
     > 0 after), adaptive KL moving the coefficient, a separate critic, and resume from a checkpoint."""
     cfg = tiny_cfg(tmp_path, num_iterations=2, batch_size=16, mini_batch_size=8, ppo_epochs=1, learning_rate=1e-2,
-                   adaptive_kl=True, kl_target=1e-4, kl_horizon=100, value_model="critic", save_every=1)
+                   adaptive_kl=True, kl_target=1e-4, kl_horizon=100, value_model="critic", save_every=2)
     cfg.lora.enabled, cfg.lora.rank, cfg.lora.dropout = True, 4, 0.0
     trainer = PPOTrainer(cfg, reward_fn=content_reward)
     assert trainer.reference.mode == "adapters" and trainer.reference.model is None
-    hist = trainer.train(PROMPTS)
+    hist = trainer.train(PROMPTS)  # 2 optimizer steps (minibatches) per iteration, one row each
+    assert [r["iteration"] for r in hist] == [1, 1, 2, 2]
+    hist = [hist[1], hist[3]]  # an iteration's rollout metrics are on each of its rows
     assert hist[0]["objective/kl"] == pytest.approx(0.0, abs=1e-6)
     assert abs(hist[1]["objective/kl"]) > 1e-6
     # adaptive KL: KL 0 (below target) lowers the coefficient by the clipped step times n/horizon,
@@ -81,15 +83,15 @@ def test_lora_reference_adaptive_kl_and_critic(tmp_path, tiny_llama):
     err = min(max(hist[1]["objective/kl"] / 1e-4 - 1, -0.2), 0.2)
     assert trainer.kl_ctl.value == pytest.approx(hist[1]["kl_coef"] * (1 + err * 16 / 100))
     assert "loss/value" in hist[-1] and "loss/policy" in hist[-1]
-    assert (tmp_path / "checkpoints" / "checkpoint-2" / "COMPLETE").exists()
-    assert (tmp_path / "checkpoints" / "critic" / "checkpoint-2" / "COMPLETE").exists()
+    assert (tmp_path / "checkpoints" / "checkpoint-4" / "COMPLETE").exists()  # save_every counts optimizer steps
+    assert (tmp_path / "checkpoints" / "critic" / "checkpoint-4" / "COMPLETE").exists()
     # resume: a fresh trainer continues at iteration 2 with the saved KL coefficient
     cfg3 = tiny_cfg(tmp_path, num_iterations=3, batch_size=16, mini_batch_size=8, ppo_epochs=1, learning_rate=1e-2,
                     adaptive_kl=True, kl_target=1e-4, kl_horizon=100, value_model="critic", resume="auto")
     cfg3.lora.enabled, cfg3.lora.rank, cfg3.lora.dropout = True, 4, 0.0
     t3 = PPOTrainer(cfg3, reward_fn=content_reward)
     h3 = t3.train(PROMPTS)
-    assert len(h3) == 1 and h3[0]["iteration"] == 3
+    assert [r["iteration"] for r in h3] == [3, 3] and h3[0]["step"] == 5
     assert h3[0]["kl_coef"] == pytest.approx(trainer.kl_ctl.value)
 
 
@@ -128,7 +130,8 @@ def test_zero3_two_processes_policy_reference_value_sharded(tmp_path, tiny_cache
         assert 0 < local < total, shards  # each rank holds a shard, not the whole model
     assert "ppo done" in text
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
-    assert len(rows) == 2 and rows[0]["objective/kl"] == pytest.approx(0.0, abs=1e-4)
+    assert [r["iteration"] for r in rows] == [1, 1, 2, 2]  # 2 minibatches per iteration: one row per optimizer step
+    assert rows[0]["objective/kl"] == pytest.approx(0.0, abs=1e-4)
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(out)  # gathered from the shards

@@ -278,7 +278,6 @@ def test_dpo_matches_trl_on_real_chat_pairs_and_keeps_eos(model, tok, tmp_path):
     """Conversational pairs tokenised by each trainer itself; TRL 1.16's DPOTrainer (fp32) and ours
     agree on the first step's metrics to 1e-4. Each answer ends with <|im_end|> (= pad) and its
     log-prob counts."""
-    pytest.importorskip("trl")
     from datasets import Dataset
     from trl import DPOConfig as TRLDPOConfig
     from trl import DPOTrainer as TRLDPOTrainer

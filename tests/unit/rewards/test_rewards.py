@@ -100,15 +100,14 @@ def test_math_verify_in_a_worker_thread_and_the_env():
 
 def test_math_verify_deadline_kills_a_hung_check():
     """A tower of powers keeps sympy busy far past any deadline (one big-integer operation, which even
-    a signal cannot interrupt): the check returns False at the deadline, and the next check works."""
-    import time
-
+    a signal cannot interrupt): the check returns False at the deadline, and the next check works.
+    The hung child was killed (not a "no" from a child that lives on): the deadline, not an answer."""
     v = R.MathVerifier(deadline_s=1.0)
     try:
         v.equivalent("1", "1")  # start the child first, so the deadline below times only the check
-        t0 = time.monotonic()
+        hung = v._proc
         assert v.equivalent("2^{2^{2^{2^{2^{10}}}}}", "3") is False
-        assert time.monotonic() - t0 < 5
+        assert hung.poll() is not None and v._proc is None  # killed and let go at the deadline
         assert v.equivalent("\\sqrt{4}", "2") is True  # a fresh child
         v._proc.kill()  # a child that died between calls (e.g. killed by the user) is replaced too
         v._proc.wait()

@@ -51,7 +51,8 @@ def _trl_gkd_loss(student, teacher, b, beta: float) -> float:
     padding), through a stand-in `self` holding what the method reads."""
     from types import SimpleNamespace
 
-    gkd = pytest.importorskip("trl.experimental.gkd.gkd_trainer")
+    from trl.experimental.gkd import gkd_trainer as gkd
+
     assert bool(b["attention_mask"][:, 0].all()), "equal-length prompts expected (no left padding)"
     fake = SimpleNamespace(teacher_model=teacher, beta=beta, generalized_jsd_loss=gkd.GKDTrainer.generalized_jsd_loss)
     with torch.no_grad():

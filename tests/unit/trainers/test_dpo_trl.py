@@ -12,8 +12,6 @@ import random
 
 import pytest
 
-pytest.importorskip("trl")
-
 KEYS = ("loss", "rewards/chosen", "rewards/rejected", "rewards/accuracies", "rewards/margins",
         "logps/chosen", "logps/rejected")
 

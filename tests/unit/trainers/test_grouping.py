@@ -162,7 +162,8 @@ def test_grouped_loss_and_gradients_equal_contiguous_full_width(lm, aggregation)
 def test_train_step_with_grouping_equals_the_former_micro_batches(tiny_llama, tmp_path, monkeypatch):
     """The trainer's wiring (scoring forwards, per-row advantages / old / ref log-probs, training
     micro-batches): prompts of 1-8 characters make rows of different lengths; one step with 2 grouped,
-    trimmed micro-batches (num_iterations 2, beta > 0: both scoring forwards run) gives the same loss,
+    trimmed micro-batches (num_iterations 2, beta > 0: both scoring forwards run; max_steps 2, the two
+    updates of that one generation batch) gives the same loss,
     KL and accumulated gradients (at the first optimizer step, before Adam, whose normalisation would
     amplify float noise in near-zero gradients) as contiguous full-width micro-batches (the former path)."""
     grads = []
@@ -177,7 +178,7 @@ def test_train_step_with_grouping_equals_the_former_micro_batches(tiny_llama, tm
     def run(out, share=False):
         cfg = build(GRPOConfig, dict(model_name=tiny_llama, output_dir=str(out), learning_rate=1e-2, batch_size=4,
                                      gradient_accumulation_steps=2, num_generations=2, max_completion_length=4,
-                                     max_length=24, max_steps=1, num_iterations=2, beta=0.1, report_to=["none"],
+                                     max_length=24, max_steps=2, num_iterations=2, beta=0.1, report_to=["none"],
                                      seed=0, share_prompt_forward=share))
         rows = [{"prompt": "x" * k} for k in range(1, 9)]
         t = GRPOTrainer(cfg, reward_funcs=[lambda prompts, completions, **kw: [float(len(c)) for c in completions]],

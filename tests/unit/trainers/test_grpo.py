@@ -143,7 +143,6 @@ def _trl_rloo_advantages(rewards, G):
 
 
 def test_advantages_match_trl():
-    pytest.importorskip("trl")
     g = torch.Generator().manual_seed(0)
     G = 4
     per_func = torch.randint(0, 3, (24, 2), generator=g).float()
@@ -202,7 +201,6 @@ def _trl_loss(loss_type, logp, old, ref, adv, mask, beta, eps_low, eps_high, max
 @pytest.mark.parametrize("ours,theirs", [("sequence_mean", "grpo"), ("constant", "dr_grpo"), ("token_mean", "dapo")])
 @pytest.mark.parametrize("beta,bias_kl", [(0.0, True), (0.04, True), (0.04, False)])
 def test_loss_and_gradient_match_trl(ours, theirs, beta, bias_kl):
-    pytest.importorskip("trl")
     g = torch.Generator().manual_seed(1)
     B, N, L = 6, 5, 7
     base = -torch.rand(B, N, generator=g) * 2
@@ -234,7 +232,6 @@ def test_gspo_loss_and_gradient_match_trl_sequence_level(ours, theirs, beta):
     """GSPO: TRL 1.16's importance_sampling_level="sequence" on identical inputs, loss, gradient and clip
     metrics to 1e-6 (the KL factor is the sequence ratio there too). Per-token noise 0.6 spreads the
     sequence ratios well beyond the 0.05/0.08 clip range, so clipping is exercised."""
-    pytest.importorskip("trl")
     g = torch.Generator().manual_seed(2)
     B, N, L = 8, 5, 7
     base = -torch.rand(B, N, generator=g) * 2

@@ -14,8 +14,6 @@ import random
 
 import pytest
 
-pytest.importorskip("trl")
-
 KEYS = ("loss", "kl", "rewards/chosen", "rewards/rejected", "rewards/margins", "logps/chosen", "logps/rejected")
 
 

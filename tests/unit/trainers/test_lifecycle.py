@@ -31,7 +31,8 @@ def _env() -> dict:
     # read at call time: the session fixture sets RL_TINY_CACHE after this module is imported
     return {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "RL_NO_PROGRESS": "1"}
 
-# Each trainer's tiny recipe cut to small steps; {n} is the run length in steps (PPO: iterations).
+# Each trainer's tiny recipe cut to small steps; {n} is the run length in optimizer steps (PPO: iterations of one
+# optimizer step each, ppo_epochs=1 and mini_batch_size=batch_size).
 TRAINERS = {
     "sft": ["launch/sft.py", "--config", "recipes/tiny/sft.yaml", "batch_size=4", "max_steps={n}"],
     "reward": ["launch/reward.py", "--config", "recipes/tiny/reward.yaml", "batch_size=4", "num_epochs=100",

@@ -172,7 +172,6 @@ def test_step_equals_trl_online_dpo_training_step(tiny_llama, tiny_tokenizer, pe
     shift its positions (ours count from the first real token). One completion lacks its EOS and
     missing_eos_penalty turns its pair around in both. Sigmoid only: TRL's online IPO sums the log-ratios
     where ours (and TRL's offline DPOTrainer) averages them per token."""
-    pytest.importorskip("trl")
     from datasets import Dataset
     from trl.experimental.online_dpo import OnlineDPOConfig as TRLConfig
     from trl.experimental.online_dpo import OnlineDPOTrainer as TRLTrainer

@@ -14,8 +14,6 @@ import random
 
 import pytest
 
-pytest.importorskip("trl")
-
 KEYS = ("loss", "rewards/chosen", "rewards/rejected", "rewards/accuracies", "rewards/margins")
 
 
