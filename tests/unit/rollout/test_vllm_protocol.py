@@ -6,7 +6,6 @@ from __future__ import annotations
 import json
 import sys
 import threading
-import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
@@ -41,10 +40,8 @@ def test_vllm_missing_is_one_line_with_the_install_command(monkeypatch):
 
 def test_no_server_is_one_line_within_the_timeout():
     client = ServerClient("127.0.0.1", 9, timeout=2.0)  # the discard port: nothing answers HTTP there
-    start = time.time()
     with pytest.raises(RunError, match="no vLLM server answered at http://127.0.0.1:9 within vllm_server_timeout=2 s"):
-        client.wait_ready()
-    assert time.time() - start < 30
+        client.wait_ready()  # polls until the timeout, then one line
 
 
 @pytest.fixture
