@@ -168,16 +168,20 @@ class VLLMRollout:
 
         if version == self.version:
             return
-        if self.llm is not None:
-            self.wake_up()
-            load_weights(self.llm, policy_weights(model))
-        elif self.acc.is_main_process:
-            self.client.push(policy_weights(model))
-        else:  # the other ranks take part in ZeRO-3's gathers only
-            from rl.engine.weight_sync import is_zero3, policy_module
-            if is_zero3(policy_module(model)):
-                for _ in policy_weights(model):
-                    pass
+        weights = policy_weights(model)
+        try:
+            if self.llm is not None:
+                self.wake_up()
+                load_weights(self.llm, weights)
+            elif self.acc.is_main_process:
+                self.client.push(weights)
+            else:  # the other ranks take part in ZeRO-3's gathers only
+                from rl.engine.weight_sync import is_zero3, policy_module
+                if is_zero3(policy_module(model)):
+                    for _ in weights:
+                        pass
+        finally:
+            weights.close()  # a load that failed half-way still unmerges a LoRA policy's adapters
         if self.client is not None and self.acc.num_processes > 1:
             self.acc.wait_for_everyone()  # no rank samples from the server before the update is in
         self.version = version

@@ -49,3 +49,17 @@ def test_hf_names():
     assert hf_name("base_model.model.model.layers.0.mlp.up_proj.base_layer.weight") == "model.layers.0.mlp.up_proj.weight"
     assert hf_name("base_model.model.model.layers.0.mlp.up_proj.lora_A.default.weight") is None
     assert hf_name("model.norm.weight") == "model.norm.weight"
+
+
+def test_a_sync_stopped_half_way_still_unmerges_the_adapters(tiny_llama):
+    """An engine that fails during a load leaves the generator unfinished: closing it (VLLMRollout.sync does,
+    in a finally) must leave the LoRA policy as it was, not merged."""
+    model = apply_lora(AutoModelForCausalLM.from_pretrained(tiny_llama, dtype=torch.float32), 4, 8, 0.0, "all-linear")
+    for n, p in model.named_parameters():
+        if "lora_B" in n:
+            p.data.normal_(0, 0.5)
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    weights = policy_weights(model)
+    next(weights), next(weights)  # merged now
+    weights.close()
+    assert all(torch.allclose(p, before[n], atol=1e-6) for n, p in model.named_parameters())
