@@ -4,6 +4,7 @@
 #
 #   bash launch/smoke_gpu.sh                       # tiny local models (no download), all trainers
 #   MODEL=Qwen/Qwen2.5-0.5B-Instruct bash launch/smoke_gpu.sh sft dpo     # a real model, some trainers
+#   bash launch/smoke_gpu.sh grpo_vllm grpo_vllm_server   # GRPO with use_vllm: colocated (sleep mode on), a server
 #
 # Env: MODEL (default: each tiny recipe's model), PYTHON (default python), STEPS (default 3),
 #      OUT (default a temporary directory). Exit code: the number of failed runs.
@@ -34,6 +35,10 @@ sys.argv = sys.argv[1:]
 runpy.run_path(script, run_name="__main__")
 '
 
+# grpo_vllm / grpo_vllm_server: GRPO with vLLM (needs vLLM in $PYTHON's environment); the server variant starts
+# `rl vllm-serve` on the model first and stops it after
+VLLM_MODEL=${MODEL:-tiny:llama-hd64}
+
 steps_for() {  # how each trainer counts its steps
     case "$1" in
         ppo) echo "num_iterations=$STEPS" ;;
@@ -43,6 +48,17 @@ steps_for() {  # how each trainer counts its steps
 
 failed=0
 for trainer in "${TRAINERS[@]}"; do
+    extra=()
+    server_pid=
+    case "$trainer" in
+        grpo_vllm) extra=(use_vllm=true vllm_enable_sleep_mode=true model_name="$VLLM_MODEL"); trainer=grpo ;;
+        grpo_vllm_server)
+            "$PYTHON" -m rl.rollout.vllm_server --model "$VLLM_MODEL" --port 8011 --group-port 51311 \
+                --max-model-len 1024 >"$OUT/vllm-server.log" 2>&1 &
+            server_pid=$!
+            extra=(use_vllm=true vllm_mode=server vllm_server_port=8011 vllm_group_port=51311 model_name="$VLLM_MODEL")
+            trainer=grpo ;;
+    esac
     recipe=recipes/tiny/$trainer.yaml
     if [ ! -f "launch/$trainer.py" ] || [ ! -f "$recipe" ]; then
         printf "%-7s %-8s SKIP (no launch/%s.py or %s)\n" "$trainer" "-" "$trainer" "$recipe"
@@ -53,6 +69,8 @@ for trainer in "${TRAINERS[@]}"; do
         args=(--config "$recipe" dtype=bfloat16 attn_implementation=sdpa gradient_checkpointing=$gc
               "$(steps_for "$trainer")" output_dir="$out" "report_to=[jsonl]" log_every=1)
         [ -n "${MODEL:-}" ] && args+=(model_name="$MODEL")
+        args+=("${extra[@]}")
+        [ ${#extra[@]} -gt 0 ] && out=$out-vllm && args+=(output_dir="$out")
         log=$out.log
         mkdir -p "$out"
         if "$PYTHON" -c "$RUNNER" "launch/$trainer.py" "${args[@]}" >"$log" 2>&1; then
@@ -79,6 +97,7 @@ EOF
             printf "%-7s gc=%-5s FAIL  (%s: %s)\n" "$trainer" "$gc" "$log" "$(grep -v '^\s*$' "$log" | tail -1 | cut -c1-120)"
         fi
     done
+    [ -n "$server_pid" ] && kill "$server_pid" 2>/dev/null
 done
 echo "smoke_gpu: $failed failed; logs and outputs in $OUT (* = wall time / steps, includes loading)"
 exit $failed
