@@ -76,6 +76,25 @@ def _single_process_env() -> None:
     for key, value in (("RANK", "0"), ("LOCAL_RANK", "0"), ("WORLD_SIZE", "1"), ("LOCAL_WORLD_SIZE", "1"),
                        ("MASTER_ADDR", "127.0.0.1"), ("MASTER_PORT", str(port))):
         os.environ.setdefault(key, value)
+    os.environ[ONE_PROCESS_MARK] = f"{os.getpid()}:{os.environ['MASTER_PORT']}"
+
+
+# Set beside that environment: the process it was made for. A child started from such a process (a launch
+# script run by a test that ran a DeepSpeed run in-process, a subprocess of a run) inherits RANK, WORLD_SIZE
+# and MASTER_PORT, and without this would join its parent's 1-process world: seen as EADDRINUSE on that port.
+ONE_PROCESS_MARK = "RL_ONE_PROCESS_WORLD"
+
+
+def _drop_inherited_world() -> None:
+    """Forget a 1-process world environment made for another process (`ONE_PROCESS_MARK`); a launcher that
+    set its own world since (another MASTER_PORT, or more processes) is left alone."""
+    pid, _, port = os.environ.get(ONE_PROCESS_MARK, "").partition(":")
+    if not pid or pid == str(os.getpid()):
+        return
+    if os.environ.get("MASTER_PORT") == port and os.environ.get("WORLD_SIZE", "1") == "1":
+        for key in (*LAUNCHER_ENV, "LOCAL_WORLD_SIZE"):
+            os.environ.pop(key, None)
+    os.environ.pop(ONE_PROCESS_MARK, None)
 
 
 def dist_timeout() -> datetime.timedelta | None:
@@ -117,6 +136,7 @@ def build_accelerator(gradient_accumulation_steps: int = 1, device: str | None =
     from accelerate import Accelerator, DeepSpeedPlugin
     from accelerate.utils import InitProcessGroupKwargs
 
+    _drop_inherited_world()
     ds_plugin = None
     env_ds = os.environ.get("ACCELERATE_USE_DEEPSPEED", "false").lower() == "true"
     if deepspeed_config and not env_ds:

@@ -295,9 +295,9 @@ def test_deepspeed_without_a_launcher_gets_a_one_process_world(monkeypatch):
     """`python launch/x.py deepspeed=...` (no `accelerate launch`): `rl.engine.dist._single_process_env` sets
     what torchrun would for one process; without it DeepSpeed's init_distributed tried MPI discovery and
     ended in "No module named 'mpi4py'". A launcher's environment is left as it is."""
-    from rl.engine.dist import LAUNCHER_ENV, _single_process_env
+    from rl.engine.dist import LAUNCHER_ENV, ONE_PROCESS_MARK, _single_process_env
 
-    for key in LAUNCHER_ENV:
+    for key in (*LAUNCHER_ENV, "LOCAL_WORLD_SIZE", ONE_PROCESS_MARK):  # restored after the test
         monkeypatch.delenv(key, raising=False)
     _single_process_env()
     import os
@@ -359,3 +359,26 @@ def test_gradient_checkpointing_uses_transformers_current_name(tiny_llama):
         model = load_causal_lm(tiny_llama, dtype="float32", gradient_checkpointing=True)
     assert not [w for w in caught if "checkpointing" in str(w.message)], [str(w.message) for w in caught]
     assert getattr(model, "is_activation_checkpointing", getattr(model, "is_gradient_checkpointing", False))
+
+
+def test_a_child_forgets_its_parents_one_process_world(monkeypatch):
+    """A DeepSpeed run in-process (tests do that) sets a 1-process world in os.environ; a launch script
+    started from that process inherited it and tried to serve its parent's MASTER_PORT (EADDRINUSE, seen in
+    CI). A launcher's own world, set after, is kept."""
+    from rl.engine import dist
+
+    for key in (*dist.LAUNCHER_ENV, "LOCAL_WORLD_SIZE", dist.ONE_PROCESS_MARK):
+        monkeypatch.delenv(key, raising=False)
+    dist._single_process_env()
+    import os
+
+    port = os.environ["MASTER_PORT"]
+    monkeypatch.setenv(dist.ONE_PROCESS_MARK, f"1:{port}")  # as a child of process 1 sees it
+    dist._drop_inherited_world()
+    assert not any(k in os.environ for k in (*dist.LAUNCHER_ENV, dist.ONE_PROCESS_MARK))
+    monkeypatch.setenv(dist.ONE_PROCESS_MARK, f"1:{port}")
+    for key, value in (("RANK", "1"), ("WORLD_SIZE", "2"), ("LOCAL_RANK", "1"), ("MASTER_ADDR", "127.0.0.1"),
+                       ("MASTER_PORT", "29611")):  # accelerate launch's, for its rank 1
+        monkeypatch.setenv(key, value)
+    dist._drop_inherited_world()
+    assert os.environ["WORLD_SIZE"] == "2" and os.environ["MASTER_PORT"] == "29611"
