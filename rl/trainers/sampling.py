@@ -17,7 +17,7 @@ def rollout_sampler(trainer, ours):
     if not getattr(cfg, "use_vllm", False):
         return ours
     engine = getattr(trainer, "_vllm", None)
-    pipe = trainer.pipeline  # PPO samples its first rollout before its engine exists: the policy itself
+    pipe = trainer.pipeline  # PPO samples its first rollout before its pipeline exists: the policy itself
     policy = pipe.model if pipe is not None else trainer.policy
     if engine is None:
         from rl.models.sources import resolve_model_path
