@@ -5,6 +5,8 @@ the run: a diverged loss, a full disk, an unreadable checkpoint) exits 1."""
 
 from __future__ import annotations
 
+import errno
+
 
 class ConfigError(ValueError):
     """A user-facing configuration mistake; its message is one line that says how to fix it."""
@@ -25,8 +27,6 @@ def disk_full(error: BaseException) -> bool:
     `SafetensorError("... No space left on device (os error 28)")` (not an OSError), and torch.save's zip
     writer a `RuntimeError` ("[enforce fail at inline_container.cc] ... unexpected pos", "PytorchStreamWriter
     failed ...") that names no errno at all."""
-    import errno
-
     seen = set()
     while error is not None and id(error) not in seen:
         seen.add(id(error))

@@ -18,7 +18,9 @@ import pickle
 from pathlib import Path
 
 import torch
+from safetensors import safe_open
 
+from rl.engine.optim import import_bitsandbytes
 from rl.errors import ConfigError
 from rl.models.saving import adapter_base
 from rl.models.sources import resolve_model_path
@@ -45,8 +47,6 @@ def not_loadable(name: str, what: str, error: Exception) -> ConfigError:
 def bad_safetensors(directory: str | Path) -> tuple[Path, str] | None:
     """The first `*.safetensors` file in `directory` whose header or size is unreadable (a truncated file
     fails here too: its header no longer covers the file), with the reader's complaint; no tensor is read."""
-    from safetensors import safe_open
-
     for f in sorted(Path(directory).glob("*.safetensors")):
         try:
             with safe_open(str(f), "pt") as st:
@@ -165,8 +165,6 @@ def load_causal_lm(name: str, dtype: str | torch.dtype | None = "auto", trust_re
         kwargs["attn_implementation"] = attn_implementation
     if quantization in ("4bit", "8bit"):
         from transformers import BitsAndBytesConfig
-
-        from rl.engine.optim import import_bitsandbytes
 
         import_bitsandbytes()  # before transformers imports it: without its kernels-community line
 

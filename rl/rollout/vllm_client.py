@@ -12,6 +12,7 @@ import urllib.request
 from typing import Iterable
 
 import torch
+import torch.distributed as dist
 
 from rl.errors import RunError
 
@@ -27,8 +28,6 @@ def model_shape(config) -> dict:
 
 def weight_group(host: str, port: int, rank: int, timeout: float, backend: str):
     """A two-rank process group of its own (not the default group: the trainer's launch has that)."""
-    import torch.distributed as dist
-
     td = datetime.timedelta(seconds=timeout)
     store = dist.TCPStore(host, port, 2, is_master=(rank == 1), timeout=td, wait_for_workers=False)
     prefix = dist.PrefixStore("rl-weights", store)

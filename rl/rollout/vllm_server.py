@@ -26,9 +26,12 @@ import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import torch
+from transformers import AutoConfig
 
 from rl.errors import RunError
+from rl.models.sources import resolve_model_path
 from rl.rollout.vllm_client import HEADER_BYTES, model_shape, weight_group
+from rl.rollout.vllm_engine import colocated_llm, completions_of, load_weights
 
 
 
@@ -36,8 +39,6 @@ from rl.rollout.vllm_client import HEADER_BYTES, model_shape, weight_group
 
 class _Server:
     def __init__(self, llm, model_dir: str, host: str, group_port: int):
-        from transformers import AutoConfig
-
         self.llm, self.model_dir, self.host, self.group_port = llm, model_dir, host, group_port
         self.shape = model_shape(AutoConfig.from_pretrained(model_dir).get_text_config())
         self.lock = threading.Lock()  # one engine call at a time
@@ -47,8 +48,6 @@ class _Server:
     def generate(self, body: dict) -> dict:
         from vllm import SamplingParams
         from vllm.inputs import TokensPrompt
-
-        from rl.rollout.vllm_engine import completions_of
 
         with self.lock:
             outs = self.llm.generate([TokensPrompt(prompt_token_ids=p) for p in body["prompts"]],
@@ -64,8 +63,6 @@ class _Server:
         return {"ok": True, "backend": backend}
 
     def update_weights(self, body: dict) -> dict:
-        from rl.rollout.vllm_engine import load_weights
-
         for _ in range(200):  # the group may still be forming (init_communicator answers first)
             if self.pg is not None:
                 break
@@ -97,9 +94,6 @@ def serve(model: str, host: str = "0.0.0.0", port: int = 8000, group_port: int =
           max_model_len: int = 1024, gpu_memory_utilization: float = 0.9, tensor_parallel_size: int = 1,
           seed: int = 0) -> None:
     """Start the engine on `model`, then answer requests until interrupted."""
-    from rl.models.sources import resolve_model_path
-    from rl.rollout.vllm_engine import colocated_llm
-
     model_dir = resolve_model_path(model)
     llm = colocated_llm(model_dir, dtype=dtype, max_model_len=max_model_len, tensor_parallel_size=tensor_parallel_size,
                         gpu_memory_utilization=gpu_memory_utilization, enable_sleep_mode=False, seed=seed)

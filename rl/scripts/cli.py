@@ -19,6 +19,7 @@ import os
 import sys
 
 from rl.config.parse import field_type
+from rl.rollout.vllm_server import main as serve_main
 
 # trainer -> (its script module rl.scripts.<name>, "module:Schema")
 TRAINERS = {
@@ -181,8 +182,6 @@ def rl_main(argv=None) -> None:
               else sys.stdout)
         raise SystemExit(0 if argv and argv[0] in ("-h", "--help") else 2)
     if argv[0] == "vllm-serve":
-        from rl.rollout.vllm_server import main as serve_main
-
         return serve_main(argv[1:])
     return main(argv[1:])
 

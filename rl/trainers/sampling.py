@@ -6,6 +6,8 @@ from __future__ import annotations
 from functools import partial
 
 from rl.engine.dist import unwrap_module
+from rl.models.sources import resolve_model_path
+from rl.rollout.vllm_engine import VLLMRollout
 
 
 def rollout_sampler(trainer, ours):
@@ -20,9 +22,6 @@ def rollout_sampler(trainer, ours):
     pipe = trainer.pipeline  # PPO samples its first rollout before its pipeline exists: the policy itself
     policy = pipe.model if pipe is not None else trainer.policy
     if engine is None:
-        from rl.models.sources import resolve_model_path
-        from rl.rollout.vllm_engine import VLLMRollout
-
         config = getattr(unwrap_module(policy), "config", None)
         engine = trainer._vllm = VLLMRollout(cfg, trainer.accelerator, resolve_model_path(cfg.model_name), config)
     return engine.sampler(policy, pipe.step if pipe is not None else 0)

@@ -95,7 +95,8 @@ def test_engine_logprobs_equal_our_recompute(hd64):
                         tensor_parallel_size=1, enable_sleep_mode=False, seed=0)
     load_weights(llm, model.state_dict().items())  # an engine shared with other tests: this model's weights
     eng = VLLMRollout.__new__(VLLMRollout)
-    eng.llm, eng.client, eng.cfg = llm, None, type("C", (), {"vllm_enable_sleep_mode": False})()
+    eng.llm, eng.client, eng._asleep = llm, None, False
+    eng.cfg = type("C", (), {"vllm_enable_sleep_mode": False})()
     prompts = [tok(f"{a}*{b}=")["input_ids"] for a in range(4) for b in range(2)]
     roll = eng.generate(None, tok, prompts, max_new_tokens=12, temperature=1.0, num_samples=4)
     assert roll.tokens.shape[0] == 32 and roll.mask.sum() > 32
