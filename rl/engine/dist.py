@@ -207,6 +207,11 @@ def is_deepspeed(accelerator) -> bool:
     return accelerator.distributed_type == DistributedType.DEEPSPEED
 
 
+def is_zero3(module: torch.nn.Module) -> bool:
+    """Whether `module`'s parameters are ZeRO-3 partitioned (DeepSpeed tags each with a `ds_id`)."""
+    return any(hasattr(p, "ds_id") for p in module.parameters())
+
+
 def zero_stage(accelerator) -> int:
     if not is_deepspeed(accelerator):
         return 0

@@ -56,7 +56,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from rl.engine.dist import unwrap_module
+from rl.engine.dist import is_zero3, unwrap_module
 from rl.engine.fast_decode import PREPACK_MIN_NEW_TOKENS, lora_merged, prepacked_linears
 from rl.engine.losses import IGNORE_INDEX
 from rl.engine.packing import left_pad, position_ids_from_mask
@@ -130,10 +130,6 @@ def config_pad_eos(model) -> tuple[int, int | list[int] | None]:
 
 # ------------------------------------------------------------------------------------ model plumbing
 
-def _is_zero3(model) -> bool:
-    return any(hasattr(p, "ds_id") for p in model.parameters())
-
-
 @contextmanager
 def gathered_for_generation(model):
     """Yield the plain HF module with full parameters for the duration of a rollout.
@@ -142,7 +138,7 @@ def gathered_for_generation(model):
     engine's per-module hooks are removed, so decoding does no communication per token (and ranks
     may stop after different numbers of steps); hooks are restored on exit."""
     inner = unwrap_module(model)
-    if not _is_zero3(inner):
+    if not is_zero3(inner):
         with lora_merged(inner):
             yield inner
         return

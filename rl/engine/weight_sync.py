@@ -26,7 +26,7 @@ from typing import Iterator
 
 import torch
 
-from rl.engine.dist import unwrap_module
+from rl.engine.dist import is_zero3, unwrap_module
 from rl.engine.fast_decode import lora_merged
 
 
@@ -47,10 +47,6 @@ def hf_name(name: str) -> str | None:
     if name.startswith("base_model.model."):
         name = name[len("base_model.model."):]
     return name.replace(".base_layer.", ".").replace(".modules_to_save.default.", ".")
-
-
-def is_zero3(module: torch.nn.Module) -> bool:
-    return any(hasattr(p, "ds_id") for p in module.parameters())
 
 
 def policy_weights(model) -> Iterator[tuple[str, torch.Tensor]]:

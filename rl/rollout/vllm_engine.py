@@ -32,7 +32,8 @@ from transformers import AutoConfig
 
 from rl.engine.generation import Rollout, _as_prompt_list, _resolve_ids
 from rl.engine.packing import left_pad
-from rl.engine.weight_sync import is_zero3, policy_module, policy_weights
+from rl.engine.dist import is_zero3
+from rl.engine.weight_sync import policy_module, policy_weights
 from rl.errors import RunError
 from rl.rollout.vllm_client import ServerClient, model_shape
 
