@@ -1,8 +1,7 @@
-"""PPO for RLHF (step 2 of the reference's pipeline: train a reward model with launch/reward.py, then this).
-
-The code is `rl/scripts/ppo.py` (so that an installed package runs it too: `python -m rl.scripts.ppo`,
-`rl-train`); this file is the entry point `python launch/ppo.py` / `accelerate launch launch/ppo.py` takes.
-`python launch/ppo.py --help` lists every option.
+"""The entry point `python launch/<name>.py` / `accelerate launch launch/<name>.py` of the trainer registered
+under this file's name in rl/trainers/registry.py (every trainer's launcher is this same file). The code is
+rl/scripts/train.py, so that an installed package runs it too: `python -m rl.scripts.train <name>`,
+`rl-train --trainer <name>`. `python launch/<name>.py --help` lists every option.
 """
 
 import sys
@@ -10,7 +9,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
 
-from rl.scripts.ppo import main  # noqa: E402
+from rl.scripts.train import main  # noqa: E402
 
 if __name__ == "__main__":
-    main()
+    main(Path(__file__).stem)

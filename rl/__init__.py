@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import importlib
 
+from rl.trainers.registry import exports as _trainer_exports
+
 __version__ = "0.1.0"
 
 _EXPORTS = {
@@ -19,36 +21,15 @@ _EXPORTS = {
     # the reference CLI doc's Python API (rl-train from Python)
     "LLMTrainingParams": "rl.scripts.autotrain",
     "AutoTrainProject": "rl.scripts.autotrain",
-    # PPO
-    "PPOConfig": "rl.trainers.ppo_config",
-    "PPOTrainer": "rl.trainers.ppo",
     "PPOModel": "rl.models.value",
     "ValueHead": "rl.models.value",
     "AdaptiveKLController": "rl.algos.kl",
     "FixedKLController": "rl.algos.kl",
-    # distillation (GKD)
-    "DistillConfig": "rl.trainers.distill",
-    "DistillTrainer": "rl.trainers.distill",
-    # DPO
-    "DPOConfig": "rl.trainers.dpo",
-    "DPOTrainer": "rl.trainers.dpo",
+    # preference data (DPO, reward models)
     "PreferenceDataset": "rl.data.preference",
-    # GRPO
-    "GRPOConfig": "rl.trainers.grpo_config",
-    "GRPOTrainer": "rl.trainers.grpo",
-    # KTO
-    "KTOConfig": "rl.trainers.kto",
-    "KTOTrainer": "rl.trainers.kto",
-    # online DPO
-    "OnlineDPOConfig": "rl.trainers.online_dpo",
-    "OnlineDPOTrainer": "rl.trainers.online_dpo",
-    # SFT
-    "SFTConfig": "rl.trainers.sft",
-    "SFTTrainer": "rl.trainers.sft",
     # reward models
     "RewardModel": "rl.models.reward",
     "RewardModelConfig": "rl.models.reward",
-    "RewardModelTrainer": "rl.trainers.reward",
     "PairwiseRewardModel": "rl.models.reward",
     "MultiObjectiveRewardModel": "rl.models.reward",
     # environments
@@ -61,6 +42,8 @@ _EXPORTS = {
     "create_math_problem_env": "rl.envs.math",
     "create_code_generation_env": "rl.envs.code",
     "make_env": "rl.envs.registry",
+    # every registered trainer's config and trainer class (rl/trainers/registry.py): SFTConfig, SFTTrainer, ...
+    **_trainer_exports(),
 }
 
 __all__ = sorted(_EXPORTS)

@@ -7,6 +7,7 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
@@ -76,8 +77,15 @@ def run_cmd(args: list[str], timeout: int = 600, env: dict | None = None, cwd: P
 
 
 def launch_module(script: str):
-    """The code behind launch/<script>.py (`rl.scripts.<script>`), imported once per session, so a test can
-    call its `main(argv)` in this process and pay the imports once instead of starting a process per run."""
+    """The code behind launch/<script>.py, imported once per session, so a test can call its `main(argv)` in
+    this process and pay the imports once instead of starting a process per run: for a registered trainer
+    `rl.scripts.train.main(script, argv)`, for the others (pipeline, eval, chat) their `rl.scripts.<script>`."""
+    from rl.trainers.registry import TRAINERS
+
+    if script in TRAINERS:
+        from rl.scripts.train import script as trainer_script
+
+        return SimpleNamespace(main=trainer_script(script))
     return importlib.import_module(f"rl.scripts.{script}")
 
 

@@ -58,7 +58,7 @@ class LLMTrainingParams:
     """Training parameters by the reference's names; `.args` is what the launch script receives.
 
     Args:
-        trainer: sft | reward | dpo | ppo | grpo ("default", the reference's plain LM training, is sft).
+        trainer: a registered trainer (sft, reward, dpo, ppo, grpo, ...; "default", the reference's plain LM training, is sft).
         config: optional recipe YAML used as the base (our `--config`).
         **params: reference parameters (`model`, `data_path`, `project_name`, `epochs`, `batch_size`,
             `lr`, `rl_*`, ...) or our own recipe keys; None means "not given" (the schema default).
@@ -107,7 +107,7 @@ class AutoTrainProject:
             raise ValueError(f"params must be an LLMTrainingParams, got {type(params).__name__}")
         if backend not in BACKENDS:
             raise ValueError(f"backend={backend!r} is not supported: only 'local' (this machine runs "
-                             f"rl.scripts.{TRAINERS[params.trainer][0]}); for several GPUs or a cluster use "
+                             f"rl.scripts.train {params.trainer}); for several GPUs or a cluster use "
                              f"`accelerate launch -m rl.scripts.cli ...` or launch/slurm/")
         if not isinstance(process, bool):
             raise ValueError(f"process must be True or False, got {process!r}")

@@ -7,31 +7,19 @@
 
 The reference's flags are translated to our recipe keys (the table is `FLAG_KEYS` below and in
 the README, "For users of the reference CLI"); every other argument (`--config recipe.yaml`, `--max_steps 10`, `lora.rank=8`,
-`--dry-run`) passes through unchanged. The trainer's script module (`python -m rl.scripts.<trainer>`, the code of `launch/<trainer>.py`) then replaces this process
+`--dry-run`) passes through unchanged. The trainer's launch code (`python -m rl.scripts.train <trainer>`, the code of `launch/<trainer>.py`) then replaces this process
 (`exec` with the same Python), so under `accelerate launch` each rank keeps its RANK/WORLD_SIZE
 environment, its PID and therefore its Slurm signals.
 """
 
 from __future__ import annotations
 
-import importlib
 import os
 import sys
 
 from rl.config.parse import field_type
 from rl.rollout.vllm_server import main as serve_main
-
-# trainer -> (its script module rl.scripts.<name>, "module:Schema")
-TRAINERS = {
-    "sft": ("sft", "rl.trainers.sft:SFTConfig"),
-    "reward": ("reward", "rl.trainers.reward_config:RewardTrainConfig"),
-    "dpo": ("dpo", "rl.trainers.dpo:DPOConfig"),
-    "ppo": ("ppo", "rl.trainers.ppo_config:PPOConfig"),
-    "grpo": ("grpo", "rl.trainers.grpo_config:GRPOConfig"),
-    "online_dpo": ("online_dpo", "rl.trainers.online_dpo:OnlineDPOConfig"),
-    "kto": ("kto", "rl.trainers.kto:KTOConfig"),
-    "distill": ("distill", "rl.trainers.distill:DistillConfig"),
-}
+from rl.trainers.registry import TRAINERS, resolve
 
 # reference flag (dashes as underscores) -> our recipe key; a tuple lists candidates, the first key the
 # trainer's schema knows wins; a dict depends on the trainer.
@@ -45,9 +33,7 @@ FLAG_KEYS: dict[str, object] = {
     "prompt_text_column": "data.prompt_column",
     # In the reference, --text-column is the text for SFT and the prompts for PPO, but the chosen answer
     # for reward and DPO pairs (with --rejected-text-column as the other one).
-    "text_column": {"sft": "data.text_column", "ppo": "data.text_column", "grpo": "data.text_column",
-                    "online_dpo": "data.text_column", "reward": "data.chosen_column", "dpo": "data.chosen_column",
-                    "kto": "data.completion_column"},
+    "text_column": {e.name: e.text_column for e in TRAINERS.values() if e.text_column},
     "rejected_text_column": "data.rejected_column",
     "dpo_beta": "beta",
     "model_ref": ("ref_model_name", "ref_model"),
@@ -63,9 +49,8 @@ IGNORED = {"llm", "--train"}
 
 
 def _schema(trainer: str):
-    module, name = TRAINERS[trainer][1].split(":")
     try:
-        return getattr(importlib.import_module(module), name)
+        return resolve(TRAINERS[trainer].config)
     except (ImportError, AttributeError):
         return None  # the launch script will report what is missing
 
@@ -109,10 +94,13 @@ def translate(trainer: str, argv: list[str], schema=None) -> list[str]:
 def _target(trainer: str, flag: str, schema) -> str:
     spec = FLAG_KEYS.get(flag)
     if isinstance(spec, dict):
-        spec = spec[trainer]
+        spec = spec.get(trainer, ())  # no key of this trainer's: the error below
     if spec is None:  # --rl-<name>: the schema's alias rl_<name> (e.g. rl_kl_coef), else <name>
         spec = (flag, flag[3:])
     candidates = (spec,) if isinstance(spec, str) else spec
+    if not candidates:
+        raise ValueError(f"--{flag.replace('_', '-')} has no meaning for --trainer {trainer}; drop it or pick "
+                         f"another trainer")
     for key in candidates:
         if _knows(schema, key):
             return key
@@ -121,9 +109,9 @@ def _target(trainer: str, flag: str, schema) -> str:
 
 
 def command(trainer: str, args: list[str]) -> list[str]:
-    """The process that trains: the trainer's script module of this package, so that an installed wheel
-    trains from any directory (`launch/<name>.py` calls the same `main`)."""
-    return [sys.executable, "-m", f"rl.scripts.{TRAINERS[trainer][0]}", *args]
+    """The process that trains: the launch code of this package (rl.scripts.train), so that an installed
+    wheel trains from any directory (`launch/<name>.py` calls the same `main`)."""
+    return [sys.executable, "-m", "rl.scripts.train", trainer, *args]
 
 
 def usage() -> str:

@@ -5,7 +5,6 @@ print only what they are for (the prepared model's directory; no loading bars)."
 
 from __future__ import annotations
 
-import importlib
 import os
 import re
 import subprocess
@@ -15,7 +14,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from tests.conftest import run_main
+from tests.conftest import launch_module, run_main
 
 ROOT = Path(__file__).resolve().parents[2]
 RECIPES = sorted(p.relative_to(ROOT).as_posix() for p in (ROOT / "recipes").rglob("*.yaml"))
@@ -39,7 +38,7 @@ def test_every_recipe_dry_runs_as_written(recipe, capsys, monkeypatch, tmp_path)
     monkeypatch.delenv("WORLD_SIZE", raising=False)
     for k, v in OFFLINE.items():
         monkeypatch.setenv(k, v)
-    mod = importlib.import_module(f"rl.scripts.{_script_of(recipe)}")
+    mod = launch_module(_script_of(recipe))
     monkeypatch.chdir(ROOT)
     try:
         mod.main(["--config", recipe, "--dry-run"])

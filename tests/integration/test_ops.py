@@ -5,7 +5,6 @@ validating and passing --dry-run with a tiny substitute model."""
 from __future__ import annotations
 
 import contextlib
-import importlib.util
 import io
 import math
 import re
@@ -24,7 +23,7 @@ from rl.scripts.dryrun import (
     trainable_states_bytes,
     zero_settings,
 )
-from tests.conftest import ROOT, run_cmd
+from tests.conftest import ROOT, launch_module, run_cmd
 
 GiB = 2**30
 
@@ -231,7 +230,7 @@ def test_recipe_validates_and_dry_runs(recipe, capsys, monkeypatch):
     from rl.config.parse import parse_config
     from rl.scripts.cli import TRAINERS, _schema
 
-    mod = importlib.import_module(f"rl.scripts.{trainer}")  # the code behind launch/<trainer>.py
+    mod = launch_module(trainer)  # the code behind launch/<trainer>.py
     if trainer not in TRAINERS:  # a driver of other launch scripts (launch/pipeline.py): its schema only
         import dataclasses
 

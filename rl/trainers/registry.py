@@ -1,0 +1,237 @@
+"""Every trainer, registered once: `TRAINERS` below is what the launch code reads (`rl.scripts.train.main`, the
+`launch/<name>.py` shims, `rl-train --trainer`, `--dry-run`), what `rl/__init__.py` exports, what the docs table
+(`docs/trainers.md`) shows and what the lifecycle and failure tests run.
+
+A new trainer is its file in rl/trainers/, a tiny recipe `recipes/tiny/<name>.yaml` and one `Entry(...)` here;
+tests/unit/test_registry.py says what else is missing (the launch shim: a copy of any other launch/<name>.py).
+
+This module is pure data and small pure functions (no torch, no trainer import): classes are named as
+"module:Class" and imported only when a run needs them (`resolve`), so `import rl` stays fast.
+"""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+NAN = float("nan")
+
+
+# ---------------------------------------------------------------------------- the summary lines
+# Each takes (history, plan, trainer): the run's metric rows (the reward trainer: its final metrics), the plan
+# the trainer made, the trainer; it returns the middle of "<name> done: ...; model saved to <out>", or None for
+# no line at all (a run that logged no row).
+
+def loss_summary(history, plan, trainer) -> str | None:
+    if not history:
+        return None
+    return f"loss {history[0]['loss']:.4f} -> {history[-1]['loss']:.4f} over {len(history)} steps"
+
+
+def dpo_summary(history, plan, trainer) -> str | None:
+    if not history:
+        return None
+    first, last = history[0], history[-1]
+    acc = last.get("eval/rewards/accuracies", last["rewards/accuracies"])
+    return f"loss {first['loss']:.4f} -> {last['loss']:.4f}, reward accuracy {acc:.3f} over {len(history)} steps"
+
+
+def kto_summary(history, plan, trainer) -> str | None:
+    if not history:
+        return None
+    first, last = history[0], history[-1]
+    margin = last.get("eval/rewards/margins", last.get("rewards/margins", NAN))
+    return f"loss {first['loss']:.4f} -> {last['loss']:.4f}, reward margin {margin:.3f} over {len(history)} steps"
+
+
+def reward_summary(metrics, plan, trainer) -> str:
+    first = trainer.history[0]["loss"] if trainer.history else NAN
+    ev = f", eval accuracy {metrics['eval/accuracy']:.3f}" if "eval/accuracy" in metrics else ""
+    return (f"loss {first:.4f} -> {metrics.get('loss', NAN):.4f}, accuracy {metrics.get('accuracy', NAN):.3f}{ev} "
+            f"over {trainer.current_step} steps")
+
+
+def _first_last(rows, key: str, fmt: str = ".3f") -> str:
+    return f"{rows[0][key]:{fmt}} -> {rows[-1][key]:{fmt}}"
+
+
+def grpo_summary(history, plan, trainer) -> str:
+    train = [r for r in history if "reward" in r]
+    evals = [r for r in history if "eval/accuracy" in r]
+    msg = f"{plan['total_steps']} steps"
+    if train:
+        msg += f"; reward {_first_last(train, 'reward')}"
+    if evals:
+        msg += f"; eval accuracy {_first_last(evals, 'eval/accuracy')}"
+    return msg
+
+
+def online_dpo_summary(history, plan, trainer) -> str:
+    train = [r for r in history if "objective/scores" in r]
+    evals = [r for r in history if "eval/accuracy" in r]
+    msg = f"{plan['total_steps']} steps"
+    if train:
+        ties = sum(r["online_dpo/ties"] for r in train) / len(train)
+        msg += f"; scores {_first_last(train, 'objective/scores')}, ties {ties:.2f}"
+    if evals:
+        msg += f"; eval accuracy {_first_last(evals, 'eval/accuracy')}"
+    return msg
+
+
+def distill_summary(history, plan, trainer) -> str:
+    rows = [r for r in history if "loss" in r]
+    msg = f"{plan['total_steps']} steps"
+    if rows:
+        msg += f"; loss {_first_last(rows, 'loss', '.4f')}, on-policy steps {sum(r['on_policy'] for r in rows):.0f}/{len(rows)}"
+    return msg
+
+
+def ppo_summary(history, plan, trainer) -> str | None:
+    if not history:
+        return None
+    first, last = history[0], history[-1]
+    return (f"objective/scores {first['objective/scores']:.4f} -> {last['objective/scores']:.4f}, objective/kl "
+            f"{last['objective/kl']:.4f}, kl_coef {last['kl_coef']:.4f} over {last['iteration']} iterations "
+            f"({len(history)} optimizer steps); seconds: generation {last['time/generation']:.2f} and scoring "
+            f"{last['time/scoring']:.2f} per iteration, training {last['time/training']:.2f} per step")
+
+
+# ------------------------------------------------------------------------------------------ the entry
+
+# How rl.scripts.train.main drives a trainer between parsing and saving (its SHAPES):
+#   "epoch"  XTrainer.load_data(cfg) -> (rows, eval rows); XTrainer(cfg); `dataset`.from_records; plan(n); train(ds, eval)
+#   "online" XTrainer.load_data(cfg) -> prompt rows or None; XTrainer(cfg, train_prompts=rows); plan(); train()
+#   "sft", "reward", "ppo": the shapes of those three trainers alone
+SHAPE_NAMES = ("epoch", "online", "sft", "reward", "ppo")
+
+
+@dataclass(frozen=True)
+class Entry:
+    name: str                       # launch/<name>.py, rl-train --trainer <name>, recipes/tiny/<name>.yaml
+    title: str                      # the docs table's first column
+    config: str                     # "module:Class" of its schema
+    trainer: str                    # "module:Class" of its trainer
+    shape: str                      # one of SHAPE_NAMES
+    summary: Callable               # the final line's middle (see above)
+    doc: str                        # `--help`'s description: the commands and the data it reads
+    require_data: bool = True       # a missing data.path is an error (else an environment may supply prompts)
+    dataset: str | None = None      # "epoch": "module:Class" with .from_records(rows, tokenizer, cfg, path)
+    plan: str | None = None         # --dry-run: "module:function"(cfg, world=, n_prompts=) -> the trainer's own sizes
+    prompt_group: int | str | None = None  # --dry-run: distinct prompts per completion group (a config key's value)
+    text_column: str | None = None  # the key rl-train's --text-column sets (None: the flag has no meaning)
+    short_run: tuple[str, ...] = field(default=())  # overrides: {n} optimizer steps of a few examples (tests, smoke)
+
+
+def _usage(name: str, what: str, tail: str = "", extra: str = "", zero3: bool = True) -> str:
+    """`what`, then the commands every launch script takes (2 processes under ZeRO-3 where that is tested,
+    else plain data parallel), then `extra` commands and `tail` (the data)."""
+    two = ("--use_deepspeed --deepspeed_config_file ds_configs/zero3.json \\\n        " if zero3 else "")
+    cmds = (f"    python launch/{name}.py --config recipes/tiny/{name}.yaml\n"
+            f"    accelerate launch --num_processes 2 {two}launch/{name}.py --config recipes/tiny/{name}.yaml\n{extra}"
+            f"    python launch/{name}.py --help        # every key, its default and meaning")
+    return f"{what}\n\n{cmds}\n" + (f"\n{tail}\n" if tail else "")
+
+
+TRAINERS: dict[str, Entry] = {e.name: e for e in (
+    Entry("sft", "SFT (completion-only loss, LoRA)", "rl.trainers.sft:SFTConfig", "rl.trainers.sft:SFTTrainer",
+          "sft", loss_summary, _usage("sft", "Supervised fine-tuning."), text_column="data.text_column",
+          short_run=("batch_size=4", "max_steps={n}")),
+    Entry("reward", "reward model (BT, pairwise, multi-objective, QLoRA)", "rl.trainers.reward_config:RewardTrainConfig",
+          "rl.trainers.reward:RewardModelTrainer", "reward", reward_summary, _usage(
+              "reward", "Reward-model training on preference pairs (step 1 of RLHF; PPO/GRPO load the result by path).",
+              "Data: JSONL (or JSON/CSV/Parquet) rows {\"prompt\": ..., \"chosen\": ..., \"rejected\": ...}; the reference\n"
+              "CLI's --prompt-text-column / --text-column / --rejected-text-column rename the columns. The model is\n"
+              "written to output_dir (safetensors + reward_config.json): "
+              "`rl.models.reward.load_reward_model(output_dir)`."),
+          text_column="data.chosen_column",
+          short_run=("batch_size=4", "num_epochs=100", "max_steps={n}", "data.eval_fraction=0")),
+    Entry("dpo", "DPO family (sigmoid, IPO, hinge, cDPO, reference-free, ORPO, SimPO)", "rl.trainers.dpo:DPOConfig",
+          "rl.trainers.dpo:DPOTrainer", "epoch", dpo_summary, _usage(
+              "dpo", "DPO-family preference training (DPO, conservative DPO, IPO, hinge, reference-free, ORPO).",
+              "Data: one pair per row, {\"prompt\": ..., \"chosen\": ..., \"rejected\": ...} (column names under data.*), as\n"
+              "strings or as lists of {\"role\", \"content\"} chat messages (rendered with the tokenizer's chat template).",
+              "    python launch/dpo.py --config recipes/tiny/dpo.yaml loss_type=ipo precompute_ref_logps=true\n"),
+          dataset="rl.data.preference:PreferenceDataset", text_column="data.chosen_column",
+          short_run=("batch_size=4", "max_steps={n}", "eval_every=0", "data.eval_fraction=0")),
+    Entry("ppo", "PPO (value head or critic, adaptive KL, GAE)", "rl.trainers.ppo_config:PPOConfig",
+          "rl.trainers.ppo:PPOTrainer", "ppo", ppo_summary, _usage(
+              "ppo", "PPO for RLHF (step 2 of the reference's pipeline: train a reward model with launch/reward.py, "
+              "then this).",
+              "Data: prompts only, JSONL (or JSON/CSV/Parquet) rows {\"text\": \"...\"} (data.text_column); other columns\n"
+              "(e.g. \"answer\") are passed to the reward as metadata. Reward: reward_model_path (--rl-reward-model-path),\n"
+              "reward_fn (--rl-reward-fn default|length_penalty|correctness|custom) or an environment (--rl-env-type,\n"
+              "--rl-env-config); several combine when reward_weights (--rl-reward-weights) is given. A reward source on\n"
+              "the command line replaces the recipe's. With only ref_model (--model-ref) reward_fn=default is used; with\n"
+              "none the run stops at once. An environment may also supply the prompts when data.path is not set.\n"
+              "(rl_* names are aliases.)",
+              "    accelerate launch launch/ppo.py --config recipes/gemma.yaml\n"),
+          require_data=False, plan="rl.trainers.ppo_config:ppo_plan", text_column="data.text_column",
+          short_run=("batch_size=4", "mini_batch_size=4", "gradient_accumulation_steps=1", "ppo_epochs=1",
+                     "max_new_tokens=4", "num_iterations={n}")),
+    Entry("grpo", "GRPO family (GRPO, Dr. GRPO, RLOO, REINFORCE++, DAPO, GSPO)", "rl.trainers.grpo_config:GRPOConfig",
+          "rl.trainers.grpo:GRPOTrainer", "online", grpo_summary, _usage(
+              "grpo", "GRPO / Dr. GRPO / RLOO / REINFORCE++ fine-tuning with reward functions or an environment."),
+          require_data=False, plan="rl.trainers.grpo_config:grpo_sizes", prompt_group="num_generations",
+          text_column="data.text_column",
+          short_run=("batch_size=8", "num_generations=4", "max_steps={n}", "eval_every=0", "eval_num_prompts=4")),
+    Entry("online_dpo", "online DPO (two samples ranked by the reward sources; sigmoid, IPO, hinge)",
+          "rl.trainers.online_dpo:OnlineDPOConfig", "rl.trainers.online_dpo:OnlineDPOTrainer", "online",
+          online_dpo_summary, _usage(
+              "online_dpo", "Online DPO (Guo et al. 2024): two samples per prompt, ranked by reward functions, a "
+              "reward model or an\nenvironment, and a DPO / IPO / hinge step on each fresh pair against the frozen "
+              "reference."),
+          require_data=False, prompt_group=1, text_column="data.text_column",
+          short_run=("batch_size=4", "max_steps={n}", "max_completion_length=4")),
+    Entry("kto", "KTO (unpaired rows `prompt`/`completion`/`label`, KL reference point from mismatched rows, "
+          "desirable/undesirable weights)", "rl.trainers.kto:KTOConfig", "rl.trainers.kto:KTOTrainer", "epoch",
+          kto_summary, _usage(
+              "kto", "KTO: preference training on unpaired rows (a completion labelled desirable or not).",
+              "Data: one row per completion, {\"prompt\": ..., \"completion\": ..., \"label\": true|false} (column names under\n"
+              "data.*: prompt_column, completion_column, label_column), strings or lists of {\"role\", \"content\"} messages.",
+              "    python launch/kto.py --config recipes/tiny/kto.yaml beta=0.2 undesirable_weight=1.2\n"),
+          dataset="rl.data.kto:UnpairedDataset", text_column="data.completion_column",
+          short_run=("batch_size=4", "max_steps={n}", "eval_every=0", "data.eval_fraction=0")),
+    Entry("distill", "on-policy distillation (GKD: a frozen teacher, generalised JSD `beta`, the student's own "
+          "samples with probability `lmbda`, `seq_kd`)", "rl.trainers.distill:DistillConfig",
+          "rl.trainers.distill:DistillTrainer", "online", distill_summary, _usage(
+              "distill", "On-policy distillation (GKD, Agarwal et al. 2024): a student matches a frozen teacher's "
+              "next-token\ndistributions (generalised JSD) on the data's completions or, with probability lmbda per "
+              "step, on its own\nsamples.",
+              "Data: rows {\"prompt\": ..., \"completion\": ...} (column names under data.*: prompt_column, "
+              "completion_column).",
+              "    python launch/distill.py --config recipes/tiny/distill.yaml lmbda=1.0 beta=1.0\n", zero3=False),
+          prompt_group=1, text_column="data.completion_column",
+          short_run=("batch_size=4", "gradient_accumulation_steps=1", "max_steps={n}", "max_completion_length=4")),
+)}
+
+
+def entry(name: str) -> Entry:
+    """The registered trainer `name`; a KeyError names the choices."""
+    if name not in TRAINERS:
+        raise KeyError(f"no trainer {name!r}; registered: {', '.join(TRAINERS)}")
+    return TRAINERS[name]
+
+
+def resolve(ref: str):
+    """The object a "module:name" reference names (imports the module)."""
+    module, _, attr = ref.partition(":")
+    return getattr(importlib.import_module(module), attr)
+
+
+def exports() -> dict[str, str]:
+    """Public name -> module of every registered config and trainer class (rl/__init__.py's per-trainer names)."""
+    out = {}
+    for e in TRAINERS.values():
+        for ref in (e.config, e.trainer):
+            module, _, name = ref.partition(":")
+            out[name] = module
+    return out
+
+
+def docs_table() -> str:
+    """The Markdown table of the registered trainers (docs/trainers.md holds it; a test compares)."""
+    rows = [f"| {e.title} | `launch/{e.name}.py` | `rl-train --trainer {e.name}` | `recipes/tiny/{e.name}.yaml` | "
+            f"`rl.{e.trainer.split(':')[1]}`, `rl.{e.config.split(':')[1]}` |" for e in TRAINERS.values()]
+    return "\n".join(["| trainer | launch script | CLI | tiny recipe (CPU) | Python API |",
+                      "| --- | --- | --- | --- | --- |", *rows])
