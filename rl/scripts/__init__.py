@@ -1,5 +1,6 @@
-"""The launch code of every trainer, the pipeline, chat and eval, inside the package (`python -m
-rl.scripts.<name>`, `rl-train`); `launch/<name>.py` are the few-line entry points `accelerate launch` takes."""
+"""The launch code of every trainer (`train.py`: one `main(name, argv)` over rl/trainers/registry.py), the
+pipeline, chat and eval, inside the package (`python -m rl.scripts.train <name>`, `python -m rl.scripts.<tool>`,
+`rl-train`); `launch/<name>.py` are the few-line entry points `accelerate launch` takes."""
 
 import os
 

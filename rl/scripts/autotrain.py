@@ -9,9 +9,9 @@
 
 It is `rl-train` from Python: each keyword is the reference flag of the same name (`rl_gamma` ->
 `--rl-gamma`), translated to our recipe keys by `rl.scripts.cli.translate` (the same table, `rl.scripts.cli.FLAG_KEYS`),
-and `create()` runs the same script, `python -m rl.scripts.<trainer> <translated arguments>`, in a
+and `create()` runs the same script, `python -m rl.scripts.train <trainer> <translated arguments>`, in a
 subprocess and waits for it. Our own keys pass through (`max_steps=2`, `config="recipes/tiny/sft.yaml"`
-as the recipe base, `**{"lora.rank": 8}`). Defaults are our schemas' (`python -m rl.scripts.<trainer>
+as the recipe base, `**{"lora.rank": 8}`). Defaults are our schemas' (`python -m rl.scripts.train <trainer>
 --help`), not the reference's: only the keywords given are passed.
 
 Where we differ from the reference, on purpose:

@@ -56,27 +56,25 @@ def _first_last(rows, key: str, fmt: str = ".3f") -> str:
     return f"{rows[0][key]:{fmt}} -> {rows[-1][key]:{fmt}}"
 
 
-def grpo_summary(history, plan, trainer) -> str:
-    train = [r for r in history if "reward" in r]
+def _online_line(history, plan, key: str, label: str, more=lambda rows: "") -> str:
+    """"N steps; <label> first -> last<more>; eval accuracy first -> last" of an online trainer's rows."""
+    train = [r for r in history if key in r]
     evals = [r for r in history if "eval/accuracy" in r]
     msg = f"{plan['total_steps']} steps"
     if train:
-        msg += f"; reward {_first_last(train, 'reward')}"
+        msg += f"; {label} {_first_last(train, key)}{more(train)}"
     if evals:
         msg += f"; eval accuracy {_first_last(evals, 'eval/accuracy')}"
     return msg
+
+
+def grpo_summary(history, plan, trainer) -> str:
+    return _online_line(history, plan, "reward", "reward")
 
 
 def online_dpo_summary(history, plan, trainer) -> str:
-    train = [r for r in history if "objective/scores" in r]
-    evals = [r for r in history if "eval/accuracy" in r]
-    msg = f"{plan['total_steps']} steps"
-    if train:
-        ties = sum(r["online_dpo/ties"] for r in train) / len(train)
-        msg += f"; scores {_first_last(train, 'objective/scores')}, ties {ties:.2f}"
-    if evals:
-        msg += f"; eval accuracy {_first_last(evals, 'eval/accuracy')}"
-    return msg
+    return _online_line(history, plan, "objective/scores", "scores",
+                        lambda rows: f", ties {sum(r['online_dpo/ties'] for r in rows) / len(rows):.2f}")
 
 
 def distill_summary(history, plan, trainer) -> str:
@@ -114,7 +112,6 @@ class Entry:
     trainer: str                    # "module:Class" of its trainer
     shape: str                      # one of SHAPE_NAMES
     summary: Callable               # the final line's middle (see above)
-    doc: str                        # `--help`'s description: the commands and the data it reads
     require_data: bool = True       # a missing data.path is an error (else an environment may supply prompts)
     dataset: str | None = None      # "epoch": "module:Class" with .from_records(rows, tokenizer, cfg, path)
     plan: str | None = None         # --dry-run: "module:function"(cfg, world=, n_prompts=) -> the trainer's own sizes
@@ -122,86 +119,95 @@ class Entry:
     text_column: str | None = None  # the key rl-train's --text-column sets (None: the flag has no meaning)
     short_run: tuple[str, ...] = field(default=())  # overrides: {n} optimizer steps of a few examples (tests, smoke)
 
+    @property
+    def doc(self) -> str:
+        """`--help`'s description: what it is, the commands, the data it reads (HELP below)."""
+        return _usage(self.name)
 
-def _usage(name: str, what: str, tail: str = "", extra: str = "", zero3: bool = True) -> str:
-    """`what`, then the commands every launch script takes (2 processes under ZeRO-3 where that is tested,
-    else plain data parallel), then `extra` commands and `tail` (the data)."""
-    two = ("--use_deepspeed --deepspeed_config_file ds_configs/zero3.json \\\n        " if zero3 else "")
+
+# `--help`'s description of each trainer: (what it is, the data it reads, commands beyond the common ones)
+HELP: dict[str, tuple[str, str, str]] = {
+    "sft": ("Supervised fine-tuning.", "", ""),
+    "reward": (
+        "Reward-model training on preference pairs (step 1 of RLHF; PPO/GRPO load the result by path).",
+        "Data: JSONL (or JSON/CSV/Parquet) rows {\"prompt\": ..., \"chosen\": ..., \"rejected\": ...}; the reference\n"
+        "CLI's --prompt-text-column / --text-column / --rejected-text-column rename the columns. The model is\n"
+        "written to output_dir (safetensors + reward_config.json): `rl.models.reward.load_reward_model(output_dir)`.",
+        ""),
+    "dpo": (
+        "DPO-family preference training (DPO, conservative DPO, IPO, hinge, reference-free, ORPO).",
+        "Data: one pair per row, {\"prompt\": ..., \"chosen\": ..., \"rejected\": ...} (column names under data.*), as\n"
+        "strings or as lists of {\"role\", \"content\"} chat messages (rendered with the tokenizer's chat template).",
+        "    python launch/dpo.py --config recipes/tiny/dpo.yaml loss_type=ipo precompute_ref_logps=true\n"),
+    "ppo": (
+        "PPO for RLHF (step 2 of the reference's pipeline: train a reward model with launch/reward.py, then this).",
+        "Data: prompts only, JSONL (or JSON/CSV/Parquet) rows {\"text\": \"...\"} (data.text_column); other columns\n"
+        "(e.g. \"answer\") are passed to the reward as metadata. Reward: reward_model_path (--rl-reward-model-path),\n"
+        "reward_fn (--rl-reward-fn default|length_penalty|correctness|custom) or an environment (--rl-env-type,\n"
+        "--rl-env-config); several combine when reward_weights (--rl-reward-weights) is given. A reward source on\n"
+        "the command line replaces the recipe's. With only ref_model (--model-ref) reward_fn=default is used; with\n"
+        "none the run stops at once. An environment may also supply the prompts when data.path is not set.\n"
+        "(rl_* names are aliases.)",
+        "    accelerate launch launch/ppo.py --config recipes/gemma.yaml\n"),
+    "grpo": ("GRPO / Dr. GRPO / RLOO / REINFORCE++ fine-tuning with reward functions or an environment.", "", ""),
+    "online_dpo": (
+        "Online DPO (Guo et al. 2024): two samples per prompt, ranked by reward functions, a reward model or an\n"
+        "environment, and a DPO / IPO / hinge step on each fresh pair against the frozen reference.", "", ""),
+    "kto": (
+        "KTO: preference training on unpaired rows (a completion labelled desirable or not).",
+        "Data: one row per completion, {\"prompt\": ..., \"completion\": ..., \"label\": true|false} (column names under\n"
+        "data.*: prompt_column, completion_column, label_column), strings or lists of {\"role\", \"content\"} messages.",
+        "    python launch/kto.py --config recipes/tiny/kto.yaml beta=0.2 undesirable_weight=1.2\n"),
+    "distill": (
+        "On-policy distillation (GKD, Agarwal et al. 2024): a student matches a frozen teacher's next-token\n"
+        "distributions (generalised JSD) on the data's completions or, with probability lmbda per step, on its own\n"
+        "samples.",
+        "Data: rows {\"prompt\": ..., \"completion\": ...} (column names under data.*: prompt_column, completion_column).",
+        "    python launch/distill.py --config recipes/tiny/distill.yaml lmbda=1.0 beta=1.0\n"),
+}
+NO_ZERO3 = {"distill"}  # 2 processes under ZeRO-3 not yet tested: the help shows plain data parallel
+
+
+def _usage(name: str) -> str:
+    """HELP[name]: what it is, the commands every launch script takes, its own commands, the data it reads."""
+    what, data, extra = HELP[name]
+    two = "" if name in NO_ZERO3 else "--use_deepspeed --deepspeed_config_file ds_configs/zero3.json \\\n        "
     cmds = (f"    python launch/{name}.py --config recipes/tiny/{name}.yaml\n"
             f"    accelerate launch --num_processes 2 {two}launch/{name}.py --config recipes/tiny/{name}.yaml\n{extra}"
             f"    python launch/{name}.py --help        # every key, its default and meaning")
-    return f"{what}\n\n{cmds}\n" + (f"\n{tail}\n" if tail else "")
+    return f"{what}\n\n{cmds}\n" + (f"\n{data}\n" if data else "")
 
 
 TRAINERS: dict[str, Entry] = {e.name: e for e in (
     Entry("sft", "SFT (completion-only loss, LoRA)", "rl.trainers.sft:SFTConfig", "rl.trainers.sft:SFTTrainer",
-          "sft", loss_summary, _usage("sft", "Supervised fine-tuning."), text_column="data.text_column",
-          short_run=("batch_size=4", "max_steps={n}")),
+          "sft", loss_summary, text_column="data.text_column", short_run=("batch_size=4", "max_steps={n}")),
     Entry("reward", "reward model (BT, pairwise, multi-objective, QLoRA)", "rl.trainers.reward_config:RewardTrainConfig",
-          "rl.trainers.reward:RewardModelTrainer", "reward", reward_summary, _usage(
-              "reward", "Reward-model training on preference pairs (step 1 of RLHF; PPO/GRPO load the result by path).",
-              "Data: JSONL (or JSON/CSV/Parquet) rows {\"prompt\": ..., \"chosen\": ..., \"rejected\": ...}; the reference\n"
-              "CLI's --prompt-text-column / --text-column / --rejected-text-column rename the columns. The model is\n"
-              "written to output_dir (safetensors + reward_config.json): "
-              "`rl.models.reward.load_reward_model(output_dir)`."),
-          text_column="data.chosen_column",
+          "rl.trainers.reward:RewardModelTrainer", "reward", reward_summary, text_column="data.chosen_column",
           short_run=("batch_size=4", "num_epochs=100", "max_steps={n}", "data.eval_fraction=0")),
     Entry("dpo", "DPO family (sigmoid, IPO, hinge, cDPO, reference-free, ORPO, SimPO)", "rl.trainers.dpo:DPOConfig",
-          "rl.trainers.dpo:DPOTrainer", "epoch", dpo_summary, _usage(
-              "dpo", "DPO-family preference training (DPO, conservative DPO, IPO, hinge, reference-free, ORPO).",
-              "Data: one pair per row, {\"prompt\": ..., \"chosen\": ..., \"rejected\": ...} (column names under data.*), as\n"
-              "strings or as lists of {\"role\", \"content\"} chat messages (rendered with the tokenizer's chat template).",
-              "    python launch/dpo.py --config recipes/tiny/dpo.yaml loss_type=ipo precompute_ref_logps=true\n"),
-          dataset="rl.data.preference:PreferenceDataset", text_column="data.chosen_column",
+          "rl.trainers.dpo:DPOTrainer", "epoch", dpo_summary, dataset="rl.data.preference:PreferenceDataset",
+          text_column="data.chosen_column",
           short_run=("batch_size=4", "max_steps={n}", "eval_every=0", "data.eval_fraction=0")),
     Entry("ppo", "PPO (value head or critic, adaptive KL, GAE)", "rl.trainers.ppo_config:PPOConfig",
-          "rl.trainers.ppo:PPOTrainer", "ppo", ppo_summary, _usage(
-              "ppo", "PPO for RLHF (step 2 of the reference's pipeline: train a reward model with launch/reward.py, "
-              "then this).",
-              "Data: prompts only, JSONL (or JSON/CSV/Parquet) rows {\"text\": \"...\"} (data.text_column); other columns\n"
-              "(e.g. \"answer\") are passed to the reward as metadata. Reward: reward_model_path (--rl-reward-model-path),\n"
-              "reward_fn (--rl-reward-fn default|length_penalty|correctness|custom) or an environment (--rl-env-type,\n"
-              "--rl-env-config); several combine when reward_weights (--rl-reward-weights) is given. A reward source on\n"
-              "the command line replaces the recipe's. With only ref_model (--model-ref) reward_fn=default is used; with\n"
-              "none the run stops at once. An environment may also supply the prompts when data.path is not set.\n"
-              "(rl_* names are aliases.)",
-              "    accelerate launch launch/ppo.py --config recipes/gemma.yaml\n"),
-          require_data=False, plan="rl.trainers.ppo_config:ppo_plan", text_column="data.text_column",
-          short_run=("batch_size=4", "mini_batch_size=4", "gradient_accumulation_steps=1", "ppo_epochs=1",
-                     "max_new_tokens=4", "num_iterations={n}")),
+          "rl.trainers.ppo:PPOTrainer", "ppo", ppo_summary, require_data=False, plan="rl.trainers.ppo_config:ppo_plan",
+          text_column="data.text_column", short_run=("batch_size=4", "mini_batch_size=4", "gradient_accumulation_steps=1",
+                                                     "ppo_epochs=1", "max_new_tokens=4", "num_iterations={n}")),
     Entry("grpo", "GRPO family (GRPO, Dr. GRPO, RLOO, REINFORCE++, DAPO, GSPO)", "rl.trainers.grpo_config:GRPOConfig",
-          "rl.trainers.grpo:GRPOTrainer", "online", grpo_summary, _usage(
-              "grpo", "GRPO / Dr. GRPO / RLOO / REINFORCE++ fine-tuning with reward functions or an environment."),
-          require_data=False, plan="rl.trainers.grpo_config:grpo_sizes", prompt_group="num_generations",
-          text_column="data.text_column",
+          "rl.trainers.grpo:GRPOTrainer", "online", grpo_summary, require_data=False,
+          plan="rl.trainers.grpo_config:grpo_sizes", prompt_group="num_generations", text_column="data.text_column",
           short_run=("batch_size=8", "num_generations=4", "max_steps={n}", "eval_every=0", "eval_num_prompts=4")),
     Entry("online_dpo", "online DPO (two samples ranked by the reward sources; sigmoid, IPO, hinge)",
           "rl.trainers.online_dpo:OnlineDPOConfig", "rl.trainers.online_dpo:OnlineDPOTrainer", "online",
-          online_dpo_summary, _usage(
-              "online_dpo", "Online DPO (Guo et al. 2024): two samples per prompt, ranked by reward functions, a "
-              "reward model or an\nenvironment, and a DPO / IPO / hinge step on each fresh pair against the frozen "
-              "reference."),
-          require_data=False, prompt_group=1, text_column="data.text_column",
+          online_dpo_summary, require_data=False, prompt_group=1, text_column="data.text_column",
           short_run=("batch_size=4", "max_steps={n}", "max_completion_length=4")),
     Entry("kto", "KTO (unpaired rows `prompt`/`completion`/`label`, KL reference point from mismatched rows, "
           "desirable/undesirable weights)", "rl.trainers.kto:KTOConfig", "rl.trainers.kto:KTOTrainer", "epoch",
-          kto_summary, _usage(
-              "kto", "KTO: preference training on unpaired rows (a completion labelled desirable or not).",
-              "Data: one row per completion, {\"prompt\": ..., \"completion\": ..., \"label\": true|false} (column names under\n"
-              "data.*: prompt_column, completion_column, label_column), strings or lists of {\"role\", \"content\"} messages.",
-              "    python launch/kto.py --config recipes/tiny/kto.yaml beta=0.2 undesirable_weight=1.2\n"),
-          dataset="rl.data.kto:UnpairedDataset", text_column="data.completion_column",
+          kto_summary, dataset="rl.data.kto:UnpairedDataset", text_column="data.completion_column",
           short_run=("batch_size=4", "max_steps={n}", "eval_every=0", "data.eval_fraction=0")),
     Entry("distill", "on-policy distillation (GKD: a frozen teacher, generalised JSD `beta`, the student's own "
           "samples with probability `lmbda`, `seq_kd`)", "rl.trainers.distill:DistillConfig",
-          "rl.trainers.distill:DistillTrainer", "online", distill_summary, _usage(
-              "distill", "On-policy distillation (GKD, Agarwal et al. 2024): a student matches a frozen teacher's "
-              "next-token\ndistributions (generalised JSD) on the data's completions or, with probability lmbda per "
-              "step, on its own\nsamples.",
-              "Data: rows {\"prompt\": ..., \"completion\": ...} (column names under data.*: prompt_column, "
-              "completion_column).",
-              "    python launch/distill.py --config recipes/tiny/distill.yaml lmbda=1.0 beta=1.0\n", zero3=False),
-          prompt_group=1, text_column="data.completion_column",
+          "rl.trainers.distill:DistillTrainer", "online", distill_summary, prompt_group=1,
+          text_column="data.completion_column",
           short_run=("batch_size=4", "gradient_accumulation_steps=1", "max_steps={n}", "max_completion_length=4")),
 )}
 

@@ -19,11 +19,12 @@ import pytest
 import torch
 
 from rl.errors import ConfigError
+from rl.trainers.registry import TRAINERS as REGISTRY
 from tests.conftest import ROOT, launch_module, run_main
 
-SCRIPTS = ("sft", "reward", "dpo", "ppo", "grpo", "online_dpo", "pipeline")
-TRAINERS = ("sft", "reward", "dpo", "ppo", "grpo", "online_dpo")  # the scripts with deepspeed/resume keys
-WITH_DATA = ("sft", "reward", "dpo", "ppo")          # data.path read as the recipe's main input
+# every registered trainer (rl/trainers/registry.py: a new one is covered by being registered), and the pipeline
+TRAINERS = tuple(REGISTRY)  # the scripts with deepspeed/resume keys
+SCRIPTS = (*TRAINERS, "pipeline")
 SENTINEL = {"keep.txt": "written by an earlier run\n"}
 
 
@@ -275,15 +276,15 @@ def _bad_utf8(tmp_path: Path, row: dict) -> Path:
     return p
 
 
-ROWS = {"sft": {"text": "1+1=2"}, "reward": {"prompt": "1+1=", "chosen": "2", "rejected": "3"},
-        "dpo": {"prompt": "1+1=", "chosen": "2", "rejected": "3"}, "ppo": {"text": "1+1="},
-        "grpo": {"prompt": "1+1="}, "online_dpo": {"prompt": "1+1="}}
+# one row every trainer's default columns read (text, prompt, completion, chosen/rejected, label)
+# (a string last: _bad_utf8 puts the bad byte inside it)
+ROW = {"label": True, "prompt": "1+1=", "completion": "2", "chosen": "2", "rejected": "3", "text": "1+1=2"}
 
 
 @pytest.mark.parametrize("script", TRAINERS)
 def test_invalid_utf8_names_the_line(capsys, tmp_path, script):
     out = _prepared_out(tmp_path)
-    p = _bad_utf8(tmp_path, ROWS[script])
+    p = _bad_utf8(tmp_path, ROW)
     extra = ["env_type=null", "reward_funcs=[correctness]"] if script == "grpo" else []
     if script == "ppo":
         extra = ["env_type=null"]
@@ -300,7 +301,7 @@ def test_chat_column_holding_a_string(capsys, tmp_path):
 
 
 def test_bad_data_from_the_command_line(tmp_path):
-    p = _bad_utf8(tmp_path, ROWS["sft"])
+    p = _bad_utf8(tmp_path, ROW)
     fails_in_subprocess("sft", f"data.path={p}", f"output_dir={tmp_path / 'o'}", names=(f"{p}:2", "UTF-8"))
 
 

@@ -1,5 +1,5 @@
-"""The run core's lifecycle (rl/trainers/base.py), proven once over all five trainers through their
-launch scripts: a stop on SIGTERM checkpoints and exits 128 + 15; retention keeps save_total_limit
+"""The run core's lifecycle (rl/trainers/base.py), proven once over every registered trainer through its
+launch script: a stop on SIGTERM checkpoints and exits 128 + 15; retention keeps save_total_limit
 checkpoints; resume=auto falls back past a corrupt newest checkpoint; a rerun into a finished run is
 refused; a diverging run stops at the first non-finite loss with one line and saves nothing."""
 
@@ -23,6 +23,7 @@ from rl.trainers.base import (
     check_finite,
     check_output_dir,
 )
+from rl.trainers.registry import TRAINERS as REGISTRY
 from rl.trainers.sft import SFTConfig
 from tests.conftest import ROOT, run_main
 
@@ -31,27 +32,18 @@ def _env() -> dict:
     # read at call time: the session fixture sets RL_TINY_CACHE after this module is imported
     return {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "RL_NO_PROGRESS": "1"}
 
-# Each trainer's tiny recipe cut to small steps; {n} is the run length in optimizer steps (PPO: iterations of one
+# Every registered trainer (rl/trainers/registry.py), so that a new one is covered by being registered: its tiny
+# recipe cut to {n} optimizer steps of a few examples by the entry's `short_run` overrides (PPO: iterations of one
 # optimizer step each, ppo_epochs=1 and mini_batch_size=batch_size).
-TRAINERS = {
-    "sft": ["launch/sft.py", "--config", "recipes/tiny/sft.yaml", "batch_size=4", "max_steps={n}"],
-    "reward": ["launch/reward.py", "--config", "recipes/tiny/reward.yaml", "batch_size=4", "num_epochs=100",
-               "max_steps={n}", "data.eval_fraction=0"],
-    "dpo": ["launch/dpo.py", "--config", "recipes/tiny/dpo.yaml", "batch_size=4", "max_steps={n}",
-            "eval_every=0", "data.eval_fraction=0"],
-    "ppo": ["launch/ppo.py", "--config", "recipes/tiny/ppo.yaml", "batch_size=4", "mini_batch_size=4",
-            "gradient_accumulation_steps=1", "ppo_epochs=1", "max_new_tokens=4", "num_iterations={n}"],
-    "grpo": ["launch/grpo.py", "--config", "recipes/tiny/grpo.yaml", "batch_size=8", "num_generations=4",
-             "max_steps={n}", "eval_every=0", "eval_num_prompts=4"],
-    "online_dpo": ["launch/online_dpo.py", "--config", "recipes/tiny/online_dpo.yaml", "batch_size=4",
-                   "max_steps={n}", "max_completion_length=4"],
-}
+TRAINERS = list(REGISTRY)
 COMMON = ["log_every=1", "report_to=[jsonl]"]
 FINAL = {"reward": "reward_config.json"}  # the file a finished run writes (default model.safetensors)
 
 
 def _cmd(trainer: str, out, n: int, *extra: str) -> list[str]:
-    return [sys.executable, *(a.format(n=n) for a in TRAINERS[trainer]), *COMMON, f"output_dir={out}", *extra]
+    short = (a.format(n=n) for a in REGISTRY[trainer].short_run)
+    return [sys.executable, f"launch/{trainer}.py", "--config", f"recipes/tiny/{trainer}.yaml", *short, *COMMON,
+            f"output_dir={out}", *extra]
 
 
 def _train_rows(out) -> list[dict]:
@@ -166,10 +158,10 @@ def test_callback_tracker_forwards_rows():
     assert seen == [(2, {"loss": 1.0})]
 
 
-# ------------------------------------------------------------------------- all five trainers
+# ------------------------------------------------------------------------- every registered trainer
 
 @pytest.mark.slow
-@pytest.mark.parametrize("trainer", list(TRAINERS))
+@pytest.mark.parametrize("trainer", TRAINERS)
 def test_sigterm_retention_corrupt_fallback_and_rerun(trainer, tmp_path, tiny_llama, capfd, monkeypatch):
     """(tiny_llama: the tiny model exists before the run starts.) For "sft" the signalled run is a process
     of its own that SIGTERM reaches from outside; for the others (the same fit(), each trainer's own
@@ -206,7 +198,7 @@ def test_sigterm_retention_corrupt_fallback_and_rerun(trainer, tmp_path, tiny_ll
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("trainer", list(TRAINERS))
+@pytest.mark.parametrize("trainer", TRAINERS)
 def test_diverging_run_stops_at_the_first_non_finite_loss(trainer, tmp_path, tiny_llama, capfd, monkeypatch):
     """The launch script's main() in this process (see `_main`): exit status 1, the last stderr line
     names the step and the metric, no traceback, no final model and no checkpoint of the bad step."""
