@@ -7,17 +7,27 @@ import math
 import pytest
 import torch
 
-from rl.algos.policy_losses import (
-    cispo_loss,
-    dro_loss,
-    importance_sampling_loss,
-    ppo_policy_loss,
-    ppo_value_loss,
-)
+from rl.algos.policy_losses import compute_policy_loss, ppo_value_loss
 from rl.algos.reduce import NORMALIZATIONS, aggregate
 from rl.engine.losses import LOSS_FNS, token_logprobs
 
 LN2, LN4 = math.log(2.0), math.log(4.0)
+
+
+def importance_sampling_loss(logp, old, adv, mask, normalization="token_mean", **kw):
+    return compute_policy_loss(logp, old, adv, mask, loss_type="importance_sampling", normalization=normalization, **kw)
+
+
+def ppo_policy_loss(logp, old, adv, mask, **kw):
+    return compute_policy_loss(logp, old, adv, mask, loss_type="ppo", **kw)
+
+
+def cispo_clip_loss(logp, old, adv, mask, **kw):
+    return compute_policy_loss(logp, old, adv, mask, loss_type="cispo_clip", **kw)
+
+
+def dro_loss(logp, old, adv, mask, **kw):
+    return compute_policy_loss(logp, old, adv, mask, loss_type="dro", **kw)
 
 
 def _two_tokens():
@@ -57,13 +67,13 @@ def test_importance_sampling_hand_computed():
 def test_ppo_clip_hand_computed():
     logp, old, adv, mask = _two_tokens()
     # token 1: r=2, A=1 -> min(2, 1.2) = 1.2 (clipped); token 2: r=1, A=-1 -> -1
-    loss, m = ppo_policy_loss(logp, old, adv, mask, clip_low=0.2, clip_high=0.2, normalization="sum")
+    loss, m = ppo_policy_loss(logp, old, adv, mask, epsilon=0.2, epsilon_high=0.2, normalization="sum")
     assert loss.item() == pytest.approx(-1.2 + 1.0, abs=1e-6)
     assert m["policy/clipfrac"].item() == pytest.approx(0.5)
     loss.backward()
     assert torch.allclose(logp.grad, torch.tensor([[0.0, 1.0]]), atol=1e-6)  # no gradient when clipped
-    # asymmetric: clip_high=1.5 leaves r=2 inside [0.8, 2.5]
-    loss2, m2 = ppo_policy_loss(logp, old, adv, mask, clip_low=0.2, clip_high=1.5, normalization="sum")
+    # asymmetric: epsilon_high=1.5 leaves r=2 inside [0.8, 2.5]
+    loss2, m2 = ppo_policy_loss(logp, old, adv, mask, epsilon=0.2, epsilon_high=1.5, normalization="sum")
     assert loss2.item() == pytest.approx(-2.0 + 1.0, abs=1e-6)
     assert m2["policy/clipfrac"].item() == 0.0
 
@@ -74,17 +84,17 @@ def test_ppo_clip_low_with_negative_advantage():
     adv = torch.tensor([[-1.0]])
     mask = torch.ones(1, 1)
     # clip_low 0.2: min(-0.5, 0.8 * -1) = -0.8 -> loss 0.8, clipped
-    loss, m = ppo_policy_loss(logp, old, adv, mask, clip_low=0.2, clip_high=0.2, normalization="sum")
+    loss, m = ppo_policy_loss(logp, old, adv, mask, epsilon=0.2, epsilon_high=0.2, normalization="sum")
     assert loss.item() == pytest.approx(0.8, abs=1e-6) and m["policy/clipfrac"].item() == 1.0
     # clip_low 0.6: r=0.5 is inside [0.4, 1.2] -> loss 0.5, not clipped
-    loss, m = ppo_policy_loss(logp, old, adv, mask, clip_low=0.6, clip_high=0.2, normalization="sum")
+    loss, m = ppo_policy_loss(logp, old, adv, mask, epsilon=0.6, epsilon_high=0.2, normalization="sum")
     assert loss.item() == pytest.approx(0.5, abs=1e-6) and m["policy/clipfrac"].item() == 0.0
 
 
 def test_cispo_hand_computed():
     logp, old, adv, mask = _two_tokens()
-    # weights sg(clip(r, 0.8, 1.2)) = (1.2, 1); per token -w * logp * A
-    loss, m = cispo_loss(logp, old, adv, mask, 0.2, 0.2, "sum")
+    # cispo_clip (Tinker's cispo): weights sg(clip(r, 0.8, 1.2)) = (1.2, 1); per token -w * logp * A
+    loss, m = cispo_clip_loss(logp, old, adv, mask, epsilon=0.2, epsilon_high=0.2, normalization="sum")
     assert loss.item() == pytest.approx(-1.2 * -LN2 * 1.0 + -1.0 * -LN4 * -1.0, abs=1e-6)
     assert m["policy/clipfrac"].item() == pytest.approx(0.5)
     loss.backward()
@@ -94,7 +104,7 @@ def test_cispo_hand_computed():
 
 def test_dro_hand_computed():
     logp, old, adv, mask = _two_tokens()
-    loss, _ = dro_loss(logp, old, adv, mask, beta=0.1, normalization="sum")
+    loss, _ = dro_loss(logp, old, adv, mask, dro_beta=0.1, normalization="sum")
     # token 1: -(-ln2 * 1 - 0.05 * ln2^2); token 2: -(-ln4 * -1 - 0)
     expected = (LN2 + 0.05 * LN2 ** 2) + (-LN4)
     assert loss.item() == pytest.approx(expected, abs=1e-6)
@@ -143,17 +153,18 @@ def test_engine_wrappers_match_pure_functions():
     logp, mask = token_logprobs(logits, labels)
     old = (logp.detach() + 0.3 * torch.randn_like(logp)) * mask
     adv = torch.randn_like(logp)
-    for name, pure, extra in [
-        ("importance_sampling", importance_sampling_loss, {}),
-        ("ppo", ppo_policy_loss, {"clip_low": 0.1, "clip_high": 0.3}),
-        ("cispo", cispo_loss, {"clip_low": 0.1, "clip_high": 0.3}),
-        ("dro", dro_loss, {"beta": 0.2}),
+    for name, extra in [
+        ("importance_sampling", {}),
+        ("ppo", {"epsilon": 0.1, "epsilon_high": 0.3}),
+        ("cispo_clip", {"epsilon": 0.1, "epsilon_high": 0.3}),
+        ("cispo", {"epsilon_high": 1.1}),
+        ("dro", {"dro_beta": 0.2}),
     ]:
         for norm in NORMALIZATIONS:
             length = {"max_length": 7} if norm == "constant" else {}
             got, metrics = LOSS_FNS[name](logits, labels, None, advantages=adv, old_logprobs=old,
                                             normalization=norm, **extra, **length)
-            want, _ = pure(logp, old, adv, mask, *extra.values(), normalization=norm, **length)
+            want, _ = compute_policy_loss(logp, old, adv, mask, loss_type=name, normalization=norm, **extra, **length)
             assert got.item() == pytest.approx(want.item(), abs=1e-6), (name, norm)
             assert "loss/policy" in metrics and "policy/approx_kl" in metrics
     # the reference's spelling, and (B, T) tensors aligned with labels
@@ -176,8 +187,8 @@ def test_engine_wrapper_errors_are_one_line_and_actionable():
     with pytest.raises(ValueError, match="not both"):
         LOSS_FNS["dro"](logits, labels, None, advantages=adv, old_logprobs=torch.zeros(2, 5),
                           old_log_probs=torch.zeros(2, 5))
-    with pytest.raises(TypeError, match="clip_hgih"):
-        LOSS_FNS["ppo"](logits, labels, None, advantages=adv, old_logprobs=torch.zeros(2, 5), clip_hgih=0.3)
+    with pytest.raises(TypeError, match="epsilon_hgih"):
+        LOSS_FNS["ppo"](logits, labels, None, advantages=adv, old_logprobs=torch.zeros(2, 5), epsilon_hgih=0.3)
 
 
 def test_ppo_engine_value_loss_with_value_predictions():

@@ -20,7 +20,7 @@ from rl.algos.advantages import (
     rloo_advantages,
 )
 from rl.algos.kl import k3_kl
-from rl.algos.policy_losses import grpo_loss, gspo_loss
+from rl.algos.policy_losses import compute_policy_loss, grpo_loss
 from rl.config.fields import build
 from rl.errors import ConfigError
 from rl.trainers.grpo import GRPOTrainer
@@ -258,7 +258,8 @@ def test_gspo_loss_and_gradient_match_trl_sequence_level(ours, theirs, beta):
     # the registered policy loss "gspo" is the same math (no KL): equal to GRPO's sequence level at beta 0
     if not beta:
         lp = base.clone().requires_grad_(True)
-        gl, _ = gspo_loss(lp, old, adv, mask, clip_low=0.05, clip_high=0.08, normalization=ours, max_length=L)
+        gl, _ = compute_policy_loss(lp, old, adv, mask, loss_type="gspo", epsilon=0.05, epsilon_high=0.08,
+                                    normalization=ours, max_length=L)
         assert gl.item() == pytest.approx(trl_loss.item(), rel=1e-6, abs=1e-6)
 
 

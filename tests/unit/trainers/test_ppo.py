@@ -139,7 +139,7 @@ def test_whiten_and_explained_variance():
 # ------------------------------------------------------------------------------------ loss pieces
 
 def test_policy_value_entropy_loss_pieces():
-    from rl.algos.policy_losses import ppo_policy_loss, ppo_value_loss
+    from rl.algos.policy_losses import compute_policy_loss, ppo_value_loss
     from rl.algos.reduce import masked_mean
 
     g = torch.Generator().manual_seed(0)
@@ -158,13 +158,13 @@ def test_policy_value_entropy_loss_pieces():
     out = Out()
     out.logits, out.value = logits, values_full
     kw = dict(P=P, tokens=tokens, mask=mask, old_logprobs=old_logp, advantages=adv, old_values=old_v,
-              returns=ret, clip_ratio=0.2, value_clip=0.3, value_coef=0.5, entropy_coef=0.01, temperature=0.7)
+              returns=ret, epsilon=0.2, value_clip=0.3, value_coef=0.5, entropy_coef=0.01, temperature=0.7)
     loss, metrics = policy_loss(None, None, out, **kw)
     # independently: log-probs of the response tokens from the logits one position earlier
     lg = logits[:, P - 1:P - 1 + N] / 0.7
     logp = torch.log_softmax(lg, -1).gather(-1, tokens[..., None]).squeeze(-1)
     ent = -(torch.softmax(lg, -1) * torch.log_softmax(lg, -1)).sum(-1)
-    pl, _ = ppo_policy_loss(logp, old_logp, adv, mask, 0.2, 0.2)
+    pl, _ = compute_policy_loss(logp, old_logp, adv, mask, loss_type="ppo", epsilon=0.2, epsilon_high=0.2)
     vl, _ = ppo_value_loss(values_full[:, P - 1:P - 1 + N], old_v, ret, mask, 0.3)
     expected = pl + 0.5 * vl - 0.01 * masked_mean(ent, mask)
     torch.testing.assert_close(loss, expected, atol=1e-6, rtol=0)
