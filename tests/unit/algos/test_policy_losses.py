@@ -1,4 +1,5 @@
-"""RL losses on sampled tokens: hand-computed values, gradients, normalisation, engine wrappers."""
+"""rl.algos.policy_losses: every registered policy loss with hand-computed values and gradients, the
+aggregations, the objective around the terms, and the engine wrappers."""
 
 from __future__ import annotations
 
@@ -111,6 +112,140 @@ def test_dro_hand_computed():
     loss.backward()
     # d/dlogp = -A + beta (logp - old)
     assert torch.allclose(logp.grad, torch.tensor([[-1.0 + 0.1 * LN2, 1.0]]), atol=1e-6)
+
+
+def test_ppo_two_sided_clip_delta_hand_computed():
+    """delta (INTELLECT-2) caps the unclipped ratio: r = 2 with A = -1 gives -min(-2, -1.2) = 2 (PPO's
+    unbounded side, gradient -r A = 2); with delta 1.5, -min(-1.5, -1.2) = 1.5 and no gradient (capped)."""
+    logp = torch.tensor([[-LN2]], requires_grad=True)
+    old, adv, mask = torch.tensor([[-LN4]]), torch.tensor([[-1.0]]), torch.ones(1, 1)
+    loss, m = ppo_policy_loss(logp, old, adv, mask, epsilon=0.2)
+    assert loss.item() == pytest.approx(2.0, abs=1e-6) and m["policy/clipfrac"].item() == 0.0
+    loss.backward()
+    assert logp.grad.item() == pytest.approx(2.0, abs=1e-6)
+    logp.grad = None
+    loss, m = ppo_policy_loss(logp, old, adv, mask, epsilon=0.2, delta=1.5)
+    assert loss.item() == pytest.approx(1.5, abs=1e-6) and m["policy/clipfrac"].item() == 0.0
+    loss.backward()
+    assert logp.grad.item() == 0.0
+
+
+def test_trl_loss_type_names_are_one_term_with_their_aggregations():
+    """On-policy (r = 1) the clipped surrogate is -A per token. Rows: A = 1 on 2 tokens, A = 2 on 1 token, so
+    per token (-1, -1 | -2), sum -4: dapo and ppo = -4 / 3 tokens (num_items 8 replaces the 3: -0.5), bnpo
+    -4 / 3 whatever num_items says (this micro-batch), grpo = ((-1 - 1) / 2 + -2) / 2 = -1.5 (sequence
+    mean), dr_grpo = -4 / (2 rows * max_length 4) = -0.5 with gradient -A / 8 per token."""
+    logp = torch.tensor([[-1.0, -2.0, -3.0], [-0.5, -0.7, -0.9]])
+    mask = torch.tensor([[1.0, 1.0, 0.0], [1.0, 0.0, 0.0]])
+    adv = torch.tensor([1.0, 2.0])
+    want = {"ppo": -4 / 3, "dapo": -4 / 3, "bnpo": -4 / 3, "grpo": -1.5, "dr_grpo": -0.5}
+    for name, value in want.items():
+        loss, _ = compute_policy_loss(logp, logp.detach(), adv, mask, loss_type=name, max_length=4)
+        assert loss.item() == pytest.approx(value, abs=1e-6), name
+    for name, value in (("dapo", -0.5), ("ppo", -0.5), ("bnpo", -4 / 3)):
+        loss, _ = compute_policy_loss(logp, logp.detach(), adv, mask, loss_type=name, num_items=8.0)
+        assert loss.item() == pytest.approx(value, abs=1e-6), name
+    lp = logp.clone().requires_grad_(True)
+    compute_policy_loss(lp, logp, adv, mask, loss_type="dr_grpo", max_length=4)[0].backward()
+    torch.testing.assert_close(lp.grad, torch.tensor([[-1 / 8, -1 / 8, 0.0], [-2 / 8, 0.0, 0.0]]))
+    # an explicit normalization wins over the loss type's own
+    loss, _ = compute_policy_loss(logp, logp.detach(), adv, mask, loss_type="grpo", normalization="sum")
+    assert loss.item() == pytest.approx(-4.0, abs=1e-6)
+
+
+def test_cispo_trl_caps_the_weight_at_epsilon_high_hand_computed():
+    """TRL's cispo: weight sg(min(r, epsilon_high)), no lower clip. r = (2, 1), A = (1, -1), cap 1.5: weights
+    (1.5, 1), per token -w A logp = (-1.5 * -ln2, -(-1) * -ln4) = (1.5 ln2, -2 ln2), sum -0.5 ln2, gradient
+    -w A = (-1.5, 1); cap 5 (ScaleRL's): weights (2, 1), sum 2 ln2 - 2 ln2 = 0. A ratio of 1/4 stays 1/4
+    (cispo_clip would lift it to 1 - epsilon = 0.8): -0.25 * 1 * ln(1/16) = ln2 vs 0.8 * 4 ln2 = 3.2 ln2."""
+    logp, old, adv, mask = _two_tokens()
+    loss, m = compute_policy_loss(logp, old, adv, mask, loss_type="cispo", epsilon_high=1.5, normalization="sum")
+    assert loss.item() == pytest.approx(-0.5 * LN2, abs=1e-6)
+    assert m["policy/clipfrac"].item() == pytest.approx(0.5)
+    loss.backward()
+    torch.testing.assert_close(logp.grad, torch.tensor([[-1.5, 1.0]]))
+    loss, m = compute_policy_loss(logp, old, adv, mask, loss_type="cispo", epsilon_high=5.0, normalization="sum")
+    assert loss.item() == pytest.approx(0.0, abs=1e-6) and m["policy/clipfrac"].item() == 0.0
+    low, old_low, one = torch.tensor([[math.log(1 / 16)]]), torch.tensor([[-LN4]]), torch.ones(1, 1)
+    loss, _ = compute_policy_loss(low, old_low, one, one, loss_type="cispo", epsilon_high=5.0, normalization="sum")
+    assert loss.item() == pytest.approx(LN2, abs=1e-6)
+    loss, _ = compute_policy_loss(low, old_low, one, one, loss_type="cispo_clip", epsilon=0.2, normalization="sum")
+    assert loss.item() == pytest.approx(3.2 * LN2, abs=1e-6)
+
+
+def test_sapo_soft_gate_hand_computed():
+    """SAPO: -sigmoid(tau (r - 1)) 4 / tau A. Token 1: r = 2, A = 1, tau_pos = 1: -4 sigmoid(1) = -2.9242343;
+    token 2: r = 1, A = -1, tau_neg = 1.05: +4 * 0.5 / 1.05 = 1.9047619. Gradient -4 A r s (1 - s) with
+    s = sigmoid(tau (r - 1)): token 1 -8 sigmoid(1) (1 - sigmoid(1)) = -1.5728954; token 2 (on-policy) -A = 1."""
+    logp, old, adv, mask = _two_tokens()
+    loss, m = compute_policy_loss(logp, old, adv, mask, loss_type="sapo", normalization="sum")
+    s1 = 1 / (1 + math.exp(-1))
+    assert loss.item() == pytest.approx(-4 * s1 + 2 / 1.05, abs=1e-6)
+    assert -4 * s1 == pytest.approx(-2.9242343, abs=1e-6)
+    assert m["policy/clipfrac"].item() == 0.0
+    loss.backward()
+    torch.testing.assert_close(logp.grad, torch.tensor([[-8 * s1 * (1 - s1), 1.0]]))
+    assert logp.grad[0, 0].item() == pytest.approx(-1.5728954, abs=1e-6)
+
+
+def test_objective_kl_and_token_weights_hand_computed():
+    """compute_policy_loss's shared parts. On-policy, A = 0 (no policy term), ref log-ratio d = -0.5 on the
+    first token: k3 = e^d - d - 1 = 0.1065307, times beta 0.1, token mean over 2 tokens: 0.0053265.
+    token_weights scale the term only: IS with r = (2, 1), A = (1, -1), w = (0.5, 3): -(0.5 * 2 - 3 * 1) = 2."""
+    logp = torch.tensor([[-1.0, -2.0]])
+    ref = torch.tensor([[-1.5, -2.0]])
+    k3 = math.exp(-0.5) + 0.5 - 1
+    loss, m = compute_policy_loss(logp, logp, torch.zeros(1), torch.ones(1, 2), loss_type="ppo", ref_logp=ref,
+                                  beta=0.1)
+    assert loss.item() == pytest.approx(0.1 * k3 / 2, abs=1e-7) and m["kl"].item() == pytest.approx(k3 / 2, abs=1e-7)
+    with pytest.raises(ValueError, match="ref_logp"):
+        compute_policy_loss(logp, logp, torch.zeros(1), torch.ones(1, 2), beta=0.1)
+    lp, old, adv, mask = _two_tokens()
+    loss, _ = compute_policy_loss(lp, old, adv, mask, loss_type="importance_sampling", normalization="sum",
+                                  token_weights=torch.tensor([[0.5, 3.0]]))
+    assert loss.item() == pytest.approx(2.0, abs=1e-6)
+
+
+def test_ppo_default_is_bit_identical_to_the_former_formula():
+    """The PPO trainer's default (loss_type ppo, epsilon = epsilon_high = clip_ratio, token mean) computes
+    exactly the former ppo_policy_loss: value and gradient equal to the bit (torch.equal, not a tolerance)."""
+    g = torch.Generator().manual_seed(3)
+    base = -torch.rand(4, 6, generator=g) * 2
+    old = base + 0.4 * torch.randn(4, 6, generator=g)
+    adv = torch.randn(4, 6, generator=g)
+    mask = (torch.rand(4, 6, generator=g) > 0.25).float()
+    a, b = base.clone().requires_grad_(True), base.clone().requires_grad_(True)
+    ratio = torch.exp(a - old)  # the former formula, verbatim
+    former = aggregate(-torch.min(ratio * adv, torch.clamp(ratio, 0.8, 1.2) * adv), mask, "token_mean")
+    former.backward()
+    now, m = compute_policy_loss(b, old, adv, mask, loss_type="ppo", epsilon=0.2)
+    now.backward()
+    assert torch.equal(now.detach(), former.detach()) and torch.equal(a.grad, b.grad)
+    assert 0 < m["policy/clipfrac"].item() < 1  # the clip was exercised
+
+
+def test_a_users_loss_is_one_function_with_the_term_signature():
+    """A `package.module:function` loss_type gets the same objective around it (here: plain -A logp, REINFORCE)."""
+    import sys
+    import types
+
+    from rl.algos.policy_losses import Term
+
+    mod = types.ModuleType("my_losses_for_test")
+
+    def reinforce(logp, old_logp, advantages, mask, p):
+        return Term(-advantages * logp, torch.exp(logp - old_logp), torch.zeros_like(logp, dtype=torch.bool))
+
+    mod.reinforce = reinforce
+    sys.modules["my_losses_for_test"] = mod
+    try:
+        logp, old, adv, mask = _two_tokens()
+        loss, m = compute_policy_loss(logp, old, adv, mask, loss_type="my_losses_for_test:reinforce",
+                                      normalization="sum")
+        # -(1 * -ln2) - (-1 * -ln4) = ln2 - 2 ln2
+        assert loss.item() == pytest.approx(-LN2, abs=1e-6) and "policy/approx_kl" in m
+    finally:
+        del sys.modules["my_losses_for_test"]
 
 
 def test_value_loss_clipped_hand_computed():
