@@ -5,28 +5,31 @@ ONE registry kind, "policy_loss", ONE signature: each loss is the per-token term
     fn(logp, old_logp, advantages, mask, p: LossParams) -> Term(per_token, ratio, clipped)
 
 logp / old_logp / mask: (B, N) per-token log-probs of the current policy and of the sampler, mask 1 on
-counted tokens (N = scored positions); advantages (B, N) per token or (B, 1) per sequence.
-`p` holds every hyper-parameter by TRL's names (epsilon, epsilon_high, delta, ...). Term: per_token
-(B, N) loss before aggregation ((B, 1) from a sequence ratio and advantage, broadcast over the tokens); ratio (B, N) per token or (B, 1) per sequence (GSPO), the importance
-ratio the KL factor and the metrics use; clipped (same shape) where the loss's clip acted.
+counted tokens (N = scored positions); advantages (B, N) per token or (B, 1) per sequence. `p` holds
+every hyper-parameter by TRL's names (epsilon, epsilon_high, delta, ...). Term: per_token (B, N), the
+loss before aggregation ((B, 1) from a sequence ratio and advantage, broadcast over the tokens); ratio
+(B, N), or (B, 1) per sequence (GSPO), the importance ratio the KL factor and the metrics use; clipped
+(like ratio) where the loss's clip acted.
 
 `compute_policy_loss` is the one objective around a term, shared by PPO, the GRPO family and the
 engine's `loss_fn="<name>"`: advantages broadcast, rollout-mismatch token weights, the optional k3
 KL to a reference (GRPO's beta), the aggregation over tokens (`rl.algos.reduce.aggregate`) and the
 metrics. A loss registers its default aggregation as the flag `normalization` (TRL's loss_type
-meanings: grpo = sequence_mean, dr_grpo = constant, dapo/bnpo/cispo = token_mean) and may register
-default `epsilon` / `epsilon_high` (GSPO's paper values); an explicit argument always wins.
+meanings) and may register default `epsilon` / `epsilon_high` (GSPO's paper values); an explicit
+argument always wins.
 
-    name                 term                                                    default aggregation
-    ppo                  -min(r A, clip(r, 1-eps, 1+eps_high) A), two-sided with delta     token_mean
-    grpo | dapo | bnpo | dr_grpo   the same term (TRL's GRPO loss_type names)    sequence_mean | token_mean
-                         (global) | token_mean (this micro-batch) | constant
-    gspo                 the same term on GSPO's sequence ratio s_i                           sequence_mean
-    cispo                -sg(min(r, eps_high)) A logp (TRL / ScaleRL: eps_high is a cap)      token_mean
-    cispo_clip           -sg(clip(r, 1-eps, 1+eps_high)) A logp (MiniMax-M1, Tinker; the old cispo) token_mean
-    sapo                 -sigmoid(tau (r - 1)) 4 / tau A (TRL's SAPO soft gate)               sequence_mean
-    importance_sampling  -r A (Tinker)                                                        token_mean
-    dro                  -(logp A - dro_beta / 2 (logp - old_logp)^2) (Tinker)                token_mean
+    name        term                                                          default aggregation
+    ppo         -min(r A, clip(r, 1-eps, 1+eps_high) A); delta caps r first   token_mean
+    dapo        the same term (TRL's default loss_type)                       token_mean (the step's)
+    bnpo        the same term                                                 token_mean (this micro-batch)
+    grpo        the same term                                                 sequence_mean
+    dr_grpo     the same term                                                 constant (/ max_length)
+    gspo        the same term on GSPO's sequence ratio s_i                    sequence_mean
+    cispo       -sg(min(r, eps_high)) A logp (TRL, ScaleRL: eps_high a cap)   token_mean
+    cispo_clip  -sg(clip(r, 1-eps, 1+eps_high)) A logp (MiniMax-M1, Tinker)   token_mean
+    sapo        -sigmoid(tau (r - 1)) 4 / tau A (TRL's SAPO soft gate)        sequence_mean
+    importance_sampling  -r A (Tinker)                                        token_mean
+    dro         -(logp A - dro_beta / 2 (logp - old_logp)^2) (Tinker)         token_mean
 
 Metrics are detached scalars with TRL's names (`loss/policy`, `policy/clipfrac`, `policy/approx_kl`,
 `policy/ratio_mean`, `clip_ratio/{low,high,region}_mean`, `kl`). Objectives follow Tinker's built-in
@@ -120,7 +123,7 @@ def importance_ratio(logp: torch.Tensor, old_logp: torch.Tensor, mask: torch.Ten
 def clipped_surrogate(logp, old_logp, advantages, mask, p: LossParams) -> Term:
     """PPO's clipped surrogate (Schulman et al. 2017, eq. 7; asymmetric clip: DAPO, Yu et al. 2025):
         loss_t = -min(r_t A_t, clip(r_t, 1 - epsilon, 1 + epsilon_high) A_t),  r_t = exp(logp - old_logp),
-    with `delta` the unclipped r_t is capped at delta first (two-sided clip, INTELLECT-2). At
+    with `delta` the unclipped r_t is capped at delta first (two-sided clip, INTELLECT-2, arXiv 2505.07291). At
     importance_sampling_level "sequence" r_t is GSPO's s_i. clipped: the clipped term is the minimum (no
     gradient there). TRL's grpo / dapo / bnpo / dr_grpo differ only in their aggregation."""
     ratio = importance_ratio(logp, old_logp, mask, p.importance_sampling_level)
@@ -135,7 +138,8 @@ def gspo(logp, old_logp, advantages, mask, p: LossParams) -> Term:
     ratio per sequence, s_i = exp(1/|y_i| sum_t (logp_t - old_logp_t)), whatever importance_sampling_level
     says; the default sequence_mean is the paper's 1/G sum_i, the default clip range its (3e-4, 4e-4): a
     length-normalised ratio moves far less than a token's. TRL 1.16: importance_sampling_level="sequence"."""
-    return clipped_surrogate(logp, old_logp, advantages, mask, dataclasses.replace(p, importance_sampling_level="sequence"))
+    sequence_level = dataclasses.replace(p, importance_sampling_level="sequence")
+    return clipped_surrogate(logp, old_logp, advantages, mask, sequence_level)
 
 
 def _cispo(logp, advantages, ratio, low: float | None, high: float) -> Term:
@@ -148,7 +152,7 @@ def _cispo(logp, advantages, ratio, low: float | None, high: float) -> Term:
 
 @register(KIND, "cispo", normalization="token_mean")
 def cispo(logp, old_logp, advantages, mask, p: LossParams) -> Term:
-    """CISPO as TRL 1.16 and ScaleRL (Khatri et al. 2025) write it: weight sg(min(r_t, epsilon_high)),
+    """CISPO as TRL 1.16 and ScaleRL (arXiv 2510.13786) write it: weight sg(min(r_t, epsilon_high)),
     epsilon_high an absolute cap on the ratio (ScaleRL recommends 5.0), no lower clip."""
     return _cispo(logp, advantages, importance_ratio(logp, old_logp, mask, p.importance_sampling_level),
                   None, p.epsilon_high)
@@ -164,13 +168,14 @@ def cispo_clip(logp, old_logp, advantages, mask, p: LossParams) -> Term:
 
 @register(KIND, "sapo", normalization="sequence_mean")
 def sapo(logp, old_logp, advantages, mask, p: LossParams) -> Term:
-    """SAPO (Gao et al. 2025, "Soft Adaptive Policy Optimization"; TRL 1.16's loss_type="sapo"): a smooth gate
+    """SAPO ("Soft Adaptive Policy Optimization", arXiv 2511.20347; TRL 1.16's loss_type="sapo"): a smooth gate
     instead of the hard clip, loss_t = -sigmoid(tau (r_t - 1)) 4 / tau A_t, tau = sapo_temperature_pos where
-    A_t > 0 else sapo_temperature_neg; its gradient is r_t A_t sech^2(tau (r_t - 1) / 2) grad logp_t, the
-    policy gradient at r = 1 fading off-policy. Nothing is clipped."""
+    A_t > 0 else sapo_temperature_neg; the loss's gradient is -r_t A_t sech^2(tau (r_t - 1) / 2) grad logp_t:
+    the policy gradient -A_t grad logp_t at r = 1, fading smoothly off-policy. Nothing is clipped."""
     ratio = importance_ratio(logp, old_logp, mask, p.importance_sampling_level)
     tau = torch.where(advantages > 0, p.sapo_temperature_pos, p.sapo_temperature_neg)
-    return Term(-torch.sigmoid(tau * (ratio - 1)) * 4 / tau * advantages, ratio, torch.zeros_like(ratio, dtype=torch.bool))
+    return Term(-torch.sigmoid(tau * (ratio - 1)) * 4 / tau * advantages, ratio,
+                torch.zeros_like(ratio, dtype=torch.bool))
 
 
 @register(KIND, "importance_sampling", normalization="token_mean")
