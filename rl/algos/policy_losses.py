@@ -1,26 +1,74 @@
 """Policy-gradient losses on the sampled tokens (never over the whole vocabulary), and the value loss.
 
-Registered under "policy_loss", one signature:
-    fn(logp, old_logp, advantages, mask, *, normalization="token_mean", num_items=None, max_length=None,
-       **hyper) -> (loss, metrics)
-logp / old_logp / mask: (B, N) per-token log-probs of the current policy and of the sampler, mask 1
-on counted tokens (N = scored positions, T-1 for a full sequence). advantages: (B, N) per token or (B,)
-per sequence, broadcast over its tokens. The reduction over tokens is `rl.algos.reduce.aggregate`.
+ONE registry kind, "policy_loss", ONE signature: each loss is the per-token term of its objective,
+
+    fn(logp, old_logp, advantages, mask, p: LossParams) -> Term(per_token, ratio, clipped)
+
+logp / old_logp / mask: (B, N) per-token log-probs of the current policy and of the sampler, mask 1 on
+counted tokens (N = scored positions); advantages (B, N) per token or (B, 1) per sequence. `p` holds
+every hyper-parameter by TRL's names (epsilon, epsilon_high, delta, ...). Term: per_token (B, N), the
+loss before aggregation ((B, 1) from a sequence ratio and advantage, broadcast over the tokens); ratio
+(B, N), or (B, 1) per sequence (GSPO), the importance ratio the KL factor and the metrics use; clipped
+(like ratio) where the loss's clip acted.
+
+`compute_policy_loss` is the one objective around a term, shared by PPO, the GRPO family and the
+engine's `loss_fn="<name>"`: advantages broadcast, rollout-mismatch token weights, the optional k3
+KL to a reference (GRPO's beta), the aggregation over tokens (`rl.algos.reduce.aggregate`) and the
+metrics. A loss registers its default aggregation as the flag `normalization` (TRL's loss_type
+meanings) and may register default `epsilon` / `epsilon_high` (GSPO's paper values); an explicit
+argument always wins.
+
+    name        term                                                          default aggregation
+    ppo         -min(r A, clip(r, 1-eps, 1+eps_high) A); delta caps r first   token_mean
+    dapo        the same term (TRL's default loss_type)                       token_mean (the step's)
+    bnpo        the same term                                                 token_mean (this micro-batch)
+    grpo        the same term                                                 sequence_mean
+    dr_grpo     the same term                                                 constant (/ max_length)
+    gspo        the same term on GSPO's sequence ratio s_i                    sequence_mean
+    cispo       -sg(min(r, eps_high)) A logp (TRL, ScaleRL: eps_high a cap)   token_mean
+    cispo_clip  -sg(clip(r, 1-eps, 1+eps_high)) A logp (MiniMax-M1, Tinker)   token_mean
+    sapo        -sigmoid(tau (r - 1)) 4 / tau A (TRL's SAPO soft gate)        sequence_mean
+    importance_sampling  -r A (Tinker)                                        token_mean
+    dro         -(logp A - dro_beta / 2 (logp - old_logp)^2) (Tinker)         token_mean
+
 Metrics are detached scalars with TRL's names (`loss/policy`, `policy/clipfrac`, `policy/approx_kl`,
-`policy/ratio_mean`). Objectives follow Tinker's built-in losses (tinker-docs:
-losses/{importance_sampling,ppo,cispo,dro}), GSPO follows its paper; Tinker sums over tokens, here the sum is one option.
+`policy/ratio_mean`, `clip_ratio/{low,high,region}_mean`, `kl`). Objectives follow Tinker's built-in
+losses (tinker-docs: losses/{importance_sampling,ppo,cispo,dro}), TRL 1.16's GRPOTrainer._compute_loss
+and the papers named at each term.
 """
 
 from __future__ import annotations
+
+import dataclasses
+from typing import NamedTuple
 
 import torch
 
 from rl.algos.kl import k2_kl, k3_kl
 from rl.algos.reduce import aggregate, masked_mean
-from rl.algos.registry import get, register
+from rl.algos.registry import flag, get, register
 
 KIND = "policy_loss"
 LOSS_AGGREGATIONS = ("token_mean", "sequence_mean", "constant")  # GRPO's `loss_aggregation` choices
+IMPORTANCE_SAMPLING_LEVELS = ("token", "sequence")  # GRPO's `importance_sampling_level` (TRL's name)
+
+
+@dataclasses.dataclass(frozen=True)
+class LossParams:
+    """Every policy loss's hyper-parameters, TRL's names; a term reads the ones it needs."""
+    epsilon: float = 0.2  # the ratio is clipped below at 1 - epsilon
+    epsilon_high: float = 0.2  # ... above at 1 + epsilon_high (DAPO's clip-higher); cispo: the weight's cap
+    delta: float | None = None  # two-sided clip: the unclipped ratio is capped at delta (INTELLECT-2)
+    dro_beta: float = 0.05  # DRO's quadratic coefficient
+    sapo_temperature_pos: float = 1.0  # SAPO's gate temperature for advantages > 0
+    sapo_temperature_neg: float = 1.05  # ... and for advantages <= 0
+    importance_sampling_level: str = "token"  # token | sequence (GSPO's length-normalised ratio)
+
+
+class Term(NamedTuple):
+    per_token: torch.Tensor  # (B, N) loss before aggregation (or (B, 1), broadcast over the tokens)
+    ratio: torch.Tensor  # (B, N) or (B, 1) per sequence
+    clipped: torch.Tensor  # bool, like ratio (or (B, N)): where the clip acted
 
 
 def per_token(x: torch.Tensor | float | None, like: torch.Tensor, name: str) -> torch.Tensor | None:
@@ -49,9 +97,6 @@ def ratio_metrics(logp: torch.Tensor, old_logp: torch.Tensor, mask: torch.Tensor
             "policy/ratio_max": torch.where(mask > 0, ratio, torch.zeros_like(ratio)).max()}
 
 
-IMPORTANCE_SAMPLING_LEVELS = ("token", "sequence")  # GRPO's `importance_sampling_level` (TRL's name)
-
-
 def sequence_log_ratio(logp: torch.Tensor, old_logp: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     """GSPO's length-normalised sequence log-ratio (Zheng et al. 2025, eq. 7), (B, N) -> (B, 1):
         log s_i = 1/|y_i| sum_t (logp_t - old_logp_t)  over the sequence's counted tokens.
@@ -60,148 +105,144 @@ def sequence_log_ratio(logp: torch.Tensor, old_logp: torch.Tensor, mask: torch.T
     return (((logp - old_logp) * mask).sum(-1) / mask.sum(-1).clamp(min=1))[:, None]
 
 
-@register("grpo_policy_loss", "clip")
-def clipped_surrogate(logp: torch.Tensor, old_logp: torch.Tensor, adv: torch.Tensor, clip_low: float,
-                      clip_high: float, level: str = "token", mask: torch.Tensor | None = None,
-                      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """PPO's clipped surrogate per token (Schulman et al. 2017, eq. 7; asymmetric clip, DAPO):
-        loss_t = -min(r_t A_t, clip(r_t, 1 - clip_low, 1 + clip_high) A_t),  r_t = exp(logp - old_logp).
-    With level "sequence" r_t is GSPO's s_i for every token of sequence i (`sequence_log_ratio`, needs
-    `mask`): the clip then keeps or drops whole sequences. logp, old_logp, adv: (B, N). Returns (loss_t
-    (B, N), ratio (B, N) or (B, 1) per sequence, taken_clipped (B, N) bool: the clipped term is the
-    minimum, so no gradient flows there)."""
+def importance_ratio(logp: torch.Tensor, old_logp: torch.Tensor, mask: torch.Tensor, level: str) -> torch.Tensor:
+    """r_t = exp(logp_t - old_logp_t) (B, N) at level "token", GSPO's s_i (B, 1) at level "sequence"."""
     if level not in IMPORTANCE_SAMPLING_LEVELS:
         raise ValueError(f"importance_sampling_level must be token or sequence, got {level!r}")
-    ratio = torch.exp(logp - old_logp if level == "token" else sequence_log_ratio(logp, old_logp, mask))
-    unclipped = ratio * adv
-    clipped = torch.clamp(ratio, 1.0 - clip_low, 1.0 + clip_high) * adv
-    return -torch.min(unclipped, clipped), ratio, (clipped < unclipped).detach()
+    return torch.exp(logp - old_logp if level == "token" else sequence_log_ratio(logp, old_logp, mask))
 
 
-@register("grpo_policy_loss", "cispo")
-def cispo_surrogate(logp: torch.Tensor, old_logp: torch.Tensor, adv: torch.Tensor, clip_low: float,
-                    clip_high: float, level: str = "token", mask: torch.Tensor | None = None,
-                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """CISPO's per-token term (MiniMax-M1, Chen et al. 2025): loss_t = -sg(clip(r_t, 1-clip_low, 1+clip_high))
-    * A_t * logp_t; every token keeps its gradient, only the importance weight is clipped. Same signature
-    and returns as `clipped_surrogate` (taken_clipped: where the weight was clipped)."""
-    if level not in IMPORTANCE_SAMPLING_LEVELS:
-        raise ValueError(f"importance_sampling_level must be token or sequence, got {level!r}")
-    ratio = torch.exp(logp - old_logp if level == "token" else sequence_log_ratio(logp, old_logp, mask))
-    weight = torch.clamp(ratio, 1.0 - clip_low, 1.0 + clip_high).detach()
-    return -weight * adv * logp, ratio, ((ratio < 1.0 - clip_low) | (ratio > 1.0 + clip_high)).expand_as(logp)
+# ------------------------------------------------------------------------------ the registered terms
+
+# decorators apply bottom-up: "ppo" is registered first (the order of names() and of --help)
+@register(KIND, "dr_grpo", normalization="constant")
+@register(KIND, "grpo", normalization="sequence_mean")
+@register(KIND, "bnpo", normalization="token_mean", local_tokens=True)
+@register(KIND, "dapo", normalization="token_mean")
+@register(KIND, "ppo", normalization="token_mean")
+def clipped_surrogate(logp, old_logp, advantages, mask, p: LossParams) -> Term:
+    """PPO's clipped surrogate (Schulman et al. 2017, eq. 7; asymmetric clip: DAPO, Yu et al. 2025):
+        loss_t = -min(r_t A_t, clip(r_t, 1 - epsilon, 1 + epsilon_high) A_t),  r_t = exp(logp - old_logp),
+    with `delta` the unclipped r_t is capped at delta first (two-sided clip, INTELLECT-2, arXiv 2505.07291). At
+    importance_sampling_level "sequence" r_t is GSPO's s_i. clipped: the clipped term is the minimum (no
+    gradient there). TRL's grpo / dapo / bnpo / dr_grpo differ only in their aggregation."""
+    ratio = importance_ratio(logp, old_logp, mask, p.importance_sampling_level)
+    unclipped = (ratio if p.delta is None else torch.clamp(ratio, max=p.delta)) * advantages
+    clipped = torch.clamp(ratio, 1.0 - p.epsilon, 1.0 + p.epsilon_high) * advantages
+    return Term(-torch.min(unclipped, clipped), ratio, (clipped < unclipped).detach())
 
 
-@register(KIND, "importance_sampling")
-def importance_sampling_loss(logp: torch.Tensor, old_logp: torch.Tensor, advantages, mask: torch.Tensor,
-                             normalization: str = "token_mean", *, num_items=None, max_length=None,
-                             ) -> tuple[torch.Tensor, dict]:
-    """REINFORCE with an importance weight (Tinker `importance_sampling`): loss_t = -(p/q * A_t).
+@register(KIND, "gspo", normalization="sequence_mean", epsilon=3e-4, epsilon_high=4e-4)
+def gspo(logp, old_logp, advantages, mask, p: LossParams) -> Term:
+    """GSPO (Zheng et al. 2025, "Group Sequence Policy Optimization", eq. 5-7): the clipped surrogate on one
+    ratio per sequence, s_i = exp(1/|y_i| sum_t (logp_t - old_logp_t)), whatever importance_sampling_level
+    says; the default sequence_mean is the paper's 1/G sum_i, the default clip range its (3e-4, 4e-4): a
+    length-normalised ratio moves far less than a token's. TRL 1.16: importance_sampling_level="sequence"."""
+    sequence_level = dataclasses.replace(p, importance_sampling_level="sequence")
+    return clipped_surrogate(logp, old_logp, advantages, mask, sequence_level)
 
-    The gradient is -A * p/q * grad log p, the unbiased off-policy policy gradient. Shapes: module doc."""
-    adv = per_token(advantages, logp, "advantages")
+
+def _cispo(logp, advantages, ratio, low: float | None, high: float) -> Term:
+    """CISPO's term (MiniMax-M1, Chen et al. 2025): loss_t = -sg(clip(r_t, low, high)) A_t logp_t; every
+    token keeps its gradient, only the importance weight is clipped."""
+    weight = torch.clamp(ratio, min=low, max=high).detach()
+    out = (ratio > high) if low is None else (ratio < low) | (ratio > high)
+    return Term(-weight * advantages * logp, ratio, out)
+
+
+@register(KIND, "cispo", normalization="token_mean")
+def cispo(logp, old_logp, advantages, mask, p: LossParams) -> Term:
+    """CISPO as TRL 1.16 and ScaleRL (arXiv 2510.13786) write it: weight sg(min(r_t, epsilon_high)),
+    epsilon_high an absolute cap on the ratio (ScaleRL recommends 5.0), no lower clip."""
+    return _cispo(logp, advantages, importance_ratio(logp, old_logp, mask, p.importance_sampling_level),
+                  None, p.epsilon_high)
+
+
+@register(KIND, "cispo_clip", normalization="token_mean")
+def cispo_clip(logp, old_logp, advantages, mask, p: LossParams) -> Term:
+    """CISPO with the weight clipped to [1 - epsilon, 1 + epsilon_high] (Tinker's `cispo`; this package's
+    `cispo` before TRL's meaning was adopted, and GRPO's former policy_loss=cispo)."""
+    return _cispo(logp, advantages, importance_ratio(logp, old_logp, mask, p.importance_sampling_level),
+                  1.0 - p.epsilon, 1.0 + p.epsilon_high)
+
+
+@register(KIND, "sapo", normalization="sequence_mean")
+def sapo(logp, old_logp, advantages, mask, p: LossParams) -> Term:
+    """SAPO ("Soft Adaptive Policy Optimization", arXiv 2511.20347; TRL 1.16's loss_type="sapo"): a smooth gate
+    instead of the hard clip, loss_t = -sigmoid(tau (r_t - 1)) 4 / tau A_t, tau = sapo_temperature_pos where
+    A_t > 0 else sapo_temperature_neg; the loss's gradient is -r_t A_t sech^2(tau (r_t - 1) / 2) grad logp_t:
+    the policy gradient -A_t grad logp_t at r = 1, fading smoothly off-policy. Nothing is clipped."""
+    ratio = importance_ratio(logp, old_logp, mask, p.importance_sampling_level)
+    tau = torch.where(advantages > 0, p.sapo_temperature_pos, p.sapo_temperature_neg)
+    return Term(-torch.sigmoid(tau * (ratio - 1)) * 4 / tau * advantages, ratio,
+                torch.zeros_like(ratio, dtype=torch.bool))
+
+
+@register(KIND, "importance_sampling", normalization="token_mean")
+def importance_sampling(logp, old_logp, advantages, mask, p: LossParams) -> Term:
+    """REINFORCE with an importance weight (Tinker `importance_sampling`): loss_t = -(p/q * A_t); its gradient
+    -A p/q grad log p is the unbiased off-policy policy gradient. Nothing is clipped."""
+    ratio = importance_ratio(logp, old_logp, mask, p.importance_sampling_level)
+    return Term(-ratio * advantages, ratio, torch.zeros_like(ratio, dtype=torch.bool))
+
+
+@register(KIND, "dro", normalization="token_mean")
+def dro(logp, old_logp, advantages, mask, p: LossParams) -> Term:
+    """DRO (Richemond et al. 2024; Kimi k1.5; Tinker `dro`): loss_t = -(logp_t A_t - dro_beta/2 (logp_t -
+    old_logp_t)^2); the quadratic term keeps the policy near the sampler. Token level only; nothing clipped."""
     ratio = torch.exp(logp - old_logp)
-    loss = aggregate(-ratio * adv, mask, normalization, num_items=num_items, max_length=max_length)
-    return loss, {"loss/policy": loss.detach(), **ratio_metrics(logp, old_logp, mask)}
+    return Term(-(logp * advantages - 0.5 * p.dro_beta * (logp - old_logp) ** 2), ratio,
+                torch.zeros_like(ratio, dtype=torch.bool))
 
 
-@register(KIND, "ppo")
-def ppo_policy_loss(logp: torch.Tensor, old_logp: torch.Tensor, advantages, mask: torch.Tensor,
-                    clip_low: float = 0.2, clip_high: float = 0.2, normalization: str = "token_mean", *,
-                    num_items=None, max_length=None) -> tuple[torch.Tensor, dict]:
-    """PPO clipped surrogate (`clipped_surrogate`: Schulman et al. 2017, eq. 7; DAPO's clip_low/clip_high).
+# ------------------------------------------------------------------------------ the one objective
 
-    `policy/clipfrac` is the fraction of tokens where the clipped term is the one taken. Shapes: module doc."""
-    adv = per_token(advantages, logp, "advantages")
-    per_tok, _, taken = clipped_surrogate(logp, old_logp, adv, clip_low, clip_high)
-    loss = aggregate(per_tok, mask, normalization, num_items=num_items, max_length=max_length)
-    return loss, {"loss/policy": loss.detach(), "policy/clipfrac": masked_mean(taken.float(), mask),
-                  **ratio_metrics(logp, old_logp, mask)}
-
-
-@register(KIND, "cispo")
-def cispo_loss(logp: torch.Tensor, old_logp: torch.Tensor, advantages, mask: torch.Tensor,
-               clip_low: float = 0.2, clip_high: float = 0.2, normalization: str = "token_mean", *,
-               num_items=None, max_length=None) -> tuple[torch.Tensor, dict]:
-    """CISPO (MiniMax-M1, Chen et al. 2025; Tinker `cispo`): loss_t = -sg(clip(r_t, 1-clip_low, 1+clip_high)) * logp_t * A_t.
-
-    Unlike PPO every token keeps a gradient; only its importance weight is clipped. Shapes: module doc."""
-    adv = per_token(advantages, logp, "advantages")
-    ratio = torch.exp(logp - old_logp)
-    weight = torch.clamp(ratio, 1.0 - clip_low, 1.0 + clip_high).detach()
-    loss = aggregate(-weight * logp * adv, mask, normalization, num_items=num_items, max_length=max_length)
-    clipfrac = masked_mean(((ratio < 1.0 - clip_low) | (ratio > 1.0 + clip_high)).float(), mask)
-    return loss, {"loss/policy": loss.detach(), "policy/clipfrac": clipfrac.detach(),
-                  **ratio_metrics(logp, old_logp, mask)}
+def loss_params(loss_type: str, epsilon=None, epsilon_high=None, **rest) -> LossParams:
+    """LossParams for `loss_type`: epsilon_high None is epsilon (TRL's rule); both None are the loss's
+    registered defaults (GSPO's 3e-4 / 4e-4), else 0.2; the rest as given."""
+    if epsilon is None and epsilon_high is None:
+        epsilon = flag(KIND, loss_type, "epsilon", 0.2)
+        epsilon_high = flag(KIND, loss_type, "epsilon_high", epsilon)
+    elif epsilon is None:
+        epsilon = flag(KIND, loss_type, "epsilon", 0.2)
+    return LossParams(epsilon=epsilon, epsilon_high=epsilon if epsilon_high is None else epsilon_high, **rest)
 
 
-@register(KIND, "dro")
-def dro_loss(logp: torch.Tensor, old_logp: torch.Tensor, advantages, mask: torch.Tensor,
-             beta: float = 0.05, normalization: str = "token_mean", *, num_items=None, max_length=None,
-             ) -> tuple[torch.Tensor, dict]:
-    """DRO (Richemond et al. 2024; Kimi k1.5; Tinker `dro`): loss_t = -(logp_t A_t - beta/2 (logp_t - old_logp_t)^2).
+def compute_policy_loss(logp: torch.Tensor, old_logp: torch.Tensor, advantages, mask: torch.Tensor, *,
+                        loss_type: str = "ppo", epsilon: float | None = None, epsilon_high: float | None = None,
+                        delta: float | None = None, dro_beta: float = 0.05, sapo_temperature_pos: float = 1.0,
+                        sapo_temperature_neg: float = 1.05, importance_sampling_level: str = "token",
+                        normalization: str | None = None, num_items=None, max_length: int | None = None,
+                        token_weights: torch.Tensor | None = None, ref_logp: torch.Tensor | None = None,
+                        beta: float = 0.0, use_bias_correction_kl: bool = True) -> tuple[torch.Tensor, dict]:
+    """The policy objective around the registered term `loss_type` (TRL 1.16's GRPO form):
 
-    The quadratic term keeps the policy near the sampler; the (soft) advantage is the caller's."""
-    adv = per_token(advantages, logp, "advantages")
-    loss = aggregate(-(logp * adv - 0.5 * beta * (logp - old_logp) ** 2), mask, normalization,
-                     num_items=num_items, max_length=max_length)
-    return loss, {"loss/policy": loss.detach(), **ratio_metrics(logp, old_logp, mask)}
-
-
-@register(KIND, "gspo")
-def gspo_loss(logp: torch.Tensor, old_logp: torch.Tensor, advantages, mask: torch.Tensor,
-              clip_low: float = 3e-4, clip_high: float = 4e-4, normalization: str = "sequence_mean", *,
-              num_items=None, max_length=None) -> tuple[torch.Tensor, dict]:
-    """GSPO (Zheng et al. 2025, "Group Sequence Policy Optimization", eq. 5-7), one ratio per sequence:
-        loss_i = -min(s_i A_i, clip(s_i, 1 - clip_low, 1 + clip_high) A_i),
-        s_i = exp(1/|y_i| sum_t (logp_t - old_logp_t)),
-    broadcast over the sequence's tokens; the default sequence_mean is the paper's 1/G sum_i. The
-    defaults are the paper's clip range (3e-4, 4e-4): a length-normalised ratio moves far less than a
-    token's. TRL 1.16: importance_sampling_level="sequence" (tests/unit/trainers/test_grpo.py checks it).
-    `policy/clipfrac` is the fraction of sequences whose clipped term is taken. Shapes: module doc."""
-    adv = per_token(advantages, logp, "advantages")
-    per_tok, ratio, taken = clipped_surrogate(logp, old_logp, adv, clip_low, clip_high, "sequence", mask)
-    loss = aggregate(per_tok, mask, normalization, num_items=num_items, max_length=max_length)
-    has = (mask.sum(-1, keepdim=True) > 0).float()  # sequences with a counted token
-    return loss, {"loss/policy": loss.detach(), "policy/clipfrac": masked_mean(taken.float().amax(-1, keepdim=True), has),
-                  "policy/seq_ratio_mean": masked_mean(ratio.detach(), has), **ratio_metrics(logp, old_logp, mask)}
-
-
-def grpo_loss(logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor,
-              ref_logp: torch.Tensor | None = None, beta: float = 0.0, epsilon_low: float = 0.2,
-              epsilon_high: float = 0.2, loss_aggregation: str = "token_mean",
-              max_completion_length: int | None = None, num_items: float | None = None,
-              use_bias_correction_kl: bool = True, importance_sampling_level: str = "token",
-              policy_loss: str = "clip", token_weights: torch.Tensor | None = None) -> tuple[torch.Tensor, dict]:
-    """GRPO's objective (Shao et al. 2024, eq. 3; the per-token form TRL 1.16 implements):
-
-        L = agg_t [ surrogate_t + beta * r_t * k3_t ]
-
-    `policy_loss` names the per-token policy-gradient term in the "grpo_policy_loss" registry (as verl's
-    `loss_mode`): "clip" (PPO's clipped surrogate, `clipped_surrogate`; GRPO, DAPO, GSPO), "cispo"
-    (`cispo_surrogate`), or a user's `module:function` with `clipped_surrogate`'s signature.
-    With importance_sampling_level "sequence" r_t is GSPO's per-sequence s_i (`gspo_loss`), in the
-    surrogate and in the KL factor, as TRL 1.16 does; the clip_ratio metrics then count sequences.
+        L = agg_t [ w_t * term_t + beta * r_t * k3_t ]
 
     Args:
-        logp, old_logp, mask: (B, N) per-token log-probs of the current / sampling policy, mask 1 on
-            completion tokens. ref_logp: (B, N) or None (beta must then be 0).
-        advantages: (B,) per sequence or (B, N) per token.
-        loss_aggregation: token_mean | sequence_mean | constant (`rl.algos.reduce.aggregate`).
-        max_completion_length: the constant's divisor (required for "constant").
-        use_bias_correction_kl: multiply k3 by the (differentiable) ratio r_t, as TRL 1.16 does by default:
-            the KL gradient is then the unbiased reverse-KL gradient even off-policy (DeepSeek-V3.2).
-        num_items: token_mean's divisor (default: this micro-batch's token count); the trainer passes
-            the step's token count / (processes * micro-batches) so the accumulated gradient is the
-            exact token mean of the whole step.
-        token_weights: (B, N) detached weights of the policy-gradient term (the rollout/trainer mismatch
-            correction, `rl.algos.mismatch.importance_weights`), applied before the KL term as TRL does.
-    Returns: (loss, metrics) with TRL's names: kl, clip_ratio/{low,high,region}_mean.
+        logp, old_logp, mask: (B, N); advantages: (B, N) per token, (B,) per sequence or a scalar.
+        loss_type: a registered name (module docstring) or a user's `package.module:function` with the
+            term signature. epsilon ... importance_sampling_level: `LossParams`.
+        normalization: sum | token_mean | sequence_mean | constant (`rl.algos.reduce.aggregate`); None: the
+            loss's registered default. num_items: token_mean's divisor (default: this micro-batch's token
+            count; GRPO passes the step's count / micro-batches so accumulation is exact; bnpo ignores it).
+            max_length: constant's divisor (max_completion_length).
+        token_weights: (B, N) detached weights of the term (the rollout/trainer mismatch correction,
+            `rl.algos.mismatch.importance_weights`), applied before the KL term as TRL does.
+        ref_logp, beta, use_bias_correction_kl: the k3 KL to the reference, times the (differentiable) ratio
+            r_t with the bias correction (unbiased reverse-KL gradient off-policy, DeepSeek-V3.2; TRL's default).
+    Returns: (loss, metrics): loss/policy, policy/{clipfrac,approx_kl,ratio_mean,ratio_max},
+        clip_ratio/{low,high,region}_mean (per sequence with a sequence ratio), kl when beta != 0.
     """
+    term = get(KIND, loss_type)
+    p = loss_params(loss_type, epsilon, epsilon_high, delta=delta, dro_beta=dro_beta,
+                    sapo_temperature_pos=sapo_temperature_pos, sapo_temperature_neg=sapo_temperature_neg,
+                    importance_sampling_level=importance_sampling_level)
+    adv = per_token(advantages, logp, "advantages")
+    if torch.is_tensor(advantages) and advantages.dim() == 1:
+        adv = adv[:, :1]  # (B, 1), TRL's per-sequence layout: broadcast, with gradients equal to TRL's order
     mask = mask.to(logp.dtype)
-    adv = advantages[:, None] if advantages.dim() == 1 else advantages
-    surrogate = get("grpo_policy_loss", policy_loss)
-    per_tok, ratio, _ = surrogate(logp, old_logp, adv, epsilon_low, epsilon_high, importance_sampling_level, mask)
+    per_tok, ratio, clipped = term(logp, old_logp, adv, mask, p)
     if token_weights is not None:
         per_tok = per_tok * token_weights
     metrics: dict[str, torch.Tensor] = {}
@@ -213,18 +254,58 @@ def grpo_loss(logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Tens
             kl = kl * ratio
         per_tok = per_tok + beta * kl
         metrics["kl"] = masked_mean(kl.detach(), mask)
-    if loss_aggregation not in LOSS_AGGREGATIONS:
-        raise ValueError(f"loss_aggregation must be one of {', '.join(LOSS_AGGREGATIONS)}, got {loss_aggregation!r}")
-    loss = aggregate(per_tok, mask, loss_aggregation, num_items=num_items, max_length=max_completion_length)
+    if flag(KIND, loss_type, "local_tokens", False):
+        num_items = None  # bnpo: the token mean of this micro-batch (TRL's "bnpo")
+    normalization = normalization or flag(KIND, loss_type, "normalization", "token_mean")
+    loss = aggregate(per_tok, mask, normalization, num_items=num_items, max_length=max_length)
+    metrics["loss/policy"] = loss.detach()
     with torch.no_grad():
-        low = ((ratio < 1 - epsilon_low) & (adv < 0)).to(logp.dtype)
-        high = ((ratio > 1 + epsilon_high) & (adv > 0)).to(logp.dtype)
-        # per token, or per sequence (counted once each, TRL's sequence-level mean) with a sequence ratio
-        count = mask if ratio.shape[-1] == mask.shape[-1] else (mask.sum(-1, keepdim=True) > 0).to(logp.dtype)
-        metrics["clip_ratio/low_mean"] = masked_mean(low, count)
-        metrics["clip_ratio/high_mean"] = masked_mean(high, count)
-        metrics["clip_ratio/region_mean"] = masked_mean(torch.maximum(low, high), count)
+        metrics.update(clip_metrics(ratio.detach(), clipped, adv, mask, p))
+        metrics.update(ratio_metrics(logp, old_logp, mask))
     return loss, metrics
+
+
+def clip_metrics(ratio, clipped, adv, mask, p: LossParams) -> dict:
+    """policy/clipfrac (where the term's clip acted) and TRL GRPO's clip_ratio/{low,high,region}_mean
+    (ratio below 1 - epsilon with A < 0, above 1 + epsilon_high with A > 0), over tokens, or over sequences
+    (each counted once, TRL's sequence-level mean) when the ratio is one per sequence."""
+    low = ((ratio < 1 - p.epsilon) & (adv < 0)).to(mask.dtype)
+    high = ((ratio > 1 + p.epsilon_high) & (adv > 0)).to(mask.dtype)
+    clipped = clipped.to(mask.dtype)
+    if ratio.shape[-1] == mask.shape[-1]:
+        count = mask
+    else:  # a sequence ratio with per-sequence advantages: the same value along the row
+        count = (mask.sum(-1, keepdim=True) > 0).to(mask.dtype)
+        low, high, clipped = (x.amax(-1, keepdim=True) for x in (low, high, clipped))
+    out = {"policy/clipfrac": masked_mean(clipped, count), "clip_ratio/low_mean": masked_mean(low, count),
+           "clip_ratio/high_mean": masked_mean(high, count),
+           "clip_ratio/region_mean": masked_mean(torch.maximum(low, high), count)}
+    if ratio.shape[-1] != mask.shape[-1]:
+        out["policy/seq_ratio_mean"] = masked_mean(ratio, count)
+    return out
+
+
+GRPO_METRICS = ("kl", "clip_ratio/low_mean", "clip_ratio/high_mean", "clip_ratio/region_mean")
+
+
+def grpo_loss(logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor,
+              ref_logp: torch.Tensor | None = None, beta: float = 0.0, epsilon_low: float = 0.2,
+              epsilon_high: float = 0.2, loss_aggregation: str | None = None,
+              max_completion_length: int | None = None, num_items: float | None = None,
+              use_bias_correction_kl: bool = True, importance_sampling_level: str = "token",
+              loss_type: str = "dapo", token_weights: torch.Tensor | None = None) -> tuple[torch.Tensor, dict]:
+    """GRPO's objective (Shao et al. 2024, eq. 3; the per-token form TRL 1.16 implements) in GRPO's config
+    names: `compute_policy_loss` with epsilon = epsilon_low, normalization = loss_aggregation (None: the
+    loss type's own: dapo token_mean, grpo sequence_mean, dr_grpo constant), max_length =
+    max_completion_length. Metrics: TRL GRPO's names (`GRPO_METRICS`)."""
+    if loss_aggregation is not None and loss_aggregation not in LOSS_AGGREGATIONS:
+        raise ValueError(f"loss_aggregation must be one of {', '.join(LOSS_AGGREGATIONS)}, got {loss_aggregation!r}")
+    loss, metrics = compute_policy_loss(
+        logp, old_logp, advantages, mask, loss_type=loss_type, epsilon=epsilon_low, epsilon_high=epsilon_high,
+        importance_sampling_level=importance_sampling_level, normalization=loss_aggregation, num_items=num_items,
+        max_length=max_completion_length, token_weights=token_weights, ref_logp=ref_logp, beta=beta,
+        use_bias_correction_kl=use_bias_correction_kl)
+    return loss, {k: v for k, v in metrics.items() if k in GRPO_METRICS}
 
 
 def ppo_value_loss(values: torch.Tensor, old_values: torch.Tensor | None, returns: torch.Tensor,

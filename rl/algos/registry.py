@@ -10,7 +10,7 @@ and `get("advantage_estimator", "my_estimator")` finds it (a config names it by 
 may also name a function of the user's own module as `"my_pkg.my_module:my_function"` (imported with
 importlib, never evaluated); `get` imports it (once), so a user's loss needs no edit of this package; it
 is not added to the table, so `names()` and the --help choices stay the package's own. `register(kind, name, **flags)` attaches flags that a trainer reads with `flag()`
-(e.g. a preference loss's `needs_reference`).
+(e.g. a preference loss's `needs_reference`, a policy loss's default `normalization`).
 """
 
 from __future__ import annotations

@@ -21,6 +21,7 @@ import torch
 
 from rl import algos
 from rl.algos.policy_losses import (
+    compute_policy_loss,
     per_token,
     ppo_value_loss,
 )
@@ -94,11 +95,17 @@ def _no_extra(kw: dict, loss: str) -> None:
         raise TypeError(f"{loss} got unexpected keyword arguments: {', '.join(sorted(kw))}")
 
 
+# the keyword arguments an engine policy loss takes: compute_policy_loss's hyper-parameters (no reference
+# model, no mismatch weights: those belong to a trainer that has them aligned already)
+_POLICY_HYPER = set(inspect.signature(compute_policy_loss).parameters) - {
+    "logp", "old_logp", "advantages", "mask", "loss_type", "token_weights", "ref_logp", "beta", "use_bias_correction_kl"}
+
+
 def policy_loss_fn(name: str) -> Callable:
-    """The engine loss of the registered policy loss `name`: kwargs advantages, old_logprobs |
-    old_log_probs, chunk_size, and the loss's own keyword arguments (normalization, clip_low, ...)."""
+    """The engine loss of the registered policy loss `name` (`rl.algos.policy_losses.compute_policy_loss`):
+    kwargs advantages, old_logprobs | old_log_probs, chunk_size, and the loss's hyper-parameters
+    (normalization, epsilon, epsilon_high, num_items, max_length, ...)."""
     fn = algos.get("policy_loss", name)
-    own = set(inspect.signature(fn).parameters) - {"logp", "old_logp", "advantages", "mask"}
 
     def loss_fn(logits, labels, attention_mask=None, **kw):
         logp, mask = token_logprobs(logits, labels, chunk_size=kw.pop("chunk_size", None))
@@ -106,9 +113,9 @@ def policy_loss_fn(name: str) -> Callable:
         if adv is None:
             raise ValueError(f"{name} needs advantages= ((B, T-1) per token or (B,) per sequence)")
         old = _old(kw, labels, logp, name)
-        hyper = {k: kw.pop(k) for k in list(kw) if k in own}
+        hyper = {k: kw.pop(k) for k in list(kw) if k in _POLICY_HYPER}
         _no_extra(kw, name)
-        return fn(logp, old, _align(adv, labels), mask, **hyper)
+        return compute_policy_loss(logp, old, _align(adv, labels), mask, loss_type=name, **hyper)
 
     loss_fn.__name__ = f"{name}_loss_fn"
     loss_fn.__doc__ = f"Engine loss {name!r} (`rl.algos` policy loss {fn.__name__}): " + policy_loss_fn.__doc__

@@ -72,6 +72,7 @@ from rl.rollout.prompts import encode_prompt, step_prompts
 from rl.trainers.grpo_batch import (  # grpo_loss_fn: importable from here, as before
     grpo_loss_fn,
     length_grouped_slices,
+    loss_params,
     pick_groups,
     picked_rows,
     reward_metrics,
@@ -332,11 +333,7 @@ class GRPOTrainer(OnlineTrainer):
         for s in micro:
             mb, (a, _) = take_micro_batch(batch, s, with_span=True)
             kw = dict(advantages=mb["advantages"], old_logprobs=mb.get("old"), ref_logprobs=mb.get("ref"),
-                      temperature=cfg.temperature,
-                      beta=cfg.beta, epsilon_low=cfg.epsilon_low, epsilon_high=cfg.epsilon_high,
-                      loss_aggregation=cfg.loss_aggregation, max_completion_length=cfg.max_completion_length,
-                      num_items=gb["num_items"], use_bias_correction_kl=cfg.use_bias_correction_kl,
-                      importance_sampling_level=cfg.importance_sampling_level, policy_loss=cfg.policy_loss,
+                      temperature=cfg.temperature, num_items=gb["num_items"], **loss_params(cfg),
                       behaviour_logprobs=mb.get("behaviour"), is_cap=cfg.vllm_importance_sampling_cap,
                       is_mode=cfg.vllm_importance_sampling_mode, is_apply=cfg.vllm_importance_sampling_correction)
             if self._share:  # each group's prompt once, its completions attending to it; no padding

@@ -6,11 +6,14 @@ import dataclasses
 from typing import Literal
 
 from rl.algos import names
-from rl.algos.policy_losses import IMPORTANCE_SAMPLING_LEVELS, LOSS_AGGREGATIONS
-from rl.algos.registry import check, choices
+from rl.algos.policy_losses import IMPORTANCE_SAMPLING_LEVELS, KIND, LOSS_AGGREGATIONS
+from rl.algos.registry import check, choices, flag
 from rl.config.fields import opt
 from rl.config.schema import OnlineConfig
 from rl.errors import ConfigError
+
+
+_POLICY_LOSS_ALIASES = {"clip": None, "cispo": "cispo_clip"}  # the former policy_loss values (None: keep loss_type)
 
 
 @dataclasses.dataclass
@@ -18,10 +21,15 @@ class GRPOConfig(OnlineConfig):
     num_generations: int = opt(8, "completions sampled per prompt (the group size G)")
     advantage_estimator: Literal[names("advantage_estimator")] = opt(
         "grpo", "grpo (group mean/std), dr_grpo (group mean only), rloo (leave-one-out), reinforce_pp (batch-normalised)")
-    loss_aggregation: Literal[LOSS_AGGREGATIONS] = opt(
-        "token_mean", "token_mean (DAPO), sequence_mean (GRPO paper) or constant (Dr. GRPO: / max_completion_length)")
-    policy_loss: str = opt("clip", f"per-token policy-gradient term ({choices('grpo_policy_loss')}): clip (PPO's "
-                           "clipped surrogate: GRPO, DAPO, GSPO) or cispo (clipped, detached importance weight)")
+    loss_type: str = opt("dapo", f"policy loss ({choices(KIND)}), TRL's GRPO names and meanings: dapo (clipped "
+                         "surrogate, token mean over the step), grpo (sequence mean), dr_grpo (/ max_completion_length), "
+                         "bnpo (token mean per micro-batch), cispo (weight capped at epsilon_high), sapo; also ppo, gspo, "
+                         "cispo_clip (weight clipped to [1-epsilon_low, 1+epsilon_high]), importance_sampling, dro")
+    loss_aggregation: Literal[LOSS_AGGREGATIONS] | None = opt(
+        None, "token_mean (DAPO), sequence_mean (GRPO paper) or constant (Dr. GRPO: / max_completion_length); "
+        "null: the loss_type's own")
+    policy_loss: str | None = opt(None, "deprecated, use loss_type: clip is the default clipped "
+                                  "surrogate, cispo is loss_type=cispo_clip")
     epsilon_low: float = opt(0.2, "clip the ratio below at 1 - epsilon_low")
     epsilon_high: float = opt(0.2, "clip the ratio above at 1 + epsilon_high (DAPO recommends 0.28)")
     beta: float = opt(0.0, "k3 KL penalty to the reference model; 0 loads no reference model")
@@ -45,7 +53,18 @@ class GRPOConfig(OnlineConfig):
 
     def __post_init__(self):
         super().__post_init__()
-        check("grpo_policy_loss", self.policy_loss, "policy_loss")
+        if self.policy_loss is not None:  # the former key of the per-token term (clip | cispo)
+            if self.policy_loss not in _POLICY_LOSS_ALIASES:
+                raise ConfigError(f"key 'policy_loss' is replaced by loss_type; set loss_type= one of "
+                                  f"{', '.join(names(KIND))} (or package.module:function)")
+            self.loss_type = _POLICY_LOSS_ALIASES[self.policy_loss] or self.loss_type
+            self.policy_loss = None
+        check(KIND, self.loss_type, "loss_type")
+        if self.loss_aggregation is None:  # the loss type's own aggregation (TRL's loss_type meaning)
+            self.loss_aggregation = flag(KIND, self.loss_type, "normalization", "token_mean")
+            if self.loss_aggregation not in LOSS_AGGREGATIONS:
+                raise ConfigError(f"key 'loss_aggregation': loss_type={self.loss_type} aggregates by "
+                                  f"{self.loss_aggregation}; set loss_aggregation= one of {', '.join(LOSS_AGGREGATIONS)}")
         if self.num_generations < 2:
             raise ConfigError(f"key 'num_generations' must be at least 2 (the group is the baseline), "
                               f"got {self.num_generations}")

@@ -73,6 +73,7 @@ from rl.trainers.ppo_config import (
 )
 from rl.trainers.ppo_math import (
     critic_loss,
+    loss_params,
     parameter_counts,
     policy_loss,
     ppo_advantages,
@@ -217,8 +218,7 @@ class PPOTrainer(Trainer):
         k // mini_batches (its micro-batches through the engine). Returns (loss metrics averaged over the
         micro-batches and processes, the policy's OptimStepResult)."""
         cfg, pipe, dev, P = self.cfg, self.pipeline, self.pipeline.device, ex["P"]
-        common = dict(P=P, clip_ratio=cfg.clip_ratio, value_clip=cfg.value_clip, value_coef=cfg.value_coef,
-                      entropy_coef=cfg.entropy_coef, temperature=cfg.temperature)
+        common = dict(P=P, **loss_params(cfg), value_clip=cfg.value_clip, value_coef=cfg.value_coef)
         data = {key: v for key, v in ex["data"].items() if key not in ("ids", "attn")}
         ids, attn, labels = ex["data"]["ids"], ex["data"]["attn"], ex["labels"]
         epoch, mb = divmod(k, self._plan["mini_batches_per_epoch"])

@@ -10,6 +10,8 @@ from pathlib import Path
 from typing import Literal, Sequence
 
 from rl.algos import names
+from rl.algos.policy_losses import KIND
+from rl.algos.registry import check, choices
 from rl.config.fields import opt
 from rl.config.schema import TrainConfig, VLLMKeys
 from rl.data.records import (
@@ -41,6 +43,8 @@ class PPOConfig(VLLMKeys, TrainConfig):
     gamma: float = opt(0.99, "discount factor (0.9-1.0)")
     lam: float = opt(0.95, "GAE lambda (0.9-0.99)")
     clip_ratio: float = opt(0.2, "PPO policy clip range epsilon")
+    loss_type: str = opt("ppo", f"policy loss ({choices(KIND)}): ppo (the clipped surrogate, token mean) or any of "
+                         "the GRPO family's (rl.algos.policy_losses), with epsilon = clip_ratio")
     value_clip: float | None = opt(0.2, "value clip range around the rollout's values (null: no clipping)")
     kl_penalty_coef: float = opt(0.1, "initial KL penalty coefficient beta (per-token reward -beta*KL); 0: no "
                                  "penalty and no reference model (objective/kl then reads 0)")
@@ -109,6 +113,7 @@ class PPOConfig(VLLMKeys, TrainConfig):
         for name in ("gamma", "lam"):
             if not 0.0 <= getattr(self, name) <= 1.0:
                 raise ConfigError(f"key '{name}' must be in [0, 1], got {getattr(self, name)}")
+        check(KIND, self.loss_type, "loss_type")
         if not self.clip_ratio > 0:
             raise ConfigError(f"key 'clip_ratio' must be > 0, got {self.clip_ratio}")
         if self.value_clip is not None and not self.value_clip > 0:

@@ -18,7 +18,7 @@ import torch
 
 from rl.algos.advantages import gae, whiten
 from rl.algos.kl import kl_penalized_rewards, per_token_kl
-from rl.algos.policy_losses import ppo_policy_loss, ppo_value_loss
+from rl.algos.policy_losses import compute_policy_loss, ppo_value_loss
 from rl.algos.reduce import masked_mean
 from rl.engine.chunked import HeadLogits, chunked_token_logprobs
 from rl.engine.packing import IGNORE_INDEX, position_ids_from_mask, unpack_targets
@@ -94,19 +94,35 @@ def packed_values(value: torch.Tensor, target_index: torch.Tensor, prompt_width:
     return unpack_targets(value[:, :-1], target_index)[:, prompt_width - 1:]
 
 
+# PPO's logged policy metrics (TRL's PPO names), whichever loss_type computes them
+PPO_METRICS = ("loss/policy", "policy/clipfrac", "policy/approx_kl", "policy/ratio_mean", "policy/ratio_max")
+
+
+def loss_params(cfg) -> dict:
+    """PPO's policy-loss keys of `cfg`, read in this one place (`policy_loss`'s keyword arguments): the
+    registered policy loss (`loss_type`, default "ppo": the symmetric clip), its clip range, the length
+    budget (the divisor of a loss type that aggregates by a constant, dr_grpo), the entropy bonus and the
+    sampling temperature the log-probs use."""
+    return dict(loss_type=cfg.loss_type, epsilon=cfg.clip_ratio, max_length=cfg.max_new_tokens,
+                entropy_coef=cfg.entropy_coef, temperature=cfg.temperature)
+
+
 def policy_loss(model, inputs, outputs, *, P, tokens, mask, old_logprobs, advantages, old_values=None,
-                 returns=None, clip_ratio=0.2, value_clip=0.2, value_coef=1.0, entropy_coef=0.0,
-                 temperature=1.0, packed_labels=None, target_index=None):
-    """The engine loss of the policy on rows [prompt P | response N]: the clipped surrogate
-    (rl.algos.policy_losses.ppo_policy_loss) - entropy_coef * mean entropy, plus value_coef times the
-    clipped value loss when the policy carries the value head (`returns` given). Packed rows
-    (`rl.engine.packing.pack_padded`): their `packed_labels` and `target_index` bring the log-probs, entropies
-    and values back to response space, where the rest is unchanged."""
+                returns=None, loss_type="ppo", epsilon=0.2, epsilon_high=None, max_length=None, value_clip=0.2,
+                value_coef=1.0, entropy_coef=0.0, temperature=1.0, packed_labels=None, target_index=None):
+    """The engine loss of the policy on rows [prompt P | response N]: the registered policy loss `loss_type`
+    (`rl.algos.policy_losses.compute_policy_loss`; "ppo": the clipped surrogate with epsilon = epsilon_high,
+    token mean) - entropy_coef * mean entropy, plus value_coef times the clipped value loss when the policy
+    carries the value head (`returns` given). Packed rows (`rl.engine.packing.pack_padded`): their
+    `packed_labels` and `target_index` bring the log-probs, entropies and values back to response space,
+    where the rest is unchanged."""
     if target_index is not None:
         logp, entropy = packed_response_logprobs(outputs.logits, packed_labels, target_index, P, temperature)
     else:
         logp, entropy = response_logprobs(outputs.logits, tokens, P, temperature, with_entropy=True)
-    loss, metrics = ppo_policy_loss(logp, old_logprobs, advantages, mask, clip_ratio, clip_ratio)
+    loss, metrics = compute_policy_loss(logp, old_logprobs, advantages, mask, loss_type=loss_type, epsilon=epsilon,
+                                        epsilon_high=epsilon_high, max_length=max_length)
+    metrics = {k: v for k, v in metrics.items() if k in PPO_METRICS}
     ent = masked_mean(entropy, mask)
     loss = loss - entropy_coef * ent
     metrics["policy/entropy"] = ent.detach()

@@ -14,7 +14,7 @@ from rl.algos import registry
 from rl.algos.advantages import compute_advantages, gae
 from rl.algos.dapo import groups_with_spread, overlong_penalty
 from rl.algos.kl import k2_kl, k3_kl, per_token_kl
-from rl.algos.policy_losses import grpo_loss, gspo_loss, ppo_policy_loss, ppo_value_loss
+from rl.algos.policy_losses import compute_policy_loss, grpo_loss, ppo_value_loss
 from rl.algos.preference import preference_loss
 from rl.algos.reduce import aggregate
 from rl.engine.losses import LOSS_FNS
@@ -26,7 +26,8 @@ KINDS = ("advantage_estimator", "policy_loss", "kl_estimator", "preference_loss"
 
 def test_registry_lists_every_kind_and_errors_name_the_valid_choices():
     assert algos.names("advantage_estimator") == ("grpo", "dr_grpo", "rloo", "reinforce_pp")
-    assert algos.names("policy_loss") == ("importance_sampling", "ppo", "cispo", "dro", "gspo")
+    assert algos.names("policy_loss") == ("ppo", "dapo", "bnpo", "grpo", "dr_grpo", "gspo", "cispo", "cispo_clip",
+                                          "sapo", "importance_sampling", "dro")
     assert algos.names("kl_estimator") == ("k1", "k2", "k3")
     assert algos.names("preference_loss") == ("sigmoid", "ipo", "hinge", "orpo", "simpo")
     with pytest.raises(ValueError) as e:
@@ -185,7 +186,7 @@ def test_grpo_loss_reuses_the_ppo_surrogate():
     adv = torch.randn(3, generator=g)
     mask = (torch.rand(3, 5, generator=g) > 0.3).float()
     a, _ = grpo_loss(logp, old, adv, mask, epsilon_low=0.1, epsilon_high=0.3)
-    b, _ = ppo_policy_loss(logp, old, adv, mask, clip_low=0.1, clip_high=0.3)
+    b, _ = compute_policy_loss(logp, old, adv, mask, loss_type="ppo", epsilon=0.1, epsilon_high=0.3)
     assert a.item() == pytest.approx(b.item(), abs=1e-7)
     with pytest.raises(ValueError, match="loss_aggregation must be one of token_mean, sequence_mean, constant"):
         grpo_loss(logp, old, adv, mask, loss_aggregation="sum")
@@ -199,14 +200,15 @@ def test_gspo_hand_computed_one_ratio_per_sequence():
     old = torch.tensor([[math.log(0.25), -1.0], [math.log(0.5), -1.0]])
     mask = torch.tensor([[1.0, 1.0], [1.0, 0.0]])
     adv = torch.tensor([1.0, -2.0])
-    loss, m = gspo_loss(logp, old, adv, mask, clip_low=0.2, clip_high=0.28)
+    loss, m = compute_policy_loss(logp, old, adv, mask, loss_type="gspo", epsilon=0.2, epsilon_high=0.28)
     assert loss.item() == pytest.approx((-1.28 + 1.8) / 2, abs=1e-6)  # sequence_mean: the paper's 1/G sum_i
     assert m["policy/clipfrac"].item() == pytest.approx(0.5)
     assert m["policy/seq_ratio_mean"].item() == pytest.approx((math.sqrt(2) + 0.9) / 2, abs=1e-6)
     loss.backward()
     torch.testing.assert_close(logp.grad, torch.tensor([[0.0, 0.0], [1.8 / 2, 0.0]]))
     # token_mean weights each sequence by its length: (2 * -1.28 + 1.8) / 3
-    loss, _ = gspo_loss(logp.detach(), old, adv, mask, clip_low=0.2, clip_high=0.28, normalization="token_mean")
+    loss, _ = compute_policy_loss(logp.detach(), old, adv, mask, loss_type="gspo", epsilon=0.2, epsilon_high=0.28,
+                                  normalization="token_mean")
     assert loss.item() == pytest.approx((2 * -1.28 + 1.8) / 3, abs=1e-6)
     # GRPO with importance_sampling_level=sequence is the same loss (one copy of the math); token level is not
     a, g = grpo_loss(logp.detach(), old, adv, mask, epsilon_low=0.2, epsilon_high=0.28,
@@ -297,23 +299,23 @@ def test_grpo_training_logprobs_equal_the_samplers_on_gpt2(tmp_path, monkeypatch
     assert (no_pos - sampled).abs()[mask].max().item() > 1e-3
 
 
-def test_grpo_policy_loss_dispatches_through_the_registry():
-    """GRPO's `policy_loss` key picks the per-token term from the "grpo_policy_loss" registry: "cispo" gives
-    the registered CISPO policy loss's value and gradient (beta 0, token mean), "clip" PPO's surrogate."""
-    from rl.algos.policy_losses import cispo_loss, grpo_loss, ppo_policy_loss
-
+def test_grpo_loss_type_dispatches_through_the_one_registry():
+    """GRPO's `loss_type` picks the term from the one "policy_loss" registry: "cispo_clip" (the former
+    policy_loss=cispo) and "dapo" (the former clip) give the same value and gradient as the registered losses
+    called directly (beta 0, token mean), as PPO and the engine call them."""
     torch.manual_seed(0)
     old = torch.randn(3, 5)
     mask = torch.tensor([[1, 1, 1, 0, 0], [1, 1, 1, 1, 1], [1, 0, 0, 0, 0]])
     adv = torch.tensor([1.0, -0.5, 2.0])
-    for name, reference in (("cispo", cispo_loss), ("clip", ppo_policy_loss)):
+    for name, direct in (("cispo_clip", "cispo_clip"), ("dapo", "ppo")):
         a = (old + 0.3 * torch.randn(3, 5)).requires_grad_(True)
         b = a.detach().clone().requires_grad_(True)
-        got, _ = grpo_loss(a, old, adv, mask, epsilon_low=0.2, epsilon_high=0.28, policy_loss=name)
-        want, _ = reference(b, old, adv[:, None].expand(3, 5), mask, 0.2, 0.28, "token_mean")
+        got, _ = grpo_loss(a, old, adv, mask, epsilon_low=0.2, epsilon_high=0.28, loss_type=name)
+        want, _ = compute_policy_loss(b, old, adv[:, None].expand(3, 5), mask, loss_type=direct, epsilon=0.2,
+                                      epsilon_high=0.28, normalization="token_mean")
         got.backward()
         want.backward()
         assert got.item() == pytest.approx(want.item(), abs=1e-6), name
         assert torch.allclose(a.grad, b.grad, atol=1e-6), name
-    with pytest.raises(ValueError, match="unknown grpo_policy_loss 'nope'"):
-        grpo_loss(a, old, adv, mask, policy_loss="nope")
+    with pytest.raises(ValueError, match="unknown policy_loss 'nope'"):
+        grpo_loss(a, old, adv, mask, loss_type="nope")

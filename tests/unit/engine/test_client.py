@@ -151,7 +151,7 @@ def test_rl_step_on_a_rollout_with_reference(tiny_llama, tiny_tokenizer):
     batch = roll.to_batch()
     ref0 = client.forward(batch, use_reference=True).result(timeout=60).outputs
     adv = torch.tensor([1.0, 0.5])
-    f1 = client.forward_backward({**batch, "advantages": adv}, loss_fn="ppo", clip_low=0.2, clip_high=0.28)
+    f1 = client.forward_backward({**batch, "advantages": adv}, loss_fn="ppo", epsilon=0.2, epsilon_high=0.28)
     f2 = client.forward_backward(batch, loss_fn="importance_sampling", advantages=adv)
     st = client.optim_step(max_grad_norm=1.0).result(timeout=60)
     m = f1.result().metrics

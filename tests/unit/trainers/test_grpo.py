@@ -20,7 +20,7 @@ from rl.algos.advantages import (
     rloo_advantages,
 )
 from rl.algos.kl import k3_kl
-from rl.algos.policy_losses import grpo_loss, gspo_loss
+from rl.algos.policy_losses import compute_policy_loss, grpo_loss
 from rl.config.fields import build
 from rl.errors import ConfigError
 from rl.trainers.grpo import GRPOTrainer
@@ -258,8 +258,64 @@ def test_gspo_loss_and_gradient_match_trl_sequence_level(ours, theirs, beta):
     # the registered policy loss "gspo" is the same math (no KL): equal to GRPO's sequence level at beta 0
     if not beta:
         lp = base.clone().requires_grad_(True)
-        gl, _ = gspo_loss(lp, old, adv, mask, clip_low=0.05, clip_high=0.08, normalization=ours, max_length=L)
+        gl, _ = compute_policy_loss(lp, old, adv, mask, loss_type="gspo", epsilon=0.05, epsilon_high=0.08,
+                                    normalization=ours, max_length=L)
         assert gl.item() == pytest.approx(trl_loss.item(), rel=1e-6, abs=1e-6)
+
+
+@pytest.mark.parametrize("loss_type", ["grpo", "bnpo", "dr_grpo", "dapo", "cispo", "sapo"])
+@pytest.mark.parametrize("beta", [0.0, 0.04])
+def test_loss_type_by_trls_name_matches_trl(loss_type, beta):
+    """GRPO's `loss_type` with TRL 1.16's names and meanings: each name alone (no loss_aggregation) gives TRL's
+    loss and gradient on identical inputs, the aggregation included (grpo: sequence mean, bnpo: this batch's
+    token mean, dr_grpo: / max_completion_length, dapo and cispo: the step's token mean). cispo's epsilon_high
+    is TRL's cap on the weight (1.3 clips some ratios here)."""
+    g = torch.Generator().manual_seed(3)
+    B, N, L = 6, 5, 7
+    base = -torch.rand(B, N, generator=g) * 2
+    old = base + 0.3 * torch.randn(B, N, generator=g)
+    ref = base + 0.2 * torch.randn(B, N, generator=g)
+    mask = torch.ones(B, N)
+    mask[0, 3:] = 0
+    mask[4, 1:] = 0
+    adv = torch.randn(B, generator=g)
+    eps_high = 1.3 if loss_type == "cispo" else 0.28
+    lp_ours = base.clone().requires_grad_(True)
+    loss, m = grpo_loss(lp_ours, old, adv, mask, ref_logp=ref, beta=beta, epsilon_low=0.2, epsilon_high=eps_high,
+                        max_completion_length=L, loss_type=loss_type)
+    loss.backward()
+    lp_trl = base.clone().requires_grad_(True)
+    trl_loss, trl_m = _trl_loss(loss_type, lp_trl, old, ref, adv, mask, beta, 0.2, eps_high, L, True)
+    trl_loss.backward()
+    assert loss.item() == pytest.approx(trl_loss.item(), rel=1e-6, abs=1e-6)
+    torch.testing.assert_close(lp_ours.grad, lp_trl.grad, rtol=1e-6, atol=1e-6)
+    if loss_type in ("grpo", "bnpo", "dr_grpo", "dapo"):
+        for k in ("clip_ratio/low_mean", "clip_ratio/high_mean", "clip_ratio/region_mean"):
+            assert m[k].item() == pytest.approx(trl_m[k][0], abs=1e-6)
+    if beta:
+        assert m["kl"].item() == pytest.approx(trl_m["kl"][0], rel=1e-6)
+    if loss_type == "cispo":  # the cap acted: the loss differs from the uncapped weight's
+        capped = (torch.exp(base - old) > eps_high) & (mask > 0)
+        assert capped.any()
+
+
+def test_loss_type_config_resolves_aggregation_and_the_former_policy_loss():
+    """loss_aggregation null takes the loss type's own (TRL's meaning); an explicit one wins; the former
+    policy_loss=cispo is loss_type=cispo_clip, policy_loss=clip keeps the clipped surrogate; unknown names
+    are one-line errors naming the key."""
+    base = dict(model_name="tiny:llama", batch_size=4, num_generations=2)
+    assert build(GRPOConfig, base).loss_type == "dapo"  # TRL's default
+    assert build(GRPOConfig, base).loss_aggregation == "token_mean"  # today's default, unchanged
+    for name, agg in (("grpo", "sequence_mean"), ("dr_grpo", "constant"), ("bnpo", "token_mean"), ("cispo", "token_mean")):
+        assert build(GRPOConfig, {**base, "loss_type": name}).loss_aggregation == agg
+    assert build(GRPOConfig, {**base, "loss_type": "grpo", "loss_aggregation": "token_mean"}).loss_aggregation == "token_mean"
+    cfg = build(GRPOConfig, {**base, "policy_loss": "cispo"})
+    assert (cfg.loss_type, cfg.policy_loss) == ("cispo_clip", None)
+    assert build(GRPOConfig, {**base, "policy_loss": "clip", "loss_type": "grpo"}).loss_type == "grpo"
+    with pytest.raises(ConfigError, match="key 'loss_type': unknown policy_loss 'gpro'; choose one of: ppo, dapo"):
+        build(GRPOConfig, {**base, "loss_type": "gpro"})
+    with pytest.raises(ConfigError, match="key 'policy_loss' is replaced by loss_type"):
+        build(GRPOConfig, {**base, "policy_loss": "nope"})
 
 
 # ------------------------------------------------------------------------------- rewards, config

@@ -139,7 +139,7 @@ def test_whiten_and_explained_variance():
 # ------------------------------------------------------------------------------------ loss pieces
 
 def test_policy_value_entropy_loss_pieces():
-    from rl.algos.policy_losses import ppo_policy_loss, ppo_value_loss
+    from rl.algos.policy_losses import compute_policy_loss, ppo_value_loss
     from rl.algos.reduce import masked_mean
 
     g = torch.Generator().manual_seed(0)
@@ -158,13 +158,13 @@ def test_policy_value_entropy_loss_pieces():
     out = Out()
     out.logits, out.value = logits, values_full
     kw = dict(P=P, tokens=tokens, mask=mask, old_logprobs=old_logp, advantages=adv, old_values=old_v,
-              returns=ret, clip_ratio=0.2, value_clip=0.3, value_coef=0.5, entropy_coef=0.01, temperature=0.7)
+              returns=ret, epsilon=0.2, value_clip=0.3, value_coef=0.5, entropy_coef=0.01, temperature=0.7)
     loss, metrics = policy_loss(None, None, out, **kw)
     # independently: log-probs of the response tokens from the logits one position earlier
     lg = logits[:, P - 1:P - 1 + N] / 0.7
     logp = torch.log_softmax(lg, -1).gather(-1, tokens[..., None]).squeeze(-1)
     ent = -(torch.softmax(lg, -1) * torch.log_softmax(lg, -1)).sum(-1)
-    pl, _ = ppo_policy_loss(logp, old_logp, adv, mask, 0.2, 0.2)
+    pl, _ = compute_policy_loss(logp, old_logp, adv, mask, loss_type="ppo", epsilon=0.2, epsilon_high=0.2)
     vl, _ = ppo_value_loss(values_full[:, P - 1:P - 1 + N], old_v, ret, mask, 0.3)
     expected = pl + 0.5 * vl - 0.01 * masked_mean(ent, mask)
     torch.testing.assert_close(loss, expected, atol=1e-6, rtol=0)
@@ -178,6 +178,55 @@ def test_policy_value_entropy_loss_pieces():
     out.logits, out.value = logits2, values2
     loss2, _ = policy_loss(None, None, out, **kw)
     torch.testing.assert_close(loss2, loss, atol=1e-6, rtol=0)
+
+
+def test_policy_loss_selects_the_registered_loss_type():
+    """ppo_math.policy_loss with loss_type=cispo is the registered cispo term (TRL's: weight capped at
+    epsilon_high) around the same log-probs: on-policy (r = 1) with cap 0.2 the per-token term is -0.2 A logp,
+    so the policy loss is the token mean of that, and not the default's -A (= the mean of -A here)."""
+    from rl.algos.reduce import masked_mean
+
+    g = torch.Generator().manual_seed(1)
+    B, P, N, V = 2, 3, 4, 9
+    logits = torch.randn(B, P + N, V, generator=g)
+    tokens = torch.randint(0, V, (B, N), generator=g)
+    mask = torch.ones(B, N)
+    adv = torch.randn(B, N, generator=g)
+    logp = response_logprobs(logits, tokens, P)
+
+    class Out:
+        value = None
+
+    out = Out()
+    out.logits = logits
+    kw = dict(P=P, tokens=tokens, mask=mask, old_logprobs=logp, advantages=adv, epsilon=0.2)
+    default, _ = policy_loss(None, None, out, **kw)
+    cispo, m = policy_loss(None, None, out, loss_type="cispo", **kw)
+    assert default.item() == pytest.approx(masked_mean(-adv, mask).item(), abs=1e-6)
+    assert cispo.item() == pytest.approx(masked_mean(-0.2 * adv * logp, mask).item(), abs=1e-6)
+    assert set(m) >= {"loss/policy", "policy/clipfrac", "policy/entropy", "loss/total"}
+
+
+def test_ppo_trainer_with_loss_type_cispo_trains_and_differs_from_the_default(tmp_path, tiny_llama, monkeypatch):
+    """One PPO iteration (one optimizer step) per loss_type from the same seed: the same rollout and
+    scores, so only the loss differs. The default's first policy loss is -mean(A) over whitened advantages
+    (about 0); cispo's, -mean(0.2 A logp), is not, and the updated weights differ."""
+    from rl.trainers.ppo import PPOTrainer
+
+    monkeypatch.setattr("rl.engine.tracking.plot_history", lambda *a, **k: None)
+    runs, weights = {}, {}
+    for loss_type in ("ppo", "cispo"):
+        cfg = PPOConfig(model_name=tiny_llama, output_dir=str(tmp_path / loss_type), seed=0, learning_rate=1e-2,
+                        batch_size=4, mini_batch_size=4, ppo_epochs=1, max_new_tokens=5, max_length=24,
+                        num_iterations=1, dtype="float32", device="cpu", report_to=["none"], loss_type=loss_type)
+        trainer = PPOTrainer(cfg, reward_fn=lambda p, r, m=None: [len(x) / 5 for x in r])
+        runs[loss_type] = trainer.train(["1+1=", "2+2=", "3+3=", "4+4="])
+        weights[loss_type] = {n: p.detach().clone() for n, p in trainer.pipeline.unwrapped_model.named_parameters()}
+    ppo, cispo = runs["ppo"][0], runs["cispo"][0]
+    assert ppo["objective/scores"] == pytest.approx(cispo["objective/scores"], abs=1e-6)  # the same rollout
+    assert abs(ppo["loss/policy"]) < 1e-4  # -mean of whitened advantages, on-policy
+    assert abs(cispo["loss/policy"] - ppo["loss/policy"]) > 1e-3
+    assert any(not torch.equal(weights["ppo"][n], w) for n, w in weights["cispo"].items())
 
 
 # ------------------------------------------------------------------------------------ alignment
@@ -255,6 +304,7 @@ def test_reference_cli_names_are_aliases_with_reference_defaults():
     (dict(reward_fn="default", reward_model_path="x"), "exactly one reward source"),
     (dict(temperature=0.0), "temperature"),
     (dict(max_steps=3), "num_iterations"),
+    (dict(loss_type="cipso"), "key 'loss_type': unknown policy_loss 'cipso'; choose one of: ppo, dapo"),
 ])
 def test_config_errors(kw, needle):
     from rl.errors import ConfigError
