@@ -79,6 +79,7 @@ from rl.trainers.grpo_batch import (  # grpo_loss_fn: importable from here, as b
     take_global,
     take_micro_batch,
 )
+from rl.trainers.grpo_async import AsyncRollouts
 from rl.trainers.grpo_config import GRPOConfig, grpo_sizes
 from rl.trainers.online import OnlineTrainer
 from rl.trainers.sampling import episode_sampler
@@ -92,7 +93,7 @@ from rl.trainers.rewards import (
 
 # ============================================================================ trainer
 
-class GRPOTrainer(OnlineTrainer):
+class GRPOTrainer(AsyncRollouts, OnlineTrainer):
     """GRPO-family trainer on the shared engine.
 
     `GRPOTrainer(config, *, model=None, tokenizer=None, reward_funcs=None, train_prompts=None)`:
@@ -213,7 +214,7 @@ class GRPOTrainer(OnlineTrainer):
         extra = {"step": self.pipeline.step}
         if self._gen is not None:
             extra[PER_PROCESS] = {"generation_batch": self._gen}
-        return extra
+        return self.async_checkpoint(extra)  # max_staleness / rollout_processes: the rollout position
 
     def restore(self, extra: dict) -> None:
         gb, self._gen = extra.get(PER_PROCESS, {}).get("generation_batch"), None
@@ -221,6 +222,7 @@ class GRPOTrainer(OnlineTrainer):
         if gb is not None and gb["world"] == self.world:
             dev = self.accelerator.device
             self._gen = {**gb, "batch": {k: v.to(dev) for k, v in gb["batch"].items()}}
+        self.async_restore(extra)
 
     def _sample_round(self, generation: int, round_: int) -> dict:
         """Sample and score this process's groups of one round; the rewards (overlong shaping included),
@@ -321,10 +323,13 @@ class GRPOTrainer(OnlineTrainer):
         between them), so fit() logs, evaluates, saves and stops at every optimizer step."""
         cfg, pipe = self.cfg, self.pipeline
         t0 = time.time()
-        generation = pipe.step // cfg.num_iterations
-        if self._gen is None or self._gen["generation"] != generation:
-            self._gen = self._generation_batch(generation)
-        gb = self._gen
+        generation, async_row = pipe.step // cfg.num_iterations, {}
+        if self.buffered:  # max_staleness / rollout_processes (rl.trainers.grpo_async): sampled ahead
+            gb, async_row = self.async_generation_batch()
+        else:
+            if self._gen is None or self._gen["generation"] != generation:
+                self._gen = self._generation_batch(generation)
+            gb = self._gen
         batch, micro, P = gb["batch"], gb["micro"], gb["P"]
         t_train = time.time()
         sums: dict[str, float] = {}
@@ -361,6 +366,8 @@ class GRPOTrainer(OnlineTrainer):
                 else:
                     sums[key] = sums.get(key, 0.0) + v / len(micro)
         o = pipe.optim_step(max_grad_norm=cfg.max_grad_norm).result()
+        if self._channel is not None:  # the rollout processes get the new weights (version pipe.step)
+            self._channel.send_weights(pipe)
         if pipe.step % cfg.num_iterations == 0:
             self._gen = None  # used up: its memory is free while the next one is sampled
         row = {"step": pipe.step, **gb["metrics"], **self.reduce(sums), **self.reduce_extremes(extremes),
@@ -369,6 +376,8 @@ class GRPOTrainer(OnlineTrainer):
         row["time/generation"] = gb["t_gen"]
         row["time/train"] = time.time() - t_train
         row["completion_tokens_per_s"] = gb["completion_tokens"] / max(row["step_time"], 1e-9)
+        if self.buffered:
+            row.update(async_row, **{"time/training": row["time/train"]})
         return row
 
     def evaluate(self, eval_set) -> dict:
