@@ -105,12 +105,14 @@ class GRPOTrainer(AsyncRollouts, OnlineTrainer):
 
     def __init__(self, config: GRPOConfig, *, model=None, tokenizer=None,
                  reward_funcs: Sequence[Callable] | None = None, train_prompts: list[dict] | None = None):
+        self.async_setup(config)  # rollout_processes: this process's side, before the accelerator exists
         # beta = 0: no reference model at all (no memory, no forward)
         self.build(config, model=model, tokenizer=tokenizer, reference=dict(needed=config.beta > 0),
                    rewards=lambda: self.build_env_rewards(
                        reward_funcs, train_prompts, "no reward source: set env_type (e.g. env_type=math), "
                        "reward_model_path or reward_funcs (e.g. reward_funcs=[correctness]), or pass "
                        "reward_funcs= to GRPOTrainer"))
+        self.async_built()
 
     @staticmethod
     def dry_run_models(cfg: GRPOConfig) -> dict:
@@ -187,6 +189,8 @@ class GRPOTrainer(AsyncRollouts, OnlineTrainer):
 
     # ------------------------------------------------------------------ training
     def train(self) -> list[dict]:
+        if self.is_rollout_process:  # rollout_processes: this one only samples (rl.trainers.grpo_async)
+            return self.async_train(None)
         cfg, acc = self.cfg, self.accelerator
         plan = self._plan = self.plan()
         tracker = self.open_run(plan["total_steps"], desc="grpo", plot_keys=[
@@ -202,7 +206,7 @@ class GRPOTrainer(AsyncRollouts, OnlineTrainer):
                       f"trainable {self.trainable:,}/{self.total_params:,} parameters")
         self._eval_set = unique_eval_set(self.eval_env, cfg.eval_num_prompts) if self.eval_env is not None else None
         # the held-out accuracy before the first step is the starting point's (the pipeline reports it)
-        return self.fit(plan["total_steps"], tracker, eval_at_start=True)
+        return self.async_train(lambda: self.fit(plan["total_steps"], tracker, eval_at_start=True))
 
     def evaluate_now(self) -> dict | None:
         return self.evaluate(self._eval_set) if self._eval_set is not None else None

@@ -15,9 +15,22 @@ staleness 0 was sampled by the very weights that train on it: its old policy is 
 from __future__ import annotations
 
 import time
+from types import SimpleNamespace
 
+from rl.engine import segments
+from rl.engine.dist import zero_stage
 from rl.engine.state import PER_PROCESS
-from rl.rollout.staleness import StalenessBuffer, Tagged, sample_version, staleness_metrics
+from rl.errors import ConfigError
+from rl.rollout.async_workers import (
+    finish,
+    prune,
+    recv_object,
+    recv_weights,
+    send_object,
+    send_weights,
+    split_world,
+)
+from rl.rollout.staleness import StalenessBuffer, Tagged, last_needed_version, sample_version, staleness_metrics
 
 
 class AsyncRollouts:
@@ -27,6 +40,42 @@ class AsyncRollouts:
     _start_version = 0  # the first version this process's run has weights of (0, or the resumed step)
     _restored_items: list | None = None
     _channel = None  # rl.rollout.async_workers.TrainerChannel with rollout_processes
+
+    _role = None  # rl.rollout.async_workers.Role with rollout_processes
+
+    def async_setup(self, cfg) -> None:
+        """Before the accelerator: this process's side of the launch (rollout_processes)."""
+        self._role = split_world(cfg.rollout_processes)
+
+    def async_built(self) -> None:
+        """After the accelerator and the policy: the training side's channel, or the rollout side's marks."""
+        if self._role is None:
+            return
+        if not self._role.rollout:
+            if zero_stage(self.accelerator) == 3:
+                raise ConfigError("rollout_processes does not support ZeRO-3 yet (a rollout process holds whole "
+                                  "weights): use DDP or ZeRO-2, or rollout_processes=0")
+            self._channel = TrainerChannel(self._role, self.cfg)
+        else:  # a 1-process world of its own: not the run's main process (no files, no final line)
+            self.accelerator = _RolloutSide(self.accelerator)
+
+    @property
+    def is_rollout_process(self) -> bool:
+        return self._role is not None and self._role.rollout
+
+    def async_train(self, fit):
+        """`fit()` on a training process, the rollout loop on a rollout process."""
+        if self.is_rollout_process:
+            return rollout_loop(self)
+        history = fit()
+        if self._channel is not None:
+            self._channel.close()
+        return history
+
+    def save(self, out_dir=None):
+        if self.is_rollout_process:  # the training processes write the model
+            return out_dir or self.cfg.output_dir
+        return super().save(out_dir)
 
     @property
     def buffered(self) -> bool:
@@ -57,6 +106,8 @@ class AsyncRollouts:
         buf = self._buffer_now()
         t0 = time.time()
         if self._channel is not None:
+            if not self._channel.started:
+                self._channel.start(self.pipeline, self._plan["total_steps"])
             self._channel.receive_into(buf, step, self._tag)
         else:
             self._fill_in_process(step)
@@ -109,3 +160,101 @@ class AsyncRollouts:
         self._start_version = min([self.pipeline.step] + [i.version for i in items])
         self._buffer_now().load(state, items)
 
+
+
+# ------------------------------------------------------------------ rollout processes
+
+class _RolloutSide:
+    """A rollout process's accelerator: its own, except that it is never the run's main process."""
+
+    is_main_process = False
+    is_local_main_process = False
+
+    def __init__(self, acc):
+        self._acc = acc
+
+    def __getattr__(self, name):
+        return getattr(self._acc, name)
+
+
+class TrainerChannel:
+    """A training process's end of the channel (rl.rollout.async_workers): its share of each step's batches
+    from the rollout processes; training process 0 also sends the header and every policy version."""
+
+    def __init__(self, role, cfg):
+        self.role, self.k, self.pending, self.started = role, cfg.max_staleness, [], False
+        self.first = self.total = 0
+
+    def _steps_of(self, w: int) -> list[int]:
+        r = self.role
+        return [t for t in range(self.first, self.total) for i in range(r.trainers) if r.producer(t, i) == w]
+
+    def start(self, pipe, total: int) -> None:
+        """At the first step (after a resume): the rollout position and the weights the run starts from."""
+        self.first, self.total, self.started = pipe.step, total, True
+        if self.role.index == 0:
+            for w in range(self.role.rollouts):
+                send_object(self.role, {"start": pipe.step, "total": total}, self.role.rank_of_rollout(w), self.pending)
+            self._send(pipe)
+
+    def _send(self, pipe) -> None:
+        for w in range(self.role.rollouts):
+            # a version no batch of w's is sampled by would never be received: not sent
+            if pipe.step <= last_needed_version(self._steps_of(w), self.k, self.first):
+                send_weights(self.role, pipe.unwrapped_model, pipe.step, self.role.rank_of_rollout(w), self.pending)
+        prune(self.pending)
+
+    def send_weights(self, pipe) -> None:
+        if self.role.index == 0 and pipe.step < self.total:
+            self._send(pipe)
+
+    def receive_into(self, buf, step: int, tag) -> None:
+        w = self.role.producer(step, self.role.index)
+        gb = recv_object(self.role, self.role.rank_of_rollout(w),
+                         f"rollout process {w} (rank {self.role.rank_of_rollout(w)}) stopped answering")
+        buf.put(tag(step, gb.pop("version"), gb))
+
+    def localize(self, gb: dict, trainer) -> dict:
+        """A received batch on this process's device; with several training processes the token count of
+        token_mean and the scalar metrics over all of them (the rollout process saw one share)."""
+        dev = trainer.accelerator.device
+        gb = {**gb, "batch": {k: v.to(dev) for k, v in gb["batch"].items()}, "world": trainer.world}
+        if trainer.world > 1:
+            n = trainer.accelerator.reduce(gb["batch"]["labels"][:, 1:].ne(-100).sum().float(), "sum")
+            gb["num_items"] = float(n.clamp(min=1)) / (trainer.world * trainer.cfg.gradient_accumulation_steps)
+            gb["metrics"] = trainer.reduce(gb["metrics"])
+        return gb
+
+    def close(self) -> None:
+        finish(self.pending, "a rollout process did not take its last weights")
+
+
+def rollout_loop(trainer) -> list[dict]:
+    """A rollout process's whole run: for its items (step t, trainer share i) in order, the weights of version
+    max(start, t - k) (received in order), then the generation batch, sent to training process i. The batch
+    of (t, i) is sampled as generation t * M + i of a 1-process run, i.e. the prompts of share i of step t
+    (rl.rollout.prompts.prompt_order counts rows by position)."""
+    role, cfg = trainer._role, trainer.cfg
+    header = recv_object(role, 0, "the training processes stopped answering the rollout process")
+    start, total, k, M = header["start"], header["total"], cfg.max_staleness, role.trainers
+    model = trainer._model.to(trainer.accelerator.device)
+    trainer.pipeline = SimpleNamespace(model=model, unwrapped_model=model, accelerator=trainer.accelerator, step=start)
+    trainer._plan = trainer.plan()
+    trainer.reference.place(trainer.accelerator)
+    trainer._share = cfg.share_prompt_forward and segments.prefix_sharing(model)
+    version, pending = None, []
+    for t in range(start, total):
+        for i in range(M):
+            if role.producer(t, i) != role.index:
+                continue
+            t0 = time.time()
+            while version is None or version < sample_version(t, k, start):
+                version = recv_weights(role, model)
+            waited = time.time() - t0
+            trainer.pipeline.step = version
+            gb = trainer._generation_batch(t * M + i)
+            gb.update(version=version, t_wait=waited)
+            send_object(role, gb, i, pending)
+            prune(pending)
+    finish(pending, "the training processes stopped taking batches")
+    return []
