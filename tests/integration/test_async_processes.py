@@ -5,11 +5,14 @@ schedule, rl.rollout.staleness); the run saves and resumes."""
 from __future__ import annotations
 
 import json
+import os
+import subprocess
 import sys
 
 import pytest
 
-from tests.conftest import accelerate_cmd, run_cmd
+from rl.engine.state import complete_checkpoints
+from tests.conftest import ROOT, accelerate_cmd, run_cmd
 
 
 def ranked(prompts, completions, **kw):
@@ -50,3 +53,35 @@ def test_one_rollout_process_trains_like_the_in_process_run_saves_and_resumes(tm
     # resumed at version 2: the weights of versions 0 and 1 are gone, so step 3 is sampled by version 2
     # (staleness 0), step 4 by max(2, 4 - 1 - 1) = 2 as the schedule says
     assert [r["async/policy_version"] for r in rows[-2:]] == [2, 2] and rows[-2]["async/staleness"] == 0
+
+
+_calls = 0
+
+
+def dies_at_fifth(prompts, completions, **kw):
+    """`ranked`, except that the process scoring its fifth batch (the rollout process: step 5's) dies there."""
+    global _calls
+    _calls += 1
+    if _calls == 5:
+        os._exit(3)
+    return ranked(prompts, completions)
+
+
+@pytest.mark.slow
+def test_a_rollout_process_that_dies_stops_the_run_in_bounded_time_with_the_checkpoint_intact(tmp_path):
+    """The rollout process exits while it samples step 5's batch (after checkpoint-2 was written, since that
+    batch needs the weights of step 3): the launch ends (no hang, within the test's timeout), non-zero, and
+    checkpoint-2 is complete and resumes."""
+    out = tmp_path / "dies"
+    args = [a for a in ARGS if not a.startswith("reward_funcs")] + [
+        "reward_funcs=[tests.integration.test_async_processes:dies_at_fifth]", "rollout_processes=1", "max_steps=8"]
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "RL_NO_PROGRESS": "1",
+           "RL_DIST_TIMEOUT": "60"}
+    proc = subprocess.run(accelerate_cmd("launch/grpo.py", *args, f"output_dir={out}"), cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=400)
+    assert proc.returncode != 0
+    # checkpoint-4 too when the trainer finished step 4 before the launcher stopped it (a race, either is right)
+    assert "checkpoint-2" in [p.name for p in complete_checkpoints(out)]
+    run_cmd(accelerate_cmd("launch/grpo.py", *ARGS, "rollout_processes=1", "max_steps=6", "resume=auto",
+                           f"output_dir={out}"), timeout=600, env={"RL_NO_PROGRESS": "1", "RL_DIST_TIMEOUT": "300"})
+    assert _train_rows(out)[-1]["step"] == 6
