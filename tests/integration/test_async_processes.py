@@ -85,3 +85,16 @@ def test_a_rollout_process_that_dies_stops_the_run_in_bounded_time_with_the_chec
     run_cmd(accelerate_cmd("launch/grpo.py", *ARGS, "rollout_processes=1", "max_steps=6", "resume=auto",
                            f"output_dir={out}"), timeout=600, env={"RL_NO_PROGRESS": "1", "RL_DIST_TIMEOUT": "300"})
     assert _train_rows(out)[-1]["step"] == 6
+
+
+@pytest.mark.slow
+def test_two_training_processes_and_one_rollout_process(tmp_path):
+    """3 processes: 0 and 1 train (DDP among themselves only), 2 samples each one's share of every step; the
+    staleness histogram counts both shares (2 x 8 samples), the run saves."""
+    out = tmp_path / "m2"
+    run_cmd(accelerate_cmd("launch/grpo.py", *ARGS, "rollout_processes=1", "max_steps=3", f"output_dir={out}",
+                           num_processes=3), timeout=600, env={"RL_NO_PROGRESS": "1", "RL_DIST_TIMEOUT": "300"})
+    rows = _train_rows(out)
+    assert [r["async/policy_version"] for r in rows] == [0, 0, 1]
+    assert [r["async/staleness/1"] for r in rows] == [0, 16, 16] and any(r["loss"] != 0 for r in rows)
+    assert (out / "model.safetensors").exists()
