@@ -38,9 +38,7 @@ class AsyncRollouts:
 
     _buffer: StalenessBuffer | None = None
     _start_version = 0  # the first version this process's run has weights of (0, or the resumed step)
-    _restored_items: list | None = None
-    _channel = None  # rl.rollout.async_workers.TrainerChannel with rollout_processes
-
+    _channel = None  # TrainerChannel (below) on a training process with rollout_processes
     _role = None  # rl.rollout.async_workers.Role with rollout_processes
 
     def async_setup(self, cfg) -> None:
@@ -124,7 +122,7 @@ class AsyncRollouts:
         if self._channel is not None:
             gb = self._channel.localize(gb, self)
         metrics = staleness_metrics(item, step, cfg.max_staleness, buf)
-        # in-process sampling is the wait; a rollout process's own generation time comes with its batch
+        # in-process the trainer samples rather than waits (that time is step_time - time/training)
         metrics["time/waiting_trainer"] = waited if self._channel is not None else 0.0
         if "t_wait" in gb:
             metrics["time/waiting_rollout"] = gb["t_wait"]
@@ -159,7 +157,6 @@ class AsyncRollouts:
         # the versions the stored batches were sampled with are older than the resumed weights: kept
         self._start_version = min([self.pipeline.step] + [i.version for i in items])
         self._buffer_now().load(state, items)
-
 
 
 # ------------------------------------------------------------------ rollout processes
