@@ -103,7 +103,7 @@ def speed(a) -> dict:
                       "waiting_trainer_s": mean(procs["rows"], "time/waiting_trainer"),
                       "waiting_rollout_s": mean(procs["rows"], "time/waiting_rollout"),
                       "load": [procs["load_before"], procs["load_after"]]},
-            "steps_per_s_ratio": s_step / p_step if p_step else 0.0,
+            "steps_per_s_procs_over_sync": s_step / p_step if p_step else 0.0,
             "overlap_efficiency": max(gen, train) / p_step if p_step else 0.0}
 
 
