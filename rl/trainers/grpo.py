@@ -80,6 +80,7 @@ from rl.trainers.grpo_batch import (  # grpo_loss_fn: importable from here, as b
     take_global,
     take_micro_batch,
 )
+from rl.trainers.grpo_async import AsyncRollouts
 from rl.trainers.grpo_config import GRPOConfig, grpo_sizes
 from rl.trainers.online import OnlineTrainer
 from rl.trainers.sampling import episode_sampler
@@ -93,7 +94,7 @@ from rl.trainers.rewards import (
 
 # ============================================================================ trainer
 
-class GRPOTrainer(OnlineTrainer):
+class GRPOTrainer(AsyncRollouts, OnlineTrainer):
     """GRPO-family trainer on the shared engine.
 
     `GRPOTrainer(config, *, model=None, tokenizer=None, reward_funcs=None, train_prompts=None)`:
@@ -105,12 +106,14 @@ class GRPOTrainer(OnlineTrainer):
 
     def __init__(self, config: GRPOConfig, *, model=None, tokenizer=None,
                  reward_funcs: Sequence[Callable] | None = None, train_prompts: list[dict] | None = None):
+        self.async_setup(config)  # rollout_processes: this process's side, before the accelerator exists
         # beta = 0: no reference model at all (no memory, no forward)
         self.build(config, model=model, tokenizer=tokenizer, reference=dict(needed=config.beta > 0),
                    rewards=lambda: self.build_env_rewards(
                        reward_funcs, train_prompts, "no reward source: set env_type (e.g. env_type=math), "
                        "reward_model_path or reward_funcs (e.g. reward_funcs=[correctness]), or pass "
                        "reward_funcs= to GRPOTrainer"))
+        self.async_built()
 
     @staticmethod
     def dry_run_models(cfg: GRPOConfig) -> dict:
@@ -187,6 +190,8 @@ class GRPOTrainer(OnlineTrainer):
 
     # ------------------------------------------------------------------ training
     def train(self) -> list[dict]:
+        if self.is_rollout_process:  # rollout_processes: this one only samples (rl.trainers.grpo_async)
+            return self.async_train(None)
         cfg, acc = self.cfg, self.accelerator
         plan = self._plan = self.plan()
         tracker = self.open_run(plan["total_steps"], desc="grpo", plot_keys=[
@@ -202,7 +207,7 @@ class GRPOTrainer(OnlineTrainer):
                       f"trainable {self.trainable:,}/{self.total_params:,} parameters")
         self._eval_set = unique_eval_set(self.eval_env, cfg.eval_num_prompts) if self.eval_env is not None else None
         # the held-out accuracy before the first step is the starting point's (the pipeline reports it)
-        return self.fit(plan["total_steps"], tracker, eval_at_start=True)
+        return self.async_train(lambda: self.fit(plan["total_steps"], tracker, eval_at_start=True))
 
     def evaluate_now(self) -> dict | None:
         return self.evaluate(self._eval_set) if self._eval_set is not None else None
@@ -214,7 +219,7 @@ class GRPOTrainer(OnlineTrainer):
         extra = {"step": self.pipeline.step}
         if self._gen is not None:
             extra[PER_PROCESS] = {"generation_batch": self._gen}
-        return extra
+        return self.async_checkpoint(extra)  # max_staleness / rollout_processes: the rollout position
 
     def restore(self, extra: dict) -> None:
         gb, self._gen = extra.get(PER_PROCESS, {}).get("generation_batch"), None
@@ -222,6 +227,7 @@ class GRPOTrainer(OnlineTrainer):
         if gb is not None and gb["world"] == self.world:
             dev = self.accelerator.device
             self._gen = {**gb, "batch": {k: v.to(dev) for k, v in gb["batch"].items()}}
+        self.async_restore(extra)
 
     def _sample_round(self, generation: int, round_: int) -> dict:
         """Sample and score this process's groups of one round; the rewards (overlong shaping included),
@@ -322,10 +328,13 @@ class GRPOTrainer(OnlineTrainer):
         between them), so fit() logs, evaluates, saves and stops at every optimizer step."""
         cfg, pipe = self.cfg, self.pipeline
         t0 = time.time()
-        generation = pipe.step // cfg.num_iterations
-        if self._gen is None or self._gen["generation"] != generation:
-            self._gen = self._generation_batch(generation)
-        gb = self._gen
+        generation, async_row = pipe.step // cfg.num_iterations, {}
+        if self.buffered:  # max_staleness / rollout_processes (rl.trainers.grpo_async): sampled ahead
+            gb, async_row = self.async_generation_batch()
+        else:
+            if self._gen is None or self._gen["generation"] != generation:
+                self._gen = self._generation_batch(generation)
+            gb = self._gen
         batch, micro, P = gb["batch"], gb["micro"], gb["P"]
         t_train = time.time()
         sums: dict[str, float] = {}
@@ -358,6 +367,8 @@ class GRPOTrainer(OnlineTrainer):
                 else:
                     sums[key] = sums.get(key, 0.0) + v / len(micro)
         o = pipe.optim_step(max_grad_norm=cfg.max_grad_norm).result()
+        if self._channel is not None:  # the rollout processes get the new weights (version pipe.step)
+            self._channel.send_weights(pipe)
         if pipe.step % cfg.num_iterations == 0:
             self._gen = None  # used up: its memory is free while the next one is sampled
         row = {"step": pipe.step, **gb["metrics"], **self.reduce(sums), **self.reduce_extremes(extremes),
@@ -366,6 +377,8 @@ class GRPOTrainer(OnlineTrainer):
         row["time/generation"] = gb["t_gen"]
         row["time/train"] = time.time() - t_train
         row["completion_tokens_per_s"] = gb["completion_tokens"] / max(row["step_time"], 1e-9)
+        if self.buffered:
+            row.update(async_row, **{"time/training": row["time/train"]})
         return row
 
     def evaluate(self, eval_set) -> dict:

@@ -50,6 +50,11 @@ class GRPOConfig(OnlineConfig):
     share_prompt_forward: bool = opt(True, "training and scoring forwards compute each group's prompt once for its "
                                      "num_generations completions, packed without padding (rl.engine.packing."
                                      "pack_shared_prompts; same log-probs; SDPA models, else the padded batch)")
+    max_staleness: int = opt(0, "asynchronous rollouts (TRL's name): the batch of step t is sampled by the policy of "
+                             "step t - k at the oldest, while later steps train; its behaviour log-probs are the old "
+                             "policy of the loss; older samples are dropped (async/dropped_samples). 0: synchronous")
+    rollout_processes: int = opt(0, "the last N processes of the launch only sample (our sampler) while the others "
+                                 "train; weights sent to them after each optimizer step (docs/rollout.md). 0: none")
 
     def __post_init__(self):
         super().__post_init__()
@@ -85,8 +90,22 @@ class GRPOConfig(OnlineConfig):
         if not 0 <= self.overlong_buffer <= self.max_completion_length:
             raise ConfigError(f"key 'overlong_buffer' must be between 0 and max_completion_length="
                               f"{self.max_completion_length}, got {self.overlong_buffer}")
+        check_async(self)
         if self.overlong_penalty < 0:
             raise ConfigError(f"key 'overlong_penalty' must be >= 0 (it is subtracted), got {self.overlong_penalty}")
+
+
+def check_async(cfg: GRPOConfig) -> None:
+    """The asynchronous keys' one-line errors (what is supported is in docs/rollout.md)."""
+    for name in ("max_staleness", "rollout_processes"):
+        if getattr(cfg, name) < 0:
+            raise ConfigError(f"key '{name}' must be >= 0, got {getattr(cfg, name)}")
+    if cfg.max_staleness and cfg.num_iterations != 1:
+        raise ConfigError(f"max_staleness={cfg.max_staleness} takes num_iterations=1 (each sampled batch is one "
+                          f"update), got num_iterations={cfg.num_iterations}")
+    if cfg.rollout_processes and cfg.use_vllm:
+        raise ConfigError("rollout_processes samples with our sampler; with use_vllm=true use vllm_mode=server "
+                          "instead (set rollout_processes=0)")
 
 
 def grpo_sizes(cfg: GRPOConfig, world: int, n_prompts: int | None = None) -> dict:
