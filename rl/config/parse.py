@@ -32,6 +32,7 @@ from rl.config.fields import (
     hints_of,
     type_name,
 )
+from rl.config.vocabulary import DEPRECATED, rename_deprecated
 from rl.errors import ConfigError, RunError, disk_full
 
 # --------------------------------------------------------------------------------------------------
@@ -155,7 +156,7 @@ def help_text(cls: type, prog: str, description: str = "") -> str:
                 default = "REQUIRED"
             lines.append(f"  --{prefix}{name} {type_name(tp)}  (default: {default})")
             lines.append(f"        {f.metadata.get('help', '')}")
-        al = aliases_of(c)
+        al = {a: t for a, t in aliases_of(c).items() if a not in DEPRECATED}  # help shows one vocabulary
         if al:
             lines.append("  aliases: " + ", ".join(f"{prefix}{a} -> {prefix}{t}" for a, t in al.items()))
 
@@ -173,6 +174,9 @@ def parse_config(cls: type, argv: list[str] | None = None, prog: str | None = No
         raise SystemExit(0)
     data = load_recipe(recipe) if recipe else {}
     where = recipe or "config"
+    # old names become new ones before the merge, so that an override by either name replaces the recipe's
+    data = rename_deprecated(data, fields_of(cls), where)
+    overrides = rename_deprecated(overrides, fields_of(cls), "command line")
     build(cls, data, where, require=False)  # so that a mistake in the recipe names the recipe file
     data = _cli_replaces_reward_sources(cls, data, overrides)
     return build(cls, _merge(data, overrides), "command line" if overrides else where)

@@ -135,7 +135,7 @@ class GRPOTrainer(OnlineTrainer):
         if cfg.max_steps:
             total = cfg.max_steps
         elif from_rows:
-            total = steps_per_epoch * cfg.num_epochs * cfg.num_iterations
+            total = steps_per_epoch * cfg.num_train_epochs * cfg.num_iterations
         else:
             raise ConfigError("an environment draws prompts without end: set max_steps")
         return {"completions_per_step": per_process * self.world, "completions_per_process": per_process,
@@ -191,7 +191,7 @@ class GRPOTrainer(OnlineTrainer):
         tracker = self.open_run(plan["total_steps"], desc="grpo", plot_keys=[
             "reward", "eval/accuracy", "reward_std", "frac_reward_zero_std", "kl", "completions/mean_length", "loss",
             "grad_norm", "clip_ratio/region_mean"])
-        self.pipeline = self.build_pipeline(self._model, plan["total_steps"], cfg.batch_size)
+        self.pipeline = self.build_pipeline(self._model, plan["total_steps"], cfg.per_device_train_batch_size)
         self.reference.place(acc)
         # the groups' prompts computed once in the training forwards (rl.engine.segments: SDPA models)
         self._share = cfg.share_prompt_forward and segments.prefix_sharing(self.pipeline.unwrapped_model)
@@ -333,10 +333,10 @@ class GRPOTrainer(OnlineTrainer):
             mb, (a, _) = take_micro_batch(batch, s, with_span=True)
             kw = dict(advantages=mb["advantages"], old_logprobs=mb.get("old"), ref_logprobs=mb.get("ref"),
                       temperature=cfg.temperature,
-                      beta=cfg.beta, epsilon_low=cfg.epsilon_low, epsilon_high=cfg.epsilon_high,
+                      beta=cfg.beta, epsilon_low=cfg.epsilon, epsilon_high=cfg.epsilon_high,
                       loss_aggregation=cfg.loss_aggregation, max_completion_length=cfg.max_completion_length,
                       num_items=gb["num_items"], use_bias_correction_kl=cfg.use_bias_correction_kl,
-                      importance_sampling_level=cfg.importance_sampling_level, policy_loss=cfg.policy_loss,
+                      importance_sampling_level=cfg.importance_sampling_level, policy_loss=cfg.loss_type,
                       behaviour_logprobs=mb.get("behaviour"), is_cap=cfg.vllm_importance_sampling_cap,
                       is_mode=cfg.vllm_importance_sampling_mode, is_apply=cfg.vllm_importance_sampling_correction)
             if self._share:  # each group's prompt once, its completions attending to it; no padding

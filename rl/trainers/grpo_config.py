@@ -15,22 +15,25 @@ from rl.errors import ConfigError
 
 @dataclasses.dataclass
 class GRPOConfig(OnlineConfig):
+    per_device_train_batch_size: int = opt(8, "GRPO: completions (not prompts) per device per micro-batch, as TRL; "
+                                           "x gradient_accumulation_steps it holds whole groups of num_generations")
     num_generations: int = opt(8, "completions sampled per prompt (the group size G)")
     advantage_estimator: Literal[names("advantage_estimator")] = opt(
         "grpo", "grpo (group mean/std), dr_grpo (group mean only), rloo (leave-one-out), reinforce_pp (batch-normalised)")
     loss_aggregation: Literal[LOSS_AGGREGATIONS] = opt(
         "token_mean", "token_mean (DAPO), sequence_mean (GRPO paper) or constant (Dr. GRPO: / max_completion_length)")
-    policy_loss: str = opt("clip", f"per-token policy-gradient term ({choices('grpo_policy_loss')}): clip (PPO's "
+    loss_type: str = opt("clip", f"per-token policy-gradient term ({choices('grpo_policy_loss')}): clip (PPO's "
                            "clipped surrogate: GRPO, DAPO, GSPO) or cispo (clipped, detached importance weight)")
-    epsilon_low: float = opt(0.2, "clip the ratio below at 1 - epsilon_low")
-    epsilon_high: float = opt(0.2, "clip the ratio above at 1 + epsilon_high (DAPO recommends 0.28)")
+    epsilon: float = opt(0.2, "clip the ratio below at 1 - epsilon (and above at 1 + epsilon unless epsilon_high)")
+    epsilon_high: float | None = opt(None, "clip the ratio above at 1 + epsilon_high (null: epsilon, as TRL; DAPO "
+                                     "recommends 0.28)")
     beta: float = opt(0.0, "k3 KL penalty to the reference model; 0 loads no reference model")
     use_bias_correction_kl: bool = opt(True, "multiply the k3 term by the importance ratio (unbiased reverse-KL "
                                        "gradient, DeepSeek-V3.2; TRL 1.16's default)")
     num_iterations: int = opt(1, "policy updates per generated batch (mu in the GRPO paper)")
     importance_sampling_level: Literal[IMPORTANCE_SAMPLING_LEVELS] = opt(
         "token", "token (GRPO: a ratio per token) or sequence (GSPO, Zheng et al. 2025: one length-normalised "
-        "ratio per completion, clipped per completion; the paper uses epsilon_low=3e-4 epsilon_high=4e-4)")
+        "ratio per completion, clipped per completion; the paper uses epsilon=3e-4 epsilon_high=4e-4)")
     dynamic_sampling: bool = opt(False, "DAPO dynamic sampling: drop prompt groups whose rewards are all equal "
                                  "(advantage 0) and sample more prompts until the step's batch is full")
     max_sampling_rounds: int = opt(3, "dynamic sampling: generation rounds per step at most (the first included); "
@@ -45,16 +48,18 @@ class GRPOConfig(OnlineConfig):
 
     def __post_init__(self):
         super().__post_init__()
-        check("grpo_policy_loss", self.policy_loss, "policy_loss")
+        check("grpo_policy_loss", self.loss_type, "loss_type")
         if self.num_generations < 2:
             raise ConfigError(f"key 'num_generations' must be at least 2 (the group is the baseline), "
                               f"got {self.num_generations}")
-        per_process = self.batch_size * self.gradient_accumulation_steps
+        per_process = self.per_device_train_batch_size * self.gradient_accumulation_steps
         if per_process % self.num_generations:
-            raise ConfigError(f"batch_size x gradient_accumulation_steps = {self.batch_size} x "
+            raise ConfigError(f"per_device_train_batch_size x gradient_accumulation_steps = {self.per_device_train_batch_size} x "
                               f"{self.gradient_accumulation_steps} = {per_process} completions per process must be "
                               f"a multiple of num_generations={self.num_generations} (whole groups per process)")
-        for name in ("epsilon_low", "epsilon_high", "beta"):
+        if self.epsilon_high is None:  # TRL's rule: one epsilon clips both sides unless epsilon_high is given
+            self.epsilon_high = self.epsilon
+        for name in ("epsilon", "epsilon_high", "beta"):
             if getattr(self, name) < 0:
                 raise ConfigError(f"key '{name}' must be >= 0, got {getattr(self, name)}")
         if self.temperature < 0:
@@ -74,10 +79,10 @@ def grpo_sizes(cfg: GRPOConfig, world: int, n_prompts: int | None = None) -> dic
     """GRPO's batch arithmetic in its own units (also what --dry-run prints): completions per micro-batch
     (per_device_batch) and per optimizer step (global_batch), whole groups of num_generations each, so
     prompts per step = global_batch / num_generations; steps per pass over `n_prompts` data rows."""
-    per_process = cfg.batch_size * cfg.gradient_accumulation_steps
+    per_process = cfg.per_device_train_batch_size * cfg.gradient_accumulation_steps
     prompts_per_process = per_process // cfg.num_generations
     prompts_per_step = prompts_per_process * world
-    return {"per_device_batch": cfg.batch_size, "global_batch": per_process * world,
+    return {"per_device_batch": cfg.per_device_train_batch_size, "global_batch": per_process * world,
             "completions_per_process": per_process, "prompts_per_process": prompts_per_process,
             "prompts_per_step": prompts_per_step,
             "steps_per_epoch": n_prompts // prompts_per_step if n_prompts is not None else None}

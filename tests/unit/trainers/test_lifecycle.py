@@ -32,21 +32,21 @@ def _env() -> dict:
     return {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "RL_NO_PROGRESS": "1"}
 
 # Each trainer's tiny recipe cut to small steps; {n} is the run length in optimizer steps (PPO: iterations of one
-# optimizer step each, ppo_epochs=1 and mini_batch_size=batch_size).
+# optimizer step each, num_iterations=1 and mini_batch_size=per_device_train_batch_size).
 TRAINERS = {
-    "sft": ["launch/sft.py", "--config", "recipes/tiny/sft.yaml", "batch_size=4", "max_steps={n}"],
-    "reward": ["launch/reward.py", "--config", "recipes/tiny/reward.yaml", "batch_size=4", "num_epochs=100",
+    "sft": ["launch/sft.py", "--config", "recipes/tiny/sft.yaml", "per_device_train_batch_size=4", "max_steps={n}"],
+    "reward": ["launch/reward.py", "--config", "recipes/tiny/reward.yaml", "per_device_train_batch_size=4", "num_train_epochs=100",
                "max_steps={n}", "data.eval_fraction=0"],
-    "dpo": ["launch/dpo.py", "--config", "recipes/tiny/dpo.yaml", "batch_size=4", "max_steps={n}",
-            "eval_every=0", "data.eval_fraction=0"],
-    "ppo": ["launch/ppo.py", "--config", "recipes/tiny/ppo.yaml", "batch_size=4", "mini_batch_size=4",
-            "gradient_accumulation_steps=1", "ppo_epochs=1", "max_new_tokens=4", "num_iterations={n}"],
-    "grpo": ["launch/grpo.py", "--config", "recipes/tiny/grpo.yaml", "batch_size=8", "num_generations=4",
-             "max_steps={n}", "eval_every=0", "eval_num_prompts=4"],
-    "online_dpo": ["launch/online_dpo.py", "--config", "recipes/tiny/online_dpo.yaml", "batch_size=4",
+    "dpo": ["launch/dpo.py", "--config", "recipes/tiny/dpo.yaml", "per_device_train_batch_size=4", "max_steps={n}",
+            "eval_steps=0", "data.eval_fraction=0"],
+    "ppo": ["launch/ppo.py", "--config", "recipes/tiny/ppo.yaml", "per_device_train_batch_size=4", "mini_batch_size=4",
+            "gradient_accumulation_steps=1", "num_iterations=1", "max_completion_length=4", "max_steps={n}"],
+    "grpo": ["launch/grpo.py", "--config", "recipes/tiny/grpo.yaml", "per_device_train_batch_size=8", "num_generations=4",
+             "max_steps={n}", "eval_steps=0", "eval_num_prompts=4"],
+    "online_dpo": ["launch/online_dpo.py", "--config", "recipes/tiny/online_dpo.yaml", "per_device_train_batch_size=4",
                    "max_steps={n}", "max_completion_length=4"],
 }
-COMMON = ["log_every=1", "report_to=[jsonl]"]
+COMMON = ["logging_steps=1", "report_to=[jsonl]"]
 FINAL = {"reward": "reward_config.json"}  # the file a finished run writes (default model.safetensors)
 
 
@@ -98,7 +98,7 @@ def _signal_in_process(trainer, out, rows: int, sig, capfd, monkeypatch) -> tupl
             signal.raise_signal(sig)
 
     monkeypatch.setattr(base, "check_finite", then_signal)
-    code, stdout, stderr = _main(trainer, out, 500, "save_every=1", "save_total_limit=2", capfd=capfd,
+    code, stdout, stderr = _main(trainer, out, 500, "save_steps=1", "save_total_limit=2", capfd=capfd,
                                  monkeypatch=monkeypatch)
     monkeypatch.setattr(base, "check_finite", real)
     return code, stdout + stderr
@@ -180,7 +180,7 @@ def test_sigterm_retention_corrupt_fallback_and_rerun(trainer, tmp_path, tiny_ll
     final = out / FINAL.get(trainer, "model.safetensors")
     # 1. SIGTERM mid-run: the step finishes, a checkpoint is written, exit 128 + 15, no final model
     if trainer == "sft":
-        proc, log = _signal_mid_run(_cmd(trainer, out, 500, "save_every=1", "save_total_limit=2"), out, 3,
+        proc, log = _signal_mid_run(_cmd(trainer, out, 500, "save_steps=1", "save_total_limit=2"), out, 3,
                                     signal.SIGTERM)
         code = proc.returncode
     else:
@@ -215,7 +215,7 @@ def test_diverging_run_stops_at_the_first_non_finite_loss(trainer, tmp_path, tin
     # gradients and no update at all; the length-based default reward (words / 100) does not
     extra = {"grpo": ["reward_funcs=[default]", "reward_weights=[0,1]"], "online_dpo": ["reward_funcs=[default]"],
              "ppo": ["reward_fn=default", "custom_reward=null"]}.get(trainer, [])
-    code, stdout, stderr = _main(trainer, out, 8, "learning_rate=1e30", "save_every=1", *extra, capfd=capfd,
+    code, stdout, stderr = _main(trainer, out, 8, "learning_rate=1e30", "save_steps=1", *extra, capfd=capfd,
                                  monkeypatch=monkeypatch)
     err = stderr.strip().splitlines()
     assert code == 1, (stdout + stderr)[-3000:]
@@ -257,7 +257,7 @@ def test_disk_full_during_a_checkpoint_keeps_the_previous_one(fault, tmp_path, t
     from rl.trainers.sft import SFTTrainer
 
     cfg = build(SFTConfig, {"model_name": tiny_llama, "output_dir": str(tmp_path / "run"), "max_steps": 4,
-                            "save_every": 1, "batch_size": 2, "report_to": ["none"], "learning_rate": 1e-3})
+                            "save_steps": 1, "per_device_train_batch_size": 2, "report_to": ["none"], "learning_rate": 1e-3})
     trainer = SFTTrainer(cfg)
     data = tokenize_examples([{"prompt": f"{i}+1=", "completion": str(i + 1)} for i in range(8)],
                              trainer.tokenizer, cfg)
@@ -306,13 +306,13 @@ def test_every_trainer_takes_config_then_model_and_tokenizer(tmp_path, tiny_llam
         "sft": (SFTTrainer, build(SFTConfig, {**base, "output_dir": str(tmp_path / "sft")}), {}),
         "dpo": (DPOTrainer, build(DPOConfig, {**base, "output_dir": str(tmp_path / "dpo"), "max_prompt_length": 16}),
                 {}),
-        "grpo": (GRPOTrainer, build(GRPOConfig, {**base, "output_dir": str(tmp_path / "grpo"), "batch_size": 2,
+        "grpo": (GRPOTrainer, build(GRPOConfig, {**base, "output_dir": str(tmp_path / "grpo"), "per_device_train_batch_size": 2,
                                                  "num_generations": 2, "max_completion_length": 4}),
                  {"reward_funcs": [reward_fn], "train_prompts": [{"prompt": "1+1="}]}),
         "online_dpo": (OnlineDPOTrainer, build(OnlineDPOConfig, {**base, "output_dir": str(tmp_path / "odpo"),
-                                                                 "batch_size": 2, "max_completion_length": 4}),
+                                                                 "per_device_train_batch_size": 2, "max_completion_length": 4}),
                        {"reward_funcs": [reward_fn], "train_prompts": [{"prompt": "1+1="}]}),
-        "ppo": (PPOTrainer, build(PPOConfig, {**base, "output_dir": str(tmp_path / "ppo"), "batch_size": 2,
+        "ppo": (PPOTrainer, build(PPOConfig, {**base, "output_dir": str(tmp_path / "ppo"), "per_device_train_batch_size": 2,
                                               "max_new_tokens": 4}), {"reward_fn": reward_fn}),
     }
     for name, (cls, cfg, extra) in cases.items():
@@ -340,7 +340,7 @@ def test_resume_with_another_lora_rank_keeps_the_size_mismatch_in_one_line(tmp_p
 
     def run(rank: int, **extra):
         cfg = build(SFTConfig, {"model_name": tiny_llama, "output_dir": str(tmp_path / "run"), "max_steps": 2,
-                                "save_every": 1, "batch_size": 2, "report_to": ["none"],
+                                "save_steps": 1, "per_device_train_batch_size": 2, "report_to": ["none"],
                                 "lora": {"enabled": True, "rank": rank, "target_modules": "q_proj"}, **extra})
         trainer = SFTTrainer(cfg)
         trainer.train(tokenize_examples([{"prompt": f"{i}+1=", "completion": str(i + 1)} for i in range(4)],
