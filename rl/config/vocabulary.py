@@ -46,6 +46,14 @@ DEPRECATED: dict[str, str] = {
     "policy_loss": "loss_type",
 }
 
+# What to say when an old key and its new key are both given and the old one used to mean something else
+# next to it (the reference docs' PPOConfig(ppo_epochs=4, num_iterations=100): 100 was the rounds).
+CONFLICT_HINTS: dict[str, str] = {
+    "ppo_epochs": "num_iterations now means the updates per rollout batch (TRL's meaning, formerly ppo_epochs), "
+                  "not rollout rounds: drop ppo_epochs and give the run length as max_steps (optimizer steps) or "
+                  "PPOTrainer.train(prompts, rounds=N)",
+}
+
 _warned: set[str] = set()
 
 
@@ -91,8 +99,8 @@ def rename_deprecated(data: dict, fields, where: str = "config", prefix: str = "
             continue
         warn_deprecated(prefix + k, prefix + new)
         if new in data or new in out:
-            raise ConfigError(f"{where}: keys '{prefix}{k}' and '{prefix}{new}' are the same setting; keep only "
-                              f"'{prefix}{new}' ('{prefix}{k}' is its deprecated name)")
+            hint = CONFLICT_HINTS.get(k) or f"keep only '{prefix}{new}' ('{prefix}{k}' is its deprecated name)"
+            raise ConfigError(f"{where}: keys '{prefix}{k}' and '{prefix}{new}' are the same setting; {hint}")
         out[new] = v
     return out
 

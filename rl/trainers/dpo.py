@@ -124,7 +124,7 @@ class DPOConfig(TrainConfig):
     append_eos: bool = opt(True, "append EOS to plain-text answers so the model learns to stop")
     chat_template: bool = opt(False, "render plain-text prompt/answers as user/assistant turns with the "
                               "tokenizer's chat template (message-list data always uses it)")
-    eval_batch_size: int | None = opt(None, "pairs per evaluation forward (default: batch_size)")
+    eval_batch_size: int | None = opt(None, "pairs per evaluation forward (default: per_device_train_batch_size)")
     packing: bool = opt(False, "padding-free micro-batches: each micro-batch's chosen and rejected sequences "
                         "packed into rows no longer than its longest, with per-sequence position_ids "
                         "(rl.engine.packing); same loss, no compute on padding (training, reference and eval "

@@ -84,7 +84,7 @@ class KTOConfig(TrainConfig):
                               "tokenizer's chat template (message-list data always uses it)")
     shuffle: bool = opt(True, "reshuffle the rows each epoch; false: file order, fixed batches (TRL's "
                         "sequential sampler)")
-    eval_batch_size: int | None = opt(None, "rows per evaluation forward (default: batch_size)")
+    eval_batch_size: int | None = opt(None, "rows per evaluation forward (default: per_device_train_batch_size)")
     device: str | None = opt(None, "cpu or cuda (null: auto-detected)")
 
     def __post_init__(self):
