@@ -14,8 +14,8 @@ One iteration (round):
                       + vf_coef * clipped value loss - entropy_coef * entropy (response tokens only);
   5. KL control Ziegler et al.'s adaptive coefficient: coef *= 1 + clip(KL/target - 1, -0.2, 0.2) * n / horizon,
                with n = rollouts in the iteration (all processes) and KL the mean per-sequence KL sum.
-Each optimizer step of 4. is one step of `Trainer.fit` (logging_steps, eval_steps, save_steps, max_steps, signals count
-them): steps 1-3 and 5 run at an iteration's first step, and their result stays cached (and in a
+Each optimizer step of 4. is one step of `Trainer.fit` (logging_steps, eval_steps, save_steps, max_steps
+and signals count them): steps 1-3 and 5 run at an iteration's first step, and their result stays cached (and in a
 checkpoint taken mid-iteration, so a resume continues on the same rollout exactly) for the others.
 
 Alignment of response tokens and logits: rl.trainers.ppo_math.
@@ -266,11 +266,8 @@ class PPOTrainer(Trainer):
     def train(self, prompts: Sequence[str] | None = None, rounds: int | None = None,
               metadata: Sequence[dict] | None = None, eval_prompts: Sequence[str] | None = None,
               eval_metadata: Sequence[dict] | None = None, *, num_iterations: int | None = None) -> list[dict]:
-        """Run PPO on `prompts` (strings) for `rounds` rollout + update rounds (default: the config's
-        max_steps optimizer steps, else num_train_epochs passes over the prompts); returns one metrics dict
-        per optimizer step, each with its `iteration` (round) and that round's rollout metrics (also
-        `self.history`). `num_iterations=` is the reference docs' name of `rounds` here (the config's
-        num_iterations is the updates per rollout batch).
+        """Run PPO on `prompts` for `rounds` rounds (`num_iterations=`, the reference docs' name; default: max_steps,
+        else num_train_epochs passes); returns one metrics dict per optimizer step, with its `iteration` (also `self.history`).
 
         Every process passes the same prompts; iteration i uses a seeded shuffle of them, and process r
         takes every world-th of the iteration's `per_device_train_batch_size * world` prompts. `metadata` (one dict per

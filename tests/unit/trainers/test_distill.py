@@ -43,7 +43,15 @@ def test_config_checks(tiny_llama):
                 dict(env_type="math")):
         with pytest.raises(ConfigError):
             _cfg(tiny_llama, "tiny:qwen2", "/tmp/unused", **bad)
-    assert _cfg(tiny_llama, "tiny:qwen2", "/tmp/unused", max_new_tokens=5).max_completion_length == 5
+    # TRL GKD's max_new_tokens is the deprecated name of max_completion_length: alone it sets it, beside it
+    # it is one error line rather than a silent choice
+    from rl.config.fields import build
+    from rl.trainers.distill import DistillConfig
+
+    assert build(DistillConfig, dict(model_name=tiny_llama, teacher_model_name="tiny:qwen2",
+                                     max_new_tokens=5)).max_completion_length == 5
+    with pytest.raises(ConfigError, match="keys 'max_new_tokens' and 'max_completion_length' are the same setting"):
+        _cfg(tiny_llama, "tiny:qwen2", "/tmp/unused", max_new_tokens=5)
 
 
 def _trl_gkd_loss(student, teacher, b, beta: float) -> float:
