@@ -153,3 +153,16 @@ def test_help_of_every_launch_script_lists_no_deprecated_name():
                 hits = re.findall(rf"(?<![\w.-]){form}(?![\w-])", page)
                 assert not hits, f"{script} --help names the deprecated {form!r}"
     assert "--max-completion-length" in pages["launch/eval.py"] and "--per_device_train_batch_size" in pages["launch/sft.py"]
+
+
+@pytest.mark.parametrize("trainer", sorted(TRAINERS))
+def test_a_recipe_in_the_new_names_prints_no_deprecation(trainer, capsys, tmp_path):
+    """The code reads only the new names: building a config and its preflight checks warn about nothing
+    (reading an old attribute would print the deprecation line, as the recipe runs showed once)."""
+    from rl.scripts.common import preflight_problems
+
+    reset_warnings()
+    recipe = ROOT / "recipes" / "tiny" / f"{trainer}.yaml"
+    cfg = parse_config(_schema(trainer), ["--config", str(recipe), f"output_dir={tmp_path}"])
+    preflight_problems(cfg)
+    assert _deprecation_lines(capsys.readouterr().err) == []
