@@ -166,3 +166,16 @@ def test_a_recipe_in_the_new_names_prints_no_deprecation(trainer, capsys, tmp_pa
     cfg = parse_config(_schema(trainer), ["--config", str(recipe), f"output_dir={tmp_path}"])
     preflight_problems(cfg)
     assert _deprecation_lines(capsys.readouterr().err) == []
+
+
+def test_the_pipelines_stage_sections_rename_old_keys_before_the_merge(capsys):
+    """A recipe's grpo.eval_steps and a command line's grpo.eval_every are one setting: the override wins."""
+    from rl.scripts.pipeline import PipelineConfig
+
+    reset_warnings()
+    cfg = parse_config(PipelineConfig, ["--config", str(ROOT / "recipes/tiny/pipeline.yaml"), "grpo.eval_every=0",
+                                        "sft.batch_size=4"])
+    assert cfg.grpo["eval_steps"] == 0 and cfg.sft["per_device_train_batch_size"] == 4
+    assert sorted(_deprecation_lines(capsys.readouterr().err)) == [
+        "warning: key 'grpo.eval_every' is deprecated; use 'grpo.eval_steps'",
+        "warning: key 'sft.batch_size' is deprecated; use 'sft.per_device_train_batch_size'"]
