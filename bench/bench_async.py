@@ -48,10 +48,10 @@ def run_child(a) -> None:
     cfg = build(GRPOConfig, dict(
         model_name=a.model_dir, output_dir=a.out, seed=a.seed, learning_rate=a.lr, lr_scheduler="constant",
         warmup_ratio=0.0, weight_decay=0.0, max_grad_norm=1.0, max_steps=a.steps,
-        batch_size=a.prompts * a.generations, gradient_accumulation_steps=1, num_generations=a.generations,
+        per_device_train_batch_size=a.prompts * a.generations, gradient_accumulation_steps=1, num_generations=a.generations,
         max_completion_length=a.completion, max_length=a.completion + 64, temperature=1.0, beta=0.0,
-        epsilon_low=0.2, epsilon_high=0.2, chat_template=True, dtype="float32", report_to=["none"], log_every=1,
-        eval_every=0, save_merged=True, overwrite=True, max_staleness=a.k, rollout_processes=a.rollout_processes,
+        epsilon=0.2, epsilon_high=0.2, chat_template=True, dtype="float32", report_to=["none"], logging_steps=1,
+        eval_steps=0, save_merged=True, overwrite=True, max_staleness=a.k, rollout_processes=a.rollout_processes,
         lora={"enabled": True, "rank": 8, "alpha": 16, "dropout": 0.0, "target_modules": "all-linear"}))
     rows = [{"prompt": p["question"], "answer": p["answer"]} for p in real.problems(real.DATA / "math_train.jsonl")]
     trainer = GRPOTrainer(cfg, reward_funcs=[real.last_number_reward], train_prompts=rows)

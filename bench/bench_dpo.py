@@ -117,7 +117,7 @@ def side_ours(spec: dict, precompute: bool, chunk: int | None = None, packing: b
     chosen = {} if packing is None else {"packing": packing, "share_prompt_forward": False}
     cfg = build(DPOConfig, dict(
         model_name=spec["model"], output_dir=tempfile.mkdtemp(prefix="bench-dpo-"), report_to=["none"],
-        batch_size=spec["pairs"], max_steps=n, learning_rate=1e-6, lr_scheduler="constant", max_grad_norm=1.0,
+        per_device_train_batch_size=spec["pairs"], max_steps=n, learning_rate=1e-6, lr_scheduler_type="constant", max_grad_norm=1.0,
         max_length=_max_length(spec),
         max_prompt_length=LONGTAIL["prompt"][1] + 4 if longtail else spec["prompt_len"] + 4,
         dtype=("bfloat16" if spec.get("bf16") else "float32") if spec["device"] == "cpu" else "auto",

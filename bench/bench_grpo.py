@@ -153,10 +153,10 @@ def side_ours(spec) -> dict:
                  lora={"enabled": True, "rank": spec["lora"], "alpha": 2 * spec["lora"], "dropout": 0.0}
                  if spec["lora"] else {"enabled": False}) if real else {}
     cfg = build(grpo.GRPOConfig, dict(
-        model_name=spec["model_dir"], output_dir=spec["out"] + "/ours", learning_rate=1e-5, batch_size=n // micro,
+        model_name=spec["model_dir"], output_dir=spec["out"] + "/ours", learning_rate=1e-5, per_device_train_batch_size=n // micro,
         gradient_accumulation_steps=micro, num_generations=spec["generations"],
         max_completion_length=spec["completion"], max_length=spec["completion"] + 64,
-        max_steps=spec["steps"] + spec["warmup"], dtype="float32", report_to=["none"], lr_scheduler="constant",
+        max_steps=spec["steps"] + spec["warmup"], dtype="float32", report_to=["none"], lr_scheduler_type="constant",
         beta=spec["beta"], temperature=1.0, seed=spec["seed"], gradient_checkpointing=spec["gc"], **extra))
     if real:
         from bench.bench_real_grpo import last_number_reward

@@ -79,11 +79,11 @@ def run_ours(model_dir: str, a, out: str) -> dict:
     from rl.trainers.dpo import DPOConfig, DPOTrainer
 
     cfg = build(DPOConfig, dict(
-        model_name=model_dir, output_dir=out, seed=a.seed, learning_rate=a.lr, lr_scheduler="constant",
+        model_name=model_dir, output_dir=out, seed=a.seed, learning_rate=a.lr, lr_scheduler_type="constant",
         warmup_ratio=0.0, optim="adamw_torch_fused", weight_decay=0.0, max_grad_norm=1.0, max_steps=a.steps,
-        batch_size=a.pairs, gradient_accumulation_steps=1, beta=a.beta, loss_type="sigmoid", label_smoothing=0.0,
+        per_device_train_batch_size=a.pairs, gradient_accumulation_steps=1, beta=a.beta, loss_type="sigmoid", label_smoothing=0.0,
         max_length=128, max_prompt_length=96, precompute_ref_logps=False, dtype="float32",
-        gradient_checkpointing=False, report_to=["none"], log_every=1, eval_every=0, save_merged=bool(a.lora),
+        gradient_checkpointing=False, report_to=["none"], logging_steps=1, eval_steps=0, save_merged=bool(a.lora),
         lora={"enabled": bool(a.lora), "rank": 8, "alpha": 16, "dropout": 0.0, "target_modules": "all-linear"}))
     trainer = DPOTrainer(cfg)
     ds = PreferenceDataset(*messages(pairs(problems(DATA / "math_train.jsonl"))), trainer.tokenizer,

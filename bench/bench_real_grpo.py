@@ -85,13 +85,13 @@ def run_ours(model_dir: str, a, out: str) -> dict:
     from rl.trainers.grpo_config import GRPOConfig
 
     cfg = build(GRPOConfig, dict(
-        model_name=model_dir, output_dir=out, seed=a.seed, learning_rate=a.lr, lr_scheduler="constant",
+        model_name=model_dir, output_dir=out, seed=a.seed, learning_rate=a.lr, lr_scheduler_type="constant",
         warmup_ratio=0.0, optim="adamw_torch_fused", weight_decay=0.0, max_grad_norm=1.0,
-        max_steps=a.steps, batch_size=a.prompts * a.generations, gradient_accumulation_steps=1,
+        max_steps=a.steps, per_device_train_batch_size=a.prompts * a.generations, gradient_accumulation_steps=1,
         num_generations=a.generations, max_completion_length=a.completion, max_length=a.completion + 64,
         temperature=1.0, top_k=0, top_p=1.0, advantage_estimator="grpo", loss_aggregation="token_mean",
         epsilon_low=0.2, epsilon_high=0.2, num_iterations=1, beta=0.0, chat_template=True, dtype="float32",
-        gradient_checkpointing=False, report_to=["none"], log_every=1, eval_every=0, save_merged=True,
+        gradient_checkpointing=False, report_to=["none"], logging_steps=1, eval_steps=0, save_merged=True,
         lora={"enabled": True, "rank": 8, "alpha": 16, "dropout": 0.0, "target_modules": "all-linear"},
         use_vllm=a.child == "ours_vllm"))  # side ours_vllm: the same run, rollouts from vLLM (needs vLLM)
     rows = [{"prompt": p["question"], "answer": p["answer"]} for p in problems(DATA / "math_train.jsonl")]

@@ -95,8 +95,8 @@ def side_ours(spec: dict, packing: bool, bf16: bool, segments: bool = True, shar
     _, rows = _setup(spec)
     cfg = build(SFTConfig, dict(
         model_name=spec["model"], output_dir=tempfile.mkdtemp(prefix="bench-sft-"), report_to=["none"],
-        batch_size=spec["batch"], max_steps=spec["warmup"] + spec["steps"], learning_rate=2e-5,
-        lr_scheduler="constant", max_grad_norm=1.0, max_length=1024, seed=spec["seed"], packing=packing,
+        per_device_train_batch_size=spec["batch"], max_steps=spec["warmup"] + spec["steps"], learning_rate=2e-5,
+        lr_scheduler_type="constant", max_grad_norm=1.0, max_length=1024, seed=spec["seed"], packing=packing,
         dtype="bfloat16" if bf16 else "float32", share_prompt_forward=share))
     cfg.shuffle = False  # file order, as the TRL side (rl.trainers.epoch reads it)
     if not segments:

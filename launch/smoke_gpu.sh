@@ -39,11 +39,8 @@ runpy.run_path(script, run_name="__main__")
 # `rl vllm-serve` on the model first and stops it after
 VLLM_MODEL=${MODEL:-tiny:llama-hd64}
 
-steps_for() {  # how each trainer counts its steps
-    case "$1" in
-        ppo) echo "num_iterations=$STEPS" ;;
-        *)   echo "max_steps=$STEPS" ;;
-    esac
+steps_for() {  # every trainer counts max_steps in optimizer steps (PPO too: its rounds are num_iterations x minibatches steps)
+    echo "max_steps=$STEPS"
 }
 
 failed=0
@@ -67,7 +64,7 @@ for trainer in "${TRAINERS[@]}"; do
     for gc in false true; do
         out=$OUT/$trainer-gc$gc
         args=(--config "$recipe" dtype=bfloat16 attn_implementation=sdpa gradient_checkpointing=$gc
-              "$(steps_for "$trainer")" output_dir="$out" "report_to=[jsonl]" log_every=1)
+              "$(steps_for "$trainer")" output_dir="$out" "report_to=[jsonl]" logging_steps=1)
         [ -n "${MODEL:-}" ] && args+=(model_name="$MODEL")
         args+=("${extra[@]}")
         [ ${#extra[@]} -gt 0 ] && out=$out-vllm && args+=(output_dir="$out")

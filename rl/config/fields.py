@@ -9,10 +9,11 @@ and command-line strings alike, so `"3"` is an int where an int is expected and 
 expected (`type_name`). An unknown key suggests the closest known one, our own keys before aliases:
 most of what goes wrong with recipes is a typo.
 
-`ALIASES` is the one alias table: the reference docs' and CLI's names (`rl_kl_coef`, `lr`, ...) and
-TRL's (`per_device_train_batch_size`, `kl_coef`, ...) mapped to our keys, the first target that is a
-field of the schema at hand (`aliases_of`); `VALUE_ALIASES` maps a value too (`bf16: true` ->
-`dtype: bfloat16`).
+`ALIASES` is the one table of names that are not ours: the reference docs' and CLI's names
+(`rl_kl_coef`, `lr`, ...) and TRL's other names (`kl_coef`, `cliprange`, ...) mapped to our keys, the
+first target that is a field of the schema at hand (`aliases_of`), silently; `VALUE_ALIASES` maps a
+value too (`bf16: true` -> `dtype: bfloat16`). Our own former names (`batch_size`, ...) are
+rl.config.vocabulary.DEPRECATED: they work the same and print one deprecation line.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from typing import Any, Literal, Union, get_args, get_origin
 
 import yaml
 
+from rl.config.vocabulary import deprecated_of, rename_deprecated
 from rl.errors import ConfigError
 
 REQUIRED = dataclasses.MISSING
@@ -185,44 +187,41 @@ def hints_of(cls: type) -> dict[str, Any]:
     return typing.get_type_hints(cls)
 
 
-# The one alias table: the reference docs' and CLI's names and TRL's names, each mapped to our key. An
-# alias lists candidate targets in order and a schema takes the first that is one of its fields (so
-# `rl_kl_coef` is PPO's kl_penalty_coef and GRPO's beta); a name that is a field itself is never an alias
-# there (GRPO's max_completion_length is its own key, PPO's alias for max_new_tokens). A schema's own
-# ALIASES (rare) win.
+# The one alias table of names that are not ours: the reference docs' and CLI's names and TRL's other
+# names, each mapped to our key, silently (they are documented APIs). Our own former names are in
+# rl.config.vocabulary.DEPRECATED and print a deprecation line. An alias lists candidate targets in order
+# and a schema takes the first that is one of its fields; a name that is a field itself is never an alias
+# there. A schema's own ALIASES (rare) win.
 ALIASES: dict[str, tuple[str, ...]] = {
     # the reference's generic names
-    "lr": ("learning_rate",), "epochs": ("num_epochs",), "model": ("model_name",), "project_name": ("output_dir",),
+    "lr": ("learning_rate",), "epochs": ("num_train_epochs",), "model": ("model_name",),
+    "project_name": ("output_dir",),
     # the reference CLI's rl_* names
-    "rl_gamma": ("gamma",), "rl_gae_lambda": ("lam",), "rl_kl_coef": ("kl_penalty_coef", "beta"),
-    "rl_value_loss_coef": ("value_coef",), "rl_clip_range": ("clip_ratio", "epsilon_low"),
-    "rl_value_clip_range": ("value_clip",), "rl_num_ppo_epochs": ("ppo_epochs",),
-    "rl_mini_batch_size": ("mini_batch_size",), "rl_max_new_tokens": ("max_new_tokens", "max_completion_length"),
+    "rl_gamma": ("gamma",), "rl_gae_lambda": ("lam",), "rl_kl_coef": ("beta",),
+    "rl_value_loss_coef": ("vf_coef",), "rl_clip_range": ("epsilon",),
+    "rl_value_clip_range": ("value_clip",), "rl_num_ppo_epochs": ("num_iterations",),
+    "rl_mini_batch_size": ("mini_batch_size",), "rl_max_new_tokens": ("max_completion_length",),
     "rl_top_k": ("top_k",), "rl_top_p": ("top_p",), "rl_temperature": ("temperature",),
     "rl_reward_model_path": ("reward_model_path",), "rl_reward_fn": ("reward_fn",),
     "rl_multi_objective": ("multi_objective",), "rl_reward_weights": ("reward_weights",),
-    "rl_env_type": ("env_type",), "rl_env_config": ("env_config",), "model_ref": ("ref_model", "ref_model_name"),
+    "rl_env_type": ("env_type",), "rl_env_config": ("env_config",), "model_ref": ("ref_model",),
     "dpo_beta": ("beta",),
-    # TRL's names (TrainingArguments and the DPO/GRPO/PPO/Reward configs)
-    "per_device_train_batch_size": ("batch_size",), "num_train_epochs": ("num_epochs",),
-    "logging_steps": ("log_every",), "save_steps": ("save_every",), "eval_steps": ("eval_every",),
-    "lr_scheduler_type": ("lr_scheduler",), "max_completion_length": ("max_new_tokens",),
-    "max_new_tokens": ("max_completion_length",), "num_generations": ("num_generations",),
-    "group_size": ("num_generations",), "epsilon": ("epsilon_low", "clip_ratio"), "kl_coef": ("kl_penalty_coef", "beta"),
-    "vf_coef": ("value_coef",), "cliprange": ("clip_ratio",), "cliprange_value": ("value_clip",),
-    "num_ppo_epochs": ("ppo_epochs",), "gae_lambda": ("lam",), "precompute_ref_log_probs": ("precompute_ref_logps",),
-    "ref_model": ("ref_model_name",), "padding_free": ("packing",),
+    # TRL's other names for our keys (its PPOConfig's, DPOConfig's)
+    "group_size": ("num_generations",), "kl_coef": ("beta",), "cliprange": ("epsilon",),
+    "cliprange_value": ("value_clip",), "num_ppo_epochs": ("num_iterations",), "gae_lambda": ("lam",),
+    "precompute_ref_log_probs": ("precompute_ref_logps",), "padding_free": ("packing",),
 }
 # TRL's boolean precision flags: an alias whose value is mapped too
 VALUE_ALIASES: dict[str, tuple[str, dict]] = {"bf16": ("dtype", {True: "bfloat16", False: "float32"})}
 
 
 def aliases_of(cls: type) -> dict[str, str]:
-    """This schema's alternative key names -> its keys (see ALIASES)."""
+    """This schema's alternative key names -> its keys (ALIASES, VALUE_ALIASES and the deprecated names)."""
     fields = fields_of(cls)
     out = {a: next(t for t in targets if t in fields) for a, targets in ALIASES.items()
            if a not in fields and any(t in fields for t in targets)}
     out.update({a: t for a, (t, _) in VALUE_ALIASES.items() if a not in fields and t in fields})
+    out.update(deprecated_of(fields))
     out.update(getattr(cls, "ALIASES", {}))
     return out
 
@@ -243,6 +242,9 @@ def _unknown(key: str, cls: type, where: str) -> ConfigError:
     # our own keys first; an alias (a reference CLI or TRL name) only when no key is close
     close = (difflib.get_close_matches(key, _all_keys(cls), n=3, cutoff=0.6)
              or difflib.get_close_matches(key, _all_keys(cls, aliases=True), n=3, cutoff=0.6))
+    # only the candidates about as close as the best (max_stepz: max_steps, not save_steps and eval_steps too)
+    ratio = {c: difflib.SequenceMatcher(None, key, c).ratio() for c in close}
+    close = [c for c in close if ratio[c] >= max(ratio.values()) - 0.1]
     hint = f" (did you mean {', '.join(close)}?)" if close else " (run with --help to list the keys)"
     return ConfigError(f"{where}: unknown key '{key}'{hint}")
 
@@ -255,6 +257,7 @@ def build(cls: type, data: dict, where: str = "config", prefix: str = "", root: 
     the command line) and None is returned."""
     root = root or cls
     fields, hints, aliases = fields_of(cls), hints_of(cls), aliases_of(cls)
+    data = rename_deprecated(data, fields, where, prefix)
     kwargs: dict[str, Any] = {}
     for raw_key, value in data.items():
         key = aliases.get(raw_key, raw_key)

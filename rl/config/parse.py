@@ -32,6 +32,7 @@ from rl.config.fields import (
     hints_of,
     type_name,
 )
+from rl.config.vocabulary import DEPRECATED, rename_deprecated
 from rl.errors import ConfigError, RunError, disk_full
 
 # --------------------------------------------------------------------------------------------------
@@ -155,7 +156,7 @@ def help_text(cls: type, prog: str, description: str = "") -> str:
                 default = "REQUIRED"
             lines.append(f"  --{prefix}{name} {type_name(tp)}  (default: {default})")
             lines.append(f"        {f.metadata.get('help', '')}")
-        al = aliases_of(c)
+        al = {a: t for a, t in aliases_of(c).items() if a not in DEPRECATED}  # help shows one vocabulary
         if al:
             lines.append("  aliases: " + ", ".join(f"{prefix}{a} -> {prefix}{t}" for a, t in al.items()))
 
@@ -173,9 +174,24 @@ def parse_config(cls: type, argv: list[str] | None = None, prog: str | None = No
         raise SystemExit(0)
     data = load_recipe(recipe) if recipe else {}
     where = recipe or "config"
+    # old names become new ones before the merge, so that an override by either name replaces the recipe's
+    data = _rename_tree(cls, data, where)
+    overrides = _rename_tree(cls, overrides, "command line")
     build(cls, data, where, require=False)  # so that a mistake in the recipe names the recipe file
     data = _cli_replaces_reward_sources(cls, data, overrides)
     return build(cls, _merge(data, overrides), "command line" if overrides else where)
+
+
+def _rename_tree(cls: type, tree: dict, where: str, prefix: str = "") -> dict:
+    """`tree` with the deprecated keys renamed (rl.config.vocabulary) at every level: its sections, and the
+    mappings a schema builds into another schema later (`NESTED_SCHEMAS`: the pipeline's sft and grpo)."""
+    tree = rename_deprecated(tree, fields_of(cls), where, prefix)
+    hints, nested = hints_of(cls), getattr(cls, "NESTED_SCHEMAS", {})
+    out = {}
+    for k, v in tree.items():
+        sub = nested.get(k) or (hints.get(k) if dataclasses.is_dataclass(hints.get(k)) else None)
+        out[k] = _rename_tree(sub, v, where, f"{prefix}{k}.") if sub is not None and isinstance(v, dict) else v
+    return out
 
 
 def _cli_replaces_reward_sources(cls: type, recipe: dict, overrides: dict) -> dict:

@@ -17,6 +17,7 @@ import math
 from typing import Any, Literal
 
 from rl.config.fields import REQUIRED, opt, section
+from rl.config.vocabulary import DeprecatedAttributes, DeprecatedNames
 from rl.errors import ConfigError
 
 # --------------------------------------------------------------------------------------------------
@@ -121,8 +122,9 @@ def check_finite(cfg, prefix: str = "") -> None:
 
 
 @dataclasses.dataclass
-class TrainConfig:
-    """Fields every trainer shares."""
+class TrainConfig(DeprecatedAttributes, metaclass=DeprecatedNames):
+    """Fields every trainer shares, by TRL's (TrainingArguments') names. Former names of ours still work
+    with one deprecation line (rl.config.vocabulary.DEPRECATED)."""
 
     model_name: str = opt(REQUIRED, "HF model id or local path; 'tiny:llama' builds a tiny local model")
     output_dir: str = opt("runs/run", "where checkpoints, metrics, plots and the final model go")
@@ -132,11 +134,12 @@ class TrainConfig:
                                      "adamw_8bit, paged_adamw_8bit, paged_adamw_32bit (bitsandbytes), "
                                      "adafactor, sgd")
     weight_decay: float = opt(0.0, "weight decay (AdamW's decoupled decay; no decay on biases and norms)")
-    lr_scheduler: Literal["constant", "linear", "cosine"] = opt("linear", "schedule after warmup")
+    lr_scheduler_type: Literal["constant", "linear", "cosine"] = opt("linear", "learning-rate schedule after warmup")
     warmup_ratio: float = opt(0.0, "fraction of the optimizer steps used for linear warmup")
-    num_epochs: int = opt(1, "passes over the training data")
-    max_steps: int | None = opt(None, "stop after this many optimizer steps (overrides num_epochs)")
-    batch_size: int = opt(8, "examples per device per micro-batch")
+    num_train_epochs: int = opt(1, "passes over the training data (the prompts, for the online trainers)")
+    max_steps: int | None = opt(None, "stop after this many optimizer steps (overrides num_train_epochs)")
+    per_device_train_batch_size: int = opt(8, "examples per device per micro-batch (SFT: sequences; reward, DPO: "
+                                           "pairs; KTO: rows)")
     gradient_accumulation_steps: int = opt(1, "micro-batches accumulated per optimizer step")
     max_grad_norm: float | None = opt(1.0, "clip the global gradient norm to this (null: no clipping)")
     max_length: int = opt(512, "maximum tokens per example (prompt plus answer)")
@@ -152,9 +155,9 @@ class TrainConfig:
     attn_implementation: str | None = opt(None, "attention kernel: sdpa, eager, flash_attention_2 (null: default)")
     trust_remote_code: bool = opt(False, "allow model code from the checkpoint (only if you trust it)")
     deepspeed: str | None = opt(None, "DeepSpeed config JSON (e.g. ds_configs/zero3.json) when not given to accelerate")
-    log_every: int = opt(1, "log metrics every N optimizer steps")
-    eval_every: int = opt(0, "evaluate every N optimizer steps (0: only at the end)")
-    save_every: int = opt(0, "checkpoint every N optimizer steps (0: only the final model)")
+    logging_steps: int = opt(1, "log metrics every N optimizer steps")
+    eval_steps: int = opt(0, "evaluate every N optimizer steps (0: only at the end)")
+    save_steps: int = opt(0, "checkpoint every N optimizer steps (0: only the final model)")
     save_total_limit: int | None = opt(None, "keep only the newest N checkpoints (null: keep all)")
     resume: str | None = opt(None, "'auto' resumes from the newest complete checkpoint, or a checkpoint path")
     overwrite: bool = opt(False, "start a new run in an output_dir that holds a previous run (its metrics and "
@@ -171,7 +174,7 @@ class TrainConfig:
 
     def __post_init__(self):
         check_finite(self)
-        for name in ("batch_size", "gradient_accumulation_steps", "num_epochs", "max_length", "log_every"):
+        for name in ("per_device_train_batch_size", "gradient_accumulation_steps", "num_train_epochs", "max_length", "logging_steps"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"key '{name}' must be at least 1, got {getattr(self, name)}")
         if not 0.0 <= self.warmup_ratio < 1.0:
@@ -229,14 +232,37 @@ class VLLMKeys:
 
 
 @dataclasses.dataclass
-class OnlineConfig(VLLMKeys, TrainConfig):
-    """Keys of the trainers that sample completions from the policy and score them with the reward
-    protocol (`rl.trainers.rewards`): GRPO and its variants, online DPO. One meaning each, in both."""
+class SamplingKeys:
+    """The sampling keys, declared once for every trainer that samples from the policy (PPO, GRPO and its
+    variants, online DPO, distillation): TRL's names and defaults."""
 
     max_completion_length: int = opt(64, "new tokens per completion at most")
     temperature: float = opt(1.0, "sampling temperature (log-probs in the loss use the same temperature)")
     top_k: int = opt(0, "sample from the k most likely tokens (0: all)")
     top_p: float = opt(1.0, "nucleus sampling mass (1.0: off)")
+
+    def check_sampling(self) -> None:
+        if self.max_completion_length < 1:
+            raise ConfigError(f"key 'max_completion_length' must be at least 1, got {self.max_completion_length}")
+        if self.max_length <= self.max_completion_length:
+            raise ConfigError(f"max_length={self.max_length} leaves no room for the prompt next to "
+                              f"max_completion_length={self.max_completion_length}; raise max_length")
+        if not 0.0 < self.top_p <= 1.0:
+            raise ConfigError(f"key 'top_p' must be in (0, 1], got {self.top_p}")
+        if self.top_k < 0:
+            raise ConfigError(f"key 'top_k' must be >= 0, got {self.top_k}")
+
+    @property
+    def prompt_budget(self) -> int:
+        """Prompt tokens kept (from the right) so that prompt + completion fits max_length."""
+        return self.max_length - self.max_completion_length
+
+
+@dataclasses.dataclass
+class OnlineConfig(SamplingKeys, VLLMKeys, TrainConfig):
+    """Keys of the trainers that sample completions from the policy and score them with the reward
+    protocol (`rl.trainers.rewards`): GRPO and its variants, online DPO. One meaning each, in both."""
+
     reward_funcs: list[str] = opt([], "reward functions: rl.rewards.functions names (correctness, default, length_penalty) "
                                   "or 'module:function' with TRL's signature (prompts, completions, **columns)")
     reward_model_path: str | None = opt(None, "reward model directory written by launch/reward.py (scores prompt + "
@@ -262,18 +288,9 @@ class OnlineConfig(VLLMKeys, TrainConfig):
     def __post_init__(self):
         super().__post_init__()
         self.check_vllm()
-        if self.max_completion_length < 1:
-            raise ConfigError(f"key 'max_completion_length' must be at least 1, got {self.max_completion_length}")
-        if self.max_length <= self.max_completion_length:
-            raise ConfigError(f"max_length={self.max_length} leaves no room for the prompt next to "
-                              f"max_completion_length={self.max_completion_length}; raise max_length")
+        self.check_sampling()
         if self.reward_timeout is not None and not self.reward_timeout >= 0:
             raise ConfigError(f"key 'reward_timeout' must be >= 0 seconds or null, got {self.reward_timeout}")
-
-    @property
-    def prompt_budget(self) -> int:
-        """Prompt tokens kept (from the right) so that prompt + completion fits max_length."""
-        return self.max_length - self.max_completion_length
 
 # report_to values -> the package each needs (jsonl needs none)
 SINKS = {"jsonl": None, "tensorboard": "tensorboard", "wandb": "wandb", "trackio": "trackio", "mlflow": "mlflow",

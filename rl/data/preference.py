@@ -269,7 +269,7 @@ class PreferenceDataset(torch.utils.data.Dataset):
         srcs = [where(source, r) if "_line" in r else f"{source} row {i}" for i, r in enumerate(records)]
         return cls([r[d.prompt_column] for r in records], [r[d.chosen_column] for r in records],
                    [r[d.rejected_column] for r in records], tokenizer, cfg.max_length, cfg.max_prompt_length,
-                   chat_template=cfg.chat_template, add_eos=cfg.add_eos, sources=srcs)
+                   chat_template=cfg.chat_template, add_eos=cfg.append_eos, sources=srcs)
 
     def __len__(self) -> int:
         return len(self.examples)

@@ -40,7 +40,7 @@ def tokenize_examples(records: list[dict], tokenizer, cfg, source: str = "data")
     completion_only_loss is set. Examples longer than max_length are truncated (or rejected)."""
     d = cfg.data
     report = LengthReport(cfg.max_length, d.strict)
-    eos = [tokenizer.eos_token_id] if cfg.add_eos and tokenizer.eos_token_id is not None else []
+    eos = [tokenizer.eos_token_id] if cfg.append_eos and tokenizer.eos_token_id is not None else []
     bos = [tokenizer.bos_token_id] if getattr(tokenizer, "bos_token_id", None) is not None else []
     out = []
     for row in records:

@@ -42,7 +42,7 @@ def check_length(value: int, model, name: str, key: str = "max_length") -> None:
                           f"config's {found[1]}); set {key}={found[0]} or less")
 
 
-def prompt_room(model, max_new_tokens: int, name: str, key: str = "--max-new-tokens") -> int | None:
+def prompt_room(model, max_new_tokens: int, name: str, key: str = "--max-completion-length") -> int | None:
     """Prompt tokens that fit in `model`'s context next to `max_new_tokens` new ones (None: no limit known);
     refuses when no prompt token fits."""
     found = context_length(model)

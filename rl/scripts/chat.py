@@ -21,6 +21,7 @@ from pathlib import Path
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
+from rl.config.vocabulary import add_deprecated_flag
 from rl.errors import ConfigError
 from rl.models.limits import prompt_room
 from rl.scripts.common import fail
@@ -44,7 +45,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="render prompts with the tokenizer's chat template: auto (default) = as the run "
                         "was trained (its config.yaml chat_template), else yes when the tokenizer has "
                         "one; yes; or no (plain text)")
-    p.add_argument("--max-new-tokens", type=int, default=256, help="most tokens to generate per answer (256)")
+    p.add_argument("--max-completion-length", type=int, default=256, help="most tokens to generate per answer (256)")
+    add_deprecated_flag(p, "--max-new-tokens", "--max-completion-length")
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default); > 0 samples")
     p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass when sampling (1.0 = off)")
     p.add_argument("--seed", type=int, default=0, help="sampling seed (results repeat for a seed)")
@@ -53,8 +55,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--trust-remote-code", action="store_true",
                    help="allow the model's own Python code (only for models you trust)")
     a = p.parse_args(argv)
-    if a.max_new_tokens < 1:
-        p.error(f"--max-new-tokens must be >= 1, got {a.max_new_tokens}")
+    if a.max_completion_length < 1:
+        p.error(f"--max-completion-length must be >= 1, got {a.max_completion_length}")
     if a.temperature < 0:
         p.error(f"--temperature must be >= 0, got {a.temperature}")
     return a
@@ -116,7 +118,7 @@ def interactive(model, tok, a, chat: bool) -> None:
             prompt = history
         else:
             prompt = line
-        reply = complete(model, tok, [encode(tok, prompt, chat)], a.max_new_tokens, a.temperature, a.top_p,
+        reply = complete(model, tok, [encode(tok, prompt, chat)], a.max_completion_length, a.temperature, a.top_p,
                          a.seed, name=a.model)[0]
         if chat and tty:
             history.append({"role": "assistant", "content": reply})
@@ -130,7 +132,7 @@ def main(argv=None) -> None:
         if a.prompt and not all(p.strip() for p in a.prompt):
             raise ConfigError("--prompt: empty prompt; give the text to answer")
         model, tok = load_for_inference(a.model, a.dtype, a.trust_remote_code)
-        prompt_room(model, a.max_new_tokens, a.model)  # refused here, in one line, when no prompt fits
+        prompt_room(model, a.max_completion_length, a.model)  # refused here, in one line, when no prompt fits
         has_template = bool(getattr(tok, "chat_template", None))
         if a.chat_template == "yes" and not has_template:
             raise ConfigError(f"--chat-template yes: {a.model}'s tokenizer has no chat template; "
@@ -145,7 +147,7 @@ def main(argv=None) -> None:
     if prompts is None:
         interactive(model, tok, a, chat)
         return
-    replies = complete(model, tok, prompt_ids, a.max_new_tokens, a.temperature, a.top_p, a.seed, name=a.model)
+    replies = complete(model, tok, prompt_ids, a.max_completion_length, a.temperature, a.top_p, a.seed, name=a.model)
     for prompt, reply in zip(prompts, replies):
         shown = prompt if isinstance(prompt, str) else prompt[-1]["content"]
         print(f">>> {shown}\n{reply}\n", flush=True)

@@ -28,15 +28,15 @@ FLAG_KEYS: dict[str, object] = {
     "data_path": "data.path",
     "project_name": "output_dir",
     "lr": "learning_rate",
-    "epochs": "num_epochs",
-    "batch_size": "batch_size",
+    "epochs": "num_train_epochs",
+    "batch_size": "per_device_train_batch_size",
     "prompt_text_column": "data.prompt_column",
     # In the reference, --text-column is the text for SFT and the prompts for PPO, but the chosen answer
     # for reward and DPO pairs (with --rejected-text-column as the other one).
     "text_column": {e.name: e.text_column for e in TRAINERS.values() if e.text_column},
     "rejected_text_column": "data.rejected_column",
     "dpo_beta": "beta",
-    "model_ref": ("ref_model_name", "ref_model"),
+    "model_ref": ("ref_model",),
     "reward_model": ("reward_model_path",),  # the module docs' spelling of --rl-reward-model-path
     # the CLI doc's PPO memory knobs: positions per LM-head + log-softmax chunk when scoring, and
     # freeing the device's cached memory between generation and training

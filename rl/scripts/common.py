@@ -80,7 +80,7 @@ def final_save(output_dir):
 # ------------------------------------------------------------------------------------ preflight
 
 # config keys that name a model: (key, what it must be). "reward" must score (a classifier).
-MODEL_KEYS = (("model_name", "model"), ("ref_model_name", "model"), ("ref_model", "model"),
+MODEL_KEYS = (("model_name", "model"), ("ref_model", "model"),
               ("teacher_model_name", "model"), ("critic_model_path", "model"), ("reward_model_path", "reward"))
 
 

@@ -314,7 +314,7 @@ def dry_run_report(cfg, n_examples: int | None = None, models: dict | None = Non
     and distillation: 1), so steps per epoch are floor(n / prompts per step) and data with fewer than one
     step's prompts is the launch's own refusal (a ConfigError), not a plan of 0 steps."""
     world = int(os.environ.get("WORLD_SIZE", "1"))
-    per_device = cfg.batch_size
+    per_device = cfg.per_device_train_batch_size
     global_batch = per_device * cfg.gradient_accumulation_steps * world
     zero = zero_settings(cfg.deepspeed)
     info = {

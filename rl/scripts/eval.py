@@ -32,6 +32,7 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 import yaml
 
+from rl.config.vocabulary import add_deprecated_flag
 from rl.data.records import SUFFIXES, read_records, where
 from rl.envs.registry import make_env
 from rl.errors import (
@@ -65,10 +66,12 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--threshold", type=float, default=1.0,
                    help="a row counts as correct when its reward is >= this (default 1.0)")
     p.add_argument("--max-examples", type=int, default=None, help="score only the first N rows")
-    p.add_argument("--max-new-tokens", type=int, default=64, help="most tokens per answer (default 64)")
+    p.add_argument("--max-completion-length", type=int, default=64, help="most tokens per answer (default 64)")
+    add_deprecated_flag(p, "--max-new-tokens", "--max-completion-length")
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default); > 0 samples")
     p.add_argument("--seed", type=int, default=0, help="sampling seed (results repeat for a seed)")
-    p.add_argument("--batch-size", type=int, default=16, help="prompts generated together (default 16)")
+    p.add_argument("--per-device-eval-batch-size", type=int, default=16, help="prompts generated together (default 16)")
+    add_deprecated_flag(p, "--batch-size", "--per-device-eval-batch-size")
     p.add_argument("--chat-template", choices=("auto", "yes", "no"), default="auto",
                    help="render prompts with the chat template: auto (default) = as the run was trained "
                         "(its config.yaml chat_template), else no; yes; no")
@@ -83,7 +86,7 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="write a JSON {\"runs\": [one per --model: summary and every example (prompt, "
                         "answer, completion, reward)]}")
     a = p.parse_args(argv)
-    for key in ("max_new_tokens", "batch_size", "max_examples"):
+    for key in ("max_completion_length", "per_device_eval_batch_size", "max_examples"):
         value = getattr(a, key)
         if value is not None and value < 1:
             p.error(f"--{key.replace('_', '-')} must be >= 1, got {value}")
@@ -154,10 +157,10 @@ def evaluate_in_environment(a, model_name: str, saved: dict) -> dict:
     except (ConfigError, DataError, OSError, ValueError, TypeError) as e:
         fail(f"--model {model_name}: its environment {saved['env_type']!r} cannot read {a.data} "
              f"({str(e).splitlines()[0] if str(e) else type(e).__name__}); use --format plain")
-    max_new = int(saved.get("max_completion_length") or a.max_new_tokens)
+    max_new = int(saved.get("max_completion_length") or a.max_completion_length)
     budget = int(saved.get("max_length") or 512) - max_new
     chat = chat_setting(model_name, a.chat_template, default=False)
-    m = greedy_eval(model, tok, env, prompts, metas, max_new, budget, batch_size=a.batch_size, chat=chat)
+    m = greedy_eval(model, tok, env, prompts, metas, max_new, budget, batch_size=a.per_device_eval_batch_size, chat=chat)
     n = m["eval/num_prompts"]
     return {"model": model_name, "data": a.data, "environment": saved["env_type"], "chat_template": chat,
             "n": n, "correct": round(m["eval/accuracy"] * n), "accuracy": m["eval/accuracy"],
@@ -171,15 +174,15 @@ def evaluate(a, model_name: str, reward_fn, examples: list[dict]) -> dict:
         return evaluate_in_environment(a, model_name, saved)
     try:
         model, tok = load_for_inference(model_name, a.dtype, a.trust_remote_code)
-        prompt_room(model, a.max_new_tokens, model_name)  # refused here, in one line, when no prompt fits
+        prompt_room(model, a.max_completion_length, model_name)  # refused here, in one line, when no prompt fits
         chat = chat_setting(model_name, a.chat_template, default=False)
         if chat and not getattr(tok, "chat_template", None):
             raise ConfigError(f"{model_name}'s tokenizer has no chat template; use --chat-template no")
         prompt_ids = [encode(tok, e["prompt"], chat) for e in examples]
     except (ConfigError, DataError, OSError, ValueError, ImportError) as e:
         fail(str(e).splitlines()[0] if str(e) else type(e).__name__)
-    completions = complete(model, tok, prompt_ids, a.max_new_tokens, a.temperature, seed=a.seed,
-                           batch_size=a.batch_size, name=model_name)
+    completions = complete(model, tok, prompt_ids, a.max_completion_length, a.temperature, seed=a.seed,
+                           batch_size=a.per_device_eval_batch_size, name=model_name)
     try:
         result = score(reward_fn, examples, completions, a.threshold)
     except Exception as e:  # noqa: BLE001 - the user's reward function failing: one line naming it

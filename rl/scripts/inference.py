@@ -101,7 +101,7 @@ def complete(model, tokenizer, prompt_ids: list[list[int]], max_new_tokens: int 
     cut = sum(room is not None and len(p) > room for p in prompt_ids)
     if cut:
         print(f"warning: {cut} prompt(s) longer than {name}'s context leaves next to {max_new_tokens} new tokens "
-              f"keep their last {room} tokens (lower --max-new-tokens to keep more)", file=sys.stderr)
+              f"keep their last {room} tokens (lower --max-completion-length to keep more)", file=sys.stderr)
         prompt_ids = [keep_last(p, room, getattr(tokenizer, "bos_token_id", None)) for p in prompt_ids]
     out: list[str] = []
     for start in range(0, len(prompt_ids), batch_size):

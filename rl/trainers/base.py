@@ -223,7 +223,7 @@ class Trainer:
         self.reward = rewards() if rewards is not None else None
         self.accelerator = build_accelerator(
             cfg.gradient_accumulation_steps, device=getattr(cfg, "device", None),
-            micro_batch_size=micro_batch_size or cfg.batch_size, max_grad_norm=cfg.max_grad_norm,
+            micro_batch_size=micro_batch_size or cfg.per_device_train_batch_size, max_grad_norm=cfg.max_grad_norm,
             mixed_precision="bf16" if resolve_dtype(cfg.dtype) == torch.bfloat16 else "no",
             deepspeed_config=cfg.deepspeed)
         rm = self.reward.find(RewardModelReward) if self.reward is not None else None
@@ -291,7 +291,7 @@ class Trainer:
         cfg = self.cfg
         optimizer = build_optimizer(model, cfg.learning_rate if learning_rate is None else learning_rate,
                                     cfg.weight_decay, cfg.optim)
-        scheduler = build_scheduler(optimizer, cfg.lr_scheduler, total_steps, cfg.warmup_ratio, warmup_steps)
+        scheduler = build_scheduler(optimizer, cfg.lr_scheduler_type, total_steps, cfg.warmup_ratio, warmup_steps)
         return ForwardBackwardPipeline(
             model, gradient_accumulation_steps=cfg.gradient_accumulation_steps, optimizer=optimizer,
             scheduler=scheduler, accelerator=self.accelerator, checkpoint_dir=ckpt or checkpoint_dir(self.run_dir),
@@ -334,13 +334,13 @@ class Trainer:
                     raise RuntimeError(f"{type(self).__name__}.train_step went from step {before} to "
                                        f"{self.current_step} (row step {step}); it must take exactly one")
                 check_finite(row)
-                if step == total_steps or (cfg.eval_every and step % cfg.eval_every == 0):
+                if step == total_steps or (cfg.eval_steps and step % cfg.eval_steps == 0):
                     row.update(self.evaluate_now() or {})
                 history.append(row)
-                if step % cfg.log_every == 0 or step == total_steps or any(k.startswith("eval") for k in row):
+                if step % cfg.logging_steps == 0 or step == total_steps or any(k.startswith("eval") for k in row):
                     tracker.log(step, {k: v for k, v in row.items() if k != "step"})
                 stop = stopper.agreed(self.accelerator)
-                if (cfg.save_every and self.current_step % cfg.save_every == 0) or stop:
+                if (cfg.save_steps and self.current_step % cfg.save_steps == 0) or stop:
                     self._checkpoint()
                 if stop:
                     self.stopped_by = stopper.received

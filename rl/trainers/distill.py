@@ -61,13 +61,10 @@ class DistillConfig(OnlineConfig):
                       "KL(student||teacher)")
     temperature: float = opt(0.9, "sampling temperature (student, and teacher with seq_kd); the loss compares the "
                              "distributions at temperature 1, as TRL's GKDTrainer")
-    max_new_tokens: int | None = opt(None, "TRL's name for max_completion_length (overrides it when set)")
     seq_kd: bool = opt(False, "sequence-level KD: off-policy steps train on the teacher's samples instead of "
                        "the data's completions")
 
     def __post_init__(self):
-        if self.max_new_tokens is not None:
-            self.max_completion_length = self.max_new_tokens
         super().__post_init__()
         if not self.teacher_model_name:
             raise ConfigError("key 'teacher_model_name' is required: the model to distil from")
@@ -170,11 +167,11 @@ class DistillTrainer(Trainer):
         cfg = self.cfg
         if not self.train_prompts:
             raise ConfigError("no prompts: pass train_prompts= or set data.path")
-        per_process = cfg.batch_size * cfg.gradient_accumulation_steps
+        per_process = cfg.per_device_train_batch_size * cfg.gradient_accumulation_steps
         per_step = per_process * self.world
         if len(self.train_prompts) < per_step:
             raise ConfigError(prompts_step_problem(cfg, len(self.train_prompts), self.world))
-        total = cfg.max_steps or len(self.train_prompts) // per_step * cfg.num_epochs
+        total = cfg.max_steps or len(self.train_prompts) // per_step * cfg.num_train_epochs
         return {"prompts_per_process": per_process, "prompts_per_step": per_step, "total_steps": total}
 
     # ------------------------------------------------------------------ training
@@ -182,7 +179,7 @@ class DistillTrainer(Trainer):
         cfg, acc = self.cfg, self.accelerator
         plan = self._plan = self.plan()
         tracker = self.open_run(plan["total_steps"], desc="distill", plot_keys=["loss", "on_policy", "grad_norm"])
-        self.pipeline = self.build_pipeline(self._model, plan["total_steps"], cfg.batch_size)
+        self.pipeline = self.build_pipeline(self._model, plan["total_steps"], cfg.per_device_train_batch_size)
         self.reference.place(acc)
         s_vocab = self.pipeline.unwrapped_model.get_output_embeddings().weight.shape[0]
         teacher = self.reference.model
@@ -239,7 +236,7 @@ class DistillTrainer(Trainer):
         scale = self.world * cfg.gradient_accumulation_steps / max(n_all, 1)
         jsd_sum = 0.0
         for m in range(cfg.gradient_accumulation_steps):
-            s = slice(m * cfg.batch_size, (m + 1) * cfg.batch_size)
+            s = slice(m * cfg.per_device_train_batch_size, (m + 1) * cfg.per_device_train_batch_size)
             b = {key: v[s] for key, v in batch.items()}
             loss_fn = partial(distill_loss, teacher_logits=self._teacher_logits(b), beta=cfg.beta,
                               temperature=1.0, scale=scale)  # TRL's GKD: sampling temperature only

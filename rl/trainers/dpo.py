@@ -119,12 +119,12 @@ class DPOConfig(TrainConfig):
     reference_free: bool = opt(False, "no reference model: its log-probs count as 0")
     precompute_ref_logps: bool = opt(False, "compute reference log-probs in one pass before training, then "
                                      "train without any reference forward or reference model in memory")
-    ref_model_name: str | None = opt(None, "reference model id/path (default: the initial policy)")
+    ref_model: str | None = opt(None, "reference model id/path (default: the initial policy)")
     max_prompt_length: int = opt(256, "prompts longer than this keep their last tokens (left truncation)")
-    add_eos: bool = opt(True, "append EOS to plain-text answers so the model learns to stop")
+    append_eos: bool = opt(True, "append EOS to plain-text answers so the model learns to stop")
     chat_template: bool = opt(False, "render plain-text prompt/answers as user/assistant turns with the "
                               "tokenizer's chat template (message-list data always uses it)")
-    eval_batch_size: int | None = opt(None, "pairs per evaluation forward (default: batch_size)")
+    eval_batch_size: int | None = opt(None, "pairs per evaluation forward (default: per_device_train_batch_size)")
     packing: bool = opt(False, "padding-free micro-batches: each micro-batch's chosen and rejected sequences "
                         "packed into rows no longer than its longest, with per-sequence position_ids "
                         "(rl.engine.packing); same loss, no compute on padding (training, reference and eval "
@@ -176,7 +176,7 @@ class DPOTrainer(EpochTrainer):
 
     def __init__(self, config: DPOConfig, *, model=None, tokenizer=None, ref_model=None):
         self.build(config, model=model, tokenizer=tokenizer,
-                   reference=dict(needed=not config.uses_no_reference, name=config.ref_model_name, model=ref_model))
+                   reference=dict(needed=not config.uses_no_reference, name=config.ref_model, model=ref_model))
 
     @property
     def ref_mode(self) -> str:
@@ -194,7 +194,7 @@ class DPOTrainer(EpochTrainer):
         models = {"policy (trainable)": cfg.model_name}
         if not cfg.uses_no_reference:
             models["reference (frozen)"] = ("precomputed log-probs of " if cfg.precompute_ref_logps else "") + \
-                (cfg.ref_model_name or ("policy with LoRA disabled" if cfg.lora.enabled else cfg.model_name))
+                (cfg.ref_model or ("policy with LoRA disabled" if cfg.lora.enabled else cfg.model_name))
         return models
 
     # ----------------------------------------------------------------------------------- sizes
@@ -212,7 +212,7 @@ class DPOTrainer(EpochTrainer):
     # ------------------------------------------------------------------------------- reference
     def _setup(self, total_steps: int) -> None:
         cfg = self.cfg
-        self.pipeline = self.build_pipeline(self._model, total_steps, cfg.batch_size)
+        self.pipeline = self.build_pipeline(self._model, total_steps, cfg.per_device_train_batch_size)
         self.reference.place(self.accelerator)
         # packed training forwards attend per sequence (rl.engine.segments), not over each row's whole block mask
         kernel = (cfg.packing or cfg.share_prompt_forward) and segments.enable(self.pipeline.unwrapped_model)
@@ -238,7 +238,7 @@ class DPOTrainer(EpochTrainer):
         """One no-grad pass that stores every pair's reference log-probs in `dataset.ref_logps` (N, 2).
         Pairs are split across processes and the results gathered, so each pair is scored once."""
         acc, cfg = self.accelerator, self.cfg
-        bs = cfg.eval_batch_size or cfg.batch_size
+        bs = cfg.eval_batch_size or cfg.per_device_train_batch_size
         out = torch.zeros(len(dataset), 2)
         for idx, weight in shard_batches(len(dataset), bs, acc.num_processes, acc.process_index):
             batch = self._collate([dataset.examples[i] for i in idx], dataset.pad_token_id)
@@ -287,7 +287,7 @@ class DPOTrainer(EpochTrainer):
         unit = self.world * N / len(step_pairs)  # see dpo_batch_loss: exact step mean for any split
         sums: dict[str, float] = {}
         for m in range(N):
-            idx = mine[m * cfg.batch_size:(m + 1) * cfg.batch_size]
+            idx = mine[m * cfg.per_device_train_batch_size:(m + 1) * cfg.per_device_train_batch_size]
             # a short last step can leave this process a micro-batch with no pair: it still runs one
             # forward/backward (ZeRO-3 needs every rank in every forward) on a pair weighted 0
             weight = torch.full((len(idx),), unit) if idx else torch.zeros(1)
@@ -323,7 +323,7 @@ class DPOTrainer(EpochTrainer):
         was_training = model.training
         model.eval()
         totals: dict[str, torch.Tensor] = {}
-        bs = cfg.eval_batch_size or cfg.batch_size
+        bs = cfg.eval_batch_size or cfg.per_device_train_batch_size
         for idx, weight in shard_batches(len(dataset), bs, acc.num_processes, acc.process_index):
             b = self._collate([dataset[i] for i in idx], dataset.pad_token_id)
             ref_c, ref_r = self._reference_logps(b)

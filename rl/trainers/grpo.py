@@ -139,7 +139,7 @@ class GRPOTrainer(AsyncRollouts, OnlineTrainer):
         if cfg.max_steps:
             total = cfg.max_steps
         elif from_rows:
-            total = steps_per_epoch * cfg.num_epochs * cfg.num_iterations
+            total = steps_per_epoch * cfg.num_train_epochs * cfg.num_iterations
         else:
             raise ConfigError("an environment draws prompts without end: set max_steps")
         return {"completions_per_step": per_process * self.world, "completions_per_process": per_process,
@@ -197,7 +197,7 @@ class GRPOTrainer(AsyncRollouts, OnlineTrainer):
         tracker = self.open_run(plan["total_steps"], desc="grpo", plot_keys=[
             "reward", "eval/accuracy", "reward_std", "frac_reward_zero_std", "kl", "completions/mean_length", "loss",
             "grad_norm", "clip_ratio/region_mean"])
-        self.pipeline = self.build_pipeline(self._model, plan["total_steps"], cfg.batch_size)
+        self.pipeline = self.build_pipeline(self._model, plan["total_steps"], cfg.per_device_train_batch_size)
         self.reference.place(acc)
         # the groups' prompts computed once in the training forwards (rl.engine.segments: SDPA models)
         self._share = cfg.share_prompt_forward and segments.prefix_sharing(self.pipeline.unwrapped_model)

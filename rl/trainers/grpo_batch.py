@@ -159,7 +159,7 @@ def reward_metrics(rewards: torch.Tensor, per_func: torch.Tensor, names: list[st
 def loss_params(cfg) -> dict:
     """GRPO's loss keys of `cfg`, read in this one place (`grpo_loss`'s keyword arguments): which loss
     (`loss_type`, TRL's names), its clip range, KL and aggregation."""
-    return dict(loss_type=cfg.loss_type, beta=cfg.beta, epsilon_low=cfg.epsilon_low, epsilon_high=cfg.epsilon_high,
+    return dict(loss_type=cfg.loss_type, beta=cfg.beta, epsilon_low=cfg.epsilon, epsilon_high=cfg.epsilon_high,
                 loss_aggregation=cfg.loss_aggregation, max_completion_length=cfg.max_completion_length,
                 use_bias_correction_kl=cfg.use_bias_correction_kl,
                 importance_sampling_level=cfg.importance_sampling_level)

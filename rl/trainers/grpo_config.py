@@ -10,6 +10,7 @@ from rl.algos.policy_losses import IMPORTANCE_SAMPLING_LEVELS, KIND, LOSS_AGGREG
 from rl.algos.registry import check, choices, flag
 from rl.config.fields import opt
 from rl.config.schema import OnlineConfig
+from rl.config.vocabulary import warn_deprecated
 from rl.errors import ConfigError
 
 
@@ -18,27 +19,30 @@ _POLICY_LOSS_ALIASES = {"clip": None, "cispo": "cispo_clip"}  # the former polic
 
 @dataclasses.dataclass
 class GRPOConfig(OnlineConfig):
+    per_device_train_batch_size: int = opt(8, "GRPO: completions (not prompts) per device per micro-batch, as TRL; "
+                                           "x gradient_accumulation_steps it holds whole groups of num_generations")
     num_generations: int = opt(8, "completions sampled per prompt (the group size G)")
     advantage_estimator: Literal[names("advantage_estimator")] = opt(
         "grpo", "grpo (group mean/std), dr_grpo (group mean only), rloo (leave-one-out), reinforce_pp (batch-normalised)")
     loss_type: str = opt("dapo", f"policy loss ({choices(KIND)}), TRL's GRPO names and meanings: dapo (clipped "
                          "surrogate, token mean over the step), grpo (sequence mean), dr_grpo (/ max_completion_length), "
                          "bnpo (token mean per micro-batch), cispo (weight capped at epsilon_high), sapo; also ppo, gspo, "
-                         "cispo_clip (weight clipped to [1-epsilon_low, 1+epsilon_high]), importance_sampling, dro")
+                         "cispo_clip (weight clipped to [1-epsilon, 1+epsilon_high]), importance_sampling, dro")
     loss_aggregation: Literal[LOSS_AGGREGATIONS] | None = opt(
         None, "token_mean (DAPO), sequence_mean (GRPO paper) or constant (Dr. GRPO: / max_completion_length); "
         "null: the loss_type's own")
     policy_loss: str | None = opt(None, "deprecated, use loss_type: clip is the default clipped "
                                   "surrogate, cispo is loss_type=cispo_clip")
-    epsilon_low: float = opt(0.2, "clip the ratio below at 1 - epsilon_low")
-    epsilon_high: float = opt(0.2, "clip the ratio above at 1 + epsilon_high (DAPO recommends 0.28)")
+    epsilon: float = opt(0.2, "clip the ratio below at 1 - epsilon (and above at 1 + epsilon unless epsilon_high)")
+    epsilon_high: float | None = opt(None, "clip the ratio above at 1 + epsilon_high (null: epsilon, as TRL; DAPO "
+                                     "recommends 0.28)")
     beta: float = opt(0.0, "k3 KL penalty to the reference model; 0 loads no reference model")
     use_bias_correction_kl: bool = opt(True, "multiply the k3 term by the importance ratio (unbiased reverse-KL "
                                        "gradient, DeepSeek-V3.2; TRL 1.16's default)")
     num_iterations: int = opt(1, "policy updates per generated batch (mu in the GRPO paper)")
     importance_sampling_level: Literal[IMPORTANCE_SAMPLING_LEVELS] = opt(
         "token", "token (GRPO: a ratio per token) or sequence (GSPO, Zheng et al. 2025: one length-normalised "
-        "ratio per completion, clipped per completion; the paper uses epsilon_low=3e-4 epsilon_high=4e-4)")
+        "ratio per completion, clipped per completion; the paper uses epsilon=3e-4 epsilon_high=4e-4)")
     dynamic_sampling: bool = opt(False, "DAPO dynamic sampling: drop prompt groups whose rewards are all equal "
                                  "(advantage 0) and sample more prompts until the step's batch is full")
     max_sampling_rounds: int = opt(3, "dynamic sampling: generation rounds per step at most (the first included); "
@@ -62,6 +66,7 @@ class GRPOConfig(OnlineConfig):
             if self.policy_loss not in _POLICY_LOSS_ALIASES:
                 raise ConfigError(f"key 'policy_loss' is replaced by loss_type; set loss_type= one of "
                                   f"{', '.join(names(KIND))} (or package.module:function)")
+            warn_deprecated("policy_loss", "loss_type")
             self.loss_type = _POLICY_LOSS_ALIASES[self.policy_loss] or self.loss_type
             self.policy_loss = None
         check(KIND, self.loss_type, "loss_type")
@@ -73,12 +78,14 @@ class GRPOConfig(OnlineConfig):
         if self.num_generations < 2:
             raise ConfigError(f"key 'num_generations' must be at least 2 (the group is the baseline), "
                               f"got {self.num_generations}")
-        per_process = self.batch_size * self.gradient_accumulation_steps
+        per_process = self.per_device_train_batch_size * self.gradient_accumulation_steps
         if per_process % self.num_generations:
-            raise ConfigError(f"batch_size x gradient_accumulation_steps = {self.batch_size} x "
+            raise ConfigError(f"per_device_train_batch_size x gradient_accumulation_steps = {self.per_device_train_batch_size} x "
                               f"{self.gradient_accumulation_steps} = {per_process} completions per process must be "
                               f"a multiple of num_generations={self.num_generations} (whole groups per process)")
-        for name in ("epsilon_low", "epsilon_high", "beta"):
+        if self.epsilon_high is None:  # TRL's rule: one epsilon clips both sides unless epsilon_high is given
+            self.epsilon_high = self.epsilon
+        for name in ("epsilon", "epsilon_high", "beta"):
             if getattr(self, name) < 0:
                 raise ConfigError(f"key '{name}' must be >= 0, got {getattr(self, name)}")
         if self.temperature < 0:
@@ -112,10 +119,10 @@ def grpo_sizes(cfg: GRPOConfig, world: int, n_prompts: int | None = None) -> dic
     """GRPO's batch arithmetic in its own units (also what --dry-run prints): completions per micro-batch
     (per_device_batch) and per optimizer step (global_batch), whole groups of num_generations each, so
     prompts per step = global_batch / num_generations; steps per pass over `n_prompts` data rows."""
-    per_process = cfg.batch_size * cfg.gradient_accumulation_steps
+    per_process = cfg.per_device_train_batch_size * cfg.gradient_accumulation_steps
     prompts_per_process = per_process // cfg.num_generations
     prompts_per_step = prompts_per_process * world
-    return {"per_device_batch": cfg.batch_size, "global_batch": per_process * world,
+    return {"per_device_batch": cfg.per_device_train_batch_size, "global_batch": per_process * world,
             "completions_per_process": per_process, "prompts_per_process": prompts_per_process,
             "prompts_per_step": prompts_per_step,
             "steps_per_epoch": n_prompts // prompts_per_step if n_prompts is not None else None}

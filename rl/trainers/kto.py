@@ -77,14 +77,14 @@ class KTOConfig(TrainConfig):
     desirable_weight: float = opt(1.0, "lambda_D, weight of the desirable rows' losses (the paper: keep "
                                   "desirable_weight * n_desirable / (undesirable_weight * n_undesirable) in [1, 4/3])")
     undesirable_weight: float = opt(1.0, "lambda_U, weight of the undesirable rows' losses")
-    ref_model_name: str | None = opt(None, "reference model id/path (default: the initial policy)")
+    ref_model: str | None = opt(None, "reference model id/path (default: the initial policy)")
     max_prompt_length: int = opt(256, "prompts longer than this keep their last tokens (left truncation)")
-    add_eos: bool = opt(True, "append EOS to plain-text completions so the model learns to stop")
+    append_eos: bool = opt(True, "append EOS to plain-text completions so the model learns to stop")
     chat_template: bool = opt(False, "render plain-text prompt/completion as user/assistant turns with the "
                               "tokenizer's chat template (message-list data always uses it)")
     shuffle: bool = opt(True, "reshuffle the rows each epoch; false: file order, fixed batches (TRL's "
                         "sequential sampler)")
-    eval_batch_size: int | None = opt(None, "rows per evaluation forward (default: batch_size)")
+    eval_batch_size: int | None = opt(None, "rows per evaluation forward (default: per_device_train_batch_size)")
     device: str | None = opt(None, "cpu or cuda (null: auto-detected)")
 
     def __post_init__(self):
@@ -93,7 +93,7 @@ class KTOConfig(TrainConfig):
             raise ConfigError(f"key 'beta' must be > 0, got {self.beta}")
         if self.desirable_weight < 0 or self.undesirable_weight < 0:
             raise ConfigError("keys 'desirable_weight' and 'undesirable_weight' must be >= 0")
-        if self.batch_size < 2 or (self.eval_batch_size is not None and self.eval_batch_size < 2):
+        if self.per_device_train_batch_size < 2 or (self.eval_batch_size is not None and self.eval_batch_size < 2):
             raise ConfigError("KTO's reference point pairs each row with another row's completion of its "
                               "micro-batch: batch_size (and eval_batch_size) must be at least 2")
         if not 1 <= self.max_prompt_length < self.max_length:
@@ -111,7 +111,7 @@ class KTOTrainer(EpochTrainer):
 
     def __init__(self, config: KTOConfig, *, model=None, tokenizer=None, ref_model=None):
         self.build(config, model=model, tokenizer=tokenizer,
-                   reference=dict(needed=True, name=config.ref_model_name, model=ref_model))
+                   reference=dict(needed=True, name=config.ref_model, model=ref_model))
 
     @staticmethod
     def load_data(cfg: KTOConfig) -> tuple[list[dict], list[dict] | None]:
@@ -119,7 +119,7 @@ class KTOTrainer(EpochTrainer):
 
     @staticmethod
     def dry_run_models(cfg: KTOConfig) -> dict:
-        return {"policy (trainable)": cfg.model_name, "reference (frozen)": cfg.ref_model_name or (
+        return {"policy (trainable)": cfg.model_name, "reference (frozen)": cfg.ref_model or (
             "policy with LoRA disabled" if cfg.lora.enabled else cfg.model_name)}
 
     def plan(self, n_rows: int) -> dict:
@@ -153,7 +153,7 @@ class KTOTrainer(EpochTrainer):
         cfg = self.cfg
         plan = self._plan = self.plan(len(dataset))
         if self.pipeline is None:
-            self.pipeline = self.build_pipeline(self._model, plan["total_steps"], cfg.batch_size)
+            self.pipeline = self.build_pipeline(self._model, plan["total_steps"], cfg.per_device_train_batch_size)
             self.reference.place(self.accelerator)
         tracker = self.open_run(plan["total_steps"], desc="kto")
         n_des = sum(e["label"] for e in dataset.examples)
@@ -201,7 +201,7 @@ class KTOTrainer(EpochTrainer):
         model = self.pipeline.model
         was_training = model.training
         model.eval()
-        bs = cfg.eval_batch_size or cfg.batch_size
+        bs = cfg.eval_batch_size or cfg.per_device_train_batch_size
         totals, n_batches = {"loss": 0.0, "n": 0.0, "kl": 0.0, **dict.fromkeys(_SUMS, 0.0)}, 0
         for idx, weight in shard_batches(len(dataset), bs, acc.num_processes, acc.process_index):
             b = collate_unpaired([dataset[i] for i in idx], dataset.pad_token_id)

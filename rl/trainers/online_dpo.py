@@ -66,13 +66,14 @@ from rl.trainers.rewards import combine_rewards
 @dataclasses.dataclass
 class OnlineDPOConfig(OnlineConfig):
     learning_rate: float = opt(5e-7, "peak learning rate of AdamW (TRL's online DPO default; DPO wants it small)")
-    batch_size: int = opt(8, "prompts per device per micro-batch (each gives one pair: 2 completions)")
+    per_device_train_batch_size: int = opt(8, "prompts per device per micro-batch, as TRL's online DPO (each gives "
+                                           "one pair: 2 completions)")
     beta: float = opt(0.1, "DPO temperature beta (IPO: tau)")
     loss_type: str = opt("sigmoid", "a preference loss that compares against the reference: "
                          + " | ".join(n for n in names("preference_loss") if needs_reference(n))
                          + " | package.module:function")
     label_smoothing: float = opt(0.0, "conservative DPO (sigmoid only): probability a preference is flipped")
-    ref_model_name: str | None = opt(None, "reference model id/path (default: the initial policy; with LoRA "
+    ref_model: str | None = opt(None, "reference model id/path (default: the initial policy; with LoRA "
                                      "the policy without adapters)")
     temperature: float = opt(1.0, "sampling temperature (the loss scores the model itself, temperature 1)")
     missing_eos_penalty: float | None = opt(None, "subtracted from the reward of a completion cut at "
@@ -132,8 +133,8 @@ class OnlineDPOTrainer(OnlineTrainer):
 
     def __init__(self, config: OnlineDPOConfig, *, model=None, tokenizer=None,
                  reward_funcs: Sequence[Callable] | None = None, train_prompts: list[dict] | None = None):
-        self.build(config, model=model, tokenizer=tokenizer, micro_batch_size=2 * config.batch_size,  # 2 per prompt
-                   reference=dict(name=config.ref_model_name),
+        self.build(config, model=model, tokenizer=tokenizer, micro_batch_size=2 * config.per_device_train_batch_size,  # 2 per prompt
+                   reference=dict(name=config.ref_model),
                    rewards=lambda: self.build_env_rewards(
                        reward_funcs, train_prompts, "no reward source to rank the two samples: set env_type, "
                        "reward_model_path or reward_funcs, or pass reward_funcs="))
@@ -142,7 +143,7 @@ class OnlineDPOTrainer(OnlineTrainer):
     def dry_run_models(cfg: OnlineDPOConfig) -> dict:
         """The models a run holds, for the dry-run memory plan: the reference as `ReferencePolicy` decides."""
         models = {"policy (trainable)": cfg.model_name,
-                  "reference (frozen)": cfg.ref_model_name or ("policy without adapters" if cfg.lora.enabled
+                  "reference (frozen)": cfg.ref_model or ("policy without adapters" if cfg.lora.enabled
                                                                else cfg.model_name)}
         if cfg.reward_model_path:
             models["reward model (frozen)"] = cfg.reward_model_path
@@ -151,7 +152,7 @@ class OnlineDPOTrainer(OnlineTrainer):
     def plan(self) -> dict:
         """Derived sizes, computed once: prompts (= pairs) per step, per process and in all; total steps."""
         cfg = self.cfg
-        per_process = cfg.batch_size * cfg.gradient_accumulation_steps
+        per_process = cfg.per_device_train_batch_size * cfg.gradient_accumulation_steps
         per_step = per_process * self.world
         from_rows = self.env is None
         if from_rows and len(self.train_prompts) < per_step:
@@ -159,7 +160,7 @@ class OnlineDPOTrainer(OnlineTrainer):
         if cfg.max_steps:
             total = cfg.max_steps
         elif from_rows:
-            total = len(self.train_prompts) // per_step * cfg.num_epochs
+            total = len(self.train_prompts) // per_step * cfg.num_train_epochs
         else:
             raise ConfigError("an environment draws prompts without end: set max_steps")
         return {"prompts_per_process": per_process, "prompts_per_step": per_step, "total_steps": total}
@@ -180,7 +181,7 @@ class OnlineDPOTrainer(OnlineTrainer):
         tracker = self.open_run(plan["total_steps"], desc=f"online_dpo[{cfg.loss_type}]",
                                 plot_keys=["objective/scores", "eval/accuracy", "rewards/margins", "rewards/accuracies",
                                            "online_dpo/ties", "objective/kl", "loss", "grad_norm"])
-        self.pipeline = self.build_pipeline(self._model, plan["total_steps"], 2 * cfg.batch_size)  # 2 per prompt
+        self.pipeline = self.build_pipeline(self._model, plan["total_steps"], 2 * cfg.per_device_train_batch_size)  # 2 per prompt
         self.reference.place(acc)
         tracker.write(f"online_dpo ({cfg.loss_type}, beta {cfg.beta}): {plan['total_steps']} steps of "
                       f"{plan['prompts_per_step']} prompts x 2 samples ({self.processes}, ZeRO stage "
@@ -229,7 +230,7 @@ class OnlineDPOTrainer(OnlineTrainer):
         batch = {key: v.to(acc.device) for key, v in rollout.to_batch().items() if key != "old_logprobs"}
         sums: dict[str, float] = {}
         for m in range(cfg.gradient_accumulation_steps):
-            s = slice(m * cfg.batch_size, (m + 1) * cfg.batch_size)
+            s = slice(m * cfg.per_device_train_batch_size, (m + 1) * cfg.per_device_train_batch_size)
             rows = torch.cat([chosen[s], rejected[s]]).to(acc.device)  # [chosen..., rejected...] as offline DPO
             b = {key: v[rows] for key, v in batch.items()}
             ref_c, ref_r = self._ref_logps(b).chunk(2)

@@ -1,21 +1,21 @@
 """PPO for RLHF (Ouyang et al. 2022; Ziegler et al. 2019): a policy, a frozen reference, a value function.
 
-One iteration:
-  1. rollout   sample `batch_size` completions per process from the policy (`rl.engine.generation.generate`:
+One iteration (round):
+  1. rollout   sample `per_device_train_batch_size` completions per process from the policy (`rl.engine.generation.generate`:
                left-padded prompts, KV cache, per-row seeds; ZeRO-3 gathers the weights once);
   2. scoring   a scalar score per completion (reward function, reward model or environment), then one
                no-grad forward of the policy (old log-probs and values) and of the reference;
-  3. rewards   per token r_t = -kl_coef * KL_t, plus the score at the LAST response token only;
+  3. rewards   per token r_t = -beta * KL_t, plus the score at the LAST response token only;
                GAE (Schulman et al. 2016) as a vectorised reverse scan over the response mask;
                optional whitening of the advantages;
-  4. update    `ppo_epochs` passes over shuffled minibatches of `mini_batch_size` rollouts, each split
+  4. update    `num_iterations` passes over shuffled minibatches of `mini_batch_size` rollouts, each split
                into `gradient_accumulation_steps` micro-batches through the engine:
                loss = clipped policy loss (Schulman et al. 2017, eq. 7)
-                      + value_coef * clipped value loss - entropy_coef * entropy (response tokens only);
+                      + vf_coef * clipped value loss - entropy_coef * entropy (response tokens only);
   5. KL control Ziegler et al.'s adaptive coefficient: coef *= 1 + clip(KL/target - 1, -0.2, 0.2) * n / horizon,
                with n = rollouts in the iteration (all processes) and KL the mean per-sequence KL sum.
-Each optimizer step of 4. is one step of `Trainer.fit` (logging, eval_every, save_every, signals count
-them): steps 1-3 and 5 run at an iteration's first step, and their result stays cached (and in a
+Each optimizer step of 4. is one step of `Trainer.fit` (logging_steps, eval_steps, save_steps, max_steps
+and signals count them): steps 1-3 and 5 run at an iteration's first step, and their result stays cached (and in a
 checkpoint taken mid-iteration, so a resume continues on the same rollout exactly) for the others.
 
 Alignment of response tokens and logits: rl.trainers.ppo_math.
@@ -92,7 +92,7 @@ class PPOTrainer(Trainer):
     any reward source; runs single-process, DDP and DeepSpeed ZeRO-2/3 (policy and reference sharded).
 
         trainer = PPOTrainer(PPOConfig(model_name=..., ...), reward_fn=my_reward_fn)
-        history = trainer.train(prompts, num_iterations=100)   # one metrics dict per optimizer step
+        history = trainer.train(prompts, rounds=100)   # one metrics dict per optimizer step
         trainer.save()
     """
 
@@ -110,25 +110,25 @@ class PPOTrainer(Trainer):
                     p.requires_grad_(True)
             return build_reward_source(cfg, self.tokenizer, reward_fn, reward_model)
 
-        # kl_penalty_coef = 0 stays 0 (adaptive KL multiplies it): no KL penalty, so no reference at all
+        # beta = 0 stays 0 (adaptive KL multiplies it): no KL penalty, so no reference at all
         model = self.build(config, model=model, tokenizer=tokenizer, micro_batch_size=cfg.micro_batch_size,
                            padding_side="left", rewards=rewards,
-                           reference=dict(name=cfg.ref_model, needed=cfg.kl_penalty_coef > 0))
+                           reference=dict(name=cfg.ref_model, needed=cfg.beta > 0))
         if self._critic_rm is not None and is_deepspeed(self.accelerator):
             raise ConfigError("value_model=critic is not supported under DeepSpeed yet; use value_model=shared "
                               "(the value head is sharded with the policy)")
         self.train_dtype = resolve_dtype(cfg.dtype)
         self.policy = PPOModel(model, value_head=cfg.value_model == "shared")
         self.critic = Critic(self._critic_rm) if self._critic_rm is not None else None
-        self.kl_ctl = (AdaptiveKLController(cfg.kl_penalty_coef, cfg.kl_target, cfg.kl_horizon) if cfg.adaptive_kl
-                       else FixedKLController(cfg.kl_penalty_coef))
+        self.kl_ctl = (AdaptiveKLController(cfg.beta, cfg.kl_target, cfg.kl_horizon) if cfg.adaptive_kl
+                       else FixedKLController(cfg.beta))
         self.history: list[dict] = []
         self._exp = None  # the iteration's rollout while its optimizer steps are not all taken
 
     # ------------------------------------------------------------------ sizes and setup
-    def plan(self, n_prompts: int, num_iterations: int | None = None) -> dict:
+    def plan(self, n_prompts: int, rounds: int | None = None) -> dict:
         """Derived sizes, computed once."""
-        return ppo_plan(self.cfg, n_prompts, self.world, num_iterations)
+        return ppo_plan(self.cfg, n_prompts, self.world, rounds)
 
     def _setup(self, plan: dict) -> None:
         if self.pipeline is not None:
@@ -151,7 +151,7 @@ class PPOTrainer(Trainer):
         # a multi-turn environment (rl.envs.tool_math) runs whole episodes; their tool tokens are out of the loss
         env = getattr(self.reward, "env", None)
         sample = episode_sampler(self, generate, run_episodes, env)  # ours or vLLM; whole episodes if multi-turn
-        rollout = sample(model, self.tokenizer, prompt_ids, max_new_tokens=cfg.max_new_tokens,
+        rollout = sample(model, self.tokenizer, prompt_ids, max_new_tokens=cfg.max_completion_length,
                          temperature=cfg.temperature, top_k=cfg.top_k, top_p=cfg.top_p, seed=seed)
         if cfg.optimize_device_cache:
             release_device_cache()
@@ -201,7 +201,7 @@ class PPOTrainer(Trainer):
         # 5. the rollout's metrics (averaged over processes), KL controller
         local = {k: float(v) for k, v in rollout_stats(exp, raw_scores.to(dev), eos_missing, maskf).items()}
         stats = self.reduce({**local, **extra})
-        self.kl_ctl.update(stats["objective/kl"], cfg.batch_size * self.world)
+        self.kl_ctl.update(stats["objective/kl"], cfg.per_device_train_batch_size * self.world)
         stats.update({"kl_coef": kl_coef, "time/generation": t_gen, "time/scoring": t_score})
         self.last_rollout = {"prompts": prompt_texts, "responses": responses, "scores": raw_scores.tolist()}
         return {"iteration": iteration, "world": self.world, "P": P, "stats": stats, "last_rollout": self.last_rollout,
@@ -211,14 +211,14 @@ class PPOTrainer(Trainer):
                 # packing: the response tokens as labels of the [prompt | response] rows (pack_padded)
                 "labels": torch.cat([torch.full_like(rollout.prompt_ids, -100),
                                      tokens.masked_fill(loss_mask == 0, -100)], 1).cpu(),
-                "orders": [torch.randperm(B, generator=gen) for _ in range(cfg.ppo_epochs)]}
+                "orders": [torch.randperm(B, generator=gen) for _ in range(cfg.num_iterations)]}
 
     def _update(self, ex: dict, k: int):
         """4. the k-th optimizer step of an iteration: minibatch k % mini_batches of PPO epoch
         k // mini_batches (its micro-batches through the engine). Returns (loss metrics averaged over the
         micro-batches and processes, the policy's OptimStepResult)."""
         cfg, pipe, dev, P = self.cfg, self.pipeline, self.pipeline.device, ex["P"]
-        common = dict(P=P, **loss_params(cfg), value_clip=cfg.value_clip, value_coef=cfg.value_coef)
+        common = dict(P=P, **loss_params(cfg), value_clip=cfg.value_clip, value_coef=cfg.vf_coef)
         data = {key: v for key, v in ex["data"].items() if key not in ("ids", "attn")}
         ids, attn, labels = ex["data"]["ids"], ex["data"]["attn"], ex["labels"]
         epoch, mb = divmod(k, self._plan["mini_batches_per_epoch"])
@@ -241,7 +241,7 @@ class PPOTrainer(Trainer):
                                              if key not in ("value_clip", "value_coef")})
                 pk = {key: v for key, v in kw.items() if key not in ("old_values", "returns")}
                 r = pipe.forward_backward_custom(fn, f_ids, f_mask, model_inputs=f_in, **pk, **f_kw).result()
-                cfn = partial(critic_loss, P=P, value_clip=cfg.value_clip, value_coef=cfg.value_coef)
+                cfn = partial(critic_loss, P=P, value_clip=cfg.value_clip, value_coef=cfg.vf_coef)
                 rc = self.critic_pipeline.forward_backward_custom(
                     cfn, f_ids, f_mask, model_inputs=f_in, mask=kw["mask"], old_values=kw["old_values"],
                     returns=kw["returns"], **f_kw).result()
@@ -263,14 +263,14 @@ class PPOTrainer(Trainer):
     dry_run_models = staticmethod(ppo_dry_run_models)  # the models a run holds, for the dry-run plan
 
     # ------------------------------------------------------------------ the loop
-    def train(self, prompts: Sequence[str] | None = None, num_iterations: int | None = None,
+    def train(self, prompts: Sequence[str] | None = None, rounds: int | None = None,
               metadata: Sequence[dict] | None = None, eval_prompts: Sequence[str] | None = None,
-              eval_metadata: Sequence[dict] | None = None) -> list[dict]:
-        """Run PPO on `prompts` (strings); returns one metrics dict per optimizer step, each with its
-        `iteration` and that iteration's rollout metrics (also `self.history`).
+              eval_metadata: Sequence[dict] | None = None, *, num_iterations: int | None = None) -> list[dict]:
+        """Run PPO on `prompts` for `rounds` rounds (`num_iterations=`, the reference docs' name; default: max_steps,
+        else num_train_epochs passes); returns one metrics dict per optimizer step, with its `iteration` (also `self.history`).
 
         Every process passes the same prompts; iteration i uses a seeded shuffle of them, and process r
-        takes every world-th of the iteration's `batch_size * world` prompts. `metadata` (one dict per
+        takes every world-th of the iteration's `per_device_train_batch_size * world` prompts. `metadata` (one dict per
         prompt, e.g. {"answer": ...}) is handed to the reward source. Without prompts, the reward's
         environment supplies them (and their metadata)."""
         cfg, acc = self.cfg, self.accelerator
@@ -282,7 +282,7 @@ class PPOTrainer(Trainer):
             raise ConfigError("train() got no prompts")
         if metadata is not None and len(metadata) != len(prompts):
             raise ConfigError(f"metadata has {len(metadata)} entries for {len(prompts)} prompts")
-        plan = self.plan(len(prompts), num_iterations)
+        plan = self.plan(len(prompts), rounds if rounds is not None else num_iterations)
         self._plan = plan
         tracker = self.open_run(plan["total_steps"], desc="ppo", plot_keys=[
             "objective/scores", "objective/kl", "kl_coef", "loss/policy", "loss/value", "val/explained_variance",
@@ -373,7 +373,7 @@ class PPOTrainer(Trainer):
         return out
 
     def _global_indices(self, iteration: int, n: int) -> list[int]:
-        """The iteration's batch_size * world prompt indices: consecutive slices of per-epoch seeded
+        """The iteration's per_device_train_batch_size * world prompt indices: consecutive slices of per-epoch seeded
         shuffles (so every prompt is used once per epoch), identical on every process."""
         return prompt_order(iteration, n, self._plan["global_batch"], self.cfg.seed)
 

@@ -13,7 +13,7 @@ from rl.algos import names
 from rl.algos.policy_losses import KIND
 from rl.algos.registry import check, choices
 from rl.config.fields import opt
-from rl.config.schema import TrainConfig, VLLMKeys
+from rl.config.schema import SamplingKeys, TrainConfig, VLLMKeys
 from rl.data.records import (
     has_data,
     load_records,
@@ -27,39 +27,42 @@ logger = logging.getLogger(__name__)
 
 
 @dataclasses.dataclass
-class PPOConfig(VLLMKeys, TrainConfig):
-    """Every field of the reference's PPOConfig, plus the rest of what a PPO run needs.
+class PPOConfig(SamplingKeys, VLLMKeys, TrainConfig):
+    """Every field of the reference's PPOConfig (by the one vocabulary's names; the reference's names are
+    accepted), plus the rest of what a PPO run needs.
 
-    Sizes are per process: each process samples `batch_size` prompts per iteration, and each optimizer
-    step uses `mini_batch_size` of them, in `gradient_accumulation_steps` micro-batches of
-    mini_batch_size / gradient_accumulation_steps. Where the reference's Python example and its CLI
-    table differ, the defaults are the CLI's (the documented defaults of the rl_* names)."""
+    Sizes are per process: each process samples `per_device_train_batch_size` prompts per round (one
+    rollout batch), and each optimizer step uses `mini_batch_size` of them, in `gradient_accumulation_steps`
+    micro-batches of mini_batch_size / gradient_accumulation_steps; `num_iterations` passes over the
+    rollout batch (TRL's num_ppo_epochs, GRPO's mu) make num_iterations x per_device_train_batch_size /
+    mini_batch_size optimizer steps per round. The run is `max_steps` optimizer steps, or
+    `num_train_epochs` passes over the prompts. Where the reference's Python example and its CLI table
+    differ, the defaults are the CLI's (the documented defaults of the rl_* names)."""
 
-    batch_size: int = opt(16, "prompts sampled per process per iteration (rollout batch)")
-    mini_batch_size: int | None = opt(None, "rollouts per optimizer step, per process; divides batch_size (null: "
-                                      "min(8, batch_size), the CLI's documented 8 capped at the rollout batch)")
-    ppo_epochs: int = opt(4, "passes over each rollout batch")
-    num_iterations: int | None = opt(None, "rollout+update rounds; null: num_epochs passes over the prompts")
+    per_device_train_batch_size: int = opt(16, "PPO: prompts sampled per process per round (the rollout batch; "
+                                           "TRL's PPO calls that its batch and trains it in micro-batches of "
+                                           "mini_batch_size / gradient_accumulation_steps)")
+    mini_batch_size: int | None = opt(None, "rollouts per optimizer step, per process; divides "
+                                      "per_device_train_batch_size (null: min(8, per_device_train_batch_size), the "
+                                      "CLI's documented 8 capped at the rollout batch)")
+    num_iterations: int = opt(4, "policy updates per rollout batch: passes over it in shuffled minibatches (TRL's "
+                              "num_ppo_epochs, GRPO's num_iterations)")
     gamma: float = opt(0.99, "discount factor (0.9-1.0)")
     lam: float = opt(0.95, "GAE lambda (0.9-0.99)")
-    clip_ratio: float = opt(0.2, "PPO policy clip range epsilon")
+    epsilon: float = opt(0.2, "clip the policy ratio to [1 - epsilon, 1 + epsilon] (TRL's cliprange)")
     loss_type: str = opt("ppo", f"policy loss ({choices(KIND)}): ppo (the clipped surrogate, token mean) or any of "
-                         "the GRPO family's (rl.algos.policy_losses), with epsilon = clip_ratio")
+                         "the GRPO family's (rl.algos.policy_losses), with its clip range epsilon")
     value_clip: float | None = opt(0.2, "value clip range around the rollout's values (null: no clipping)")
-    kl_penalty_coef: float = opt(0.1, "initial KL penalty coefficient beta (per-token reward -beta*KL); 0: no "
-                                 "penalty and no reference model (objective/kl then reads 0)")
+    beta: float = opt(0.1, "KL coefficient beta, initial value with adaptive_kl (per-token reward -beta*KL; TRL's "
+                      "kl_coef); 0: no penalty and no reference model (objective/kl then reads 0)")
     adaptive_kl: bool = opt(True, "adapt the KL coefficient towards kl_target (Ziegler et al. 2019)")
     kl_target: float = opt(6.0, "target KL per sequence in nats (summed over response tokens), adaptive_kl only")
     kl_horizon: int = opt(10000, "adaptive KL horizon in samples")
     kl_estimator: Literal[names("kl_estimator")] = opt(
         "k1", "per-token KL estimator: k1 = log p/p_ref, k2 = (log p/p_ref)^2 / 2, k3 = r-1-log r")
     entropy_coef: float = opt(0.01, "entropy bonus coefficient (response tokens only)")
-    value_coef: float = opt(1.0, "value loss coefficient")
+    vf_coef: float = opt(1.0, "value loss coefficient (TRL's vf_coef)")
     whiten_advantages: bool = opt(True, "normalise advantages to mean 0 / std 1 per rollout batch")
-    max_new_tokens: int = opt(128, "maximum tokens generated per prompt")
-    temperature: float = opt(1.0, "sampling temperature (> 0); log-probs use logits / temperature")
-    top_k: int = opt(50, "top-k sampling (0: off)")
-    top_p: float = opt(1.0, "nucleus sampling (1.0: off)")
     chat_template: bool = opt(False, "render each prompt as a user turn with the tokenizer's chat template "
                               "(instruct models); rewards still see the plain prompt")
     missing_eos_penalty: float | None = opt(None, "subtracted from the score of a completion that never emitted EOS")
@@ -83,8 +86,7 @@ class PPOConfig(VLLMKeys, TrainConfig):
     critic_model_path: str | None = opt(None, "critic initialisation (default: reward_model_path, else model_name)")
     critic_learning_rate: float | None = opt(None, "critic learning rate (default: learning_rate)")
     device: str | None = opt(None, "'cpu' forces the CPU; null picks the accelerator's device")
-    save_every: int = opt(0, "checkpoint every N optimizer steps (0: only the final model)")
-    eval_every: int = opt(0, "score held-out prompts every N optimizer steps (0: only at the end, if any)")
+    eval_steps: int = opt(0, "score held-out prompts every N optimizer steps (0: only at the end, if any)")
     packing: bool = opt(False, "padding-free training forwards (policy and critic): each micro-batch's prompt+"
                         "response rows packed into rows no longer than its longest, with per-row position_ids "
                         "(rl.engine.packing); same loss")
@@ -96,39 +98,29 @@ class PPOConfig(VLLMKeys, TrainConfig):
         super().__post_init__()
         self.check_vllm()
         if self.mini_batch_size is None:  # derived once here, so the doc's batch_size=4 needs no extra key
-            self.mini_batch_size = min(8, self.batch_size)
-        for name in ("mini_batch_size", "ppo_epochs", "max_new_tokens", "kl_horizon"):
+            self.mini_batch_size = min(8, self.per_device_train_batch_size)
+        for name in ("mini_batch_size", "num_iterations", "kl_horizon"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"key '{name}' must be at least 1, got {getattr(self, name)}")
-        if self.batch_size % self.mini_batch_size:
-            raise ConfigError(f"batch_size {self.batch_size} is not a multiple of mini_batch_size "
+        if self.per_device_train_batch_size % self.mini_batch_size:
+            raise ConfigError(f"per_device_train_batch_size {self.per_device_train_batch_size} is not a multiple of mini_batch_size "
                               f"{self.mini_batch_size}; make the rollout batch a whole number of minibatches")
         if self.mini_batch_size % self.gradient_accumulation_steps:
             raise ConfigError(f"mini_batch_size {self.mini_batch_size} is not a multiple of "
                               f"gradient_accumulation_steps {self.gradient_accumulation_steps}")
-        if self.num_iterations is not None and self.num_iterations < 1:
-            raise ConfigError(f"key 'num_iterations' must be at least 1 or null, got {self.num_iterations}")
-        if self.max_steps is not None:
-            raise ConfigError("PPO counts iterations, not optimizer steps: set num_iterations instead of max_steps")
         for name in ("gamma", "lam"):
             if not 0.0 <= getattr(self, name) <= 1.0:
                 raise ConfigError(f"key '{name}' must be in [0, 1], got {getattr(self, name)}")
         check(KIND, self.loss_type, "loss_type")
-        if not self.clip_ratio > 0:
-            raise ConfigError(f"key 'clip_ratio' must be > 0, got {self.clip_ratio}")
+        if not self.epsilon > 0:
+            raise ConfigError(f"key 'epsilon' must be > 0, got {self.epsilon}")
         if self.value_clip is not None and not self.value_clip > 0:
             raise ConfigError(f"key 'value_clip' must be > 0 or null, got {self.value_clip}")
         if not self.temperature > 0:
             raise ConfigError(f"key 'temperature' must be > 0 (PPO needs sampling), got {self.temperature}")
-        if not 0.0 < self.top_p <= 1.0:
-            raise ConfigError(f"key 'top_p' must be in (0, 1], got {self.top_p}")
-        if self.top_k < 0:
-            raise ConfigError(f"key 'top_k' must be >= 0, got {self.top_k}")
-        if self.kl_penalty_coef < 0 or not self.kl_target > 0:
-            raise ConfigError("kl_penalty_coef must be >= 0 and kl_target > 0")
-        if self.max_new_tokens >= self.max_length:
-            raise ConfigError(f"max_new_tokens {self.max_new_tokens} leaves no room for the prompt in "
-                              f"max_length {self.max_length}; raise max_length")
+        if self.beta < 0 or not self.kl_target > 0:
+            raise ConfigError("key 'beta' must be >= 0 and kl_target > 0")
+        self.check_sampling()
         if self.reward_clip is not None and not self.reward_clip > 0:
             raise ConfigError(f"key 'reward_clip' must be > 0 or null, got {self.reward_clip}")
         if self.reward_timeout is not None and not self.reward_timeout >= 0:
@@ -150,20 +142,27 @@ class PPOConfig(VLLMKeys, TrainConfig):
         return self.mini_batch_size // self.gradient_accumulation_steps
 
 
-def ppo_plan(cfg: PPOConfig, n_prompts: int | None, world: int, num_iterations: int | None = None) -> dict:
-    """Derived sizes: rollouts per iteration (all processes), iterations, optimizer steps."""
-    global_batch = cfg.batch_size * world
+def ppo_plan(cfg: PPOConfig, n_prompts: int | None, world: int, rounds: int | None = None) -> dict:
+    """Derived sizes: rollouts per round (all processes), rounds ("iterations"), optimizer steps. The run is
+    `rounds` rounds when given (PPOTrainer.train's argument), else max_steps optimizer steps (the last
+    round may stop part-way), else num_train_epochs passes over the prompts."""
+    global_batch = cfg.per_device_train_batch_size * world
     per_epoch = max(1, math.ceil(n_prompts / global_batch)) if n_prompts else None
-    iterations = num_iterations or cfg.num_iterations or (per_epoch * cfg.num_epochs if per_epoch else None)
-    mini_batches = cfg.batch_size // cfg.mini_batch_size
-    steps_per_iteration = cfg.ppo_epochs * mini_batches
+    mini_batches = cfg.per_device_train_batch_size // cfg.mini_batch_size
+    steps_per_iteration = cfg.num_iterations * mini_batches
+    if rounds is None and cfg.max_steps is not None:
+        iterations = math.ceil(cfg.max_steps / steps_per_iteration)
+    else:
+        iterations = rounds or (per_epoch * cfg.num_train_epochs if per_epoch else None)
+    total = (cfg.max_steps if rounds is None and cfg.max_steps is not None
+             else iterations * steps_per_iteration if iterations else None)
     # per_device_batch / global_batch / steps_per_epoch in PPO's own units (the dry run prints these):
     # rollouts per forward, rollouts per iteration, iterations per pass over the prompts
     return {"world_size": world, "per_device_batch": cfg.micro_batch_size, "global_batch": global_batch,
             "steps_per_epoch": per_epoch, "iterations": iterations,
             "mini_batches_per_epoch": mini_batches, "micro_batch_size": cfg.micro_batch_size,
             "steps_per_iteration": steps_per_iteration,
-            "total_steps": iterations * steps_per_iteration if iterations else None, "prompts": n_prompts}
+            "total_steps": total, "prompts": n_prompts}
 
 
 NO_REWARD_ERROR = ("no reward source: set reward_model_path (rl_reward_model_path, a directory written by "
@@ -230,8 +229,8 @@ def load_prompt_data(cfg: PPOConfig) -> tuple[list[str] | None, list[dict] | Non
 
 def encode_prompts(tok, prompts: Sequence[str], cfg: PPOConfig) -> list[list[int]]:
     """Token ids of each prompt (`rl.rollout.prompts.encode_prompt`: BOS once, the chat template with
-    chat_template), keeping BOS and the LAST max_length - max_new_tokens tokens of a prompt that is too long."""
-    room = cfg.max_length - cfg.max_new_tokens
+    chat_template), keeping BOS and the LAST max_length - max_completion_length tokens of a prompt that is too long."""
+    room = cfg.max_length - cfg.max_completion_length
     out = []
     for p in prompts:
         if not isinstance(p, str):
@@ -239,7 +238,7 @@ def encode_prompts(tok, prompts: Sequence[str], cfg: PPOConfig) -> list[list[int
         out.append(encode_prompt(tok, p, None, cfg.chat_template))
     cut = sum(len(ids) > room for ids in out)
     if cut:
-        logger.warning("%d prompts were longer than max_length - max_new_tokens = %d tokens and lost their "
+        logger.warning("%d prompts were longer than max_length - max_completion_length = %d tokens and lost their "
                        "beginning", cut, room)
     return [encode_prompt(tok, p, room, cfg.chat_template) if len(ids) > room else ids
             for p, ids in zip(prompts, out)]

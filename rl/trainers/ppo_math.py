@@ -103,7 +103,7 @@ def loss_params(cfg) -> dict:
     registered policy loss (`loss_type`, default "ppo": the symmetric clip), its clip range, the length
     budget (the divisor of a loss type that aggregates by a constant, dr_grpo), the entropy bonus and the
     sampling temperature the log-probs use."""
-    return dict(loss_type=cfg.loss_type, epsilon=cfg.clip_ratio, max_length=cfg.max_new_tokens,
+    return dict(loss_type=cfg.loss_type, epsilon=cfg.epsilon, max_length=cfg.max_completion_length,
                 entropy_coef=cfg.entropy_coef, temperature=cfg.temperature)
 
 

@@ -100,7 +100,7 @@ class RewardModelTrainer(EpochTrainer):
         """The trainer a launch/reward.py recipe describes: seeded, with the recipe's accelerator
         (DeepSpeed config included), tokenizer and model; `train_recipe` then runs it."""
         torch.manual_seed(cfg.seed)
-        accelerator = build_accelerator(cfg.gradient_accumulation_steps, micro_batch_size=2 * cfg.batch_size,
+        accelerator = build_accelerator(cfg.gradient_accumulation_steps, micro_batch_size=2 * cfg.per_device_train_batch_size,
                                         max_grad_norm=cfg.max_grad_norm, deepspeed_config=cfg.deepspeed)
         tokenizer = load_tokenizer(cfg.model_name, cfg.trust_remote_code)
         return cls(cfg, model=RewardModel(cfg, tokenizer=tokenizer), tokenizer=tokenizer, accelerator=accelerator)
@@ -116,8 +116,8 @@ class RewardModelTrainer(EpochTrainer):
         eval_data = ({"chosen": evals.chosen, "rejected": evals.rejected, "prompts": evals.prompts,
                       "margins": evals.margins} if evals is not None else None)
         return self.train_on_preferences(
-            train.chosen, train.rejected, prompts=train.prompts, margins=train.margins, num_epochs=cfg.num_epochs,
-            batch_size=cfg.batch_size, eval_fraction=0.0 if evals is not None else cfg.data.eval_fraction,
+            train.chosen, train.rejected, prompts=train.prompts, margins=train.margins, num_epochs=cfg.num_train_epochs,
+            batch_size=cfg.per_device_train_batch_size, eval_fraction=0.0 if evals is not None else cfg.data.eval_fraction,
             eval_data=eval_data, tracker=tracker)
 
     # ------------------------------------------------------------------ data
@@ -144,7 +144,7 @@ class RewardModelTrainer(EpochTrainer):
         """Derived sizes, computed once (`rl.config.plan.epoch_plan`; `max_steps` wins over num_epochs)."""
         if batch_size < 1 or num_epochs < 1:
             raise ValueError(f"batch_size and num_epochs must be at least 1, got {batch_size} and {num_epochs}")
-        sizes = SimpleNamespace(batch_size=batch_size, num_epochs=num_epochs, max_steps=self.cfg.max_steps,
+        sizes = SimpleNamespace(per_device_train_batch_size=batch_size, num_train_epochs=num_epochs, max_steps=self.cfg.max_steps,
                                 gradient_accumulation_steps=self.cfg.gradient_accumulation_steps)
         return epoch_plan(sizes, n_pairs, self.world, "pairs")
 
@@ -176,7 +176,7 @@ class RewardModelTrainer(EpochTrainer):
         optimizer = self.pipeline.scheduler.optimizer  # the torch optimizer the engine steps
         for g in optimizer.param_groups:
             g["lr"] = g["initial_lr"]  # the peak, as the first schedule found it
-        self.pipeline.scheduler = build_scheduler(optimizer, cfg.lr_scheduler, total_steps, cfg.warmup_ratio, warmup)
+        self.pipeline.scheduler = build_scheduler(optimizer, cfg.lr_scheduler_type, total_steps, cfg.warmup_ratio, warmup)
 
     def _fill_deepspeed_sizes(self) -> None:
         """Fill ZeRO's hidden-size based "auto" buckets as accelerate would: it reads
@@ -207,7 +207,7 @@ class RewardModelTrainer(EpochTrainer):
         batch of an epoch make a smaller last step (one warning line). `log_fn(step, metrics)` is called
         after every optimizer step (and with eval metrics), or give a `rl.engine.tracking.Tracker` as
         `tracker`. Checkpoints, resume and signals follow the run core (rl.trainers.base):
-        `config.save_every`, `config.resume`, `config.save_total_limit`. A second call continues the
+        `config.save_steps`, `config.resume`, `config.save_total_limit`. A second call continues the
         same optimizer (steps numbered on) with a fresh schedule. Returns the last step's metrics plus
         the final evaluation."""
         if not 0.0 <= eval_fraction < 1.0:
@@ -224,8 +224,8 @@ class RewardModelTrainer(EpochTrainer):
             if not kept:
                 raise ValueError(f"eval_fraction={eval_fraction} leaves no training pairs out of {len(data)}")
             self.eval_split, train = data.take(held), data.take(kept)
-        batch_size = self.config.batch_size if batch_size is None else batch_size
-        plan = self._plan = self.plan(len(train), batch_size, self.config.num_epochs if num_epochs is None else num_epochs)
+        batch_size = self.config.per_device_train_batch_size if batch_size is None else batch_size
+        plan = self._plan = self.plan(len(train), batch_size, self.config.num_train_epochs if num_epochs is None else num_epochs)
         done = self.pipeline.step if self.pipeline is not None else 0  # steps of earlier calls
         self._setup(plan["total_steps"], batch_size)
         self.model.train()

@@ -34,7 +34,7 @@ logger = logging.getLogger(__name__)
 class SFTConfig(TrainConfig):
     completion_only_loss: bool = opt(True, "count only completion tokens in the loss (needs prompt/"
                                      "completion or messages data); false trains on the whole text")
-    add_eos: bool = opt(True, "append the EOS token to every example so the model learns to stop")
+    append_eos: bool = opt(True, "append the EOS token to every example so the model learns to stop")
     packing: bool = opt(False, "padding-free micro-batches: each micro-batch's examples concatenated into one "
                         "row with per-example position_ids (rl.engine.packing); same loss, no compute on padding")
     share_prompt_forward: bool = opt(True, "with packing: the tokens every example of a micro-batch starts with and "
@@ -83,7 +83,7 @@ class SFTTrainer(EpochTrainer):
     def train(self, train_examples: list[dict], eval_examples: list[dict] | None = None) -> list[dict]:
         cfg, acc = self.cfg, self.accelerator
         plan = self._plan = self.plan(len(train_examples))
-        self.pipeline = self.build_pipeline(self._model, plan["total_steps"], cfg.batch_size)
+        self.pipeline = self.build_pipeline(self._model, plan["total_steps"], cfg.per_device_train_batch_size)
         tracker = self.open_run(plan["total_steps"], desc="sft")
         tracker.write(f"sft: {len(train_examples)} examples, {plan['total_steps']} steps, global batch "
                       f"{plan['global_batch']} ({self.processes}, ZeRO stage {zero_stage(acc)}), "
@@ -148,8 +148,8 @@ class SFTTrainer(EpochTrainer):
         rank in every forward; eval sets are small)."""
         pipe, pad = self.pipeline, self.tokenizer.pad_token_id
         nll, n = 0.0, 0
-        for i in range(0, len(examples), self.cfg.batch_size):
-            b = collate(examples[i:i + self.cfg.batch_size], pad)
+        for i in range(0, len(examples), self.cfg.per_device_train_batch_size):
+            b = collate(examples[i:i + self.cfg.per_device_train_batch_size], pad)
             r = pipe.forward(b["input_ids"], b["attention_mask"], b["labels"]).result()
             nll += r.loss * r.num_tokens
             n += r.num_tokens

@@ -24,8 +24,8 @@ def _train_rows(out) -> list[dict]:
     return [r for r in (json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()) if "loss" in r]
 
 
-ARGS = ["--config", "recipes/tiny/grpo.yaml", "max_staleness=1", "eval_every=0", "eval_num_prompts=4",
-        "batch_size=8", "num_generations=4", "save_every=2", "learning_rate=3e-2",
+ARGS = ["--config", "recipes/tiny/grpo.yaml", "max_staleness=1", "eval_steps=0", "eval_num_prompts=4",
+        "per_device_train_batch_size=8", "num_generations=4", "save_steps=2", "learning_rate=3e-2",
         "reward_funcs=[tests.integration.test_async_processes:ranked]", "env_config.answer_format=plain"]
 
 

@@ -18,7 +18,7 @@ def _metrics(out_dir) -> list[dict]:
 def test_launch_tiny_recipe_orpo_with_eval_and_checkpoint(tmp_path, tiny_llama):
     out = tmp_path / "run"
     run_cmd([sys.executable, "launch/dpo.py", "--config", "recipes/tiny/dpo.yaml", f"output_dir={out}",
-             "num_epochs=1", "loss_type=orpo", "save_every=7", "eval_every=7"], timeout=300)
+             "num_train_epochs=1", "loss_type=orpo", "save_steps=7", "eval_steps=7"], timeout=300)
     rows = _metrics(out)
     assert any("eval/rewards/accuracies" in r for r in rows)
     assert all("nll_loss" in r for r in rows if "loss" in r and "eval/loss" not in r)
@@ -46,10 +46,10 @@ def test_launch_two_process_zero3_with_frozen_reference(tmp_path, tiny_llama, ca
     16 pairs: same pairs per step, same metrics, same updates (the metrics of step 3 depend on them).
     The one-process run is launch/dpo.py's main() in this process (conftest.run_main, one thread as in a
     run_cmd subprocess); the ZeRO-3 run is two processes under `accelerate launch`."""
-    common = ["--config", "recipes/tiny/dpo.yaml", "max_steps=3", "eval_every=3", "data.max_examples=64"]
+    common = ["--config", "recipes/tiny/dpo.yaml", "max_steps=3", "eval_steps=3", "data.max_examples=64"]
     z3, single = tmp_path / "z3", tmp_path / "single"
-    run_cmd(accelerate_cmd("launch/dpo.py", *common, f"output_dir={z3}", "batch_size=8", zero3=True), timeout=400)
-    code, stdout, stderr = run_main("dpo", [*common, f"output_dir={single}", "batch_size=16"], capfd, monkeypatch)
+    run_cmd(accelerate_cmd("launch/dpo.py", *common, f"output_dir={z3}", "per_device_train_batch_size=8", zero3=True), timeout=400)
+    code, stdout, stderr = run_main("dpo", [*common, f"output_dir={single}", "per_device_train_batch_size=16"], capfd, monkeypatch)
     assert code == 0, (stdout + stderr)[-3000:]
     rows = [r for r in _metrics(z3) if "rewards/chosen" in r]
     want = [r for r in _metrics(single) if "rewards/chosen" in r]

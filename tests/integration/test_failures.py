@@ -339,15 +339,15 @@ def test_grpo_max_steps_with_fewer_prompts_than_one_step(tmp_path):
     p.write_text("".join(json.dumps({"prompt": f"{i}+1=", "answer": str(i + 1)}) + "\n" for i in range(2)))
     out = tmp_path / "o"
     line = fails_in_subprocess("grpo", "env_type=null", f"data.path={p}", "reward_funcs=[correctness]",
-                               "batch_size=32", "num_generations=8", "max_steps=3", f"output_dir={out}",
+                               "per_device_train_batch_size=32", "num_generations=8", "max_steps=3", f"output_dir={out}",
                                names=("2 training prompts", "4"))
     assert "batch_size" in line
 
 
 @pytest.mark.parametrize("script,extra", [
-    ("grpo", ["env_type=null", "reward_funcs=[correctness]", "batch_size=32", "num_generations=8"]),
-    ("online_dpo", ["batch_size=4"]),
-    ("distill", ["batch_size=2", "gradient_accumulation_steps=2"]),
+    ("grpo", ["env_type=null", "reward_funcs=[correctness]", "per_device_train_batch_size=32", "num_generations=8"]),
+    ("online_dpo", ["per_device_train_batch_size=4"]),
+    ("distill", ["per_device_train_batch_size=2", "gradient_accumulation_steps=2"]),
 ])
 def test_dry_run_refuses_fewer_prompts_than_one_step_as_the_launch_does(script, extra, tmp_path, capsys,
                                                                          monkeypatch):
@@ -382,7 +382,7 @@ CONTEXT_LINE = ("key 'max_length': {n} tokens exceed tiny:gpt2's context of 1024
     ("dpo", ["max_length=2048", "max_prompt_length=1024"]),
     ("reward", ["max_length=2048"]),
     ("grpo", ["max_length=2048", "max_completion_length=200", "env_type=null", "reward_funcs=[default]",
-              "batch_size=8", "num_generations=4"]),
+              "per_device_train_batch_size=8", "num_generations=4"]),
 ])
 def test_max_length_above_the_models_context_is_refused(script, extra, tmp_path, capsys, monkeypatch):
     """GPT-2's learned position table has 1,024 rows: a longer SFT row crashed the forward (IndexError), GRPO's
@@ -441,7 +441,7 @@ def test_epoch_plan_keeps_a_short_last_batch():
     from rl.config.plan import epoch_plan
     from rl.trainers.dpo import DPOConfig
 
-    cfg = DPOConfig(model_name="x", batch_size=8, gradient_accumulation_steps=2)
+    cfg = DPOConfig(model_name="x", per_device_train_batch_size=8, gradient_accumulation_steps=2)
     plan = epoch_plan(cfg, 2, 1, "pairs")
     assert (plan["steps_per_epoch"], plan["last_batch"], plan["total_steps"]) == (1, 2, 1)
     assert "2 training pairs" in plan["warning"] and "16" in plan["warning"]
@@ -453,17 +453,17 @@ def test_epoch_plan_keeps_a_short_last_batch():
 
 
 @pytest.mark.parametrize("script,extra", [
-    ("dpo", ["data.max_examples=2", "data.eval_fraction=0", "eval_every=0", "batch_size=8",
-             "gradient_accumulation_steps=2", "num_epochs=1"]),
-    ("sft", ["data.max_examples=3", "batch_size=8", "gradient_accumulation_steps=2", "max_steps=2"]),
-    ("reward", ["data.max_examples=2", "data.eval_fraction=0", "batch_size=8", "gradient_accumulation_steps=2",
-                "num_epochs=1"]),
+    ("dpo", ["data.max_examples=2", "data.eval_fraction=0", "eval_steps=0", "per_device_train_batch_size=8",
+             "gradient_accumulation_steps=2", "num_train_epochs=1"]),
+    ("sft", ["data.max_examples=3", "per_device_train_batch_size=8", "gradient_accumulation_steps=2", "max_steps=2"]),
+    ("reward", ["data.max_examples=2", "data.eval_fraction=0", "per_device_train_batch_size=8", "gradient_accumulation_steps=2",
+                "num_train_epochs=1"]),
 ])
 def test_fewer_examples_than_one_global_batch_train_with_one_warning(tmp_path, script, extra, capfd, monkeypatch):
-    """Issue 15 point 3: the reference doc's DPO example (2 pairs, batch_size=8, accumulation 2). The
+    """Issue 15 point 3: the reference doc's DPO example (2 pairs, per_device_train_batch_size=8, accumulation 2). The
     launch script's main() in this process (conftest.run_main: no Python start-up per run)."""
     code, stdout, stderr = run_main(script, _argv(script, *extra, f"output_dir={tmp_path}", "report_to=[jsonl]",
-                                                  "log_every=1"), capfd, monkeypatch)
+                                                  "logging_steps=1"), capfd, monkeypatch)
     assert code == 0, stdout + stderr
     warnings = [line for line in (stdout + stderr).splitlines() if "warning:" in line and "global batch" in line]
     assert len(warnings) == 1, stdout + stderr
@@ -474,7 +474,7 @@ def test_fewer_examples_than_one_global_batch_train_with_one_warning(tmp_path, s
 
 @pytest.mark.slow
 @pytest.mark.parametrize("script,extra", [
-    ("dpo", ["data.max_examples=19", "data.eval_fraction=0", "eval_every=0", "num_epochs=2"]),
+    ("dpo", ["data.max_examples=19", "data.eval_fraction=0", "eval_steps=0", "num_train_epochs=2"]),
 ])
 def test_short_last_batch_two_processes_match_one(tmp_path, script, extra, capfd, monkeypatch):
     """19 examples, global batch 16: one full step and one of 3 per epoch. Under 2 ZeRO-3 processes x 2
@@ -484,12 +484,12 @@ def test_short_last_batch_two_processes_match_one(tmp_path, script, extra, capfd
     tests/unit/trainers/test_sft.py::test_two_processes_match_one (DDP and ZeRO-3)."""
     from tests.conftest import accelerate_cmd, run_cmd
 
-    common = ["--config", f"recipes/tiny/{script}.yaml", *extra, "log_every=1", "report_to=[jsonl]",
+    common = ["--config", f"recipes/tiny/{script}.yaml", *extra, "logging_steps=1", "report_to=[jsonl]",
               "gradient_accumulation_steps=2"]
     one, two = tmp_path / "one", tmp_path / "two"
-    code, stdout, stderr = run_main(script, [*common, "batch_size=8", f"output_dir={one}"], capfd, monkeypatch)
+    code, stdout, stderr = run_main(script, [*common, "per_device_train_batch_size=8", f"output_dir={one}"], capfd, monkeypatch)
     assert code == 0, (stdout + stderr)[-3000:]
-    run_cmd(accelerate_cmd(f"launch/{script}.py", *common, "batch_size=4", f"output_dir={two}", zero3=True))
+    run_cmd(accelerate_cmd(f"launch/{script}.py", *common, "per_device_train_batch_size=4", f"output_dir={two}", zero3=True))
 
     def losses(out):
         rows = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines() if x.strip()]
@@ -526,8 +526,8 @@ def test_ppo_with_a_correctness_reward_and_eval_data_trains_evaluates_and_saves(
     code, stdout, stderr = run_main("ppo", [
         "--config", "recipes/tiny/ppo.yaml", f"data.path={tmp_path / 'train.jsonl'}",
         f"data.eval_path={tmp_path / 'eval.jsonl'}", "reward_fn=correctness", "custom_reward=null",
-        "batch_size=4", "mini_batch_size=4", "gradient_accumulation_steps=1", "ppo_epochs=1", "max_new_tokens=4",
-        "num_iterations=2", "eval_every=1", "report_to=[jsonl]", f"output_dir={out}"], capfd, monkeypatch)
+        "per_device_train_batch_size=4", "mini_batch_size=4", "gradient_accumulation_steps=1", "num_iterations=1", "max_completion_length=4",
+        "max_steps=2", "eval_steps=1", "report_to=[jsonl]", f"output_dir={out}"], capfd, monkeypatch)
     assert code == 0, (stdout + stderr)[-3000:]
     metrics = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert any("eval/scores" in m for m in metrics), metrics
@@ -563,7 +563,7 @@ def test_disk_full_at_the_final_save_is_one_line(tmp_path, capfd, monkeypatch):
 
     out = tmp_path / "run"
     _no_space_on_write(monkeypatch, mu, "safe_save_file", lambda p: "checkpoint" not in p)
-    code, stdout, stderr = run_main("sft", _argv("sft", "max_steps=1", "save_every=1", "batch_size=4",
+    code, stdout, stderr = run_main("sft", _argv("sft", "max_steps=1", "save_steps=1", "per_device_train_batch_size=4",
                                                  f"output_dir={out}", "report_to=[jsonl]"), capfd, monkeypatch)
     lines = _error_lines(stderr)
     assert code == 1 and len(lines) == 1 and "Traceback" not in stderr, stdout + stderr

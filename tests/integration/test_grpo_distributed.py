@@ -17,8 +17,8 @@ from tests.conftest import accelerate_cmd, run_cmd
 def test_grpo_two_process_zero3(tmp_path):
     out = tmp_path / "grpo-z3"
     run_cmd(accelerate_cmd("launch/grpo.py", "--config", "recipes/tiny/grpo.yaml", f"output_dir={out}",
-                           "max_steps=2", "batch_size=16", "gradient_accumulation_steps=2", "beta=0.04",
-                           "eval_num_prompts=8", "eval_every=0", "dynamic_sampling=true", "max_sampling_rounds=2",
+                           "max_steps=2", "per_device_train_batch_size=16", "gradient_accumulation_steps=2", "beta=0.04",
+                           "eval_num_prompts=8", "eval_steps=0", "dynamic_sampling=true", "max_sampling_rounds=2",
                            "overlong_buffer=2", zero3=True),
             timeout=600, env={"RL_NO_PROGRESS": "1"})
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]

@@ -104,7 +104,7 @@ def test_eval_scores_and_writes_per_example_json(tmp_path, tiny_llama, capsys):
                     '{"prompt": "1+1=", "answer": "2"}\n')
     out = tmp_path / "eval.json"
     _launch("eval").main(["--model", tiny_llama, "--model", "tiny:qwen2", "--data", str(data),
-                          "--max-new-tokens", "4", "--out", str(out), "--batch-size", "2"])
+                          "--max-completion-length", "4", "--out", str(out), "--per-device-eval-batch-size", "2"])
     printed = capsys.readouterr().out.splitlines()
     runs = json.loads(out.read_text())["runs"]
     assert [r["model"] for r in runs] == [tiny_llama, "tiny:qwen2"]
@@ -132,7 +132,7 @@ def test_eval_and_chat_bad_input_exit_2(tmp_path, tiny_llama, capsys):
     data.write_text('{"prompt": "1+1=", "solution": "2"}\n')
     cases = [(ev, ["--model", tiny_llama, "--data", str(data)], "missing column 'answer'"),
              (ev, ["--model", tiny_llama, "--data", str(tmp_path / "nope.jsonl")], "data file not found"),
-             (ev, ["--model", tiny_llama, "--data", str(data), "--max-new-tokens", "0"], "must be >= 1"),
+             (ev, ["--model", tiny_llama, "--data", str(data), "--max-completion-length", "0"], "must be >= 1"),
              (chat, ["--model", str(tmp_path), "--prompt", "hi"], "no model here"),
              (chat, ["--model", tiny_llama, "--prompts-file", str(tmp_path / "none.txt")], "prompts file not found")]
     from test_data import _hub_layout_repo
@@ -157,14 +157,14 @@ def test_chat_prompts_file_and_stdin(tmp_path, tiny_llama, loaded, capsys, monke
     prompts = tmp_path / "p.txt"
     prompts.write_text('12+7=\n{"prompt": "3+4="}\n{"messages": [{"role": "user", "content": "hi"}]}\n')
     chat.main(["--model", tiny_llama, "--prompts-file", str(prompts), "--chat-template", "no",
-               "--max-new-tokens", "4"])
+               "--max-completion-length", "4"])
     printed = capsys.readouterr().out
     msgs = [{"role": "user", "content": "hi"}]
     replies = complete(model, tok, [encode(tok, "12+7=", False), encode(tok, "3+4=", False), encode(tok, msgs, False)],
                        max_new_tokens=4)
     assert printed == "".join(f">>> {p}\n{r}\n\n" for p, r in zip(["12+7=", "3+4=", "hi"], replies))
     monkeypatch.setattr("sys.stdin", io.StringIO("12+7=\n\n3+4=\n"))  # not a terminal: one prompt per line
-    chat.main(["--model", tiny_llama, "--chat-template", "no", "--max-new-tokens", "4"])
+    chat.main(["--model", tiny_llama, "--chat-template", "no", "--max-completion-length", "4"])
     assert capsys.readouterr().out == f"{replies[0]}\n{replies[1]}\n"
 
 
@@ -227,7 +227,7 @@ def test_chat_and_eval_refuse_broken_or_wrong_models_in_one_line(tiny_llama, tmp
     sys.path.insert(0, str(tmp_path))
     try:
         line = _one_error_line(capsys, ev, ["--model", tiny_llama, "--data", str(data), "--reward",
-                                            "rewards_that_break:score", "--max-new-tokens", "2"], code=1)
+                                            "rewards_that_break:score", "--max-completion-length", "2"], code=1)
     finally:
         sys.path.remove(str(tmp_path))
     assert "raised KeyError" in line
@@ -285,20 +285,20 @@ def test_a_corrupt_safetensors_file_is_named(tiny_llama, tmp_path, capsys):
 def test_chat_with_a_prompt_longer_than_the_context_keeps_its_end(tiny_cache, capsys):
     """GPT-2's 1,024 learned positions: a 1,400-token prompt crashed generation (IndexError). Now it keeps BOS
     and its last 1,024 - max_new_tokens tokens, as the trainers cut prompts, with one warning line; the reply
-    is the one the already-cut prompt gets. A --max-new-tokens that leaves no room is one error line."""
+    is the one the already-cut prompt gets. A --max-completion-length that leaves no room is one error line."""
     from rl.rollout.prompts import encode_prompt
     from rl.scripts.inference import complete, load_for_inference
 
     chat = _launch("chat")
     prompt = "1+" * 700 + "1="
-    chat.main(["--model", "tiny:gpt2", "--prompt", prompt, "--chat-template", "no", "--max-new-tokens", "4"])
+    chat.main(["--model", "tiny:gpt2", "--prompt", prompt, "--chat-template", "no", "--max-completion-length", "4"])
     out, err = capsys.readouterr()
     assert err.strip().splitlines() == ["warning: 1 prompt(s) longer than tiny:gpt2's context leaves next to 4 new "
-                                        "tokens keep their last 1020 tokens (lower --max-new-tokens to keep more)"]
+                                        "tokens keep their last 1020 tokens (lower --max-completion-length to keep more)"]
     model, tok = load_for_inference("tiny:gpt2", dtype="float32")
     cut = encode_prompt(tok, prompt, 1020)
     assert len(cut) == 1020 and cut[0] == tok.bos_token_id
     assert out == f">>> {prompt}\n{complete(model, tok, [cut], max_new_tokens=4)[0]}\n\n"
-    line = _one_error_line(capsys, chat.main, ["--model", "tiny:gpt2", "--prompt", "hi", "--max-new-tokens", "2000"])
-    assert line == ("error: --max-new-tokens 2000 leaves no room for the prompt in tiny:gpt2's context of 1024 "
-                    "positions (its config's n_positions); lower --max-new-tokens below 1024")
+    line = _one_error_line(capsys, chat.main, ["--model", "tiny:gpt2", "--prompt", "hi", "--max-completion-length", "2000"])
+    assert line == ("error: --max-completion-length 2000 leaves no room for the prompt in tiny:gpt2's context of 1024 "
+                    "positions (its config's n_positions); lower --max-completion-length below 1024")

@@ -135,7 +135,7 @@ def test_dry_run_report_table(monkeypatch, capsys):
     from rl.trainers.dpo import DPOConfig
 
     monkeypatch.setenv("WORLD_SIZE", "8")
-    cfg = DPOConfig(model_name="meta-llama/Llama-3.1-8B-Instruct", dtype="bfloat16", batch_size=2,
+    cfg = DPOConfig(model_name="meta-llama/Llama-3.1-8B-Instruct", dtype="bfloat16", per_device_train_batch_size=2,
                     gradient_accumulation_steps=4, deepspeed="ds_configs/zero3.json")
     info = dry_run_report(cfg, 1000, {"policy (trainable)": cfg.model_name, "reference (frozen)": cfg.model_name})
     out = capsys.readouterr().out
@@ -158,17 +158,17 @@ def test_rl_train_translates_reference_flags():
                              "--model-ref", "ref", "--max_steps", "3", "lora.rank=8"], _schema("ppo"))
     assert args == ["--model_name", "google/gemma-3-270m", "--data.path", "p.jsonl", "--output_dir", "out",
                     "--rl_kl_coef", "0.2", "--rl_reward_model_path", "rm", "--data.text_column", "q",
-                    "--learning_rate", "1e-5", "--num_epochs", "2", "--batch_size", "4", "--ref_model", "ref",
+                    "--learning_rate", "1e-5", "--num_train_epochs", "2", "--per_device_train_batch_size", "4", "--ref_model", "ref",
                     "--max_steps", "3", "lora.rank=8"]
     dpo = translate("dpo", ["--dpo-beta", "0.3", "--text-column", "good", "--rejected-text-column", "bad",
                             "--prompt-text-column", "q", "--model-ref", "r"], _schema("dpo"))
     assert dpo == ["--beta", "0.3", "--data.chosen_column", "good", "--data.rejected_column", "bad",
-                   "--data.prompt_column", "q", "--ref_model_name", "r"]
+                   "--data.prompt_column", "q", "--ref_model", "r"]
     # the translated arguments parse into the schema's fields
     from rl.config.parse import parse_config
 
     cfg = parse_config(_schema("dpo"), ["--model", "tiny:llama", *dpo])
-    assert (cfg.beta, cfg.data.chosen_column, cfg.ref_model_name) == (0.3, "good", "r")
+    assert (cfg.beta, cfg.data.chosen_column, cfg.ref_model) == (0.3, "good", "r")
     with pytest.raises(ValueError, match="--dpo-beta has no meaning for --trainer sft"):
         translate("sft", ["--dpo-beta", "0.1"], _schema("sft"))
 
@@ -279,7 +279,7 @@ def test_trl_optimizer_names_train_and_unknown_is_exit_2(optim, tmp_path, tiny_l
     from rl.errors import ConfigError
     from rl.trainers.sft import SFTConfig, SFTTrainer
 
-    cfg = build(SFTConfig, {"model_name": tiny_llama, "output_dir": str(tmp_path), "max_steps": 2, "batch_size": 2,
+    cfg = build(SFTConfig, {"model_name": tiny_llama, "output_dir": str(tmp_path), "max_steps": 2, "per_device_train_batch_size": 2,
                             "report_to": ["none"], "learning_rate": 1e-2, "optim": optim})
     trainer = SFTTrainer(cfg)
     before = [p.detach().clone() for p in trainer._model.parameters()]

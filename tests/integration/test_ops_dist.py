@@ -20,7 +20,7 @@ from tests.conftest import ROOT, free_port, run_main
 
 pytestmark = pytest.mark.slow
 
-SFT = [sys.executable, "launch/sft.py", "--config", "recipes/tiny/sft.yaml", "log_every=1", "report_to=[jsonl]"]
+SFT = [sys.executable, "launch/sft.py", "--config", "recipes/tiny/sft.yaml", "logging_steps=1", "report_to=[jsonl]"]
 
 
 def _env(**kw) -> dict:
@@ -203,7 +203,7 @@ def test_sigkill_during_checkpoint_write(tmp_path, uninterrupted, capfd, monkeyp
 
     out, mark, wrapper = tmp_path / "run", tmp_path / "writing", tmp_path / "kill_during_save.py"
     wrapper.write_text(KILL_DURING_SAVE)
-    args = SFT[2:] + ["max_steps=40", "save_every=2", f"output_dir={out}", "resume=auto"]
+    args = SFT[2:] + ["max_steps=40", "save_steps=2", f"output_dir={out}", "resume=auto"]
     proc = subprocess.Popen([sys.executable, str(wrapper), *args], cwd=ROOT, env=_env(MARK=str(mark)),
                             text=True, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
     deadline = time.time() + 240
@@ -216,7 +216,7 @@ def test_sigkill_during_checkpoint_write(tmp_path, uninterrupted, capfd, monkeyp
     assert (ckpts / ".tmp-checkpoint-4").is_dir() and not (ckpts / ".tmp-checkpoint-4" / "COMPLETE").exists()
     assert latest_checkpoint(out) == ckpts / "checkpoint-2"
     assert set(_params(ckpts / "checkpoint-2" / "model.safetensors")) == set(uninterrupted)  # loadable
-    code, stdout, stderr = run_main("sft", SFT[2:] + ["max_steps=40", "save_every=2", f"output_dir={out}",
+    code, stdout, stderr = run_main("sft", SFT[2:] + ["max_steps=40", "save_steps=2", f"output_dir={out}",
                                                        "resume=auto"], capfd, monkeypatch)
     assert code == 0 and "checkpoint-2 at step 2" in stdout + stderr, (stdout + stderr)[-3000:]
     assert _max_diff(_params(out / "model.safetensors"), uninterrupted) == 0.0
@@ -345,7 +345,7 @@ def test_sbatch_template_on_two_nodes_gives_the_one_machine_result(tmp_path, one
                    SLURM_JOB_NODELIST="127.0.0.1", SLURM_NNODES="2", SLURM_NODEID=str(node), SLURM_PROCID=str(node),
                    SLURM_SUBMIT_DIR=str(ROOT), MAIN_PORT=str(port))
         procs.append(subprocess.Popen(["bash", "launch/slurm/train.sbatch", "sft", "recipes/tiny/sft.yaml",
-                                       "log_every=1", "report_to=[jsonl]", *SHORT, f"output_dir={out}"],
+                                       "logging_steps=1", "report_to=[jsonl]", *SHORT, f"output_dir={out}"],
                                       cwd=ROOT, env=env, text=True, stdout=subprocess.PIPE,
                                       stderr=subprocess.STDOUT, start_new_session=True))
     logs = _finished(procs)

@@ -340,7 +340,7 @@ def test_a_checkpoint_killed_right_after_its_rename_loads_with_from_pretrained(l
             raise _Killed
 
     cfg = build(SFTConfig, {"model_name": tiny_llama, "output_dir": str(tmp_path / "run"), "max_steps": 2,
-                            "save_every": 1, "batch_size": 2, "report_to": ["none"],
+                            "save_steps": 1, "per_device_train_batch_size": 2, "report_to": ["none"],
                             "lora": {"enabled": lora, "rank": 2, "target_modules": "q_proj"}})
     trainer = SFTTrainer(cfg)
     data = tokenize_examples([{"prompt": f"{i}+1=", "completion": str(i + 1)} for i in range(4)], trainer.tokenizer,

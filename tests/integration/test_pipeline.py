@@ -59,9 +59,9 @@ def test_pipeline_bad_key_fails_fast(tmp_path):
 
 
 # the tiny pipeline cut to a few steps of each stage (seconds in this process)
-CHEAP = ["num_sft_examples=64", "eval_num_prompts=4", "sft.batch_size=8", "sft.max_steps=3", "sft.log_every=1",
-         "grpo.batch_size=8", "grpo.num_generations=4", "grpo.max_steps=2", "grpo.eval_every=0",
-         "grpo.log_every=1"]
+CHEAP = ["num_sft_examples=64", "eval_num_prompts=4", "sft.per_device_train_batch_size=8", "sft.max_steps=3", "sft.logging_steps=1",
+         "grpo.per_device_train_batch_size=8", "grpo.num_generations=4", "grpo.max_steps=2", "grpo.eval_steps=0",
+         "grpo.logging_steps=1"]
 
 
 def _pipeline(out, *extra, capfd, monkeypatch, stop: tuple | None = None):

@@ -17,9 +17,9 @@ PROMPTS = [f"{w} {v}: " for w in ("tell", "write", "why", "how") for v in ("sea"
 
 
 def tiny_cfg(tmp_path, **kw) -> PPOConfig:
-    base = dict(model_name="tiny:llama", output_dir=str(tmp_path), seed=0, learning_rate=3e-3, lr_scheduler="constant",
-                batch_size=32, mini_batch_size=16, gradient_accumulation_steps=2, ppo_epochs=2, max_new_tokens=16,
-                max_length=64, top_k=0, gamma=1.0, value_coef=0.5, entropy_coef=0.0, kl_penalty_coef=0.02,
+    base = dict(model_name="tiny:llama", output_dir=str(tmp_path), seed=0, learning_rate=3e-3, lr_scheduler_type="constant",
+                per_device_train_batch_size=32, mini_batch_size=16, gradient_accumulation_steps=2, num_iterations=2, max_completion_length=16,
+                max_length=64, top_k=0, gamma=1.0, vf_coef=0.5, entropy_coef=0.0, beta=0.02,
                 adaptive_kl=False, dtype="float32", device="cpu", report_to=["none"])
     base.update(kw)
     return PPOConfig(**base)
@@ -40,7 +40,7 @@ def test_ppo_learns_char_fraction_with_bounded_kl(tmp_path, tiny_llama):
     {OMP threads 1, 2} (8 runs, 2026-12-02; both thread counts gave the same values per seed):
     end/start 12.8 to 31.3 (bar 2), end 0.068 to 0.155 (bar 0.03), the largest KL 8.5 to 13.2 nats
     (bar 50)."""
-    trainer = PPOTrainer(tiny_cfg(tmp_path, num_iterations=6, learning_rate=1e-2, ppo_epochs=4, kl_penalty_coef=0.01,
+    trainer = PPOTrainer(tiny_cfg(tmp_path, max_steps=48, learning_rate=1e-2, num_iterations=4, beta=0.01,
                                   seed=LEARN_SEED),
                          reward_fn=char_fraction_reward)
     held_out = [f"{p}{i} " for p in PROMPTS for i in range(8)]  # 128 answers, same sampling seed before/after
@@ -67,8 +67,8 @@ def test_ppo_learns_char_fraction_with_bounded_kl(tmp_path, tiny_llama):
 def test_lora_reference_adaptive_kl_and_critic(tmp_path, tiny_llama):
     """LoRA policy whose reference is itself without adapters (KL exactly 0 before the first update,
     > 0 after), adaptive KL moving the coefficient, a separate critic, and resume from a checkpoint."""
-    cfg = tiny_cfg(tmp_path, num_iterations=2, batch_size=16, mini_batch_size=8, ppo_epochs=1, learning_rate=1e-2,
-                   adaptive_kl=True, kl_target=1e-4, kl_horizon=100, value_model="critic", save_every=2)
+    cfg = tiny_cfg(tmp_path, max_steps=4, per_device_train_batch_size=16, mini_batch_size=8, num_iterations=1, learning_rate=1e-2,
+                   adaptive_kl=True, kl_target=1e-4, kl_horizon=100, value_model="critic", save_steps=2)
     cfg.lora.enabled, cfg.lora.rank, cfg.lora.dropout = True, 4, 0.0
     trainer = PPOTrainer(cfg, reward_fn=content_reward)
     assert trainer.reference.mode == "adapters" and trainer.reference.model is None
@@ -79,14 +79,14 @@ def test_lora_reference_adaptive_kl_and_critic(tmp_path, tiny_llama):
     assert abs(hist[1]["objective/kl"]) > 1e-6
     # adaptive KL: KL 0 (below target) lowers the coefficient by the clipped step times n/horizon,
     # then the measured KL of iteration 2 moves it by Ziegler's formula
-    assert hist[1]["kl_coef"] == pytest.approx(cfg.kl_penalty_coef * (1 - 0.2 * 16 / 100))
+    assert hist[1]["kl_coef"] == pytest.approx(cfg.beta * (1 - 0.2 * 16 / 100))
     err = min(max(hist[1]["objective/kl"] / 1e-4 - 1, -0.2), 0.2)
     assert trainer.kl_ctl.value == pytest.approx(hist[1]["kl_coef"] * (1 + err * 16 / 100))
     assert "loss/value" in hist[-1] and "loss/policy" in hist[-1]
-    assert (tmp_path / "checkpoints" / "checkpoint-4" / "COMPLETE").exists()  # save_every counts optimizer steps
+    assert (tmp_path / "checkpoints" / "checkpoint-4" / "COMPLETE").exists()  # save_steps counts optimizer steps
     assert (tmp_path / "checkpoints" / "critic" / "checkpoint-4" / "COMPLETE").exists()
     # resume: a fresh trainer continues at iteration 2 with the saved KL coefficient
-    cfg3 = tiny_cfg(tmp_path, num_iterations=3, batch_size=16, mini_batch_size=8, ppo_epochs=1, learning_rate=1e-2,
+    cfg3 = tiny_cfg(tmp_path, max_steps=6, per_device_train_batch_size=16, mini_batch_size=8, num_iterations=1, learning_rate=1e-2,
                     adaptive_kl=True, kl_target=1e-4, kl_horizon=100, value_model="critic", resume="auto")
     cfg3.lora.enabled, cfg3.lora.rank, cfg3.lora.dropout = True, 4, 0.0
     t3 = PPOTrainer(cfg3, reward_fn=content_reward)
@@ -101,12 +101,12 @@ def test_two_step_rlhf_pipeline(tmp_path, tiny_cache):
     the README writes it: the command line's reward_model_path replaces the recipe's reward_fn."""
     rm = tmp_path / "rm"
     run_cmd(["python", "launch/reward.py", "--config", "recipes/tiny/reward.yaml", f"output_dir={rm}",
-             "num_epochs=1", "data.max_examples=64"], timeout=300)
+             "num_train_epochs=1", "data.max_examples=64"], timeout=300)
     assert (rm / "reward_config.json").exists()
     out = tmp_path / "ppo"
     proc = run_cmd(["python", "launch/ppo.py", "--config", "recipes/tiny/ppo.yaml", f"reward_model_path={rm}",
-                    "num_iterations=1", "batch_size=8", "mini_batch_size=8", "gradient_accumulation_steps=1",
-                    "ppo_epochs=1", "max_new_tokens=4", f"output_dir={out}"], timeout=300)
+                    "max_steps=1", "per_device_train_batch_size=8", "mini_batch_size=8", "gradient_accumulation_steps=1",
+                    "num_iterations=1", "max_completion_length=4", f"output_dir={out}"], timeout=300)
     assert "reward: reward_model" in proc.stdout + proc.stderr, proc.stdout + proc.stderr
     assert "ppo done" in proc.stdout, proc.stdout + proc.stderr
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
@@ -118,8 +118,8 @@ def test_two_step_rlhf_pipeline(tmp_path, tiny_cache):
 def test_zero3_two_processes_policy_reference_value_sharded(tmp_path, tiny_cache):
     out = tmp_path / "z3"
     proc = run_cmd(accelerate_cmd("launch/ppo.py", "--config", "recipes/tiny/ppo.yaml", f"output_dir={out}",
-                                  "num_iterations=2", "batch_size=8", "mini_batch_size=4",
-                                  "gradient_accumulation_steps=2", "ppo_epochs=1", "max_new_tokens=8",
+                                  "max_steps=4", "per_device_train_batch_size=8", "mini_batch_size=4",
+                                  "gradient_accumulation_steps=2", "num_iterations=1", "max_completion_length=8",
                                   zero3=True), timeout=600)
     text = proc.stdout + proc.stderr
     assert "2 processes, ZeRO stage 3" in text, text[-3000:]

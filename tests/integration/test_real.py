@@ -210,7 +210,7 @@ def test_sft_lora_step_saves_a_merged_model_that_generates_the_same(smollm, tok,
     from rl.trainers.sft import SFTConfig, SFTTrainer
 
     records = [{"messages": m, "_line": i} for i, m in enumerate(CONVERSATIONS, 1)]
-    cfg = build(SFTConfig, dict(model_name=NAME, output_dir=str(tmp_path / "out"), max_steps=1, batch_size=3,
+    cfg = build(SFTConfig, dict(model_name=NAME, output_dir=str(tmp_path / "out"), max_steps=1, per_device_train_batch_size=3,
                                 learning_rate=1e-3, dtype="float32", max_length=96, report_to=["none"],
                                 lora=dict(enabled=True, rank=4, alpha=8, dropout=0.0), save_merged=True))
     trainer = SFTTrainer(cfg, tokenizer=tok)
@@ -318,7 +318,7 @@ def test_dpo_matches_trl_on_real_chat_pairs_and_keeps_eos(model, tok, tmp_path):
     trl_log = [row for row in theirs.state.log_history if "rewards/chosen" in row][0]
     del theirs
     cfg = build(DPOConfig, dict(model_name=NAME, output_dir=str(tmp_path / "ours"), report_to=["none"],
-                                batch_size=len(DPO_PAIRS), max_steps=1, learning_rate=lr, lr_scheduler="constant", beta=beta,
+                                per_device_train_batch_size=len(DPO_PAIRS), max_steps=1, learning_rate=lr, lr_scheduler_type="constant", beta=beta,
                                 max_length=128, max_prompt_length=96, dtype="float32", max_grad_norm=1.0))
     ours = DPOTrainer(cfg, tokenizer=tok, model=copy.deepcopy(model).train()).train(ds)[0]
     for k in ("loss", "logps/chosen", "logps/rejected", "rewards/margins"):
@@ -347,7 +347,7 @@ def test_sft_launch_full_fine_tune_reloads(smollm, tok, tmp_path, launch):
     from transformers import AutoModelForCausalLM
 
     out = tmp_path / "sft"
-    _, rows = launch("sft", "sft", out, "max_steps=1", "batch_size=4")
+    _, rows = launch("sft", "sft", out, "max_steps=1", "per_device_train_batch_size=4")
     assert rows and all(torch.isfinite(torch.tensor(r["loss"])) for r in rows if "loss" in r)
     m = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32)
     assert m.config.vocab_size == 49152 and m.config.tie_word_embeddings
@@ -356,7 +356,7 @@ def test_sft_launch_full_fine_tune_reloads(smollm, tok, tmp_path, launch):
 @pytest.mark.slow
 def test_reward_launch(smollm, tmp_path, launch):
     out = tmp_path / "rm"
-    _, rows = launch("reward", "reward", out, "max_steps=1", "batch_size=2")
+    _, rows = launch("reward", "reward", out, "max_steps=1", "per_device_train_batch_size=2")
     assert any("loss" in r for r in rows)
     from transformers import AutoModelForSequenceClassification
 
@@ -378,7 +378,7 @@ def test_reward_launch(smollm, tmp_path, launch):
 @pytest.mark.slow
 def test_dpo_launch_lora(smollm, tmp_path, launch):
     out = tmp_path / "dpo"
-    _, rows = launch("dpo", "dpo", out, "max_steps=1", "batch_size=2", "lora.enabled=true")
+    _, rows = launch("dpo", "dpo", out, "max_steps=1", "per_device_train_batch_size=2", "lora.enabled=true")
     assert any("loss" in r for r in rows)
     assert (out / "adapter_config.json").exists() and (out / "README.md").exists()  # the PEFT adapter, as TRL
 
@@ -386,14 +386,14 @@ def test_dpo_launch_lora(smollm, tmp_path, launch):
 @pytest.mark.slow
 def test_ppo_launch(smollm, tmp_path, launch):
     out = tmp_path / "ppo"
-    _, rows = launch("ppo", "ppo", out, "num_iterations=1", "batch_size=4", "mini_batch_size=4",
-                     "gradient_accumulation_steps=1", "ppo_epochs=1", "max_new_tokens=12")
+    _, rows = launch("ppo", "ppo", out, "max_steps=1", "per_device_train_batch_size=4", "mini_batch_size=4",
+                     "gradient_accumulation_steps=1", "num_iterations=1", "max_completion_length=12")
     assert rows
 
 
 @pytest.mark.slow
 def test_grpo_launch_chat_math(smollm, tmp_path, launch):
     out = tmp_path / "grpo"
-    _, rows = launch("grpo", "grpo", out, "max_steps=1", "batch_size=4", "num_generations=4",
+    _, rows = launch("grpo", "grpo", out, "max_steps=1", "per_device_train_batch_size=4", "num_generations=4",
                      "max_completion_length=12", "eval_num_prompts=2", "lora.enabled=true")
     assert any("reward" in r for r in rows)

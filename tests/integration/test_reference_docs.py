@@ -328,8 +328,8 @@ def test_python_api_translates_like_rl_train(monkeypatch, capsys):
     assert translate_params("ppo", doc) == [
         "--model_name", "google/gemma-3-270m", "--data.path", "./prompts.jsonl", "--output_dir", "ppo-model",
         "--rl_reward_model_path", "./reward-model", "--rl_gamma", "0.99", "--rl_gae_lambda", "0.95",
-        "--rl_kl_coef", "0.1", "--rl_clip_range", "0.2", "--rl_num_ppo_epochs", "4", "--num_epochs", "1",
-        "--batch_size", "4", "--learning_rate", "1e-05"]
+        "--rl_kl_coef", "0.1", "--rl_clip_range", "0.2", "--rl_num_ppo_epochs", "4", "--num_train_epochs", "1",
+        "--per_device_train_batch_size", "4", "--learning_rate", "1e-05"]
     # the same command as rl-train, on a trainer whose doc parameters validate today (sft)
     from rl import AutoTrainProject, LLMTrainingParams
     from rl.scripts.cli import main
@@ -353,7 +353,7 @@ def test_python_api_errors_are_one_line():
         LLMTrainingParams(model="tiny:llama", trainer="sft", rl_gamma=0.9)
     with pytest.raises(ConfigError, match="unknown key 'max_stepz' \\(did you mean max_steps\\?\\)"):
         LLMTrainingParams(model="tiny:llama", trainer="sft", max_stepz=2)
-    with pytest.raises(ConfigError, match="key 'batch_size' has value 'four', expected int"):
+    with pytest.raises(ConfigError, match="key 'per_device_train_batch_size' has value 'four', expected int"):
         LLMTrainingParams(model="tiny:llama", trainer="sft", batch_size="four")
     with pytest.raises(ValueError, match="trainer='orpo' is unknown; choose one of sft, reward, dpo, ppo, grpo"):
         LLMTrainingParams(model="tiny:llama", trainer="orpo")

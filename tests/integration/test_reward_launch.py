@@ -65,13 +65,13 @@ def test_short_last_step_two_processes_match_one(tiny_cache, tmp_path, capfd, mo
     from tests.conftest import run_main
 
     model = write_tiny_model(tiny_cache / "llama-classifier", family="llama", task="classifier")
-    common = ["--config", "recipes/tiny/reward.yaml", f"model_name={model}", "data.max_examples=19", "data.eval_fraction=0", "num_epochs=2",
-              "gradient_accumulation_steps=2", "log_every=1", "report_to=[jsonl]"]
+    common = ["--config", "recipes/tiny/reward.yaml", f"model_name={model}", "data.max_examples=19", "data.eval_fraction=0", "num_train_epochs=2",
+              "gradient_accumulation_steps=2", "logging_steps=1", "report_to=[jsonl]"]
     one, two = tmp_path / "one", tmp_path / "two"
-    code, stdout, stderr = run_main("reward", [*common, "batch_size=8", f"output_dir={one}"], capfd, monkeypatch)
+    code, stdout, stderr = run_main("reward", [*common, "per_device_train_batch_size=8", f"output_dir={one}"], capfd, monkeypatch)
     assert code == 0, (stdout + stderr)[-3000:]
     assert "the last step of each epoch trains on 3" in stdout + stderr
-    proc = run_cmd(accelerate_cmd("launch/reward.py", *common, "batch_size=4", f"output_dir={two}", zero3=True),
+    proc = run_cmd(accelerate_cmd("launch/reward.py", *common, "per_device_train_batch_size=4", f"output_dir={two}", zero3=True),
                    env={"RL_NO_PROGRESS": "1"}, timeout=400)
     assert "reward done" in proc.stdout and "2 processes" in proc.stdout + proc.stderr, proc.stdout[-3000:]
 

@@ -16,8 +16,8 @@ from rl.trainers.sft import SFTConfig, SFTTrainer
 
 def _tiny_sft(tiny_llama, out, sink: str) -> list[dict]:
     """Three optimizer steps logged to jsonl and `sink`; the rows of metrics.jsonl."""
-    cfg = build(SFTConfig, {"model_name": tiny_llama, "output_dir": str(out), "max_steps": 3, "batch_size": 2,
-                            "log_every": 1, "report_to": ["jsonl", sink], "run_name": "tiny",
+    cfg = build(SFTConfig, {"model_name": tiny_llama, "output_dir": str(out), "max_steps": 3, "per_device_train_batch_size": 2,
+                            "logging_steps": 1, "report_to": ["jsonl", sink], "run_name": "tiny",
                             "learning_rate": 1e-3, "lora": {"rank": 4}})
     trainer = SFTTrainer(cfg)
     data = tokenize_examples([{"prompt": f"{i}+1=", "completion": str(i + 1)} for i in range(6)],

@@ -49,7 +49,7 @@ def grpo(hd64, tmp_path, reward, **over):
     from rl.trainers.grpo_config import GRPOConfig
 
     cfg = build(GRPOConfig, {**dict(model_name="tiny:llama-hd64", output_dir=str(tmp_path), learning_rate=1e-2,
-                                    lr_scheduler="constant", batch_size=16, num_generations=4,
+                                    lr_scheduler_type="constant", per_device_train_batch_size=16, num_generations=4,
                                     max_completion_length=4, max_length=MAX_LENGTH, max_steps=2, report_to=["jsonl"],
                                     seed=0, use_vllm=True), **over})
     rows = [{"prompt": f"{a}+{b}="} for a in range(10) for b in range(10)]
@@ -142,7 +142,7 @@ def test_grpo_with_vllm_learns_like_our_sampler(hd64, tmp_path):
     reward gain (mean of the last 3 steps minus the first 3) clears 0.2 with vLLM and with our sampler."""
     gains = {}
     for use_vllm in (True, False):
-        t = grpo(hd64, tmp_path / str(use_vllm), digit_first, batch_size=32, gradient_accumulation_steps=2,
+        t = grpo(hd64, tmp_path / str(use_vllm), digit_first, per_device_train_batch_size=32, gradient_accumulation_steps=2,
                  num_generations=8, max_completion_length=3, max_steps=12, use_vllm=use_vllm)
         h = t.train()
         gains[use_vllm] = sum(r["reward"] for r in h[-3:]) / 3 - sum(r["reward"] for r in h[:3]) / 3
@@ -197,8 +197,8 @@ def test_server_mode_syncs_and_a_dead_server_is_one_line(hd64, tmp_path, server)
 def test_zero3_two_processes_sync_gathered_weights(tmp_path):
     out = tmp_path / "z3"
     run_cmd(accelerate_cmd("launch/grpo.py", "--config", "recipes/tiny/grpo.yaml", f"output_dir={out}",
-                           "model_name=tiny:llama-hd64", "use_vllm=true", "max_steps=3", "batch_size=16",
-                           f"max_length={MAX_LENGTH}", "eval_every=0", "eval_num_prompts=4", "learning_rate=1e-2",
+                           "model_name=tiny:llama-hd64", "use_vllm=true", "max_steps=3", "per_device_train_batch_size=16",
+                           f"max_length={MAX_LENGTH}", "eval_steps=0", "eval_num_prompts=4", "learning_rate=1e-2",
                            "reward_funcs=[tests.integration.vllm_rewards:spread]", zero3=True), timeout=900, env={"RL_NO_PROGRESS": "1"})
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     train = [r for r in rows if "sampling/sampling_logp_difference/max" in r]

@@ -270,7 +270,7 @@ def test_grpo_training_logprobs_equal_the_samplers_on_gpt2(tmp_path, monkeypatch
     monkeypatch.setattr(grpo, "generate", recording_generate)  # the name the trainer calls
     monkeypatch.setattr(grpo, "grpo_loss_fn", recording_loss_fn)
     cfg = build(grpo.GRPOConfig, dict(model_name="tiny:gpt2", output_dir=str(tmp_path), learning_rate=1e-3,
-                                      batch_size=4, num_generations=2, max_completion_length=5, max_length=40,
+                                      per_device_train_batch_size=4, num_generations=2, max_completion_length=5, max_length=40,
                                       max_steps=2, num_iterations=2, beta=0.1, temperature=0.8,
                                       report_to=["none"], dtype="float32", seed=0))
     rows = [{"prompt": "1+1="}, {"prompt": "123456789 + 987654321 + 5 ="}]

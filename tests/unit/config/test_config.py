@@ -22,7 +22,7 @@ def test_overrides_in_every_form(recipe):
     cfg = parse_config(TrainConfig, ["--config", str(recipe), "--batch-size", "4", "lora.alpha=8",
                                      "--gradient_checkpointing", "--data.text_column=body", "report_to=[jsonl,wandb]",
                                      "--max_grad_norm", "null"])
-    assert cfg.learning_rate == 1e-4 and cfg.batch_size == 4
+    assert cfg.learning_rate == 1e-4 and cfg.per_device_train_batch_size == 4
     assert cfg.lora.rank == 4 and cfg.lora.alpha == 8
     assert cfg.gradient_checkpointing is True
     assert cfg.data.path == "x.jsonl" and cfg.data.text_column == "body"
@@ -37,9 +37,9 @@ def test_scientific_notation_and_bool_words(recipe):
 @pytest.mark.parametrize("argv,expected", [
     (["--learnig_rate", "3"], "unknown key 'learnig_rate' (did you mean learning_rate?)"),
     (["lora.rnk=3"], "unknown key 'lora.rnk' (did you mean lora.rank"),
-    (["batch_size=abc"], "key 'batch_size' has value 'abc', expected int"),
+    (["per_device_train_batch_size=abc"], "key 'per_device_train_batch_size' has value 'abc', expected int"),
     (["dtype=fp8"], "expected 'float32' | 'bfloat16' | 'float16' | 'auto'"),
-    (["batch_size=0"], "'batch_size' must be at least 1"),
+    (["per_device_train_batch_size=0"], "'per_device_train_batch_size' must be at least 1"),
 ])
 def test_errors_name_key_value_and_fix(recipe, argv, expected):
     with pytest.raises(ConfigError) as e:
@@ -54,7 +54,7 @@ def test_missing_required_key_and_missing_file(tmp_path):
     with pytest.raises(ConfigError, match="recipe file not found: nope.yaml"):
         parse_config(TrainConfig, ["--config", "nope.yaml"])
     # a required key may come from the command line instead of the recipe
-    (tmp_path / "r.yaml").write_text("batch_size: 2\n")
+    (tmp_path / "r.yaml").write_text("per_device_train_batch_size: 2\n")
     cfg = parse_config(TrainConfig, ["--config", str(tmp_path / "r.yaml"), "model_name=m"])
     assert cfg.model_name == "m"
 
@@ -106,16 +106,16 @@ def test_one_alias_table_for_reference_and_trl_names():
     ppo = build(PPOConfig, {"model_name": "m", "rl_kl_coef": 0.3, "max_completion_length": 7, "bf16": True,
                             "per_device_train_batch_size": 8, "mini_batch_size": 8, "logging_steps": 3,
                             "cliprange": 0.1, "vf_coef": 0.2})
-    assert (ppo.kl_penalty_coef, ppo.max_new_tokens, ppo.dtype, ppo.batch_size, ppo.log_every) == \
+    assert (ppo.beta, ppo.max_completion_length, ppo.dtype, ppo.per_device_train_batch_size, ppo.logging_steps) == \
         (0.3, 7, "bfloat16", 8, 3)
-    assert (ppo.clip_ratio, ppo.value_coef) == (0.1, 0.2)
+    assert (ppo.epsilon, ppo.vf_coef) == (0.1, 0.2)
     grpo = build(GRPOConfig, {"model_name": "m", "rl_kl_coef": 0.3, "max_new_tokens": 9, "epsilon": 0.1,
                               "epsilon_high": 0.3, "num_train_epochs": 2, "save_steps": 5})
-    assert (grpo.beta, grpo.max_completion_length, grpo.epsilon_low, grpo.epsilon_high, grpo.num_epochs,
-            grpo.save_every) == (0.3, 9, 0.1, 0.3, 2, 5)
+    assert (grpo.beta, grpo.max_completion_length, grpo.epsilon, grpo.epsilon_high, grpo.num_train_epochs,
+            grpo.save_steps) == (0.3, 9, 0.1, 0.3, 2, 5)
     dpo = build(DPOConfig, {"model_name": "m", "model_ref": "r", "dpo_beta": 0.2, "precompute_ref_log_probs": True,
                             "bf16": False, "lr_scheduler_type": "cosine"})
-    assert (dpo.ref_model_name, dpo.beta, dpo.precompute_ref_logps, dpo.dtype, dpo.lr_scheduler) == \
+    assert (dpo.ref_model, dpo.beta, dpo.precompute_ref_logps, dpo.dtype, dpo.lr_scheduler_type) == \
         ("r", 0.2, True, "float32", "cosine")
     # a name with no meaning for a trainer is an unknown key there, and suggestions prefer our own keys
     with pytest.raises(ConfigError, match="unknown key 'rl_gamma'"):

@@ -110,7 +110,7 @@ def test_sft_trainer_packing_equals_padding(tmp_path, tiny_llama):
             for n in (5, 12, 3, 9, 7, 16, 4, 10)] * 2
     rows = {}
     for packing in (False, True):
-        cfg = build(SFTConfig, dict(model_name=tiny_llama, output_dir=str(tmp_path / str(packing)), batch_size=4,
+        cfg = build(SFTConfig, dict(model_name=tiny_llama, output_dir=str(tmp_path / str(packing)), per_device_train_batch_size=4,
                                     gradient_accumulation_steps=2, max_steps=2, learning_rate=1e-2, seed=0,
                                     report_to=["none"], packing=packing, dtype="float32"))
         rows[packing] = SFTTrainer(cfg).train(data)
@@ -303,7 +303,7 @@ def test_dpo_and_reward_trainers_packing_equals_padding(tmp_path, tiny_llama, ti
     R = ["b" * rng.randint(1, 14) for _ in P]
     dpo, rm = {}, {}
     for packing in (False, True):
-        cfg = build(DPOConfig, dict(model_name=tiny_llama, output_dir=str(tmp_path / f"dpo{packing}"), batch_size=4,
+        cfg = build(DPOConfig, dict(model_name=tiny_llama, output_dir=str(tmp_path / f"dpo{packing}"), per_device_train_batch_size=4,
                                     gradient_accumulation_steps=2, max_steps=2, learning_rate=1e-2, seed=0,
                                     max_length=64, max_prompt_length=32, report_to=["none"], packing=packing,
                                     dtype="float32", share_prompt_forward=False))
@@ -313,7 +313,7 @@ def test_dpo_and_reward_trainers_packing_equals_padding(tmp_path, tiny_llama, ti
         torch.manual_seed(0)
         m = RewardModel(RewardModelConfig(model_name=tiny_llama, use_lora=False, dropout_prob=0.0, dtype="float32",
                                           gradient_accumulation_steps=2, learning_rate=1e-2, warmup_steps=0,
-                                          lr_scheduler="constant", packing=packing))
+                                          lr_scheduler_type="constant", packing=packing))
         trainer = RewardModelTrainer(m.config, model=m, tokenizer=tiny_tokenizer, device="cpu")
         trainer.train_on_preferences(C, R, prompts=P, batch_size=4)
         rm[packing] = (trainer.history, trainer.evaluate(C[:6], R[:6], P[:6]))
@@ -477,13 +477,13 @@ def test_grpo_and_ppo_trainers_packing_equals_padding(tmp_path, tiny_llama, monk
     grpo, ppo = {}, {}
     for packing in (False, True):
         cfg = build(GRPOConfig, dict(model_name=tiny_llama, output_dir=str(tmp_path / f"g{packing}"),
-                                     learning_rate=1e-2, batch_size=4, gradient_accumulation_steps=2, num_generations=4,
+                                     learning_rate=1e-2, per_device_train_batch_size=4, gradient_accumulation_steps=2, num_generations=4,
                                      max_completion_length=6, max_length=24, max_steps=1, beta=0.1,
                                      report_to=["none"], seed=0, packing=packing, share_prompt_forward=False))
         grpo[packing] = GRPOTrainer(cfg, reward_funcs=[length_reward], train_prompts=rows).train()
         cfg = PPOConfig(model_name=tiny_llama, output_dir=str(tmp_path / f"p{packing}"), seed=0, learning_rate=1e-2,
-                        batch_size=8, mini_batch_size=8, gradient_accumulation_steps=2, ppo_epochs=1, max_new_tokens=6,
-                        max_length=32, num_iterations=1, value_model="critic", dtype="float32", device="cpu",
+                        per_device_train_batch_size=8, mini_batch_size=8, gradient_accumulation_steps=2, num_iterations=1, max_completion_length=6,
+                        max_length=32, max_steps=1, value_model="critic", dtype="float32", device="cpu",
                         report_to=["none"], packing=packing)
         ppo[packing] = PPOTrainer(cfg, reward_fn=lambda p, r, m=None: [len(x) / 6 for x in r]).train(
             [r["prompt"] for r in rows[::2]])

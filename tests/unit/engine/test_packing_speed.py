@@ -201,7 +201,7 @@ def test_sft_packing_runs_per_example_attention_and_equals_padding(tmp_path, tin
         data.append({"input_ids": ids, "labels": [-100] * (n // 3) + ids[n // 3:]})
     rows, trainers = {}, {}
     for packing in (False, True):
-        cfg = build(SFTConfig, dict(model_name=tiny_llama, output_dir=str(tmp_path / str(packing)), batch_size=4,
+        cfg = build(SFTConfig, dict(model_name=tiny_llama, output_dir=str(tmp_path / str(packing)), per_device_train_batch_size=4,
                                     max_steps=2, learning_rate=1e-2, seed=0, report_to=["none"], packing=packing,
                                     dtype="float32"))
         trainers[packing] = SFTTrainer(cfg)
@@ -234,7 +234,7 @@ def _dpo_step_grads(tmp_path, tiny_llama, tiny_tokenizer, monkeypatch, **over):
     P = [f"q{i}: " + "z" * rng.randint(0, 20) for i in range(6)]
     C = ["a" * rng.randint(1, 30) for _ in P]
     R = ["b" * rng.randint(1, 30) for _ in P]
-    cfg = build(DPOConfig, dict(model_name=tiny_llama, output_dir=str(tmp_path / str(over)), batch_size=6, max_steps=1,
+    cfg = build(DPOConfig, dict(model_name=tiny_llama, output_dir=str(tmp_path / str(over)), per_device_train_batch_size=6, max_steps=1,
                                 seed=0, max_length=96, max_prompt_length=32, report_to=["none"], dtype="float32",
                                 **over))
     t = DPOTrainer(cfg, tokenizer=tiny_tokenizer)
@@ -320,7 +320,7 @@ def test_sft_trainer_bf16_on_cpu_autocasts_and_tracks_fp32(tmp_path, tiny_llama)
     rows = {}
     for dtype in ("float32", "bfloat16"):
         AcceleratorState._reset_state()  # accelerate keeps one mixed-precision setting per process
-        cfg = build(SFTConfig, dict(model_name=tiny_llama, output_dir=str(tmp_path / dtype), batch_size=4, max_steps=2,
+        cfg = build(SFTConfig, dict(model_name=tiny_llama, output_dir=str(tmp_path / dtype), per_device_train_batch_size=4, max_steps=2,
                                     learning_rate=1e-3, seed=0, report_to=["none"], packing=True, dtype=dtype))
         t = SFTTrainer(cfg)
         rows[dtype] = t.train(data)
@@ -367,7 +367,7 @@ def test_sft_shares_the_common_prompt_prefix_and_equals_padding(tmp_path, tiny_l
     rows = {}
     for name, over in (("padded", {}), ("packed", {"packing": True, "share_prompt_forward": False}),
                        ("shared", {"packing": True})):
-        cfg = build(sft.SFTConfig, dict(model_name=tiny_llama, output_dir=str(tmp_path / name), batch_size=4,
+        cfg = build(sft.SFTConfig, dict(model_name=tiny_llama, output_dir=str(tmp_path / name), per_device_train_batch_size=4,
                                         max_steps=2, learning_rate=1e-2, seed=0, report_to=["none"],
                                         dtype="float32", **over))
         rows[name] = sft.SFTTrainer(cfg).train(data)

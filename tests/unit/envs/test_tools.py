@@ -232,7 +232,7 @@ def test_env_registry_and_errors():
 
 def test_grpo_trainer_reports_a_bad_tool_env_in_one_line(tiny_llama):
     cfg = build(GRPOConfig, {"model_name": tiny_llama, "env_type": "tool_math", "env_config": {"tools": ["shell"]},
-                             "max_steps": 1, "batch_size": 8, "num_generations": 4})
+                             "max_steps": 1, "per_device_train_batch_size": 8, "num_generations": 4})
     with pytest.raises(ConfigError, match=r"env_type=tool_math: unknown tools \['shell'\]"):
         GRPOTrainer(cfg)
 
@@ -316,8 +316,8 @@ def test_ppo_trains_on_episodes_with_tool_tokens_out_of_the_loss(tiny_llama, tmp
     monkeypatch.setattr(rl.trainers.ppo, "ppo_advantages", spy)
     cfg = PPOConfig(model_name=tiny_llama, output_dir=str(tmp_path), env_type="tool_math",
                     env_config={"digits": [2, 2], "answer_digits": 4, "num_problems": 8, "max_turns": 2},
-                    num_iterations=1, batch_size=4, mini_batch_size=4, ppo_epochs=1, max_new_tokens=64,
-                    max_length=96, kl_penalty_coef=0.1, report_to=["none"], dtype="float32", device="cpu")
+                    max_steps=1, per_device_train_batch_size=4, mini_batch_size=4, num_iterations=1, max_completion_length=64,
+                    max_length=96, beta=0.1, report_to=["none"], dtype="float32", device="cpu")
     t = PPOTrainer(cfg)
     row = t.train()[0]
     mask = seen["mask"]
@@ -362,7 +362,7 @@ def test_sft_teacher_then_grpo_raises_the_tool_call_rate(tmp_path):
 
     run_cmd([sys.executable, "launch/pipeline.py", "--config", "recipes/tiny/tool_pipeline.yaml",
              f"output_dir={tmp_path}", f"seed={LEARN_SEED}", "sft.max_steps=300", "num_sft_examples=9600",
-             "grpo.max_steps=12", "grpo.eval_every=12", "eval_num_prompts=32"],
+             "grpo.max_steps=12", "grpo.eval_steps=12", "eval_num_prompts=32"],
             env={"OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")})
     s = json.loads((tmp_path / "summary.json").read_text())
     held_out = [r["prompt"] for r in create_tool_math_env(None, digits=[2, 2], answer_digits=4, split="test",

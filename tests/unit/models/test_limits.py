@@ -29,6 +29,6 @@ def test_check_length_and_prompt_room_refuse_in_one_line():
     assert str(e.value) == ("key 'sft.max_length': 2048 tokens exceed tiny:gpt2's context of 1024 positions (its "
                             "config's n_positions); set sft.max_length=1024 or less")
     assert prompt_room(gpt2, 24, "m") == 1000 and prompt_room(object(), 10 ** 6, "m") is None
-    with pytest.raises(ConfigError, match=r"^--max-new-tokens 1024 leaves no room for the prompt in m's context of "
-                                          r"1024 positions .*; lower --max-new-tokens below 1024$"):
+    with pytest.raises(ConfigError, match=r"^--max-completion-length 1024 leaves no room for the prompt in m's context of "
+                                          r"1024 positions .*; lower --max-completion-length below 1024$"):
         prompt_room(gpt2, 1024, "m")

@@ -140,7 +140,7 @@ def test_timeout_names_the_function():
 
 
 def test_failure_in_grpo_training_is_a_named_run_error(tiny_llama, tmp_path):
-    cfg = build(GRPOConfig, dict(model_name=tiny_llama, output_dir=str(tmp_path), batch_size=4, num_generations=2,
+    cfg = build(GRPOConfig, dict(model_name=tiny_llama, output_dir=str(tmp_path), per_device_train_batch_size=4, num_generations=2,
                                  max_completion_length=2, max_length=12, max_steps=1, report_to=["none"],
                                  reward_timeout=0.5))
     with pytest.raises(RewardError, match="'_hangs' did not return within reward_timeout=0.5"):
@@ -153,7 +153,7 @@ def test_failure_through_the_launch_script_is_one_line(tmp_path, tiny_cache):
     env = {"PYTHONPATH": f"{ROOT}:{tmp_path}", "RL_TINY_CACHE": str(tiny_cache), "PATH": "/usr/bin:/bin"}
     r = subprocess.run([sys.executable, "launch/grpo.py", "--config", "recipes/tiny/grpo.yaml",
                         f"output_dir={tmp_path / 'out'}", "reward_funcs=[badrewards:nan_reward]", "max_steps=1",
-                        "batch_size=8", "num_generations=2", "max_completion_length=2", "eval_every=0",
+                        "per_device_train_batch_size=8", "num_generations=2", "max_completion_length=2", "eval_steps=0",
                         "eval_env_config=null", "report_to=[none]"],
                        cwd=ROOT, capture_output=True, text=True, timeout=300, env=env)
     lines = [ln for ln in r.stderr.strip().splitlines() if ln.strip()]
@@ -185,7 +185,7 @@ def test_command_line_reward_source_replaces_the_recipes():
     cfg = parse_config(PPOConfig, ["--config", "recipes/tiny/ppo.yaml", "--rl-reward-model-path", "runs/rm",
                                    "--rl-reward-weights", '{"reward_model": 1.0, "char_fraction_reward": 0.5}'])
     assert cfg.reward_model_path == "runs/rm" and cfg.reward_fn == "custom"  # reward_weights: combine
-    cfg = parse_config(PPOConfig, ["--config", "recipes/tiny/ppo.yaml", "kl_penalty_coef=0.5"])
+    cfg = parse_config(PPOConfig, ["--config", "recipes/tiny/ppo.yaml", "beta=0.5"])
     assert cfg.reward_fn == "custom"  # no reward key on the command line: the recipe's source stays
     recipe = parse_config(GRPOConfig, ["--config", "recipes/tiny/grpo.yaml", "reward_funcs=[correctness]"])
     cfg = parse_config(GRPOConfig, ["--config", "recipes/tiny/grpo.yaml", "reward_funcs=[correctness]",
@@ -243,7 +243,7 @@ def _spy(trainer) -> list[torch.Tensor]:
 
 
 def test_grpo_with_a_reward_model(tiny_llama, tiny_rm, tmp_path):
-    cfg = build(GRPOConfig, dict(model_name=tiny_llama, output_dir=str(tmp_path), batch_size=4, num_generations=2,
+    cfg = build(GRPOConfig, dict(model_name=tiny_llama, output_dir=str(tmp_path), per_device_train_batch_size=4, num_generations=2,
                                  max_completion_length=3, max_length=12, max_steps=1, report_to=["none"],
                                  rl_reward_model_path=tiny_rm))
     t = GRPOTrainer(cfg, train_prompts=[{"prompt": "1+1="}, {"prompt": "2+2="}])
@@ -258,7 +258,7 @@ def test_grpo_with_a_reward_model(tiny_llama, tiny_rm, tmp_path):
 def test_ppo_with_a_reward_model_and_an_environment_weighted(tiny_llama, tiny_rm, tmp_path):
     cfg = PPOConfig(model_name=tiny_llama, output_dir=str(tmp_path), reward_model_path=tiny_rm,
                     multi_objective=True, reward_weights={"reward_model": 0.5, "env": 2.0, "length": 1.0, "formatting": 0.1},
-                    num_iterations=1, batch_size=4, mini_batch_size=4, ppo_epochs=1, max_new_tokens=3,
+                    max_steps=1, per_device_train_batch_size=4, mini_batch_size=4, num_iterations=1, max_completion_length=3,
                     max_length=32, report_to=["none"])
     cfg.data.path = "data/tiny/ppo_prompts.jsonl"
     t = PPOTrainer(cfg)

@@ -25,7 +25,7 @@ def _ranked(prompts, completions, **k):
 
 
 def _grpo(out, **kw) -> GRPOTrainer:
-    cfg = build(GRPOConfig, dict(model_name=kw.pop("model"), output_dir=str(out), learning_rate=3e-2, batch_size=8,
+    cfg = build(GRPOConfig, dict(model_name=kw.pop("model"), output_dir=str(out), learning_rate=3e-2, per_device_train_batch_size=8,
                                  gradient_accumulation_steps=1, num_generations=4, max_completion_length=4,
                                  max_length=16, report_to=["jsonl"], seed=0, lr_scheduler="constant", **kw))
     rows = [{"prompt": f"{a}+{b}="} for a in range(4) for b in range(4)]
@@ -53,7 +53,7 @@ def test_schedule_and_buffer_drop_what_is_too_old():
 
 
 def test_async_keys_refuse_bad_values(tiny_llama):
-    base = dict(model_name=tiny_llama, batch_size=8, num_generations=4, max_completion_length=4, max_length=16)
+    base = dict(model_name=tiny_llama, per_device_train_batch_size=8, num_generations=4, max_completion_length=4, max_length=16)
     with pytest.raises(ConfigError, match="max_staleness"):
         build(GRPOConfig, {**base, "max_staleness": -1})
     with pytest.raises(ConfigError, match="num_iterations=1"):
@@ -87,7 +87,7 @@ def test_k1_loss_is_the_clipped_surrogate_on_the_carried_behaviour_logprobs(tmp_
     """Step 2 of max_staleness=1 trains on the batch sampled by the policy of step 0 (version 0) with the
     policy of version 1: its loss is token_mean(-min(r A, clip(r, 1-eps, 1+eps) A)), r = exp(logp - behaviour),
     computed here by hand from a plain forward and the log-probs the sampler recorded."""
-    t = _grpo(tmp_path / "k1", model=tiny_llama, max_steps=1, max_staleness=1, epsilon_low=0.2, epsilon_high=0.2)
+    t = _grpo(tmp_path / "k1", model=tiny_llama, max_steps=1, max_staleness=1, epsilon=0.2, epsilon_high=0.2)
     t.train()
     (item,) = t._buffer.items
     assert (item.step, item.version) == (1, 0)
@@ -134,7 +134,7 @@ def test_resume_with_k1_trains_on_the_batches_sampled_ahead_exactly(tmp_path, ti
     """checkpoint-2 of max_staleness=1 holds the batch of step 3, sampled by version 1, and the rollout
     position (step 3): the resumed steps 3 and 4 equal the uninterrupted run's, weights included. Without the
     stored batch (the file removed) step 3 would be sampled by version 2 and differ: the test can fail."""
-    full_t = _grpo(tmp_path / "full", model=tiny_llama, max_steps=4, save_every=2, max_staleness=1)
+    full_t = _grpo(tmp_path / "full", model=tiny_llama, max_steps=4, save_steps=2, max_staleness=1)
     full = full_t.train()
     ckpt = tmp_path / "full" / "checkpoints" / "checkpoint-2"
     extra = torch.load(ckpt / "per_process_0.pt", weights_only=False)
@@ -163,7 +163,7 @@ def test_launch_max_staleness_1_trains_saves_and_resumes(tmp_path, tiny_llama, c
     """The issue's done-when command, on the tiny recipe: 3 steps with a checkpoint at 2, then resume=auto to 4."""
     out = tmp_path / "run"
     args = ["--config", "recipes/tiny/grpo.yaml", f"model_name={tiny_llama}", "max_staleness=1", f"output_dir={out}",
-            "eval_num_prompts=4", "eval_every=0", "batch_size=8", "num_generations=4", "save_every=2"]
+            "eval_num_prompts=4", "eval_steps=0", "per_device_train_batch_size=8", "num_generations=4", "save_steps=2"]
     code, stdout, stderr = run_main("grpo", args + ["max_steps=3"], capfd, monkeypatch)
     assert code == 0, stdout + stderr
     assert (out / "model.safetensors").exists() and (out / "checkpoints" / "checkpoint-2").exists()

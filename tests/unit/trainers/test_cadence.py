@@ -25,15 +25,15 @@ def _rows(out) -> list[dict]:
 
 
 def test_grpo_cadence_counts_optimizer_steps(tmp_path, tiny_llama, capfd, monkeypatch):
-    """The issue's command (launch/grpo.py, num_iterations=2 max_steps=5 save_every=3): exactly 5 optimizer
+    """The issue's command (launch/grpo.py, num_iterations=2 max_steps=5 save_steps=3): exactly 5 optimizer
     steps, the linear schedule ends at 0 on the 5th, checkpoint-3 is the only checkpoint (it falls inside the
     second generation batch) and the final model is written. Before the fix the run took 6 steps and wrote
     checkpoint-6 only."""
     out = tmp_path / "run"
     code, stdout, stderr = run_main("grpo", [
         "--config", "recipes/tiny/grpo.yaml", f"model_name={tiny_llama}", "num_iterations=2", "max_steps=5",
-        "save_every=3", f"output_dir={out}", "lr_scheduler=linear", "learning_rate=1e-3", "eval_num_prompts=4",
-        "batch_size=8", "num_generations=4", "log_every=1"], capfd, monkeypatch)
+        "save_steps=3", f"output_dir={out}", "lr_scheduler_type=linear", "learning_rate=1e-3", "eval_num_prompts=4",
+        "per_device_train_batch_size=8", "num_generations=4", "logging_steps=1"], capfd, monkeypatch)
     assert code == 0, stdout + stderr
     train = [r for r in _rows(out) if "loss" in r]
     assert [r["step"] for r in train] == [1, 2, 3, 4, 5]
@@ -47,7 +47,7 @@ def test_grpo_cadence_counts_optimizer_steps(tmp_path, tiny_llama, capfd, monkey
 
 
 def _grpo(out, **kw) -> GRPOTrainer:
-    cfg = build(GRPOConfig, dict(model_name=kw.pop("model"), output_dir=str(out), learning_rate=1e-2, batch_size=8,
+    cfg = build(GRPOConfig, dict(model_name=kw.pop("model"), output_dir=str(out), learning_rate=1e-2, per_device_train_batch_size=8,
                                  gradient_accumulation_steps=2, num_generations=4, max_completion_length=4,
                                  max_length=16, num_iterations=2, beta=0.05, report_to=["jsonl"], seed=0, **kw))
     rows = [{"prompt": f"{a}+{b}="} for a in range(4) for b in range(4)]
@@ -69,7 +69,7 @@ def test_grpo_resume_between_the_updates_of_a_generation_batch_is_exact(tmp_path
     step 4 trains on that same batch: its metrics and the final weights equal the uninterrupted run's.
     Without the stored batch (the file removed) step 4 would sample it again with the updated policy and
     differ, so the comparison can fail."""
-    full_t = _grpo(tmp_path / "full", model=tiny_llama, max_steps=4, save_every=3)
+    full_t = _grpo(tmp_path / "full", model=tiny_llama, max_steps=4, save_steps=3)
     full = full_t.train()
     ckpt = tmp_path / "full" / "checkpoints" / "checkpoint-3"
     assert (ckpt / "per_process_0.pt").exists()
@@ -89,10 +89,10 @@ def test_grpo_resume_between_the_updates_of_a_generation_batch_is_exact(tmp_path
 
 def _ppo(out, **kw) -> PPOTrainer:
     cfg = PPOConfig(**{**dict(model_name=kw.pop("model"), output_dir=str(out), seed=0, learning_rate=3e-3,
-                              lr_scheduler="linear", batch_size=8, mini_batch_size=4, gradient_accumulation_steps=1,
-                              ppo_epochs=2, max_new_tokens=4, max_length=32, top_k=0, kl_penalty_coef=0.02,
+                              lr_scheduler_type="linear", per_device_train_batch_size=8, mini_batch_size=4, gradient_accumulation_steps=1,
+                              num_iterations=2, max_completion_length=4, max_length=32, top_k=0, beta=0.02,
                               adaptive_kl=True, kl_target=1e-4, kl_horizon=100, dtype="float32", device="cpu",
-                              report_to=["none"], num_iterations=2), **kw})
+                              report_to=["none"], max_steps=8), **kw})
     return PPOTrainer(cfg, reward_fn=lambda prompts, responses, metadata=None: [
         (sum(r.encode("utf-8", "replace")) % 13) / 13 for r in responses])
 
@@ -102,9 +102,9 @@ PROMPTS = [f"{w} {v}: " for w in ("tell", "why") for v in ("sea", "cat", "sky", 
 
 def test_ppo_steps_are_optimizer_steps_and_resume_mid_iteration_is_exact(tmp_path, tiny_llama):
     """PPO with 2 epochs x 2 minibatches per iteration: 8 rows for 2 iterations, one per optimizer step, each
-    with its iteration; save_every counts optimizer steps (checkpoint-6 is iteration 2 after 2 of its 4
+    with its iteration; save_steps counts optimizer steps (checkpoint-6 is iteration 2 after 2 of its 4
     steps); resuming there continues on the stored rollout exactly."""
-    full_t = _ppo(tmp_path / "full", model=tiny_llama, save_every=3)
+    full_t = _ppo(tmp_path / "full", model=tiny_llama, save_steps=3)
     full = full_t.train(PROMPTS)
     assert [r["step"] for r in full] == list(range(1, 9)) and [r["iteration"] for r in full] == [1] * 4 + [2] * 4
     assert full_t.pipeline.scheduler.last_epoch == 8 and full[-1]["learning_rate"] == 0.0
@@ -127,7 +127,7 @@ def test_fit_refuses_a_train_step_of_several_optimizer_steps():
     """The cadence is only right if each call is one step: a trainer taking two per call is an error."""
 
     class Two(Trainer):
-        cfg = types.SimpleNamespace(resume=None, eval_every=0, log_every=1, save_every=0)
+        cfg = types.SimpleNamespace(resume=None, eval_steps=0, logging_steps=1, save_steps=0)
         accelerator = types.SimpleNamespace(num_processes=1)
         pipeline = types.SimpleNamespace(step=0)
 

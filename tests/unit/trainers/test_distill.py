@@ -24,8 +24,8 @@ def _cfg(student, teacher, out, **kw):
     from rl.trainers.distill import DistillConfig
 
     base = dict(model_name=student, teacher_model_name=teacher, output_dir=str(out), report_to=["none"],
-                batch_size=4, gradient_accumulation_steps=2, max_steps=1, learning_rate=1e-3,
-                lr_scheduler="constant", max_completion_length=8, max_length=32, beta=0.3, temperature=0.9,
+                per_device_train_batch_size=4, gradient_accumulation_steps=2, max_steps=1, learning_rate=1e-3,
+                lr_scheduler_type="constant", max_completion_length=8, max_length=32, beta=0.3, temperature=0.9,
                 lmbda=0.0, data={"path": "data/tiny/sft_arith.jsonl"}, dtype="float32", seed=3)
     return build(DistillConfig, {**base, **kw})
 
@@ -43,7 +43,15 @@ def test_config_checks(tiny_llama):
                 dict(env_type="math")):
         with pytest.raises(ConfigError):
             _cfg(tiny_llama, "tiny:qwen2", "/tmp/unused", **bad)
-    assert _cfg(tiny_llama, "tiny:qwen2", "/tmp/unused", max_new_tokens=5).max_completion_length == 5
+    # TRL GKD's max_new_tokens is the deprecated name of max_completion_length: alone it sets it, beside it
+    # it is one error line rather than a silent choice
+    from rl.config.fields import build
+    from rl.trainers.distill import DistillConfig
+
+    assert build(DistillConfig, dict(model_name=tiny_llama, teacher_model_name="tiny:qwen2",
+                                     max_new_tokens=5)).max_completion_length == 5
+    with pytest.raises(ConfigError, match="keys 'max_new_tokens' and 'max_completion_length' are the same setting"):
+        _cfg(tiny_llama, "tiny:qwen2", "/tmp/unused", max_new_tokens=5)
 
 
 def _trl_gkd_loss(student, teacher, b, beta: float) -> float:
@@ -91,7 +99,7 @@ def test_step_loss_is_jsd_of_the_two_models(tiny_llama, tiny_teacher, tiny_token
     print(f"step loss {hist[0]['loss']:.9f} by hand {expected:.9f} diff {abs(hist[0]['loss'] - expected):.3g}")
     assert abs(hist[0]["loss"] - expected) < 1e-6, (hist[0]["loss"], expected)
     assert hist[0]["on_policy"] == 0.0 and expected > 0
-    one = _trainer(_cfg(tiny_llama, tiny_teacher, tmp_path / "b", batch_size=8, gradient_accumulation_steps=1),
+    one = _trainer(_cfg(tiny_llama, tiny_teacher, tmp_path / "b", per_device_train_batch_size=8, gradient_accumulation_steps=1),
                    tiny_tokenizer)
     h1 = one.train()
     assert abs(h1[0]["loss"] - hist[0]["loss"]) < 1e-6
@@ -151,14 +159,14 @@ def test_resume_equals_uninterrupted(tmp_path, tiny_llama, capfd, monkeypatch):
     """seed 3 draws off, on | off, on: both kinds of step before and after the cut."""
     def run(out, *extra):
         code, _, stderr = run_main("distill", ["--config", "recipes/tiny/distill.yaml", f"output_dir={out}",
-                                               "seed=3", "batch_size=4", *extra], capfd, monkeypatch)
+                                               "seed=3", "per_device_train_batch_size=4", *extra], capfd, monkeypatch)
         assert code == 0, stderr[-2000:]
         rows = [r for r in map(json.loads, (out / "metrics.jsonl").read_text().splitlines()) if "loss" in r]
         assert [r["step"] for r in rows] == list(range(1, len(rows) + 1))  # the resumed run continues at 3
         return {r["step"]: r for r in rows}
 
     full = run(tmp_path / "full", "max_steps=4")
-    run(tmp_path / "cut", "max_steps=2", "save_every=2")
+    run(tmp_path / "cut", "max_steps=2", "save_steps=2")
     resumed = run(tmp_path / "cut", "max_steps=4", "resume=auto")
     assert [full[s]["on_policy"] for s in (1, 2, 3, 4)] == [0.0, 1.0, 0.0, 1.0]
     for s in (1, 2, 3, 4):

@@ -30,7 +30,7 @@ def _softplus(x: float) -> float:  # -log sigmoid(-x)
 
 def _cfg(**kw) -> DPOConfig:
     base = dict(model_name="tiny:llama", output_dir="/tmp/unused", report_to=["none"], max_length=64,
-                max_prompt_length=32, batch_size=4, dtype="float32")
+                max_prompt_length=32, per_device_train_batch_size=4, dtype="float32")
     base.update(kw)
     return build(DPOConfig, base)
 
@@ -250,8 +250,8 @@ def test_it_learns_heldout_reward_accuracy(tiny_tokenizer, tmp_path):
     tok = tiny_tokenizer
     train = PreferenceDataset(*_vowel_pairs(64, 2 * LEARN_SEED), tok, 64, 32)
     held = PreferenceDataset(*_vowel_pairs(32, 2 * LEARN_SEED + 1), tok, 64, 32)
-    t = DPOTrainer(_cfg(output_dir=str(tmp_path), batch_size=8, num_epochs=2, learning_rate=2e-3, seed=LEARN_SEED,
-                        lr_scheduler="constant", precompute_ref_logps=True, beta=0.1), tokenizer=tok)
+    t = DPOTrainer(_cfg(output_dir=str(tmp_path), per_device_train_batch_size=8, num_train_epochs=2, learning_rate=2e-3, seed=LEARN_SEED,
+                        lr_scheduler_type="constant", precompute_ref_logps=True, beta=0.1), tokenizer=tok)
     history = t.train(train, eval_dataset=held)
     after = history[-1]
     assert learned("dpo_heldout_accuracy", after["eval/rewards/accuracies"]) >= 0.9, after
@@ -313,7 +313,7 @@ def test_a_users_preference_loss_by_dotted_path(tmp_path, monkeypatch, tiny_llam
     ds = PreferenceDataset(["hello ", "what is 2+3? "], ["world", "5"], ["moon", "six"], tok, 64, 32)
     first = {}
     for name, loss_type, beta in (("user", "user_dpo_losses:doubled_sigmoid", 0.1), ("builtin", "sigmoid", 0.2)):
-        cfg = _cfg(output_dir=str(tmp_path / name), loss_type=loss_type, beta=beta, batch_size=2, max_steps=1,
+        cfg = _cfg(output_dir=str(tmp_path / name), loss_type=loss_type, beta=beta, per_device_train_batch_size=2, max_steps=1,
                    model_name=tiny_llama)
         first[name] = DPOTrainer(cfg, tokenizer=tok).train(ds)[0]
     assert first["user"]["loss"] == pytest.approx(first["builtin"]["loss"], abs=1e-6)

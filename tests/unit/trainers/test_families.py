@@ -15,15 +15,15 @@ from tests.conftest import run_main
 
 # sizes only (batch, steps, lengths), never a feature switch: the defaults are what is under test
 CHEAP = {
-    "sft": ["batch_size=4", "max_steps=1"],
-    "reward": ["batch_size=4", "max_steps=1"],
-    "dpo": ["batch_size=4", "max_steps=1"],
-    "kto": ["batch_size=4", "max_steps=1"],
-    "ppo": ["batch_size=4", "mini_batch_size=4", "gradient_accumulation_steps=1", "ppo_epochs=1",
-            "max_new_tokens=4", "num_iterations=1"],
-    "grpo": ["batch_size=8", "num_generations=4", "max_steps=1", "eval_num_prompts=4"],
-    "online_dpo": ["batch_size=4", "max_steps=1", "max_completion_length=4"],
-    "distill": ["batch_size=4", "gradient_accumulation_steps=1", "max_steps=1", "max_completion_length=4"],
+    "sft": ["per_device_train_batch_size=4", "max_steps=1"],
+    "reward": ["per_device_train_batch_size=4", "max_steps=1"],
+    "dpo": ["per_device_train_batch_size=4", "max_steps=1"],
+    "kto": ["per_device_train_batch_size=4", "max_steps=1"],
+    "ppo": ["per_device_train_batch_size=4", "mini_batch_size=4", "gradient_accumulation_steps=1", "num_iterations=1",
+            "max_completion_length=4", "max_steps=1"],
+    "grpo": ["per_device_train_batch_size=8", "num_generations=4", "max_steps=1", "eval_num_prompts=4"],
+    "online_dpo": ["per_device_train_batch_size=4", "max_steps=1", "max_completion_length=4"],
+    "distill": ["per_device_train_batch_size=4", "gradient_accumulation_steps=1", "max_steps=1", "max_completion_length=4"],
 }
 
 
@@ -33,7 +33,7 @@ def test_every_trainer_with_its_defaults_trains_on_every_tiny_family(trainer, fa
                                                                      monkeypatch):
     out = tmp_path / "run"
     argv = ["--config", f"recipes/tiny/{trainer}.yaml", f"model_name=tiny:{family}", *CHEAP[trainer],
-            "log_every=1", "report_to=[jsonl]", f"output_dir={out}"]
+            "logging_steps=1", "report_to=[jsonl]", f"output_dir={out}"]
     code, stdout, stderr = run_main(trainer, argv, capfd, monkeypatch)
     assert code == 0, (stdout + stderr)[-3000:]
     assert (out / "metrics.jsonl").read_text().strip(), stderr[-2000:]

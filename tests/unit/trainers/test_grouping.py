@@ -176,7 +176,7 @@ def test_train_step_with_grouping_equals_the_former_micro_batches(tiny_llama, tm
     monkeypatch.setattr(ForwardBackwardPipeline, "optim_step", recording_step)
 
     def run(out, share=False):
-        cfg = build(GRPOConfig, dict(model_name=tiny_llama, output_dir=str(out), learning_rate=1e-2, batch_size=4,
+        cfg = build(GRPOConfig, dict(model_name=tiny_llama, output_dir=str(out), learning_rate=1e-2, per_device_train_batch_size=4,
                                      gradient_accumulation_steps=2, num_generations=2, max_completion_length=4,
                                      max_length=24, max_steps=2, num_iterations=2, beta=0.1, report_to=["none"],
                                      seed=0, share_prompt_forward=share))

@@ -303,7 +303,7 @@ def test_loss_type_config_resolves_aggregation_and_the_former_policy_loss():
     """loss_aggregation null takes the loss type's own (TRL's meaning); an explicit one wins; the former
     policy_loss=cispo is loss_type=cispo_clip, policy_loss=clip keeps the clipped surrogate; unknown names
     are one-line errors naming the key."""
-    base = dict(model_name="tiny:llama", batch_size=4, num_generations=2)
+    base = dict(model_name="tiny:llama", per_device_train_batch_size=4, num_generations=2)
     assert build(GRPOConfig, base).loss_type == "dapo"  # TRL's default
     assert build(GRPOConfig, base).loss_aggregation == "token_mean"  # today's default, unchanged
     for name, agg in (("grpo", "sequence_mean"), ("dr_grpo", "constant"), ("bnpo", "token_mean"), ("cispo", "token_mean")):
@@ -337,7 +337,7 @@ def test_reward_signatures_and_errors():
 def test_config_errors(tiny_llama):
     base = {"model_name": tiny_llama}
     with pytest.raises(ConfigError, match="multiple of num_generations=3"):
-        build(GRPOConfig, {**base, "batch_size": 4, "num_generations": 3})
+        build(GRPOConfig, {**base, "per_device_train_batch_size": 4, "num_generations": 3})
     with pytest.raises(ConfigError, match="at least 2"):
         build(GRPOConfig, {**base, "num_generations": 1})
     with pytest.raises(ConfigError, match="loss_aggregation"):
@@ -373,7 +373,7 @@ def test_beta_zero_loads_no_reference_and_learns(tiny_llama, tmp_path):
         return [1.0 if c[:1].isdigit() else 0.0 for c in completions]
 
     cfg = build(GRPOConfig, dict(model_name=tiny_llama, output_dir=str(tmp_path), learning_rate=1e-2,
-                                 lr_scheduler="constant", batch_size=32, gradient_accumulation_steps=2,
+                                 lr_scheduler_type="constant", per_device_train_batch_size=32, gradient_accumulation_steps=2,
                                  num_generations=8, max_completion_length=3, max_length=12, max_steps=16,
                                  report_to=["jsonl"], seed=LEARN_SEED))
     rows = [{"prompt": f"{a}+{b}="} for a in range(10) for b in range(10)]
@@ -392,7 +392,7 @@ def test_environment_reward_source_with_reference(tiny_llama, tmp_path):
     """env_type=math supplies prompts and rewards (components logged); beta > 0 builds a reference and
     reports kl; the evaluation runs greedy decoding on the held-out split."""
     cfg = build(GRPOConfig, dict(model_name=tiny_llama, output_dir=str(tmp_path), learning_rate=1e-3,
-                                 batch_size=8, num_generations=4, max_completion_length=3, max_length=16,
+                                 per_device_train_batch_size=8, num_generations=4, max_completion_length=3, max_length=16,
                                  max_steps=2, beta=0.05, num_iterations=2, env_type="math",
                                  env_config={"difficulty": "tiny", "split": "train"},
                                  eval_env_config={"split": "test"}, eval_num_prompts=8,
@@ -427,7 +427,7 @@ def test_chunked_scoring_changes_nothing(tiny_llama, tmp_path, monkeypatch):
     calls = _count_scoring(monkeypatch, grpo)
 
     def run(chunk, out):
-        cfg = build(GRPOConfig, dict(model_name=tiny_llama, output_dir=str(out), learning_rate=1e-2, batch_size=8,
+        cfg = build(GRPOConfig, dict(model_name=tiny_llama, output_dir=str(out), learning_rate=1e-2, per_device_train_batch_size=8,
                                      num_generations=4, max_completion_length=4, max_length=16, max_steps=2,
                                      num_iterations=2, beta=0.1, report_to=["none"], seed=0,
                                      logprob_chunk_size=chunk))
@@ -448,7 +448,7 @@ def test_dry_run_sizes_count_prompts_not_completions():
     completions = 8 prompts (groups of 4) per step, so 64 data rows are 8 steps (not 64 // 32 = 2)."""
     from rl.trainers.grpo_config import grpo_sizes
 
-    cfg = build(GRPOConfig, {"model_name": "m", "batch_size": 8, "gradient_accumulation_steps": 2,
+    cfg = build(GRPOConfig, {"model_name": "m", "per_device_train_batch_size": 8, "gradient_accumulation_steps": 2,
                              "num_generations": 4})
     s = grpo_sizes(cfg, world=2, n_prompts=64)
     assert (s["per_device_batch"], s["global_batch"], s["prompts_per_step"], s["steps_per_epoch"]) == (8, 32, 8, 8)
@@ -520,10 +520,10 @@ def test_dynamic_sampling_drops_flat_groups_and_samples_more(tiny_llama, tmp_pat
     real_metrics = grpo.reward_metrics
     monkeypatch.setattr(grpo, "reward_metrics", recording_metrics)
     rows = [{"prompt": f"{a}+{b}=", "flat": (a + b) % 2 == 0} for a in range(4) for b in range(4)]
-    cfg = build(GRPOConfig, dict(model_name=tiny_llama, output_dir=str(tmp_path), learning_rate=1e-3, batch_size=8,
+    cfg = build(GRPOConfig, dict(model_name=tiny_llama, output_dir=str(tmp_path), learning_rate=1e-3, per_device_train_batch_size=8,
                                  num_generations=2, max_completion_length=3, max_length=12, max_steps=2, seed=0,
                                  dynamic_sampling=True, max_sampling_rounds=2, importance_sampling_level="sequence",
-                                 epsilon_low=3e-4, epsilon_high=4e-4, report_to=["none"]))
+                                 epsilon=3e-4, epsilon_high=4e-4, report_to=["none"]))
     h = GRPOTrainer(cfg, reward_funcs=[flat_or_spread], train_prompts=rows).train()
     assert len(h) == 2
     k = 4  # prompts per step
@@ -561,7 +561,7 @@ def test_dapo_recipe_trains(tmp_path, monkeypatch):
     real_metrics = grpo.reward_metrics
     monkeypatch.setattr(grpo, "reward_metrics", recording_metrics)
     cfg = parse_config(GRPOConfig, ["--config", "recipes/tiny/dapo.yaml", f"output_dir={tmp_path}", "max_steps=2",
-                                    "batch_size=16", "eval_num_prompts=4", "report_to=[none]"])
+                                    "per_device_train_batch_size=16", "eval_num_prompts=4", "report_to=[none]"])
     assert (cfg.dynamic_sampling, cfg.epsilon_high, cfg.loss_aggregation, cfg.overlong_buffer) == \
         (True, 0.28, "token_mean", 3)
     t = GRPOTrainer(cfg)

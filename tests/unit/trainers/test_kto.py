@@ -13,8 +13,8 @@ def _cfg(tiny_llama, out, **kw):
     from rl.config.fields import build
     from rl.trainers.kto import KTOConfig
 
-    base = dict(model_name=tiny_llama, output_dir=str(out), report_to=["none"], batch_size=4, learning_rate=1e-3,
-                lr_scheduler="constant", max_length=32, max_prompt_length=16, dtype="float32", beta=0.5,
+    base = dict(model_name=tiny_llama, output_dir=str(out), report_to=["none"], per_device_train_batch_size=4, learning_rate=1e-3,
+                lr_scheduler_type="constant", max_length=32, max_prompt_length=16, dtype="float32", beta=0.5,
                 data={"path": "data/tiny/kto.jsonl", "max_examples": 24})
     return build(KTOConfig, {**base, **kw})
 
@@ -32,7 +32,7 @@ def test_bad_label_is_reported_by_line(tmp_path, monkeypatch):
     with pytest.raises(DataError, match="KTO needs both"):
         KTOTrainer.load_data(_cfg("x", tmp_path, data={"path": str(data)}))
     with pytest.raises(ConfigError, match="at least 2"):
-        _cfg("x", tmp_path, batch_size=1)
+        _cfg("x", tmp_path, per_device_train_batch_size=1)
 
 
 def test_resume_equals_uninterrupted(tiny_llama, tiny_tokenizer, tmp_path, monkeypatch):
@@ -50,7 +50,7 @@ def test_resume_equals_uninterrupted(tiny_llama, tiny_tokenizer, tmp_path, monke
 
     # 24 rows, batch 4: 6 steps per epoch; 8 steps cross an epoch boundary (a reshuffle)
     full, full_hist = run(tmp_path / "full", 8)
-    run(tmp_path / "cut", 5, save_every=5)
+    run(tmp_path / "cut", 5, save_steps=5)
     resumed, resumed_hist = run(tmp_path / "cut", 8, resume="auto")
     assert [r["step"] for r in resumed_hist] == [6, 7, 8]
     for a, b in zip(full_hist[5:], resumed_hist):

@@ -34,9 +34,9 @@ def _env() -> dict:
 
 # Every registered trainer (rl/trainers/registry.py), so that a new one is covered by being registered: its tiny
 # recipe cut to {n} optimizer steps of a few examples by the entry's `short_run` overrides (PPO: iterations of one
-# optimizer step each, ppo_epochs=1 and mini_batch_size=batch_size).
+# optimizer step each, num_iterations=1 and mini_batch_size=per_device_train_batch_size).
 TRAINERS = list(REGISTRY)
-COMMON = ["log_every=1", "report_to=[jsonl]"]
+COMMON = ["logging_steps=1", "report_to=[jsonl]"]
 FINAL = {"reward": "reward_config.json"}  # the file a finished run writes (default model.safetensors)
 
 
@@ -90,7 +90,7 @@ def _signal_in_process(trainer, out, rows: int, sig, capfd, monkeypatch) -> tupl
             signal.raise_signal(sig)
 
     monkeypatch.setattr(base, "check_finite", then_signal)
-    code, stdout, stderr = _main(trainer, out, 500, "save_every=1", "save_total_limit=2", capfd=capfd,
+    code, stdout, stderr = _main(trainer, out, 500, "save_steps=1", "save_total_limit=2", capfd=capfd,
                                  monkeypatch=monkeypatch)
     monkeypatch.setattr(base, "check_finite", real)
     return code, stdout + stderr
@@ -172,7 +172,7 @@ def test_sigterm_retention_corrupt_fallback_and_rerun(trainer, tmp_path, tiny_ll
     final = out / FINAL.get(trainer, "model.safetensors")
     # 1. SIGTERM mid-run: the step finishes, a checkpoint is written, exit 128 + 15, no final model
     if trainer == "sft":
-        proc, log = _signal_mid_run(_cmd(trainer, out, 500, "save_every=1", "save_total_limit=2"), out, 3,
+        proc, log = _signal_mid_run(_cmd(trainer, out, 500, "save_steps=1", "save_total_limit=2"), out, 3,
                                     signal.SIGTERM)
         code = proc.returncode
     else:
@@ -207,7 +207,7 @@ def test_diverging_run_stops_at_the_first_non_finite_loss(trainer, tmp_path, tin
     # gradients and no update at all; the length-based default reward (words / 100) does not
     extra = {"grpo": ["reward_funcs=[default]", "reward_weights=[0,1]"], "online_dpo": ["reward_funcs=[default]"],
              "ppo": ["reward_fn=default", "custom_reward=null"]}.get(trainer, [])
-    code, stdout, stderr = _main(trainer, out, 8, "learning_rate=1e30", "save_every=1", *extra, capfd=capfd,
+    code, stdout, stderr = _main(trainer, out, 8, "learning_rate=1e30", "save_steps=1", *extra, capfd=capfd,
                                  monkeypatch=monkeypatch)
     err = stderr.strip().splitlines()
     assert code == 1, (stdout + stderr)[-3000:]
@@ -249,7 +249,7 @@ def test_disk_full_during_a_checkpoint_keeps_the_previous_one(fault, tmp_path, t
     from rl.trainers.sft import SFTTrainer
 
     cfg = build(SFTConfig, {"model_name": tiny_llama, "output_dir": str(tmp_path / "run"), "max_steps": 4,
-                            "save_every": 1, "batch_size": 2, "report_to": ["none"], "learning_rate": 1e-3})
+                            "save_steps": 1, "per_device_train_batch_size": 2, "report_to": ["none"], "learning_rate": 1e-3})
     trainer = SFTTrainer(cfg)
     data = tokenize_examples([{"prompt": f"{i}+1=", "completion": str(i + 1)} for i in range(8)],
                              trainer.tokenizer, cfg)
@@ -298,13 +298,13 @@ def test_every_trainer_takes_config_then_model_and_tokenizer(tmp_path, tiny_llam
         "sft": (SFTTrainer, build(SFTConfig, {**base, "output_dir": str(tmp_path / "sft")}), {}),
         "dpo": (DPOTrainer, build(DPOConfig, {**base, "output_dir": str(tmp_path / "dpo"), "max_prompt_length": 16}),
                 {}),
-        "grpo": (GRPOTrainer, build(GRPOConfig, {**base, "output_dir": str(tmp_path / "grpo"), "batch_size": 2,
+        "grpo": (GRPOTrainer, build(GRPOConfig, {**base, "output_dir": str(tmp_path / "grpo"), "per_device_train_batch_size": 2,
                                                  "num_generations": 2, "max_completion_length": 4}),
                  {"reward_funcs": [reward_fn], "train_prompts": [{"prompt": "1+1="}]}),
         "online_dpo": (OnlineDPOTrainer, build(OnlineDPOConfig, {**base, "output_dir": str(tmp_path / "odpo"),
-                                                                 "batch_size": 2, "max_completion_length": 4}),
+                                                                 "per_device_train_batch_size": 2, "max_completion_length": 4}),
                        {"reward_funcs": [reward_fn], "train_prompts": [{"prompt": "1+1="}]}),
-        "ppo": (PPOTrainer, build(PPOConfig, {**base, "output_dir": str(tmp_path / "ppo"), "batch_size": 2,
+        "ppo": (PPOTrainer, build(PPOConfig, {**base, "output_dir": str(tmp_path / "ppo"), "per_device_train_batch_size": 2,
                                               "max_new_tokens": 4}), {"reward_fn": reward_fn}),
     }
     for name, (cls, cfg, extra) in cases.items():
@@ -332,7 +332,7 @@ def test_resume_with_another_lora_rank_keeps_the_size_mismatch_in_one_line(tmp_p
 
     def run(rank: int, **extra):
         cfg = build(SFTConfig, {"model_name": tiny_llama, "output_dir": str(tmp_path / "run"), "max_steps": 2,
-                                "save_every": 1, "batch_size": 2, "report_to": ["none"],
+                                "save_steps": 1, "per_device_train_batch_size": 2, "report_to": ["none"],
                                 "lora": {"enabled": True, "rank": rank, "target_modules": "q_proj"}, **extra})
         trainer = SFTTrainer(cfg)
         trainer.train(tokenize_examples([{"prompt": f"{i}+1=", "completion": str(i + 1)} for i in range(4)],

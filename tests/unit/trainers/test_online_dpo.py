@@ -134,8 +134,8 @@ def test_loss_on_fixed_pairs_equals_offline_dpo(loss_type, packing, tiny_llama, 
     real_pack = rl.trainers.online_dpo.pack_rollout_rows
     monkeypatch.setattr(rl.trainers.online_dpo, "pack_rollout_rows", lambda *a: packed_calls.append(1) or real_pack(*a))
     policy = perturbed
-    cfg = build(OnlineDPOConfig, dict(model_name=tiny_llama, ref_model_name=tiny_llama, output_dir=str(tmp_path),
-                                      report_to=["none"], batch_size=2, gradient_accumulation_steps=2, max_steps=1,
+    cfg = build(OnlineDPOConfig, dict(model_name=tiny_llama, ref_model=tiny_llama, output_dir=str(tmp_path),
+                                      report_to=["none"], per_device_train_batch_size=2, gradient_accumulation_steps=2, max_steps=1,
                                       loss_type=loss_type, beta=0.3, max_length=72, max_completion_length=8,
                                       learning_rate=1e-3, dtype="float32", packing=packing))
     t = OnlineDPOTrainer(cfg, model=copy.deepcopy(policy), tokenizer=tok, reward_funcs=[reward],
@@ -212,8 +212,8 @@ def test_step_equals_trl_online_dpo_training_step(tiny_llama, tiny_tokenizer, pe
     trl_loss = float(theirs.training_step(theirs.model, {"prompt": prompts}))
 
     monkeypatch.setattr(rl.trainers.online_dpo, "generate", _fixed_rollout(tok, table))
-    cfg = build(OnlineDPOConfig, dict(model_name=tiny_llama, ref_model_name=tiny_llama, output_dir=str(tmp_path / "o"),
-                                      report_to=["none"], batch_size=4, max_steps=1, beta=beta, max_length=72,
+    cfg = build(OnlineDPOConfig, dict(model_name=tiny_llama, ref_model=tiny_llama, output_dir=str(tmp_path / "o"),
+                                      report_to=["none"], per_device_train_batch_size=4, max_steps=1, beta=beta, max_length=72,
                                       max_completion_length=8, learning_rate=1e-3, dtype="float32",
                                       missing_eos_penalty=10.5))
     row = OnlineDPOTrainer(cfg, model=copy.deepcopy(policy), tokenizer=tok, reward_funcs=[reward],
@@ -240,7 +240,7 @@ def test_it_learns_a_printable_fraction(tiny_llama, tmp_path, no_plot):
         return [sum(" " <= ch <= "~" for ch in c) / L for c in completions]
 
     cfg = build(OnlineDPOConfig, dict(model_name=tiny_llama, output_dir=str(tmp_path), learning_rate=1e-2,
-                                      lr_scheduler="constant", batch_size=32, max_completion_length=L, max_length=16,
+                                      lr_scheduler_type="constant", per_device_train_batch_size=32, max_completion_length=L, max_length=16,
                                       max_steps=8, beta=0.1, report_to=["jsonl"], seed=LEARN_SEED))
     rows = [{"prompt": f"{a}+{b}="} for a in range(10) for b in range(10)]
     t = OnlineDPOTrainer(cfg, reward_funcs=[printable], train_prompts=rows)
@@ -267,8 +267,8 @@ def test_launch_end_to_end_and_exact_resume(tmp_path, tiny_llama, capsys):
     (the step's prompts and sampling seeds are functions of the step; the optimizer state comes back bitwise).
     A user mistake is one `error:` line and exit 2."""
     out = tmp_path / "run"
-    args = ["--config", "recipes/tiny/online_dpo.yaml", f"output_dir={out}", "max_steps=2", "save_every=1",
-            "batch_size=8", "max_completion_length=4", "report_to=[jsonl]"]
+    args = ["--config", "recipes/tiny/online_dpo.yaml", f"output_dir={out}", "max_steps=2", "save_steps=1",
+            "per_device_train_batch_size=8", "max_completion_length=4", "report_to=[jsonl]"]
     p = run_cmd([sys.executable, "launch/online_dpo.py", *args], timeout=300)
     assert "online_dpo done: 2 steps" in p.stdout and (out / "model.safetensors").exists()
     first = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]

@@ -298,7 +298,7 @@ def test_accumulation_matches_one_big_batch(tiny_cache):
     prompts, chosen, rejected = synthetic_pairs(8, seed=3)
     steps = []
     for accum, bs in ((1, 8), (2, 4)):
-        m = make(gradient_accumulation_steps=accum, learning_rate=1e-2, warmup_steps=0, lr_scheduler="constant",
+        m = make(gradient_accumulation_steps=accum, learning_rate=1e-2, warmup_steps=0, lr_scheduler_type="constant",
                  max_grad_norm=None)
         trainer = RewardModelTrainer(m.config, model=m, tokenizer=m.get_tokenizer(), device="cpu")
         trainer.train_on_preferences(chosen, rejected, prompts=prompts, batch_size=bs)
@@ -315,7 +315,7 @@ def test_short_last_step_trains_on_exactly_its_pairs(tiny_cache):
     step's loss (center term included), accuracy, rewards, tokens and gradient norm are those of exactly
     its one pair, scored by hand on the model the first step left."""
     prompts, chosen, rejected = synthetic_pairs(9, seed=5)
-    m = make(gradient_accumulation_steps=2, learning_rate=1e-2, warmup_steps=0, lr_scheduler="constant",
+    m = make(gradient_accumulation_steps=2, learning_rate=1e-2, warmup_steps=0, lr_scheduler_type="constant",
              max_grad_norm=None, center_rewards_coefficient=0.1)
     trainer = RewardModelTrainer(m.config, model=m, tokenizer=m.get_tokenizer(), device="cpu")
     hand = {}
@@ -394,7 +394,7 @@ def test_resume_continues_exactly(tiny_cache, tmp_path):
     prompts, chosen, rejected = synthetic_pairs(12, seed=2)
 
     def run(**kw):
-        m = make(seed=kw.pop("seed", 0), learning_rate=1e-2, warmup_steps=2, save_every=2,
+        m = make(seed=kw.pop("seed", 0), learning_rate=1e-2, warmup_steps=2, save_steps=2,
                  output_dir=str(tmp_path / "rm"), **kw)
         t = RewardModelTrainer(m.config, model=m, tokenizer=m.get_tokenizer(), device="cpu")
         t.train_on_preferences(chosen, rejected, prompts=prompts, num_epochs=2, batch_size=5)
@@ -441,7 +441,7 @@ def test_qlora_4bit_trains_on_cpu(tiny_cache, tmp_path):
 
     prompts, chosen, rejected = synthetic_pairs(64, seed=1)
     m = make(use_lora=True, load_in_4bit=True, lora_rank=8, lora_alpha=16, lora_dropout=0.0,
-             learning_rate=1e-2, warmup_steps=0, lr_scheduler="constant", max_length=48)
+             learning_rate=1e-2, warmup_steps=0, lr_scheduler_type="constant", max_length=48)
     assert any(isinstance(mod, bnb.nn.Linear4bit) for mod in m.modules())
     n_train, n_all = trainable_fraction(m)
     assert 0 < n_train < n_all

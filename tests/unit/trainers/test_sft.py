@@ -20,7 +20,7 @@ def test_tiny_sft_learns_and_saves_a_loadable_model(tmp_path):
     """It learns: the last logged loss is under half the first. Measured final/first loss ratio over
     seeds 0-3 x {2 threads, 1 thread, AVX2 kernels} (bench/learning_spread.py, 12 runs): 0.066 to 0.110."""
     out = tmp_path / "sft"
-    proc = run_cmd([sys.executable, "launch/sft.py", "--config", RECIPE, f"output_dir={out}", "log_every=1",
+    proc = run_cmd([sys.executable, "launch/sft.py", "--config", RECIPE, f"output_dir={out}", "logging_steps=1",
                     "data.eval_fraction=0.125", f"seed={LEARN_SEED}"])
     curve = losses(out)
     assert learned("sft_loss_ratio", curve[-1] / curve[0]) < 0.5, curve[::10]
@@ -45,16 +45,16 @@ def test_two_processes_match_one(tmp_path, capfd, monkeypatch):
     run from full logits. The 1-process run is launch/sft.py's main() in this process (conftest.run_main:
     one intra-op thread, as a run_cmd subprocess), once for both; each 2-process run is two processes of
     its own under `accelerate launch`."""
-    common = ["--config", RECIPE, "data.max_examples=19", "num_epochs=2", "gradient_accumulation_steps=2",
-              "log_every=1", "report_to=[jsonl]"]
+    common = ["--config", RECIPE, "data.max_examples=19", "num_train_epochs=2", "gradient_accumulation_steps=2",
+              "logging_steps=1", "report_to=[jsonl]"]
     one = tmp_path / "one"
-    code, stdout, stderr = run_main("sft", [*common, "batch_size=8", f"output_dir={one}"], capfd, monkeypatch)
+    code, stdout, stderr = run_main("sft", [*common, "per_device_train_batch_size=8", f"output_dir={one}"], capfd, monkeypatch)
     assert code == 0, (stdout + stderr)[-3000:]
     a = losses(one)
     assert len(a) == 4 and len(set(a)) == 4
     for zero3 in (False, True):
         two = tmp_path / ("zero3" if zero3 else "ddp")
-        proc = run_cmd(accelerate_cmd("launch/sft.py", *common, "batch_size=4", "logprob_chunk_size=5",
+        proc = run_cmd(accelerate_cmd("launch/sft.py", *common, "per_device_train_batch_size=4", "logprob_chunk_size=5",
                                       f"output_dir={two}", zero3=zero3))
         assert ("ZeRO stage 3" in proc.stdout + proc.stderr) == zero3  # the launcher really ran what is named
         b = losses(two)
@@ -76,7 +76,7 @@ def test_lora_outputs_card_tensorboard_quiet_and_bad_data_path(tmp_path):
 
     out = tmp_path / "lora"
     proc = run_cmd([sys.executable, "launch/sft.py", "--config", RECIPE, f"output_dir={out}", "max_steps=5",
-                    "lora.enabled=true", "lora.rank=4", "learning_rate=1e-2", "save_every=2", "log_every=1",
+                    "lora.enabled=true", "lora.rank=4", "learning_rate=1e-2", "save_steps=2", "logging_steps=1",
                     "report_to=[jsonl,tensorboard]"])
     assert "FutureWarning" not in proc.stderr and "Loading weights" not in proc.stderr, proc.stderr[-2000:]
     assert (out / "adapter_config.json").exists() and (out / "adapter_model.safetensors").exists()
@@ -122,7 +122,7 @@ def test_zero3_lora_saves_adapter_and_merged_model(tmp_path):
     from transformers import AutoModelForCausalLM
 
     out = tmp_path / "z3lora"
-    proc = run_cmd(accelerate_cmd("launch/sft.py", "--config", RECIPE, "max_steps=3", "batch_size=8",
+    proc = run_cmd(accelerate_cmd("launch/sft.py", "--config", RECIPE, "max_steps=3", "per_device_train_batch_size=8",
                                   "lora.enabled=true", "lora.rank=4", "save_merged=true", f"output_dir={out}",
                                   zero3=True))
     assert "FutureWarning" not in proc.stderr, proc.stderr[-2000:]  # DeepSpeed printed thousands (quiet_third_party)

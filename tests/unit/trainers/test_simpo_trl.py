@@ -52,7 +52,7 @@ def test_simpo_matches_trl_cpo(label_smoothing, tiny_llama, tiny_tokenizer, tmp_
     trl_logs = [row for row in theirs.state.log_history if "rewards/chosen" in row]
 
     cfg = build(DPOConfig, dict(model_name=tiny_llama, output_dir=str(tmp_path / "ours"), report_to=["none"],
-                                batch_size=8, max_steps=steps, learning_rate=lr, lr_scheduler="constant",
+                                per_device_train_batch_size=8, max_steps=steps, learning_rate=lr, lr_scheduler_type="constant",
                                 beta=beta, loss_type="simpo", simpo_gamma=gamma, label_smoothing=label_smoothing,
                                 max_length=128, max_prompt_length=64, dtype="float32", max_grad_norm=1.0))
     ours = DPOTrainer(cfg, tokenizer=tok, model=copy.deepcopy(base))

@@ -1,5 +1,5 @@
 """Work that cannot change the result is skipped: GRPO's old-policy forward when the update is on-policy
-(num_iterations = 1), GRPO's reference forward at beta = 0, PPO's reference at kl_penalty_coef = 0.
+(num_iterations = 1), GRPO's reference forward at beta = 0, PPO's reference at beta = 0.
 Each skip is counted (scoring forwards) and shown to give the same numbers as the work it skips."""
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ def _count_scoring(monkeypatch, module) -> list:
 
 
 def _grpo(tiny_llama, out, **kw):
-    cfg = build(GRPOConfig, dict(model_name=tiny_llama, output_dir=str(out), learning_rate=1e-2, batch_size=8,
+    cfg = build(GRPOConfig, dict(model_name=tiny_llama, output_dir=str(out), learning_rate=1e-2, per_device_train_batch_size=8,
                                  num_generations=4, max_completion_length=4, max_length=16, report_to=["none"],
                                  seed=0, **kw))
     rows = [{"prompt": f"{a}+{b}="} for a in range(4) for b in range(4)]
@@ -80,25 +80,25 @@ def test_grpo_on_policy_old_logprobs_are_the_detached_current_ones(tiny_llama):
 
 
 def _ppo(tmp_path, **kw) -> PPOTrainer:
-    cfg = PPOConfig(model_name="tiny:llama", output_dir=str(tmp_path), seed=0, learning_rate=3e-3, batch_size=4,
-                    mini_batch_size=4, ppo_epochs=1, max_new_tokens=4, max_length=32, top_k=0, adaptive_kl=True,
-                    dtype="float32", device="cpu", report_to=["none"], num_iterations=1, **kw)
+    cfg = PPOConfig(model_name="tiny:llama", output_dir=str(tmp_path), seed=0, learning_rate=3e-3, per_device_train_batch_size=4,
+                    mini_batch_size=4, num_iterations=1, max_completion_length=4, max_length=32, top_k=0, adaptive_kl=True,
+                    dtype="float32", device="cpu", report_to=["none"], max_steps=1, **kw)
     return PPOTrainer(cfg, reward_fn=lambda prompts, responses, metadata=None: [len(r) / 4 for r in responses])
 
 
 def test_ppo_without_kl_penalty_runs_no_reference(tmp_path, tiny_cache, monkeypatch):
-    """kl_penalty_coef = 0 (adaptive or not, it stays 0): no reference model and no reference forward,
+    """beta = 0 (adaptive or not, it stays 0): no reference model and no reference forward,
     and the same iteration as with a reference whose KL term is multiplied by 0."""
     prompts = ["tell sea: ", "why cat: ", "how sky: ", "write poem: "]
     calls = _count_scoring(monkeypatch, ppo_math)
-    skip = _ppo(tmp_path / "skip", kl_penalty_coef=0.0)
+    skip = _ppo(tmp_path / "skip", beta=0.0)
     assert not skip.reference.exists and skip.reference.model is None
     h_skip = skip.train(prompts)
     assert calls == []
     # the same run with the reference forced on (what the code did before): one reference forward
     real_build = ReferencePolicy.build
     monkeypatch.setattr(ReferencePolicy, "build", lambda *a, needed=True, **k: real_build(*a, needed=True, **k))
-    with_ref = _ppo(tmp_path / "ref", kl_penalty_coef=0.0)
+    with_ref = _ppo(tmp_path / "ref", beta=0.0)
     assert with_ref.reference.exists
     h_ref = with_ref.train(prompts)
     assert len(calls) == 1
