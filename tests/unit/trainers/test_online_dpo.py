@@ -6,7 +6,6 @@ run on the tiny model; the launch script end to end with an exact resume."""
 from __future__ import annotations
 
 import copy
-import importlib.util
 import json
 import shutil
 import sys
@@ -31,7 +30,7 @@ from rl.trainers.online_dpo import (
     pair_up,
     pair_weights,
 )
-from tests.conftest import LEARN_SEED, ROOT, learned, run_cmd
+from tests.conftest import LEARN_SEED, launch_module, learned, run_cmd
 
 NAN = float("nan")
 KEYS = ("loss", "rewards/chosen", "rewards/rejected", "rewards/margins", "rewards/accuracies",
@@ -253,14 +252,6 @@ def test_it_learns_a_printable_fraction(tiny_llama, tmp_path, no_plot):
 
 # ------------------------------------------------------------------------------- launch
 
-def _launch_main():
-    spec = importlib.util.spec_from_file_location("launch_online_dpo", ROOT / "launch" / "online_dpo.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod.main
-
-
-@pytest.mark.slow
 def test_launch_end_to_end_and_exact_resume(tmp_path, tiny_llama, capsys):
     """The tiny recipe for 2 steps in a subprocess, a checkpoint each step; then the last checkpoint is removed
     and the launch script's main() resumes (resume=auto) from step 1: its step 2 equals the uninterrupted one
@@ -276,7 +267,7 @@ def test_launch_end_to_end_and_exact_resume(tmp_path, tiny_llama, capsys):
     assert [r["step"] for r in first] == [1, 2] and "online_dpo/ties" in first[0]
 
     shutil.rmtree(out / "checkpoints" / "checkpoint-2")
-    main = _launch_main()
+    main = launch_module("online_dpo").main
     main([*args, "resume=auto"])
     assert f"resumed from {out / 'checkpoints' / 'checkpoint-1'}" in capsys.readouterr().out
     again = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
