@@ -59,7 +59,6 @@ from rl.data.preference import (
     shard_batches,
 )
 from rl.engine import segments
-from rl.engine.dist import zero_stage
 from rl.engine.scoring import concatenated_logps, sequence_logps
 from rl.errors import ConfigError
 from rl.trainers.epoch import EpochTrainer
@@ -253,17 +252,14 @@ class DPOTrainer(EpochTrainer):
 
     # ----------------------------------------------------------------------------------- train
     def train(self, dataset: PreferenceDataset, eval_dataset: PreferenceDataset | None = None) -> list[dict]:
-        cfg, acc = self.cfg, self.accelerator
+        cfg = self.cfg
         plan = self._plan = self.plan(len(dataset))
         if self.pipeline is None:
             self._setup(plan["total_steps"])
         tracker = self.open_run(plan["total_steps"], desc=f"dpo[{cfg.loss_type}]")
-        tracker.write(f"dpo: {len(dataset)} pairs, {plan['total_steps']} steps, global batch {plan['global_batch']} "
-                      f"pairs ({self.processes}, ZeRO stage {zero_stage(acc)}), loss {cfg.loss_type}, "
-                      f"reference {'precomputed' if cfg.precompute_ref_logps else self.ref_mode}, trainable "
-                      f"{self.trainable:,}/{self.total_params:,} parameters")
-        if plan["warning"]:
-            tracker.write(plan["warning"])
+        self.announce(tracker, f"dpo: {len(dataset)} pairs, {plan['total_steps']} steps, global batch "
+                      f"{plan['global_batch']} pairs", f"loss {cfg.loss_type}, reference "
+                      f"{'precomputed' if cfg.precompute_ref_logps else self.ref_mode}")
         if cfg.precompute_ref_logps:
             t0 = time.time()
             for ds in (dataset, eval_dataset):

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import torch
 
+from rl.engine.dist import zero_stage
 from rl.trainers.base import Trainer
 
 
@@ -21,6 +22,15 @@ class EpochTrainer(Trainer):
     epoch, one global batch per optimizer step; the data position is what a checkpoint holds beside the
     engine's state. Subclasses set `self._plan` (with `global_batch` and `steps_per_epoch`) and define
     `evaluate(data)` (or their own `evaluate_now`)."""
+
+    def announce(self, tracker, what: str, details: str = "") -> None:
+        """The run's first line, one shape for the offline trainers: what and how much, then where (processes,
+        ZeRO stage), the trainer's own details and the trainable parameters; then the plan's warning, if any."""
+        details = f"{details}, " if details else ""
+        tracker.write(f"{what} ({self.processes}, ZeRO stage {zero_stage(self.accelerator)}), {details}trainable "
+                      f"{self.trainable:,}/{self.total_params:,} parameters")
+        if self._plan["warning"]:
+            tracker.write(self._plan["warning"])
 
     def start_epochs(self, n_train: int, eval_data=None) -> None:
         self._n_train, self._eval = n_train, eval_data

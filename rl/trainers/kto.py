@@ -33,7 +33,6 @@ from rl.config.plan import epoch_plan
 from rl.config.schema import TrainConfig
 from rl.data.kto import UnpairedDataset, collate_unpaired, load_unpaired_records
 from rl.data.preference import shard_batches
-from rl.engine.dist import zero_stage
 from rl.engine.scoring import sequence_logprobs, sequence_logps
 from rl.errors import ConfigError
 from rl.trainers.epoch import EpochTrainer
@@ -157,12 +156,9 @@ class KTOTrainer(EpochTrainer):
             self.reference.place(self.accelerator)
         tracker = self.open_run(plan["total_steps"], desc="kto")
         n_des = sum(e["label"] for e in dataset.examples)
-        tracker.write(f"kto: {len(dataset)} rows ({n_des} desirable, {len(dataset) - n_des} undesirable), "
-                      f"{plan['total_steps']} steps, global batch {plan['global_batch']} rows ({self.processes}, "
-                      f"ZeRO stage {zero_stage(self.accelerator)}), reference {self.reference.mode}, "
-                      f"trainable {self.trainable:,}/{self.total_params:,} parameters")
-        if plan["warning"]:
-            tracker.write(plan["warning"])
+        self.announce(tracker, f"kto: {len(dataset)} rows ({n_des} desirable, {len(dataset) - n_des} undesirable), "
+                      f"{plan['total_steps']} steps, global batch {plan['global_batch']} rows",
+                      f"reference {self.reference.mode}")
         self._train = dataset
         self.start_epochs(len(dataset), eval_dataset)
         self._loss_fn = partial(kto_batch_loss, beta=cfg.beta, desirable_weight=cfg.desirable_weight,

@@ -23,7 +23,6 @@ from rl.config.plan import epoch_plan
 from rl.config.schema import TrainConfig
 from rl.data.sft import collate, counted_tokens
 from rl.engine import losses, segments
-from rl.engine.dist import zero_stage
 from rl.engine.packing import pack_common_prefix, pack_examples
 from rl.trainers.epoch import EpochTrainer, split_even
 
@@ -81,15 +80,12 @@ class SFTTrainer(EpochTrainer):
         return epoch_plan(self.cfg, n_examples, self.world)
 
     def train(self, train_examples: list[dict], eval_examples: list[dict] | None = None) -> list[dict]:
-        cfg, acc = self.cfg, self.accelerator
+        cfg = self.cfg
         plan = self._plan = self.plan(len(train_examples))
         self.pipeline = self.build_pipeline(self._model, plan["total_steps"], cfg.per_device_train_batch_size)
         tracker = self.open_run(plan["total_steps"], desc="sft")
-        tracker.write(f"sft: {len(train_examples)} examples, {plan['total_steps']} steps, global batch "
-                      f"{plan['global_batch']} ({self.processes}, ZeRO stage {zero_stage(acc)}), "
-                      f"trainable {self.trainable:,}/{self.total_params:,} parameters")
-        if plan["warning"]:
-            tracker.write(plan["warning"])
+        self.announce(tracker, f"sft: {len(train_examples)} examples, {plan['total_steps']} steps, global batch "
+                      f"{plan['global_batch']}")
         self._train, self._num_tokens = train_examples, 0
         # packed rows attend per example ("rl_segments", rl.engine.segments): SDPA on CPU would otherwise pay
         # for the whole row's (sum of lengths)^2 score matrix under the block-diagonal mask
