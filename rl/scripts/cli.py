@@ -114,8 +114,21 @@ def command(trainer: str, args: list[str]) -> list[str]:
     return [sys.executable, "-m", "rl.scripts.train", trainer, *args]
 
 
+def _targets(keys) -> str:
+    """A flag's recipe key as --help shows it: one key, the first key of the trainer's schema among several, or
+    the key per trainer."""
+    if isinstance(keys, str):
+        return keys
+    if isinstance(keys, dict):
+        by_key: dict[str, list[str]] = {}
+        for trainer, key in keys.items():
+            by_key.setdefault(key, []).append(trainer)
+        return "; ".join(f"{key} ({', '.join(ts)})" for key, ts in by_key.items())
+    return " or ".join(keys)
+
+
 def usage() -> str:
-    rows = "\n".join(f"  --{k.replace('_', '-'):<24} {v if isinstance(v, str) else v}" for k, v in FLAG_KEYS.items())
+    rows = "\n".join(f"  --{k.replace('_', '-'):<24} {_targets(v)}" for k, v in FLAG_KEYS.items())
     return (f"usage: rl-train --trainer {{{','.join(TRAINERS)}}} [reference flags] [--config RECIPE] [key=value ...]\n\n"
             f"{__doc__.strip()}\n\nreference flag -> recipe key:\n{rows}\n"
             f"  --rl-<name>                -> the trainer's rl_<name> alias, else <name>\n\n"
