@@ -173,6 +173,19 @@ class _FakeAccelerator:
         return t
 
 
+def _loss_inputs(seed: int, B: int, noise: float):
+    """Per-token log-probs of B completions of 5 tokens (rows 0 and 4 shorter), old ones `noise` away from them,
+    a reference 0.2 away, and one advantage per completion: the inputs of the TRL loss cross-checks."""
+    g = torch.Generator().manual_seed(seed)
+    base = -torch.rand(B, 5, generator=g) * 2
+    old = base + noise * torch.randn(B, 5, generator=g)
+    ref = base + 0.2 * torch.randn(B, 5, generator=g)
+    mask = torch.ones(B, 5)
+    mask[0, 3:] = 0
+    mask[4, 1:] = 0
+    return base, old, ref, mask, torch.randn(B, generator=g)
+
+
 def _trl_loss(loss_type, logp, old, ref, adv, mask, beta, eps_low, eps_high, max_len, bias_kl, level="token"):
     """Run TRL 1.16's GRPOTrainer._compute_loss on given per-token log-probs (no model)."""
     from trl import GRPOConfig as TRLConfig
@@ -201,15 +214,8 @@ def _trl_loss(loss_type, logp, old, ref, adv, mask, beta, eps_low, eps_high, max
 @pytest.mark.parametrize("ours,theirs", [("sequence_mean", "grpo"), ("constant", "dr_grpo"), ("token_mean", "dapo")])
 @pytest.mark.parametrize("beta,bias_kl", [(0.0, True), (0.04, True), (0.04, False)])
 def test_loss_and_gradient_match_trl(ours, theirs, beta, bias_kl):
-    g = torch.Generator().manual_seed(1)
-    B, N, L = 6, 5, 7
-    base = -torch.rand(B, N, generator=g) * 2
-    old = base + 0.3 * torch.randn(B, N, generator=g)  # ratios well outside [0.8, 1.28]
-    ref = base + 0.2 * torch.randn(B, N, generator=g)
-    mask = torch.ones(B, N)
-    mask[0, 3:] = 0
-    mask[4, 1:] = 0
-    adv = torch.randn(B, generator=g)
+    base, old, ref, mask, adv = _loss_inputs(seed=1, B=6, noise=0.3)  # ratios well outside [0.8, 1.28]
+    L = 7
     lp_ours = base.clone().requires_grad_(True)
     loss, m = grpo_loss(lp_ours, old, adv, mask, ref_logp=ref, beta=beta, epsilon_low=0.2, epsilon_high=0.28,
                         loss_aggregation=ours, max_completion_length=L, use_bias_correction_kl=bias_kl)
@@ -232,15 +238,8 @@ def test_gspo_loss_and_gradient_match_trl_sequence_level(ours, theirs, beta):
     """GSPO: TRL 1.16's importance_sampling_level="sequence" on identical inputs, loss, gradient and clip
     metrics to 1e-6 (the KL factor is the sequence ratio there too). Per-token noise 0.6 spreads the
     sequence ratios well beyond the 0.05/0.08 clip range, so clipping is exercised."""
-    g = torch.Generator().manual_seed(2)
-    B, N, L = 8, 5, 7
-    base = -torch.rand(B, N, generator=g) * 2
-    old = base + 0.6 * torch.randn(B, N, generator=g)
-    ref = base + 0.2 * torch.randn(B, N, generator=g)
-    mask = torch.ones(B, N)
-    mask[0, 3:] = 0
-    mask[4, 1:] = 0
-    adv = torch.randn(B, generator=g)
+    base, old, ref, mask, adv = _loss_inputs(seed=2, B=8, noise=0.6)
+    L = 7
     lp_ours = base.clone().requires_grad_(True)
     loss, m = grpo_loss(lp_ours, old, adv, mask, ref_logp=ref, beta=beta, epsilon_low=0.05, epsilon_high=0.08,
                         loss_aggregation=ours, max_completion_length=L, importance_sampling_level="sequence")
@@ -270,15 +269,8 @@ def test_loss_type_by_trls_name_matches_trl(loss_type, beta):
     loss and gradient on identical inputs, the aggregation included (grpo: sequence mean, bnpo: this batch's
     token mean, dr_grpo: / max_completion_length, dapo and cispo: the step's token mean). cispo's epsilon_high
     is TRL's cap on the weight (1.3 clips some ratios here)."""
-    g = torch.Generator().manual_seed(3)
-    B, N, L = 6, 5, 7
-    base = -torch.rand(B, N, generator=g) * 2
-    old = base + 0.3 * torch.randn(B, N, generator=g)
-    ref = base + 0.2 * torch.randn(B, N, generator=g)
-    mask = torch.ones(B, N)
-    mask[0, 3:] = 0
-    mask[4, 1:] = 0
-    adv = torch.randn(B, generator=g)
+    base, old, ref, mask, adv = _loss_inputs(seed=3, B=6, noise=0.3)
+    L = 7
     eps_high = 1.3 if loss_type == "cispo" else 0.28
     lp_ours = base.clone().requires_grad_(True)
     loss, m = grpo_loss(lp_ours, old, adv, mask, ref_logp=ref, beta=beta, epsilon_low=0.2, epsilon_high=eps_high,
