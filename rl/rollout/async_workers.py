@@ -19,6 +19,7 @@ from __future__ import annotations
 import datetime
 import io
 import os
+import socket
 from dataclasses import dataclass
 
 import torch
@@ -74,13 +75,23 @@ def split_world(n: int) -> Role | None:
         local = os.environ.get("LOCAL_RANK", "0")
         if torch.cuda.is_available() and "CUDA_VISIBLE_DEVICES" not in os.environ:
             os.environ["CUDA_VISIBLE_DEVICES"] = local  # its own device, seen as device 0 of a 1-process world
+        # A 1-process world needs a store of its own: on the launcher's store its rank 0 would race the training
+        # processes' rank 0 for the same rendezvous keys, and training process 1 could connect to this process
+        # (seen once in CI: training process 0 waited 300 s at its first barrier with 2 training processes).
         os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", LOCAL_WORLD_SIZE="1",
-                          ACCELERATE_USE_DEEPSPEED="false")
+                          ACCELERATE_USE_DEEPSPEED="false", TORCHELASTIC_USE_AGENT_STORE="false",
+                          MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()))
     else:
         os.environ["WORLD_SIZE"] = str(trainers)
         if single_node:
             os.environ["LOCAL_WORLD_SIZE"] = str(trainers)
     return role
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
 
 
 def _wait(work, what: str) -> None:
