@@ -116,7 +116,7 @@ def recv_object(role: Role, src: int, what: str):
     _wait(role.group.recv([size], src, SIZE), what)
     data = torch.empty(int(size), dtype=torch.uint8)
     _wait(role.group.recv([data], src, PAYLOAD), what)
-    return torch.load(io.BytesIO(data.numpy().tobytes()), weights_only=False)
+    return torch.load(io.BytesIO(data.numpy().tobytes()), weights_only=True)  # tensors and plain containers only
 
 
 def trainable(model) -> list[torch.Tensor]:
