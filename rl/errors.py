@@ -40,3 +40,8 @@ def disk_full(error: BaseException) -> bool:
             return True
         error = error.__cause__ or error.__context__
     return False
+
+
+def first_line(e: BaseException, limit: int = 160) -> str:
+    """An exception's first line, for a one-line message (its class name when it has no text)."""
+    return (str(e).strip().splitlines() or [type(e).__name__])[0][:limit]

@@ -21,7 +21,7 @@ import torch
 from safetensors import safe_open
 
 from rl.engine.optim import import_bitsandbytes
-from rl.errors import ConfigError
+from rl.errors import ConfigError, first_line
 from rl.models.saving import adapter_base
 from rl.models.sources import resolve_model_path
 from rl.models.tiny import without_zero3_init
@@ -52,7 +52,7 @@ def bad_safetensors(directory: str | Path) -> tuple[Path, str] | None:
             with safe_open(str(f), "pt") as st:
                 st.keys()
         except Exception as e:  # noqa: BLE001 - the library's own errors are several types; its message says which
-            return f, (str(e).strip().splitlines() or [type(e).__name__])[0][:120]
+            return f, first_line(e, 120)
     return None
 
 

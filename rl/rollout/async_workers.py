@@ -26,7 +26,7 @@ import torch
 import torch.distributed as dist
 
 from rl.engine.dist import dist_timeout
-from rl.errors import ConfigError, RunError
+from rl.errors import ConfigError, RunError, first_line
 
 HEADER, SIZE, PAYLOAD, WEIGHTS = 1, 2, 3, 4
 
@@ -98,8 +98,7 @@ def _wait(work, what: str) -> None:
     try:
         work.wait(_timeout())
     except RuntimeError as e:
-        line = (str(e).strip().splitlines() or [type(e).__name__])[0][:160]
-        raise RunError(f"{what} ({line}); the run stops here, its last checkpoint is kept") from None
+        raise RunError(f"{what} ({first_line(e)}); the run stops here, its last checkpoint is kept") from None
 
 
 def send_object(role: Role, obj, dst: int, pending: list) -> None:

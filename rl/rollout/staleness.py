@@ -67,14 +67,15 @@ class StalenessBuffer:
             if item.step == step and admit(item.version, version_now, self.k):
                 found = item
             elif item.step == step:
-                self.dropped_batches += 1
-                self.dropped_samples += item.samples
+                self._drop(item)
         # a batch further ahead may already be too old for its own step (a smaller k after a resume)
         while self.items and not admit(self.items[0].version, self.items[0].step, self.k):
-            item = self.items.popleft()
-            self.dropped_batches += 1
-            self.dropped_samples += item.samples
+            self._drop(self.items.popleft())
         return found
+
+    def _drop(self, item: Tagged) -> None:
+        self.dropped_batches += 1
+        self.dropped_samples += item.samples
 
     def state(self) -> dict:
         """What a checkpoint holds (the batches themselves go per process)."""

@@ -16,7 +16,7 @@ from rl.config.parse import cli_config
 from rl.data.records import has_data
 from rl.engine.optim import bitsandbytes_problem, optim_problem
 from rl.engine.tracking import quiet_third_party
-from rl.errors import ConfigError, DataError, RunError, disk_full
+from rl.errors import ConfigError, DataError, RunError, disk_full, first_line
 from rl.models.loading import bad_safetensors
 from rl.models.reward_format import reward_model_problem
 from rl.models.sources import TINY_PREFIX
@@ -49,15 +49,11 @@ def run_training(trainer, train, *args, **kwargs):
         if not disk_full(e):
             raise
         out = getattr(getattr(trainer, "cfg", None), "output_dir", "the output directory")
-        fail(f"no space left on {out} during training ({_first_line(e)}); free space, then rerun with "
+        fail(f"no space left on {out} during training ({first_line(e)}); free space, then rerun with "
              f"resume=auto to continue from the newest checkpoint", code=1)
     if getattr(trainer, "stopped_by", None):
         raise SystemExit(128 + int(trainer.stopped_by))
     return history
-
-
-def _first_line(e: BaseException) -> str:
-    return (str(e).strip().splitlines() or [type(e).__name__])[0][:160]
 
 
 @contextmanager
@@ -72,7 +68,7 @@ def final_save(output_dir):
     except Exception as e:
         if not disk_full(e):
             raise
-        fail(f"no space left on {output_dir} while writing the final model ({_first_line(e)}); its files there "
+        fail(f"no space left on {output_dir} while writing the final model ({first_line(e)}); its files there "
              f"are incomplete: free space, then rerun with resume=auto (it continues from the newest checkpoint "
              f"and saves again)", code=1)
 
