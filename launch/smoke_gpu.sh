@@ -39,7 +39,7 @@ runpy.run_path(script, run_name="__main__")
 # `rl vllm-serve` on the model first and stops it after
 VLLM_MODEL=${MODEL:-tiny:llama-hd64}
 
-steps_for() {  # every trainer counts max_steps in optimizer steps (PPO too: its rounds are num_iterations x minibatches steps)
+steps_for() {  # every trainer counts max_steps in optimizer steps (PPO too: a round is num_ppo_epochs x minibatches steps)
     echo "max_steps=$STEPS"
 }
 

@@ -9,11 +9,8 @@ and command-line strings alike, so `"3"` is an int where an int is expected and 
 expected (`type_name`). An unknown key suggests the closest known one, our own keys before aliases:
 most of what goes wrong with recipes is a typo.
 
-`ALIASES` is the one table of names that are not ours: the reference docs' and CLI's names
-(`rl_kl_coef`, `lr`, ...) and TRL's other names (`kl_coef`, `cliprange`, ...) mapped to our keys, the
-first target that is a field of the schema at hand (`aliases_of`), silently; `VALUE_ALIASES` maps a
-value too (`bf16: true` -> `dtype: bfloat16`). Our own former names (`batch_size`, ...) are
-rl.config.vocabulary.DEPRECATED: they work the same and print one deprecation line.
+Other names of a key (the reference docs' and TRL's, our former ones) are rl.config.vocabulary's one
+table: `build` brings a mapping to the schema's own names first (`canonical`).
 """
 
 from __future__ import annotations
@@ -26,7 +23,7 @@ from typing import Any, Literal, Union, get_args, get_origin
 
 import yaml
 
-from rl.config.vocabulary import deprecated_of, rename_deprecated
+from rl.config.vocabulary import FALSE_WORDS, TRUE_WORDS, aliases_of, canonical
 from rl.errors import ConfigError
 
 REQUIRED = dataclasses.MISSING
@@ -50,11 +47,6 @@ def section(cls: type, help: str = "") -> Any:
 # --------------------------------------------------------------------------------------------------
 # Type conversion
 # --------------------------------------------------------------------------------------------------
-
-# What a bool field accepts as text (any case), on the command line and in a recipe.
-TRUE_WORDS = {"true", "yes", "on", "1"}
-FALSE_WORDS = {"false", "no", "off", "0"}
-
 
 def type_name(tp: Any) -> str:
     """How a type reads in a message or in --help: `int or null`, `list[str]`, `'a' | 'b'`."""
@@ -187,45 +179,6 @@ def hints_of(cls: type) -> dict[str, Any]:
     return typing.get_type_hints(cls)
 
 
-# The one alias table of names that are not ours: the reference docs' and CLI's names and TRL's other
-# names, each mapped to our key, silently (they are documented APIs). Our own former names are in
-# rl.config.vocabulary.DEPRECATED and print a deprecation line. An alias lists candidate targets in order
-# and a schema takes the first that is one of its fields; a name that is a field itself is never an alias
-# there. A schema's own ALIASES (rare) win.
-ALIASES: dict[str, tuple[str, ...]] = {
-    # the reference's generic names
-    "lr": ("learning_rate",), "epochs": ("num_train_epochs",), "model": ("model_name",),
-    "project_name": ("output_dir",),
-    # the reference CLI's rl_* names
-    "rl_gamma": ("gamma",), "rl_gae_lambda": ("lam",), "rl_kl_coef": ("beta",),
-    "rl_value_loss_coef": ("vf_coef",), "rl_clip_range": ("epsilon",),
-    "rl_value_clip_range": ("value_clip",), "rl_num_ppo_epochs": ("num_iterations",),
-    "rl_mini_batch_size": ("mini_batch_size",), "rl_max_new_tokens": ("max_completion_length",),
-    "rl_top_k": ("top_k",), "rl_top_p": ("top_p",), "rl_temperature": ("temperature",),
-    "rl_reward_model_path": ("reward_model_path",), "rl_reward_fn": ("reward_fn",),
-    "rl_multi_objective": ("multi_objective",), "rl_reward_weights": ("reward_weights",),
-    "rl_env_type": ("env_type",), "rl_env_config": ("env_config",), "model_ref": ("ref_model",),
-    "dpo_beta": ("beta",),
-    # TRL's other names for our keys (its PPOConfig's, DPOConfig's)
-    "group_size": ("num_generations",), "kl_coef": ("beta",), "cliprange": ("epsilon",),
-    "cliprange_value": ("value_clip",), "num_ppo_epochs": ("num_iterations",), "gae_lambda": ("lam",),
-    "precompute_ref_log_probs": ("precompute_ref_logps",), "padding_free": ("packing",),
-}
-# TRL's boolean precision flags: an alias whose value is mapped too
-VALUE_ALIASES: dict[str, tuple[str, dict]] = {"bf16": ("dtype", {True: "bfloat16", False: "float32"})}
-
-
-def aliases_of(cls: type) -> dict[str, str]:
-    """This schema's alternative key names -> its keys (ALIASES, VALUE_ALIASES and the deprecated names)."""
-    fields = fields_of(cls)
-    out = {a: next(t for t in targets if t in fields) for a, targets in ALIASES.items()
-           if a not in fields and any(t in fields for t in targets)}
-    out.update({a: t for a, (t, _) in VALUE_ALIASES.items() if a not in fields and t in fields})
-    out.update(deprecated_of(fields))
-    out.update(getattr(cls, "ALIASES", {}))
-    return out
-
-
 def _all_keys(cls: type, prefix: str = "", aliases: bool = False) -> list[str]:
     """Every dotted key of `cls` (with `aliases`, the alias names instead)."""
     keys = [] if aliases else [prefix + name for name in fields_of(cls)]
@@ -250,25 +203,21 @@ def _unknown(key: str, cls: type, where: str) -> ConfigError:
 
 
 def build(cls: type, data: dict, where: str = "config", prefix: str = "", root: type | None = None,
-          require: bool = True):
+          require: bool = True, typed: dict[str, str] | None = None):
     """Instantiate dataclass `cls` from a (possibly nested) mapping, validating every key.
 
     With `require=False` only the keys and types are checked (a recipe may leave a required key to
-    the command line) and None is returned."""
+    the command line) and None is returned. Messages name a key as it was typed (`typed`: key -> the name
+    given, for a mapping already brought to the schema's names)."""
     root = root or cls
-    fields, hints, aliases = fields_of(cls), hints_of(cls), aliases_of(cls)
-    data = rename_deprecated(data, fields, where, prefix)
+    fields, hints = fields_of(cls), hints_of(cls)
+    typed = dict(typed or {})
+    data = canonical(data, cls, where, prefix, typed)
     kwargs: dict[str, Any] = {}
-    for raw_key, value in data.items():
-        key = aliases.get(raw_key, raw_key)
+    for key, value in data.items():
+        raw_key = typed.get(key, key)
         if key not in fields:
-            raise _unknown(prefix + raw_key, root, where)
-        if raw_key in VALUE_ALIASES and key == VALUE_ALIASES[raw_key][0] and raw_key not in fields:
-            try:
-                value = VALUE_ALIASES[raw_key][1][_convert(value, bool)]
-            except TypeError:
-                raise ConfigError(f"{where}: key '{prefix}{raw_key}' has value {value!r}, expected bool "
-                                  f"(true or false)") from None
+            raise _unknown(prefix + key, root, where)
         tp = hints[key]
         if dataclasses.is_dataclass(tp):
             if value is None:
@@ -294,4 +243,8 @@ def build(cls: type, data: dict, where: str = "config", prefix: str = "", root: 
     try:
         return cls(**kwargs)
     except ConfigError as e:
-        raise ConfigError(f"{where}: {e}") from None
+        message = str(e)
+        for key, raw_key in typed.items():  # name the key as it was typed, and what it is here
+            if raw_key != key:
+                message = message.replace(f"'{key}'", f"'{raw_key}' ({key})")
+        raise ConfigError(f"{where}: {message}") from None

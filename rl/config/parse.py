@@ -22,17 +22,8 @@ from typing import Any
 
 import yaml
 
-from rl.config.fields import (
-    FALSE_WORDS,
-    REQUIRED,
-    TRUE_WORDS,
-    aliases_of,
-    build,
-    fields_of,
-    hints_of,
-    type_name,
-)
-from rl.config.vocabulary import DEPRECATED, rename_deprecated
+from rl.config.fields import REQUIRED, build, fields_of, hints_of, type_name
+from rl.config.vocabulary import DEPRECATED, FALSE_WORDS, TRUE_WORDS, aliases_of, canonical
 from rl.errors import ConfigError, RunError, disk_full
 
 # --------------------------------------------------------------------------------------------------
@@ -156,7 +147,7 @@ def help_text(cls: type, prog: str, description: str = "") -> str:
                 default = "REQUIRED"
             lines.append(f"  --{prefix}{name} {type_name(tp)}  (default: {default})")
             lines.append(f"        {f.metadata.get('help', '')}")
-        al = {a: t for a, t in aliases_of(c).items() if a not in DEPRECATED}  # help shows one vocabulary
+        al = {a: t for a, t in aliases_of(c).items() if a not in DEPRECATED}  # not our own former names
         if al:
             lines.append("  aliases: " + ", ".join(f"{prefix}{a} -> {prefix}{t}" for a, t in al.items()))
 
@@ -174,23 +165,26 @@ def parse_config(cls: type, argv: list[str] | None = None, prog: str | None = No
         raise SystemExit(0)
     data = load_recipe(recipe) if recipe else {}
     where = recipe or "config"
-    # old names become new ones before the merge, so that an override by either name replaces the recipe's
-    data = _rename_tree(cls, data, where)
-    overrides = _rename_tree(cls, overrides, "command line")
-    build(cls, data, where, require=False)  # so that a mistake in the recipe names the recipe file
+    build(cls, data, where, require=False)  # a mistake in the recipe names the recipe file and the key as typed
+    build(cls, overrides, "command line", require=False)
+    # every name becomes the schema's own before the merge, so that an override by any name replaces the recipe's
+    typed: dict[str, str] = {}
+    data = _canonical_tree(cls, data, where, typed=typed)
+    overrides = _canonical_tree(cls, overrides, "command line", typed=typed)
     data = _cli_replaces_reward_sources(cls, data, overrides)
-    return build(cls, _merge(data, overrides), "command line" if overrides else where)
+    data = _cli_replaces_alternatives(cls, data, overrides)
+    return build(cls, _merge(data, overrides), "command line" if overrides else where, typed=typed)
 
 
-def _rename_tree(cls: type, tree: dict, where: str, prefix: str = "") -> dict:
-    """`tree` with the deprecated keys renamed (rl.config.vocabulary) at every level: its sections, and the
-    mappings a schema builds into another schema later (`NESTED_SCHEMAS`: the pipeline's sft and grpo)."""
-    tree = rename_deprecated(tree, fields_of(cls), where, prefix)
+def _canonical_tree(cls: type, tree: dict, where: str, prefix: str = "", typed: dict | None = None) -> dict:
+    """`tree` in the schema's own key names (rl.config.vocabulary.canonical) at every level: its sections, and
+    the mappings a schema builds into another schema later (`NESTED_SCHEMAS`: the pipeline's sft and grpo)."""
+    tree = canonical(tree, cls, where, prefix, typed if not prefix else None)
     hints, nested = hints_of(cls), getattr(cls, "NESTED_SCHEMAS", {})
     out = {}
     for k, v in tree.items():
         sub = nested.get(k) or (hints.get(k) if dataclasses.is_dataclass(hints.get(k)) else None)
-        out[k] = _rename_tree(sub, v, where, f"{prefix}{k}.") if sub is not None and isinstance(v, dict) else v
+        out[k] = _canonical_tree(sub, v, where, f"{prefix}{k}.") if sub is not None and isinstance(v, dict) else v
     return out
 
 
@@ -207,6 +201,16 @@ def _cli_replaces_reward_sources(cls: type, recipe: dict, overrides: dict) -> di
         return recipe
     dropped = sources | {"reward_weights", "custom_reward"}
     return {k: v for k, v in recipe.items() if aliases.get(k, k) not in dropped}
+
+
+def _cli_replaces_alternatives(cls: type, recipe: dict, overrides: dict) -> dict:
+    """Keys that are alternative ways to say one thing (`cls.ALTERNATIVES`, e.g. PPO's run length as
+    num_iterations rounds or max_steps optimizer steps): one given on the command line replaces the recipe's
+    others instead of clashing with them."""
+    for group in getattr(cls, "ALTERNATIVES", ()):
+        if any(overrides.get(k) is not None for k in group):
+            recipe = {k: v for k, v in recipe.items() if k not in group or k in overrides}
+    return recipe
 
 
 def cli_config(cls: type, argv: list[str] | None = None, prog: str | None = None,

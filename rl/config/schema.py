@@ -17,7 +17,7 @@ import math
 from typing import Any, Literal
 
 from rl.config.fields import REQUIRED, opt, section
-from rl.config.vocabulary import DeprecatedAttributes, DeprecatedNames
+from rl.config.vocabulary import AcceptsAliases, AliasAttributes
 from rl.errors import ConfigError
 
 # --------------------------------------------------------------------------------------------------
@@ -122,9 +122,10 @@ def check_finite(cfg, prefix: str = "") -> None:
 
 
 @dataclasses.dataclass
-class TrainConfig(DeprecatedAttributes, metaclass=DeprecatedNames):
-    """Fields every trainer shares, by TRL's (TrainingArguments') names. Former names of ours still work
-    with one deprecation line (rl.config.vocabulary.DEPRECATED)."""
+class TrainConfig(AliasAttributes, metaclass=AcceptsAliases):
+    """Fields every trainer shares, by TRL's (TrainingArguments') names; the reference docs' names
+    (`batch_size`, `num_epochs`, `save_every`, ...) are accepted silently as keywords, attributes and keys
+    (rl.config.vocabulary)."""
 
     model_name: str = opt(REQUIRED, "HF model id or local path; 'tiny:llama' builds a tiny local model")
     output_dir: str = opt("runs/run", "where checkpoints, metrics, plots and the final model go")

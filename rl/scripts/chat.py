@@ -21,7 +21,7 @@ from pathlib import Path
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
-from rl.config.vocabulary import add_deprecated_flag
+from rl.config.vocabulary import add_alias_flag
 from rl.errors import ConfigError
 from rl.models.limits import prompt_room
 from rl.scripts.common import fail
@@ -46,7 +46,7 @@ def parse_args(argv=None) -> argparse.Namespace:
                         "was trained (its config.yaml chat_template), else yes when the tokenizer has "
                         "one; yes; or no (plain text)")
     p.add_argument("--max-completion-length", type=int, default=256, help="most tokens to generate per answer (256)")
-    add_deprecated_flag(p, "--max-new-tokens", "--max-completion-length")
+    add_alias_flag(p, "--max-new-tokens", "--max-completion-length")
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default); > 0 samples")
     p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass when sampling (1.0 = off)")
     p.add_argument("--seed", type=int, default=0, help="sampling seed (results repeat for a seed)")

@@ -32,7 +32,7 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 import yaml
 
-from rl.config.vocabulary import add_deprecated_flag
+from rl.config.vocabulary import add_alias_flag
 from rl.data.records import SUFFIXES, read_records, where
 from rl.envs.registry import make_env
 from rl.errors import (
@@ -67,11 +67,11 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="a row counts as correct when its reward is >= this (default 1.0)")
     p.add_argument("--max-examples", type=int, default=None, help="score only the first N rows")
     p.add_argument("--max-completion-length", type=int, default=64, help="most tokens per answer (default 64)")
-    add_deprecated_flag(p, "--max-new-tokens", "--max-completion-length")
+    add_alias_flag(p, "--max-new-tokens", "--max-completion-length")
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default); > 0 samples")
     p.add_argument("--seed", type=int, default=0, help="sampling seed (results repeat for a seed)")
     p.add_argument("--per-device-eval-batch-size", type=int, default=16, help="prompts generated together (default 16)")
-    add_deprecated_flag(p, "--batch-size", "--per-device-eval-batch-size")
+    add_alias_flag(p, "--batch-size", "--per-device-eval-batch-size")
     p.add_argument("--chat-template", choices=("auto", "yes", "no"), default="auto",
                    help="render prompts with the chat template: auto (default) = as the run was trained "
                         "(its config.yaml chat_template), else no; yes; no")

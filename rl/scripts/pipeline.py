@@ -81,7 +81,7 @@ class PipelineConfig:
     overwrite: bool = opt(False, "replace a previous run in output_dir (its summary, plots and both stages); without "
                           "it such a rerun is refused, as every trainer refuses one")
 
-    NESTED_SCHEMAS = {"sft": SFTConfig, "grpo": GRPOConfig}  # their deprecated keys are renamed before the merge
+    NESTED_SCHEMAS = {"sft": SFTConfig, "grpo": GRPOConfig}  # their keys' other names become theirs before the merge
 
 
 def stage_configs(cfg: PipelineConfig, init_model: str, sft_dir: Path, grpo_dir: Path):

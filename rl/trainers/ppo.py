@@ -8,7 +8,7 @@ One iteration (round):
   3. rewards   per token r_t = -beta * KL_t, plus the score at the LAST response token only;
                GAE (Schulman et al. 2016) as a vectorised reverse scan over the response mask;
                optional whitening of the advantages;
-  4. update    `num_iterations` passes over shuffled minibatches of `mini_batch_size` rollouts, each split
+  4. update    `num_ppo_epochs` passes over shuffled minibatches of `mini_batch_size` rollouts, each split
                into `gradient_accumulation_steps` micro-batches through the engine:
                loss = clipped policy loss (Schulman et al. 2017, eq. 7)
                       + vf_coef * clipped value loss - entropy_coef * entropy (response tokens only);
@@ -92,7 +92,7 @@ class PPOTrainer(Trainer):
     any reward source; runs single-process, DDP and DeepSpeed ZeRO-2/3 (policy and reference sharded).
 
         trainer = PPOTrainer(PPOConfig(model_name=..., ...), reward_fn=my_reward_fn)
-        history = trainer.train(prompts, rounds=100)   # one metrics dict per optimizer step
+        history = trainer.train(prompts, num_iterations=100)   # 100 rounds; one metrics dict per optimizer step
         trainer.save()
     """
 
@@ -211,7 +211,7 @@ class PPOTrainer(Trainer):
                 # packing: the response tokens as labels of the [prompt | response] rows (pack_padded)
                 "labels": torch.cat([torch.full_like(rollout.prompt_ids, -100),
                                      tokens.masked_fill(loss_mask == 0, -100)], 1).cpu(),
-                "orders": [torch.randperm(B, generator=gen) for _ in range(cfg.num_iterations)]}
+                "orders": [torch.randperm(B, generator=gen) for _ in range(cfg.num_ppo_epochs)]}
 
     def _update(self, ex: dict, k: int):
         """4. the k-th optimizer step of an iteration: minibatch k % mini_batches of PPO epoch
@@ -266,8 +266,9 @@ class PPOTrainer(Trainer):
     def train(self, prompts: Sequence[str] | None = None, rounds: int | None = None,
               metadata: Sequence[dict] | None = None, eval_prompts: Sequence[str] | None = None,
               eval_metadata: Sequence[dict] | None = None, *, num_iterations: int | None = None) -> list[dict]:
-        """Run PPO on `prompts` for `rounds` rounds (`num_iterations=`, the reference docs' name; default: max_steps,
-        else num_train_epochs passes); returns one metrics dict per optimizer step, with its `iteration` (also `self.history`).
+        """Run PPO on `prompts` for `num_iterations` rollout rounds (the reference docs' name; `rounds=` is the same;
+        default: the config's num_iterations, else max_steps optimizer steps, else num_train_epochs passes); returns
+        one metrics dict per optimizer step, with its `iteration` (also `self.history`).
 
         Every process passes the same prompts; iteration i uses a seeded shuffle of them, and process r
         takes every world-th of the iteration's `per_device_train_batch_size * world` prompts. `metadata` (one dict per

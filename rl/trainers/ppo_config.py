@@ -28,16 +28,18 @@ logger = logging.getLogger(__name__)
 
 @dataclasses.dataclass
 class PPOConfig(SamplingKeys, VLLMKeys, TrainConfig):
-    """Every field of the reference's PPOConfig (by the one vocabulary's names; the reference's names are
-    accepted), plus the rest of what a PPO run needs.
+    """Every field of the reference's PPOConfig, with the reference's meanings (its names are accepted
+    silently: batch_size, ppo_epochs, clip_ratio, kl_penalty_coef, value_coef, max_new_tokens, save_every,
+    eval_every; rl.config.vocabulary), plus the rest of what a PPO run needs.
 
     Sizes are per process: each process samples `per_device_train_batch_size` prompts per round (one
     rollout batch), and each optimizer step uses `mini_batch_size` of them, in `gradient_accumulation_steps`
-    micro-batches of mini_batch_size / gradient_accumulation_steps; `num_iterations` passes over the
-    rollout batch (TRL's num_ppo_epochs, GRPO's mu) make num_iterations x per_device_train_batch_size /
-    mini_batch_size optimizer steps per round. The run is `max_steps` optimizer steps, or
-    `num_train_epochs` passes over the prompts. Where the reference's Python example and its CLI table
-    differ, the defaults are the CLI's (the documented defaults of the rl_* names)."""
+    micro-batches of mini_batch_size / gradient_accumulation_steps; `num_ppo_epochs` passes over the
+    rollout batch (the reference's ppo_epochs) make num_ppo_epochs x per_device_train_batch_size /
+    mini_batch_size optimizer steps per round. The run is `num_iterations` rounds (the reference's
+    meaning), else `max_steps` optimizer steps, else `num_train_epochs` passes over the prompts. Where the
+    reference's Python example and its CLI table differ, the defaults are the CLI's (the documented
+    defaults of the rl_* names: rl_max_new_tokens 128, rl_top_k 50, rl_kl_coef 0.1, ...)."""
 
     per_device_train_batch_size: int = opt(16, "PPO: prompts sampled per process per round (the rollout batch; "
                                            "TRL's PPO calls that its batch and trains it in micro-batches of "
@@ -45,8 +47,14 @@ class PPOConfig(SamplingKeys, VLLMKeys, TrainConfig):
     mini_batch_size: int | None = opt(None, "rollouts per optimizer step, per process; divides "
                                       "per_device_train_batch_size (null: min(8, per_device_train_batch_size), the "
                                       "CLI's documented 8 capped at the rollout batch)")
-    num_iterations: int = opt(4, "policy updates per rollout batch: passes over it in shuffled minibatches (TRL's "
-                              "num_ppo_epochs, GRPO's num_iterations)")
+    num_ppo_epochs: int = opt(4, "policy updates per rollout batch: passes over it in shuffled minibatches (the "
+                              "reference's ppo_epochs and --rl-num-ppo-epochs; TRL's num_ppo_epochs)")
+    num_iterations: int | None = opt(None, "rollout rounds (the reference's num_iterations; PPOTrainer.train(prompts, "
+                                     "num_iterations=N) too): each samples a rollout batch and trains on it; null: "
+                                     "max_steps optimizer steps, else num_train_epochs passes over the prompts")
+    max_completion_length: int = opt(128, "new tokens per completion at most (the reference's max_new_tokens, "
+                                     "--rl-max-new-tokens; its documented default 128)")
+    top_k: int = opt(50, "sample from the k most likely tokens (0: all; the reference CLI's default 50)")
     gamma: float = opt(0.99, "discount factor (0.9-1.0)")
     lam: float = opt(0.95, "GAE lambda (0.9-0.99)")
     epsilon: float = opt(0.2, "clip the policy ratio to [1 - epsilon, 1 + epsilon] (TRL's cliprange)")
@@ -93,15 +101,22 @@ class PPOConfig(SamplingKeys, VLLMKeys, TrainConfig):
 
     # a reward source on the command line replaces the recipe's (rl.config.fields._cli_replaces_reward_sources)
     REWARD_SOURCE_KEYS = ("reward_model_path", "reward_fn", "env_type", "multi_objective")
+    # the run's length, in rounds or in optimizer steps: one on the command line replaces the recipe's other
+    ALTERNATIVES = (("num_iterations", "max_steps"),)
 
     def __post_init__(self):
         super().__post_init__()
         self.check_vllm()
         if self.mini_batch_size is None:  # derived once here, so the doc's batch_size=4 needs no extra key
             self.mini_batch_size = min(8, self.per_device_train_batch_size)
-        for name in ("mini_batch_size", "num_iterations", "kl_horizon"):
+        for name in ("mini_batch_size", "num_ppo_epochs", "kl_horizon"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"key '{name}' must be at least 1, got {getattr(self, name)}")
+        if self.num_iterations is not None and self.num_iterations < 1:
+            raise ConfigError(f"key 'num_iterations' (rollout rounds) must be at least 1 or null, got {self.num_iterations}")
+        if self.num_iterations is not None and self.max_steps is not None:
+            raise ConfigError(f"num_iterations={self.num_iterations} (rollout rounds) and max_steps={self.max_steps} "
+                              f"(optimizer steps) both set the run's length; keep one")
         if self.per_device_train_batch_size % self.mini_batch_size:
             raise ConfigError(f"per_device_train_batch_size {self.per_device_train_batch_size} is not a multiple of mini_batch_size "
                               f"{self.mini_batch_size}; make the rollout batch a whole number of minibatches")
@@ -144,12 +159,14 @@ class PPOConfig(SamplingKeys, VLLMKeys, TrainConfig):
 
 def ppo_plan(cfg: PPOConfig, n_prompts: int | None, world: int, rounds: int | None = None) -> dict:
     """Derived sizes: rollouts per round (all processes), rounds ("iterations"), optimizer steps. The run is
-    `rounds` rounds when given (PPOTrainer.train's argument), else max_steps optimizer steps (the last
-    round may stop part-way), else num_train_epochs passes over the prompts."""
+    `rounds` rounds when given (PPOTrainer.train's num_iterations), else cfg.num_iterations rounds, else
+    max_steps optimizer steps (the last round may stop part-way), else num_train_epochs passes over the
+    prompts."""
+    rounds = rounds if rounds is not None else cfg.num_iterations
     global_batch = cfg.per_device_train_batch_size * world
     per_epoch = max(1, math.ceil(n_prompts / global_batch)) if n_prompts else None
     mini_batches = cfg.per_device_train_batch_size // cfg.mini_batch_size
-    steps_per_iteration = cfg.num_iterations * mini_batches
+    steps_per_iteration = cfg.num_ppo_epochs * mini_batches
     if rounds is None and cfg.max_steps is not None:
         iterations = math.ceil(cfg.max_steps / steps_per_iteration)
     else:

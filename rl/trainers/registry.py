@@ -191,7 +191,7 @@ TRAINERS: dict[str, Entry] = {e.name: e for e in (
     Entry("ppo", "PPO (value head or critic, adaptive KL, GAE)", "rl.trainers.ppo_config:PPOConfig",
           "rl.trainers.ppo:PPOTrainer", "ppo", ppo_summary, require_data=False, plan="rl.trainers.ppo_config:ppo_plan",
           text_column="data.text_column", short_run=("per_device_train_batch_size=4", "mini_batch_size=4", "gradient_accumulation_steps=1",
-                                                     "num_iterations=1", "max_completion_length=4", "max_steps={n}")),
+                                                     "num_ppo_epochs=1", "max_completion_length=4", "max_steps={n}")),
     Entry("grpo", "GRPO family (GRPO, Dr. GRPO, RLOO, REINFORCE++, DAPO, GSPO)", "rl.trainers.grpo_config:GRPOConfig",
           "rl.trainers.grpo:GRPOTrainer", "online", grpo_summary, require_data=False,
           plan="rl.trainers.grpo_config:grpo_sizes", prompt_group="num_generations", text_column="data.text_column",

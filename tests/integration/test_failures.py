@@ -526,7 +526,7 @@ def test_ppo_with_a_correctness_reward_and_eval_data_trains_evaluates_and_saves(
     code, stdout, stderr = run_main("ppo", [
         "--config", "recipes/tiny/ppo.yaml", f"data.path={tmp_path / 'train.jsonl'}",
         f"data.eval_path={tmp_path / 'eval.jsonl'}", "reward_fn=correctness", "custom_reward=null",
-        "per_device_train_batch_size=4", "mini_batch_size=4", "gradient_accumulation_steps=1", "num_iterations=1", "max_completion_length=4",
+        "per_device_train_batch_size=4", "mini_batch_size=4", "gradient_accumulation_steps=1", "num_ppo_epochs=1", "max_completion_length=4",
         "max_steps=2", "eval_steps=1", "report_to=[jsonl]", f"output_dir={out}"], capfd, monkeypatch)
     assert code == 0, (stdout + stderr)[-3000:]
     metrics = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]

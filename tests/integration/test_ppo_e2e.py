@@ -18,7 +18,7 @@ PROMPTS = [f"{w} {v}: " for w in ("tell", "write", "why", "how") for v in ("sea"
 
 def tiny_cfg(tmp_path, **kw) -> PPOConfig:
     base = dict(model_name="tiny:llama", output_dir=str(tmp_path), seed=0, learning_rate=3e-3, lr_scheduler_type="constant",
-                per_device_train_batch_size=32, mini_batch_size=16, gradient_accumulation_steps=2, num_iterations=2, max_completion_length=16,
+                per_device_train_batch_size=32, mini_batch_size=16, gradient_accumulation_steps=2, num_ppo_epochs=2, max_completion_length=16,
                 max_length=64, top_k=0, gamma=1.0, vf_coef=0.5, entropy_coef=0.0, beta=0.02,
                 adaptive_kl=False, dtype="float32", device="cpu", report_to=["none"])
     base.update(kw)
@@ -40,7 +40,7 @@ def test_ppo_learns_char_fraction_with_bounded_kl(tmp_path, tiny_llama):
     {OMP threads 1, 2} (8 runs, 2026-12-02; both thread counts gave the same values per seed):
     end/start 12.8 to 31.3 (bar 2), end 0.068 to 0.155 (bar 0.03), the largest KL 8.5 to 13.2 nats
     (bar 50)."""
-    trainer = PPOTrainer(tiny_cfg(tmp_path, max_steps=48, learning_rate=1e-2, num_iterations=4, beta=0.01,
+    trainer = PPOTrainer(tiny_cfg(tmp_path, max_steps=48, learning_rate=1e-2, num_ppo_epochs=4, beta=0.01,
                                   seed=LEARN_SEED),
                          reward_fn=char_fraction_reward)
     held_out = [f"{p}{i} " for p in PROMPTS for i in range(8)]  # 128 answers, same sampling seed before/after
@@ -67,7 +67,7 @@ def test_ppo_learns_char_fraction_with_bounded_kl(tmp_path, tiny_llama):
 def test_lora_reference_adaptive_kl_and_critic(tmp_path, tiny_llama):
     """LoRA policy whose reference is itself without adapters (KL exactly 0 before the first update,
     > 0 after), adaptive KL moving the coefficient, a separate critic, and resume from a checkpoint."""
-    cfg = tiny_cfg(tmp_path, max_steps=4, per_device_train_batch_size=16, mini_batch_size=8, num_iterations=1, learning_rate=1e-2,
+    cfg = tiny_cfg(tmp_path, max_steps=4, per_device_train_batch_size=16, mini_batch_size=8, num_ppo_epochs=1, learning_rate=1e-2,
                    adaptive_kl=True, kl_target=1e-4, kl_horizon=100, value_model="critic", save_steps=2)
     cfg.lora.enabled, cfg.lora.rank, cfg.lora.dropout = True, 4, 0.0
     trainer = PPOTrainer(cfg, reward_fn=content_reward)
@@ -86,7 +86,7 @@ def test_lora_reference_adaptive_kl_and_critic(tmp_path, tiny_llama):
     assert (tmp_path / "checkpoints" / "checkpoint-4" / "COMPLETE").exists()  # save_steps counts optimizer steps
     assert (tmp_path / "checkpoints" / "critic" / "checkpoint-4" / "COMPLETE").exists()
     # resume: a fresh trainer continues at iteration 2 with the saved KL coefficient
-    cfg3 = tiny_cfg(tmp_path, max_steps=6, per_device_train_batch_size=16, mini_batch_size=8, num_iterations=1, learning_rate=1e-2,
+    cfg3 = tiny_cfg(tmp_path, max_steps=6, per_device_train_batch_size=16, mini_batch_size=8, num_ppo_epochs=1, learning_rate=1e-2,
                     adaptive_kl=True, kl_target=1e-4, kl_horizon=100, value_model="critic", resume="auto")
     cfg3.lora.enabled, cfg3.lora.rank, cfg3.lora.dropout = True, 4, 0.0
     t3 = PPOTrainer(cfg3, reward_fn=content_reward)
@@ -106,7 +106,7 @@ def test_two_step_rlhf_pipeline(tmp_path, tiny_cache):
     out = tmp_path / "ppo"
     proc = run_cmd(["python", "launch/ppo.py", "--config", "recipes/tiny/ppo.yaml", f"reward_model_path={rm}",
                     "max_steps=1", "per_device_train_batch_size=8", "mini_batch_size=8", "gradient_accumulation_steps=1",
-                    "num_iterations=1", "max_completion_length=4", f"output_dir={out}"], timeout=300)
+                    "num_ppo_epochs=1", "max_completion_length=4", f"output_dir={out}"], timeout=300)
     assert "reward: reward_model" in proc.stdout + proc.stderr, proc.stdout + proc.stderr
     assert "ppo done" in proc.stdout, proc.stdout + proc.stderr
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
@@ -119,7 +119,7 @@ def test_zero3_two_processes_policy_reference_value_sharded(tmp_path, tiny_cache
     out = tmp_path / "z3"
     proc = run_cmd(accelerate_cmd("launch/ppo.py", "--config", "recipes/tiny/ppo.yaml", f"output_dir={out}",
                                   "max_steps=4", "per_device_train_batch_size=8", "mini_batch_size=4",
-                                  "gradient_accumulation_steps=2", "num_iterations=1", "max_completion_length=8",
+                                  "gradient_accumulation_steps=2", "num_ppo_epochs=1", "max_completion_length=8",
                                   zero3=True), timeout=600)
     text = proc.stdout + proc.stderr
     assert "2 processes, ZeRO stage 3" in text, text[-3000:]

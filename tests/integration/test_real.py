@@ -387,7 +387,7 @@ def test_dpo_launch_lora(smollm, tmp_path, launch):
 def test_ppo_launch(smollm, tmp_path, launch):
     out = tmp_path / "ppo"
     _, rows = launch("ppo", "ppo", out, "max_steps=1", "per_device_train_batch_size=4", "mini_batch_size=4",
-                     "gradient_accumulation_steps=1", "num_iterations=1", "max_completion_length=12")
+                     "gradient_accumulation_steps=1", "num_ppo_epochs=1", "max_completion_length=12")
     assert rows
 
 

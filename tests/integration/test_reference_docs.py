@@ -20,6 +20,9 @@ from tests.unit.engine.test_client import _batch as _padded
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
+# The reference's examples run as written without a warning (issue 46): Python warnings are errors here.
+pytestmark = pytest.mark.filterwarnings("error")
+
 
 def run_doc(snippet: str, namespace: dict, replace: dict | None = None) -> dict:
     """exec a doc snippet after the documented import-path change and the given replacements."""
@@ -415,6 +418,85 @@ def test_memory_flags_reach_the_ppo_config():
     args = translate("ppo", DOC_MEMORY_FLAGS, _schema("ppo"))
     cfg = parse_config(_schema("ppo"), ["--model", "tiny:llama", *args])
     assert (cfg.logprob_chunk_size, cfg.optimize_device_cache) == (128, True)
+
+
+# ------------------------------------------------------------------ rl-module-docs: "Treinamento PPO"
+
+PPO_DOC = '''
+from autotrain.trainers.rl import PPOConfig, PPOTrainer
+
+config = PPOConfig(
+    model_name="google/gemma-2-2b",
+    learning_rate=1e-5,
+    batch_size=16,
+    mini_batch_size=4,
+    gradient_accumulation_steps=1,
+
+    # PPO hyperparameters
+    ppo_epochs=4,
+    gamma=0.99,           # Discount factor
+    lam=0.95,             # GAE lambda
+    clip_ratio=0.2,       # PPO clip ratio
+    value_clip=0.2,       # Value function clip
+    max_grad_norm=1.0,    # Gradient clipping
+
+    # KL penalty
+    kl_penalty_coef=0.01,
+    kl_target=0.01,
+    kl_horizon=10000,     # Horizon for adaptive KL
+
+    # Coefficients
+    entropy_coef=0.01,    # Entropy regularization
+    value_coef=0.5,       # Value function coefficient
+
+    # Generation
+    max_new_tokens=128,
+    temperature=0.7,
+    top_p=0.9,
+
+    # Training loop
+    num_iterations=100,
+    save_every=10,
+    eval_every=5,
+    device=None,          # Auto-detected
+)
+
+# Initialize trainer with custom reward function
+def my_reward_fn(prompts, responses, metadata=None):
+    rewards = []
+    for response in responses:
+        score = evaluate_response(response)
+        rewards.append(score)
+    return rewards
+
+trainer = PPOTrainer(
+    config=config,
+    tokenizer=tokenizer,  # Optional, loaded from model if not provided
+    reward_fn=my_reward_fn,
+)
+
+# Train on prompts
+prompts = ["Write a poem about...", "Explain quantum..."]
+metrics = trainer.train(prompts, num_iterations=100)
+'''
+
+
+def test_ppo_example_keeps_the_reference_meanings_and_trains_without_a_warning(tiny_tokenizer, tmp_path, monkeypatch,
+                                                                                capsys):
+    """The doc's PPOConfig block and training loop, verbatim but for the model (a tiny one) and the run's length
+    (100 rounds -> 1, in both places): ppo_epochs=4 passes over 16 rollouts in minibatches of 4 are 16 optimizer
+    steps in one round; num_iterations is the rounds, in the config and in train(); no warning of any kind (the
+    module runs with warnings as errors) and no deprecation line."""
+    monkeypatch.chdir(tmp_path)
+    ns = run_doc(PPO_DOC, {"tokenizer": tiny_tokenizer, "evaluate_response": lambda r: r.count("a") / 10},
+                 {'"google/gemma-2-2b"': '"tiny:llama"', "num_iterations=100": "num_iterations=1",
+                  "device=None,": 'device=None, report_to=["none"],'})
+    cfg, metrics = ns["config"], ns["metrics"]
+    assert (cfg.num_iterations, cfg.num_ppo_epochs, cfg.ppo_epochs, cfg.per_device_train_batch_size) == (1, 4, 4, 16)
+    assert (cfg.epsilon, cfg.beta, cfg.vf_coef, cfg.max_completion_length, cfg.save_steps, cfg.eval_steps) == \
+        (0.2, 0.01, 0.5, 128, 10, 5)
+    assert [m["step"] for m in metrics] == list(range(1, 17)) and {m["iteration"] for m in metrics} == {1}
+    assert "warning" not in capsys.readouterr().err.lower()
 
 
 # ------------------------------------------------------------------ rl-module-docs: "Treinamento DPO"

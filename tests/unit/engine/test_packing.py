@@ -482,7 +482,7 @@ def test_grpo_and_ppo_trainers_packing_equals_padding(tmp_path, tiny_llama, monk
                                      report_to=["none"], seed=0, packing=packing, share_prompt_forward=False))
         grpo[packing] = GRPOTrainer(cfg, reward_funcs=[length_reward], train_prompts=rows).train()
         cfg = PPOConfig(model_name=tiny_llama, output_dir=str(tmp_path / f"p{packing}"), seed=0, learning_rate=1e-2,
-                        per_device_train_batch_size=8, mini_batch_size=8, gradient_accumulation_steps=2, num_iterations=1, max_completion_length=6,
+                        per_device_train_batch_size=8, mini_batch_size=8, gradient_accumulation_steps=2, num_ppo_epochs=1, max_completion_length=6,
                         max_length=32, max_steps=1, value_model="critic", dtype="float32", device="cpu",
                         report_to=["none"], packing=packing)
         ppo[packing] = PPOTrainer(cfg, reward_fn=lambda p, r, m=None: [len(x) / 6 for x in r]).train(

@@ -316,7 +316,7 @@ def test_ppo_trains_on_episodes_with_tool_tokens_out_of_the_loss(tiny_llama, tmp
     monkeypatch.setattr(rl.trainers.ppo, "ppo_advantages", spy)
     cfg = PPOConfig(model_name=tiny_llama, output_dir=str(tmp_path), env_type="tool_math",
                     env_config={"digits": [2, 2], "answer_digits": 4, "num_problems": 8, "max_turns": 2},
-                    max_steps=1, per_device_train_batch_size=4, mini_batch_size=4, num_iterations=1, max_completion_length=64,
+                    max_steps=1, per_device_train_batch_size=4, mini_batch_size=4, num_ppo_epochs=1, max_completion_length=64,
                     max_length=96, beta=0.1, report_to=["none"], dtype="float32", device="cpu")
     t = PPOTrainer(cfg)
     row = t.train()[0]

@@ -258,7 +258,7 @@ def test_grpo_with_a_reward_model(tiny_llama, tiny_rm, tmp_path):
 def test_ppo_with_a_reward_model_and_an_environment_weighted(tiny_llama, tiny_rm, tmp_path):
     cfg = PPOConfig(model_name=tiny_llama, output_dir=str(tmp_path), reward_model_path=tiny_rm,
                     multi_objective=True, reward_weights={"reward_model": 0.5, "env": 2.0, "length": 1.0, "formatting": 0.1},
-                    max_steps=1, per_device_train_batch_size=4, mini_batch_size=4, num_iterations=1, max_completion_length=3,
+                    max_steps=1, per_device_train_batch_size=4, mini_batch_size=4, num_ppo_epochs=1, max_completion_length=3,
                     max_length=32, report_to=["none"])
     cfg.data.path = "data/tiny/ppo_prompts.jsonl"
     t = PPOTrainer(cfg)

@@ -90,7 +90,7 @@ def test_grpo_resume_between_the_updates_of_a_generation_batch_is_exact(tmp_path
 def _ppo(out, **kw) -> PPOTrainer:
     cfg = PPOConfig(**{**dict(model_name=kw.pop("model"), output_dir=str(out), seed=0, learning_rate=3e-3,
                               lr_scheduler_type="linear", per_device_train_batch_size=8, mini_batch_size=4, gradient_accumulation_steps=1,
-                              num_iterations=2, max_completion_length=4, max_length=32, top_k=0, beta=0.02,
+                              num_ppo_epochs=2, max_completion_length=4, max_length=32, top_k=0, beta=0.02,
                               adaptive_kl=True, kl_target=1e-4, kl_horizon=100, dtype="float32", device="cpu",
                               report_to=["none"], max_steps=8), **kw})
     return PPOTrainer(cfg, reward_fn=lambda prompts, responses, metadata=None: [

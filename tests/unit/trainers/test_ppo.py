@@ -217,7 +217,7 @@ def test_ppo_trainer_with_loss_type_cispo_trains_and_differs_from_the_default(tm
     runs, weights = {}, {}
     for loss_type in ("ppo", "cispo"):
         cfg = PPOConfig(model_name=tiny_llama, output_dir=str(tmp_path / loss_type), seed=0, learning_rate=1e-2,
-                        per_device_train_batch_size=4, mini_batch_size=4, num_iterations=1, max_completion_length=5,
+                        per_device_train_batch_size=4, mini_batch_size=4, num_ppo_epochs=1, max_completion_length=5,
                         max_length=24, max_steps=1, dtype="float32", device="cpu", report_to=["none"], loss_type=loss_type)
         trainer = PPOTrainer(cfg, reward_fn=lambda p, r, m=None: [len(x) / 5 for x in r])
         runs[loss_type] = trainer.train(["1+1=", "2+2=", "3+3=", "4+4="])
@@ -286,14 +286,14 @@ def test_reference_cli_names_are_aliases_with_reference_defaults():
                                    "--model-ref", "tiny:qwen2", "--rl-reward-weights", '{"correctness": 1.0}'])
     assert (cfg.gamma, cfg.lam, cfg.beta, cfg.vf_coef, cfg.epsilon, cfg.value_clip) == \
         (0.9, 0.8, 0.05, 0.7, 0.1, 0.3)
-    assert (cfg.num_iterations, cfg.mini_batch_size, cfg.max_completion_length, cfg.top_k, cfg.top_p, cfg.temperature) == \
+    assert (cfg.num_ppo_epochs, cfg.mini_batch_size, cfg.max_completion_length, cfg.top_k, cfg.top_p, cfg.temperature) == \
         (2, 4, 32, 7, 0.9, 0.7)
     assert cfg.reward_fn == "default" and cfg.ref_model == "tiny:qwen2" and cfg.reward_weights == {"correctness": 1.0}
     d = PPOConfig(model_name="m", reward_fn="default")
     # the reference CLI table's defaults
-    assert (d.gamma, d.lam, d.beta, d.vf_coef, d.epsilon, d.value_clip, d.num_iterations,
+    assert (d.gamma, d.lam, d.beta, d.vf_coef, d.epsilon, d.value_clip, d.num_ppo_epochs,
             d.mini_batch_size, d.max_completion_length, d.top_k, d.top_p, d.temperature) == \
-        (0.99, 0.95, 0.1, 1.0, 0.2, 0.2, 4, 8, 64, 0, 1.0, 1.0)
+        (0.99, 0.95, 0.1, 1.0, 0.2, 0.2, 4, 8, 128, 50, 1.0, 1.0)
     assert d.reward_model_path is None and d.multi_objective is False and d.env_type is None
 
 

@@ -81,7 +81,7 @@ def test_grpo_on_policy_old_logprobs_are_the_detached_current_ones(tiny_llama):
 
 def _ppo(tmp_path, **kw) -> PPOTrainer:
     cfg = PPOConfig(model_name="tiny:llama", output_dir=str(tmp_path), seed=0, learning_rate=3e-3, per_device_train_batch_size=4,
-                    mini_batch_size=4, num_iterations=1, max_completion_length=4, max_length=32, top_k=0, adaptive_kl=True,
+                    mini_batch_size=4, num_ppo_epochs=1, max_completion_length=4, max_length=32, top_k=0, adaptive_kl=True,
                     dtype="float32", device="cpu", report_to=["none"], max_steps=1, **kw)
     return PPOTrainer(cfg, reward_fn=lambda prompts, responses, metadata=None: [len(r) / 4 for r in responses])
 
