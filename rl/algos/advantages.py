@@ -67,6 +67,14 @@ def dr_grpo_advantages(rewards: torch.Tensor, num_generations: int) -> torch.Ten
     return torch.nan_to_num(rewards - mean, nan=0.0)
 
 
+@register(KIND, "grpo_batch")
+def grpo_batch_advantages(rewards: torch.Tensor, num_generations: int, eps: float = STD_EPS) -> torch.Tensor:
+    """TRL's scale_rewards="batch" (Liu et al. 2025, "Part I: Tricks or Traps?", group mean with batch std):
+    (r - mean_group) / (std_batch + eps), the std of the raw rewards of the whole batch. (N*G,) -> (N*G,)."""
+    mean, _ = group_stats(rewards, num_generations)
+    return torch.nan_to_num((rewards - mean) / (nanstd(rewards) + eps), nan=0.0)
+
+
 @register(KIND, "rloo")
 def rloo_advantages(rewards: torch.Tensor, num_generations: int) -> torch.Tensor:
     """RLOO (Ahmadian et al. 2024; Kool et al. 2019): r_i - mean_{j != i} r_j within the group.

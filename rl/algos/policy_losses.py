@@ -28,6 +28,9 @@ argument always wins.
     cispo       -sg(min(r, eps_high)) A logp (TRL, ScaleRL: eps_high a cap)   token_mean
     cispo_clip  -sg(clip(r, 1-eps, 1+eps_high)) A logp (MiniMax-M1, Tinker)   token_mean
     sapo        -sigmoid(tau (r - 1)) 4 / tau A (TRL's SAPO soft gate)        sequence_mean
+    luspo       the clipped surrogate (TRL's LUSPO)                           sequence_sum (sum per sequence)
+    vespo       -sg(phi(w_seq)) A logp, phi a gamma weight of the sequence   token_mean (the step's)
+                ratio (TRL's VESPO; it takes the vLLM correction inside phi)
     importance_sampling  -r A (Tinker)                                        token_mean
     dro         -(logp A - dro_beta / 2 (logp - old_logp)^2) (Tinker)         token_mean
 
@@ -40,6 +43,7 @@ and the papers named at each term.
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import NamedTuple
 
 import torch
@@ -49,7 +53,7 @@ from rl.algos.reduce import aggregate, masked_mean
 from rl.algos.registry import flag, get, register
 
 KIND = "policy_loss"
-LOSS_AGGREGATIONS = ("token_mean", "sequence_mean", "constant")  # GRPO's `loss_aggregation` choices
+LOSS_AGGREGATIONS = ("token_mean", "sequence_mean", "constant", "sequence_sum")  # GRPO's `loss_aggregation` choices
 IMPORTANCE_SAMPLING_LEVELS = ("token", "sequence")  # GRPO's `importance_sampling_level` (TRL's name)
 
 
@@ -63,6 +67,13 @@ class LossParams:
     sapo_temperature_pos: float = 1.0  # SAPO's gate temperature for advantages > 0
     sapo_temperature_neg: float = 1.05  # ... and for advantages <= 0
     importance_sampling_level: str = "token"  # token | sequence (GSPO's length-normalised ratio)
+    vespo_k_pos: float = 2.0  # VESPO's gamma weight phi(w) = e^lam w^k e^(-lam w): k and lam for A >= 0
+    vespo_lambda_pos: float = 3.0
+    vespo_k_neg: float = 3.0  # ... and for A < 0
+    vespo_lambda_neg: float = 2.0
+    # the rollout-mismatch weights (B, N), for a term that folds them into its own weight (VESPO) instead of
+    # having compute_policy_loss multiply its loss by them (flag `folds_token_weights`)
+    token_weights: torch.Tensor | None = None
 
 
 class Term(NamedTuple):
@@ -178,6 +189,38 @@ def sapo(logp, old_logp, advantages, mask, p: LossParams) -> Term:
                 torch.zeros_like(ratio, dtype=torch.bool))
 
 
+@register(KIND, "luspo", normalization="sequence_sum")
+def luspo(logp, old_logp, advantages, mask, p: LossParams) -> Term:
+    """LUSPO (TRL 1.16's loss_type="luspo"): the clipped surrogate of `clipped_surrogate`, aggregated as the mean
+    over sequences of each sequence's token sum (no length normalisation; TRL recommends
+    importance_sampling_level="sequence", the paper's setup)."""
+    return clipped_surrogate(logp, old_logp, advantages, mask, p)
+
+
+LOG_W_MIN = math.log(1e-8)  # VESPO's clamp of log-weights, as TRL (and the paper's code) write it
+
+
+@register(KIND, "vespo", normalization="token_mean", folds_token_weights=True)
+def vespo(logp, old_logp, advantages, mask, p: LossParams) -> Term:
+    """VESPO (TRL 1.16's loss_type="vespo"; GRPOTrainer.get_gamma_weights): loss_t = -sg(phi(w)) A logp_t with the
+    sequence's importance weight w = exp(clamp(sum_t clamp(logp_t - old_t, -20, 20) + sum_t log v_t, log 1e-8, 20)),
+    v_t the rollout-mismatch weights (folded in here, not multiplied onto the loss), and the gamma weight
+    phi(w) = e^lam w^k e^(-lam w) (phi(1) = 1; k, lam = vespo_k_pos, vespo_lambda_pos where A >= 0, else the _neg
+    ones). phi scales the policy gradient A grad logp; nothing is clipped."""
+    mask = mask.to(logp.dtype)
+    log_ratio = torch.clamp(logp - old_logp, -20.0, 20.0)
+    log_w = (log_ratio.detach() * mask).sum(-1, keepdim=True)
+    if p.token_weights is not None:
+        log_w = log_w + (torch.clamp(torch.log(p.token_weights.detach()), LOG_W_MIN, 20.0) * mask).sum(-1, keepdim=True)
+    log_w = torch.clamp(log_w, LOG_W_MIN, 20.0)
+    nonneg = advantages >= 0
+    k = torch.where(nonneg, p.vespo_k_pos, p.vespo_k_neg)
+    lam = torch.where(nonneg, p.vespo_lambda_pos, p.vespo_lambda_neg).clamp(min=1e-4)
+    phi = torch.exp(lam + k * log_w - lam * torch.exp(log_w)).nan_to_num(nan=0.0, posinf=0.0, neginf=0.0)
+    ratio = torch.exp(logp - old_logp)  # the token ratio: the KL factor (TRL's coef_1 at level token)
+    return Term(-phi.detach() * advantages * logp, ratio, torch.zeros_like(ratio, dtype=torch.bool))
+
+
 @register(KIND, "importance_sampling", normalization="token_mean")
 def importance_sampling(logp, old_logp, advantages, mask, p: LossParams) -> Term:
     """REINFORCE with an importance weight (Tinker `importance_sampling`): loss_t = -(p/q * A_t); its gradient
@@ -212,6 +255,8 @@ def compute_policy_loss(logp: torch.Tensor, old_logp: torch.Tensor, advantages, 
                         loss_type: str = "ppo", epsilon: float | None = None, epsilon_high: float | None = None,
                         delta: float | None = None, dro_beta: float = 0.05, sapo_temperature_pos: float = 1.0,
                         sapo_temperature_neg: float = 1.05, importance_sampling_level: str = "token",
+                        vespo_k_pos: float = 2.0, vespo_lambda_pos: float = 3.0, vespo_k_neg: float = 3.0,
+                        vespo_lambda_neg: float = 2.0,
                         normalization: str | None = None, num_items=None, max_length: int | None = None,
                         token_weights: torch.Tensor | None = None, ref_logp: torch.Tensor | None = None,
                         beta: float = 0.0, use_bias_correction_kl: bool = True) -> tuple[torch.Tensor, dict]:
@@ -235,15 +280,18 @@ def compute_policy_loss(logp: torch.Tensor, old_logp: torch.Tensor, advantages, 
         clip_ratio/{low,high,region}_mean (per sequence with a sequence ratio), kl when beta != 0.
     """
     term = get(KIND, loss_type)
+    folds = flag(KIND, loss_type, "folds_token_weights", False)
     p = loss_params(loss_type, epsilon, epsilon_high, delta=delta, dro_beta=dro_beta,
                     sapo_temperature_pos=sapo_temperature_pos, sapo_temperature_neg=sapo_temperature_neg,
-                    importance_sampling_level=importance_sampling_level)
+                    importance_sampling_level=importance_sampling_level, vespo_k_pos=vespo_k_pos,
+                    vespo_lambda_pos=vespo_lambda_pos, vespo_k_neg=vespo_k_neg, vespo_lambda_neg=vespo_lambda_neg,
+                    token_weights=token_weights if folds else None)
     adv = per_token(advantages, logp, "advantages")
     if torch.is_tensor(advantages) and advantages.dim() == 1:
         adv = adv[:, :1]  # (B, 1), TRL's per-sequence layout: broadcast, with gradients equal to TRL's order
     mask = mask.to(logp.dtype)
     per_tok, ratio, clipped = term(logp, old_logp, adv, mask, p)
-    if token_weights is not None:
+    if token_weights is not None and not folds:
         per_tok = per_tok * token_weights
     metrics: dict[str, torch.Tensor] = {}
     if beta != 0.0:
@@ -293,18 +341,19 @@ def grpo_loss(logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Tens
               epsilon_high: float = 0.2, loss_aggregation: str | None = None,
               max_completion_length: int | None = None, num_items: float | None = None,
               use_bias_correction_kl: bool = True, importance_sampling_level: str = "token",
-              loss_type: str = "dapo", token_weights: torch.Tensor | None = None) -> tuple[torch.Tensor, dict]:
+              loss_type: str = "dapo", token_weights: torch.Tensor | None = None, **params) -> tuple[torch.Tensor, dict]:
     """GRPO's objective (Shao et al. 2024, eq. 3; the per-token form TRL 1.16 implements) in GRPO's config
     names: `compute_policy_loss` with epsilon = epsilon_low, normalization = loss_aggregation (None: the
     loss type's own: dapo token_mean, grpo sequence_mean, dr_grpo constant), max_length =
-    max_completion_length. Metrics: TRL GRPO's names (`GRPO_METRICS`)."""
+    max_completion_length; `params` the loss's other hyper-parameters (delta, sapo_*, vespo_*: `LossParams`).
+    Metrics: TRL GRPO's names (`GRPO_METRICS`)."""
     if loss_aggregation is not None and loss_aggregation not in LOSS_AGGREGATIONS:
         raise ValueError(f"loss_aggregation must be one of {', '.join(LOSS_AGGREGATIONS)}, got {loss_aggregation!r}")
     loss, metrics = compute_policy_loss(
         logp, old_logp, advantages, mask, loss_type=loss_type, epsilon=epsilon_low, epsilon_high=epsilon_high,
         importance_sampling_level=importance_sampling_level, normalization=loss_aggregation, num_items=num_items,
         max_length=max_completion_length, token_weights=token_weights, ref_logp=ref_logp, beta=beta,
-        use_bias_correction_kl=use_bias_correction_kl)
+        use_bias_correction_kl=use_bias_correction_kl, **params)
     return loss, {k: v for k, v in metrics.items() if k in GRPO_METRICS}
 
 

@@ -11,13 +11,14 @@ Aggregation of a (B, N) per-token loss over its mask (`normalization`, the GRPO 
                      TRL loss_type="grpo"); sequences with no counted token are left out (0/0)
     "constant"       sum / (B * max_length) (Dr. GRPO, Liu et al. 2025; TRL loss_type="dr_grpo"): no
                      length bias
+    "sequence_sum"   mean over sequences of each sequence's token sum (TRL loss_type="luspo")
 """
 
 from __future__ import annotations
 
 import torch
 
-NORMALIZATIONS = ("sum", "token_mean", "sequence_mean", "constant")
+NORMALIZATIONS = ("sum", "token_mean", "sequence_mean", "constant", "sequence_sum")
 
 
 def masked_mean(x: torch.Tensor, mask: torch.Tensor, dim=None) -> torch.Tensor:
@@ -44,6 +45,8 @@ def aggregate(per_token: torch.Tensor, mask: torch.Tensor, normalization: str = 
         per_seq = (per_token * mask).sum(-1) / counts.clamp(min=1)
         has = (counts > 0).to(per_token.dtype)
         return (per_seq * has).sum() / has.sum().clamp(min=1)
+    if normalization == "sequence_sum":
+        return (per_token * mask).sum(-1).mean()
     if normalization == "constant":
         if not max_length:
             raise ValueError("normalization 'constant' needs max_length (the completion length budget)")

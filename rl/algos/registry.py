@@ -15,6 +15,7 @@ is not added to the table, so `names()` and the --help choices stay the package'
 
 from __future__ import annotations
 
+import difflib
 import functools
 import importlib
 from typing import Any, Callable
@@ -88,11 +89,20 @@ def flag(kind: str, name: str, key: str, default: Any = None) -> Any:
 
 def check(kind: str, name: str, key: str) -> None:
     """Config-time check of a key naming a `kind`: a registered name, or an importable `module:function`;
-    raises ConfigError naming the key and the choices (exit 2 in the launch scripts)."""
+    raises ConfigError naming the key as the user wrote it (not the registry's kind), the closest name and the
+    choices (exit 2 in the launch scripts)."""
     try:
         get(kind, name)
     except ValueError as e:
-        raise ConfigError(f"key '{key}': {e}") from None
+        table = _TABLES.get(kind, {})
+        if name in table or is_dotted(name):  # an import failed: the registry's line says what
+            raise ConfigError(f"key '{key}': {e}") from None
+        ratio = {n: difflib.SequenceMatcher(None, str(name), n).ratio() for n in table}
+        best = max(ratio.values(), default=0.0)
+        close = [n for n in table if ratio[n] == best] if best >= 0.6 else []
+        hint = f" (did you mean {' or '.join(close)}?)" if close else ""
+        raise ConfigError(f"key '{key}' has unknown value {name!r}{hint}; choose one of: {', '.join(table)} (or "
+                          f"give 'package.module:function')") from None
 
 
 def choices(kind: str) -> str:

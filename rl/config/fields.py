@@ -44,6 +44,16 @@ def section(cls: type, help: str = "") -> Any:
     return dataclasses.field(default_factory=cls, metadata={"help": help})
 
 
+def one_of_list(value: Any, key: str, why: str) -> Any:
+    """TRL's list form of a key that takes one value here (DPO's loss_type: [sigmoid]): the one item; a longer
+    list is one ConfigError line saying `why`."""
+    if not isinstance(value, (list, tuple)):
+        return value
+    if len(value) != 1:
+        raise ConfigError(f"key '{key}' has {len(value)} values {list(value)}: {why}; give one")
+    return value[0]
+
+
 # --------------------------------------------------------------------------------------------------
 # Type conversion
 # --------------------------------------------------------------------------------------------------
@@ -179,25 +189,47 @@ def hints_of(cls: type) -> dict[str, Any]:
     return typing.get_type_hints(cls)
 
 
-def _all_keys(cls: type, prefix: str = "", aliases: bool = False) -> list[str]:
-    """Every dotted key of `cls` (with `aliases`, the alias names instead)."""
-    keys = [] if aliases else [prefix + name for name in fields_of(cls)]
-    if aliases:
-        keys += [prefix + a for a in aliases_of(cls)]
+def _all_keys(cls: type, prefix: str = "") -> list[str]:
+    """Every dotted key of `cls`."""
+    keys = [prefix + name for name in fields_of(cls)]
     hints = hints_of(cls)
     for name in fields_of(cls):
         if dataclasses.is_dataclass(hints[name]):
-            keys += _all_keys(hints[name], f"{prefix}{name}.", aliases)
+            keys += _all_keys(hints[name], f"{prefix}{name}.")
     return keys
 
 
+def _words(name: str) -> set[str]:
+    return {w for w in name.replace(".", "_").split("_") if w}
+
+
+def suggestions(key: str, cls: type) -> list[str]:
+    """The names closest to an unknown `key`: our own keys first, then the other names of the one alias table
+    (the reference's and TRL's, shown with the key they are here: `lora_r (lora.rank)`). Only candidates about as
+    close as the best, and sharing a word with `key` unless very close (`adam_beta1` is not `dpo_beta`)."""
+    aliases = {prefix_alias: key_ for prefix_alias, key_ in _alias_keys(cls)}
+    for pool in (_all_keys(cls), list(aliases)):
+        close = difflib.get_close_matches(key, pool, n=4, cutoff=0.6)
+        ratio = {c: difflib.SequenceMatcher(None, key, c).ratio() for c in close}
+        close = [c for c in close if ratio[c] >= max(ratio.values()) - 0.1 and (ratio[c] >= 0.85 or _words(c) &
+                                                                                _words(key))]
+        if close:
+            return [f"{c} ({aliases[c]})" if c in aliases and aliases[c] != c else c for c in close]
+    return []
+
+
+def _alias_keys(cls: type, prefix: str = "") -> list[tuple[str, str]]:
+    """(alias as typed, its key) of `cls` and its sections, with their prefixes."""
+    out = [(prefix + a, prefix + k) for a, k in aliases_of(cls).items()]
+    hints = hints_of(cls)
+    for name in fields_of(cls):
+        if dataclasses.is_dataclass(hints[name]):
+            out += _alias_keys(hints[name], f"{prefix}{name}.")
+    return out
+
+
 def _unknown(key: str, cls: type, where: str) -> ConfigError:
-    # our own keys first; an alias (a reference CLI or TRL name) only when no key is close
-    close = (difflib.get_close_matches(key, _all_keys(cls), n=3, cutoff=0.6)
-             or difflib.get_close_matches(key, _all_keys(cls, aliases=True), n=3, cutoff=0.6))
-    # only the candidates about as close as the best (max_stepz: max_steps, not save_steps and eval_steps too)
-    ratio = {c: difflib.SequenceMatcher(None, key, c).ratio() for c in close}
-    close = [c for c in close if ratio[c] >= max(ratio.values()) - 0.1]
+    close = suggestions(key, cls)
     hint = f" (did you mean {', '.join(close)}?)" if close else " (run with --help to list the keys)"
     return ConfigError(f"{where}: unknown key '{key}'{hint}")
 
@@ -207,15 +239,15 @@ def build(cls: type, data: dict, where: str = "config", prefix: str = "", root: 
     """Instantiate dataclass `cls` from a (possibly nested) mapping, validating every key.
 
     With `require=False` only the keys and types are checked (a recipe may leave a required key to
-    the command line) and None is returned. Messages name a key as it was typed (`typed`: key -> the name
-    given, for a mapping already brought to the schema's names)."""
+    the command line) and None is returned. Messages name a key as it was typed (`typed`: key, dotted below
+    `cls` for a section's -> the name given, for a mapping already brought to the schema's names)."""
     root = root or cls
     fields, hints = fields_of(cls), hints_of(cls)
     typed = dict(typed or {})
     data = canonical(data, cls, where, prefix, typed)
     kwargs: dict[str, Any] = {}
     for key, value in data.items():
-        raw_key = typed.get(key, key)
+        shown = typed.get(key, prefix + key)
         if key not in fields:
             raise _unknown(prefix + key, root, where)
         tp = hints[key]
@@ -223,15 +255,16 @@ def build(cls: type, data: dict, where: str = "config", prefix: str = "", root: 
             if value is None:
                 value = {}
             if not isinstance(value, dict):
-                raise ConfigError(f"{where}: key '{prefix}{raw_key}' is a section; give it a mapping "
-                                  f"of keys, e.g. {prefix}{raw_key}.<key>=<value>")
-            kwargs[key] = build(tp, value, where, f"{prefix}{key}.", root, require)
+                raise ConfigError(f"{where}: key '{shown}' is a section; give it a mapping "
+                                  f"of keys, e.g. {shown}.<key>=<value>")
+            inner = {k[len(key) + 1:]: v for k, v in typed.items() if k.startswith(key + ".")}
+            kwargs[key] = build(tp, value, where, f"{prefix}{key}.", root, require, inner)
             continue
         try:
             kwargs[key] = _convert(value, tp)
         except (TypeError, ValueError) as e:
             expected = e.args[0] if isinstance(e, TypeError) and e.args else type_name(tp)
-            raise ConfigError(f"{where}: key '{prefix}{raw_key}' has value {value!r}, "
+            raise ConfigError(f"{where}: key '{shown}' has value {value!r}, "
                               f"expected {expected}") from None
     if not require:
         return None
@@ -244,7 +277,7 @@ def build(cls: type, data: dict, where: str = "config", prefix: str = "", root: 
         return cls(**kwargs)
     except ConfigError as e:
         message = str(e)
-        for key, raw_key in typed.items():  # name the key as it was typed, and what it is here
-            if raw_key != key:
-                message = message.replace(f"'{key}'", f"'{raw_key}' ({key})")
+        for key, shown in typed.items():  # name the key as it was typed, and what it is here
+            if shown != prefix + key:
+                message = message.replace(f"'{prefix}{key}'", f"'{shown}' ({prefix}{key})")
         raise ConfigError(f"{where}: {message}") from None

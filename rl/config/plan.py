@@ -1,5 +1,6 @@
-"""Batch arithmetic of the epoch-based trainers (SFT, reward model, DPO), computed once from the config:
-`epoch_plan` gives the global batch (per_device_train_batch_size x gradient_accumulation_steps x processes), the steps
+"""Batch arithmetic of the epoch-based trainers (SFT, reward model, DPO), computed once from the config, and the
+logging/evaluation/checkpoint cadence of every trainer (`cadence`: TRL's *_strategy and *_steps keys). `epoch_plan`
+gives the global batch (per_device_train_batch_size x gradient_accumulation_steps x processes), the steps
 per epoch (ceil(n / global batch): an incomplete last batch is a smaller last step, as a data loader
 without drop_last) and the total optimizer steps (`max_steps` wins over `num_train_epochs`), with the one
 warning line to print when the data does not fill the global batch.
@@ -8,6 +9,7 @@ warning line to print when the data does not fill the global batch.
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 from rl.errors import ConfigError
 
@@ -48,3 +50,49 @@ def epoch_plan(cfg, n_examples: int, world: int, what: str = "examples") -> dict
     total = cfg.max_steps or steps_per_epoch * cfg.num_train_epochs
     return {"global_batch": global_batch, "steps_per_epoch": steps_per_epoch, "total_steps": total,
             "last_batch": last, "warning": warning}
+
+
+@dataclass(frozen=True)
+class Cadence:
+    """When the lifecycle (rl.trainers.base.Trainer.fit) logs, evaluates and checkpoints, in optimizer steps."""
+    logging: int  # log every N steps (0: only evaluations; the last step when logging is on)
+    first: bool  # log step 1 too (logging_first_step)
+    evaluate: bool  # any evaluation at all (eval_strategy != no)
+    eval: int  # evaluate every N steps (0: at the end only)
+    save: int  # checkpoint every N steps (0: none but on a stop signal; the final model is saved anyway)
+    eval_start: bool  # evaluate before the first step (eval_on_start)
+
+    def log_at(self, step: int, total: int) -> bool:
+        return bool(self.logging and (step % self.logging == 0 or step == total)) or (self.first and step == 1)
+
+    def eval_at(self, step: int, total: int) -> bool:
+        return self.evaluate and (step == total or bool(self.eval and step % self.eval == 0))
+
+    def save_at(self, step: int) -> bool:
+        return bool(self.save and step % self.save == 0)
+
+
+def _steps(value, total: int) -> int:
+    """A cadence key as optimizer steps: a count, or below 1 a fraction of the run (ceil, as transformers)."""
+    if not value:
+        return 0
+    return math.ceil(value * total) if value < 1 else int(value)
+
+
+def cadence(cfg, total_steps: int, steps_per_epoch: int | None = None) -> Cadence:
+    """The run's cadence from TRL's keys: logging/eval/save_strategy ('no', 'steps', 'epoch'; null: as the *_steps
+    key says) and logging/eval/save_steps (a count, or below 1 a fraction of the run). An epoch is
+    `steps_per_epoch` optimizer steps (the epoch trainers know it; else total_steps / num_train_epochs)."""
+    per_epoch = steps_per_epoch or max(1, math.ceil(total_steps / max(1, getattr(cfg, "num_train_epochs", 1))))
+    logging = {"no": 0, "epoch": per_epoch}.get(getattr(cfg, "logging_strategy", "steps"),
+                                                _steps(cfg.logging_steps, total_steps))
+    evaluation = getattr(cfg, "eval_strategy", None)
+    eval_every = _steps(getattr(cfg, "eval_steps", 0), total_steps)
+    if evaluation == "steps":
+        eval_every = eval_every or logging  # transformers: eval_steps unset is logging_steps
+    elif evaluation == "epoch":
+        eval_every = per_epoch
+    saving = getattr(cfg, "save_strategy", None)
+    save_every = {"no": 0, "epoch": per_epoch}.get(saving, _steps(getattr(cfg, "save_steps", 0), total_steps))
+    return Cadence(logging=logging, first=bool(getattr(cfg, "logging_first_step", False)), evaluate=evaluation != "no",
+                   eval=eval_every, save=save_every, eval_start=bool(getattr(cfg, "eval_on_start", False)))

@@ -1,12 +1,13 @@
-"""The config sections and fields every trainer shares: `TrainConfig` (model, precision, optimizer,
-schedule, batch sizes, logging, checkpoints, `data` and `lora` sections), `OnlineConfig` (what the
-trainers that sample from the policy add: generation, reward sources, environments), `DataSection`
-(files, Hub datasets, streaming, mixtures, eval splits, column names) and `LoraSection`.
+"""The config fields every trainer shares: `TrainConfig` (model loading, precision, optimizer, schedule, batch
+sizes, logging/eval/save cadence, checkpoints, the hub, the `data` and `lora` sections of rl.config.sections),
+`OnlineConfig` (what the trainers that sample from the policy add: generation, reward sources, environments).
+TrainConfig's keys are TRL's TrainingArguments/ModelConfig keys with their meanings (a TRL recipe file runs
+unchanged: docs/coming-from-trl.md).
 
 Checks that need more than a field's type are here too and return one line or None:
-`mixture_problem` (a data.mixture and data.path beside it), `report_to_problem` (an unknown metrics
-sink, or one whose package is not installed; `SINKS`). Each trainer's own schema, in rl.trainers,
-extends these.
+`report_to_problem` (an unknown metrics sink, or one whose package is not installed; `SINKS`), `steps_problem`
+(a cadence that is neither a step count nor a fraction of the run), `quantization_problem`. Each trainer's own
+schema, in rl.trainers, extends these.
 """
 
 from __future__ import annotations
@@ -14,88 +15,17 @@ from __future__ import annotations
 import dataclasses
 import importlib.util
 import math
+import urllib.parse
 from typing import Any, Literal
 
 from rl.config.fields import REQUIRED, opt, section
-from rl.config.vocabulary import AcceptsAliases, AliasAttributes
+from rl.config.sections import DataSection, LoraSection, mixture_problem  # noqa: F401 - their home before
+from rl.config.vocabulary import AcceptsAliases, AliasAttributes, note_ignored
 from rl.errors import ConfigError
 
 # --------------------------------------------------------------------------------------------------
 # Sections shared by the trainers
 # --------------------------------------------------------------------------------------------------
-
-@dataclasses.dataclass
-class LoraSection:
-    enabled: bool = opt(False, "train LoRA adapters instead of all weights")
-    rank: int = opt(16, "LoRA rank r")
-    alpha: int = opt(32, "LoRA scaling alpha (effective scale alpha / r)")
-    dropout: float = opt(0.05, "dropout on the LoRA input")
-    target_modules: str = opt("all-linear", "modules to adapt: 'all-linear' or a comma-separated list")
-
-
-@dataclasses.dataclass
-class DataSection:
-    path: str | None = opt(None, "training data: a .jsonl/.json/.csv/.parquet file, a saved datasets dir, a "
-                           "dataset folder laid out as on the Hub, or a Hub dataset id (trl-lib/Capybara)")
-    name: str | None = opt(None, "config (subset) of a dataset folder or Hub dataset, as load_dataset's name")
-    split: str = opt("train", "split of data.path to train on (dataset folders, Hub ids, saved DatasetDicts)")
-    eval_path: str | None = opt(None, "optional evaluation data in the same forms (the same Hub id is fine)")
-    eval_split: str = opt("test", "split of eval_path to evaluate on (dataset folders, Hub ids, DatasetDicts)")
-    eval_fraction: float = opt(0.0, "fraction of the training data held out for evaluation when no eval_path")
-    text_column: str = opt("text", "column with the full text (SFT) or the prompt text (PPO/GRPO)")
-    prompt_column: str = opt("prompt", "column with the prompt")
-    completion_column: str = opt("completion", "column with the completion (SFT prompt/completion data)")
-    chosen_column: str = opt("chosen", "column with the preferred answer")
-    rejected_column: str = opt("rejected", "column with the rejected answer")
-    label_column: str = opt("label", "column with KTO's label: true (desirable completion) or false")
-    messages_column: str = opt("messages", "column with chat messages, rendered with the chat template")
-    strict: bool = opt(False, "fail on examples longer than max_length instead of truncating them")
-    max_examples: int | None = opt(None, "use only the first N examples (smoke tests); the number of rows "
-                                   "data.streaming fetches, and the total of data.mixture")
-    streaming: bool = opt(False, "stream a Hub id or dataset folder (load_dataset streaming=True) and fetch only "
-                          "its first data.max_examples rows, so a huge dataset is not downloaded whole "
-                          "(needs data.max_examples; applies to data.path, data.eval_path and mixture sources)")
-    mixture: list[dict[str, Any]] | None = opt(
-        None, "instead of data.path, several sources mixed by weight: [{path: a.jsonl, weight: 0.7}, {path: "
-        "org/ds, name: x, split: train, weight: 0.3}] (name/split optional, as data.name/data.split). Exact "
-        "proportions, each source's first rows, the order shuffled by seed; data.max_examples rows in all, "
-        "or without it as many as the mixture holds until one source runs out at its weight")
-
-    def __post_init__(self):
-        if self.streaming and not self.max_examples:
-            raise ConfigError("key 'data.streaming' fetches only the first data.max_examples rows; set "
-                              "data.max_examples (e.g. --data.max_examples 10000) or drop data.streaming")
-        if self.mixture is not None:
-            problem = mixture_problem(self.mixture, self.path)
-            if problem:
-                raise ConfigError(problem)
-
-
-MIXTURE_KEYS = ("path", "weight", "name", "split")
-
-
-def mixture_problem(mixture: list[dict], path: str | None) -> str | None:
-    """The first mistake in a data.mixture (with data.path beside it), as a one-line message, or None."""
-    if path is not None:
-        return ("keys 'data.path' and 'data.mixture' are alternatives: drop data.path, or put it in the "
-                "mixture as {path: ..., weight: ...}")
-    if not mixture:
-        return "key 'data.mixture' is empty: list at least one {path: ..., weight: ...} (or use data.path)"
-    for i, entry in enumerate(mixture):
-        key = f"data.mixture[{i}]"
-        unknown = sorted(set(entry) - set(MIXTURE_KEYS))
-        if unknown:
-            return f"key '{key}' has unknown key '{unknown[0]}' (allowed: {', '.join(MIXTURE_KEYS)})"
-        if not isinstance(entry.get("path"), str) or not entry["path"]:
-            return f"key '{key}.path' must be a data file, dataset folder or hub id, got {entry.get('path')!r}"
-        w = entry.get("weight")
-        if isinstance(w, bool) or not isinstance(w, (int, float)) or not math.isfinite(w) or w <= 0:
-            return f"key '{key}.weight' must be a positive number (the source's share of the rows), got {w!r}"
-        for opt_key in ("name", "split"):
-            if entry.get(opt_key) is not None and not isinstance(entry[opt_key], str):
-                return f"key '{key}.{opt_key}' must be a string, got {entry[opt_key]!r}"
-    return None
-
 
 # HF/TRL's `optim` names (the ones this package implements, rl.engine.optim) and the optimizer state bytes
 # per trainable parameter each keeps (the dry-run memory plan counts them): AdamW's two fp32 moments are 8,
@@ -121,13 +51,25 @@ def check_finite(cfg, prefix: str = "") -> None:
                                   f"{' (or null)' if 'None' in str(f.type) else ''}")
 
 
+# transformers' scheduler names (transformers.SchedulerType) that step by the optimizer step alone; the
+# metric-driven reduce_lr_on_plateau and greedy have no metric to read here
+SCHEDULERS = ("linear", "cosine", "cosine_with_restarts", "polynomial", "constant", "constant_with_warmup",
+              "inverse_sqrt", "cosine_with_min_lr", "cosine_warmup_with_min_lr", "warmup_stable_decay")
+STRATEGIES = ("no", "steps", "epoch")  # transformers' IntervalStrategy: eval_strategy, save_strategy, logging_strategy
+HUB_STRATEGIES = ("end", "every_save", "checkpoint", "all_checkpoints")  # transformers' HubStrategy
+
+
 @dataclasses.dataclass
 class TrainConfig(AliasAttributes, metaclass=AcceptsAliases):
-    """Fields every trainer shares, by TRL's (TrainingArguments') names; the reference docs' names
-    (`batch_size`, `num_epochs`, `save_every`, ...) are accepted silently as keywords, attributes and keys
-    (rl.config.vocabulary)."""
+    """Fields every trainer shares, by TRL's (TrainingArguments' and ModelConfig's) names and meanings; the
+    reference docs' names (`batch_size`, `num_epochs`, `save_every`, ...) and TRL's other names (`lora_r`,
+    `dataset_name`, ...) are accepted silently as keywords, attributes and keys (rl.config.vocabulary); TRL's keys
+    without an effect here are accepted with one line (rl.config.trl_keys)."""
 
     model_name: str = opt(REQUIRED, "HF model id or local path; 'tiny:llama' builds a tiny local model")
+    model_revision: str | None = opt(None, "hub revision of model_name: a branch, tag or commit (null: main)")
+    model_init_kwargs: dict | None = opt(None, "extra keyword arguments of from_pretrained for the models trained and "
+                                         "compared against (dtype is the dtype key's)")
     output_dir: str = opt("runs/run", "where checkpoints, metrics, plots and the final model go")
     seed: int = opt(42, "random seed for initialisation, shuffling and sampling")
     learning_rate: float = opt(1e-5, "peak learning rate of AdamW")
@@ -135,18 +77,31 @@ class TrainConfig(AliasAttributes, metaclass=AcceptsAliases):
                                      "adamw_8bit, paged_adamw_8bit, paged_adamw_32bit (bitsandbytes), "
                                      "adafactor, sgd")
     weight_decay: float = opt(0.0, "weight decay (AdamW's decoupled decay; no decay on biases and norms)")
-    lr_scheduler_type: Literal["constant", "linear", "cosine"] = opt("linear", "learning-rate schedule after warmup")
-    warmup_ratio: float = opt(0.0, "fraction of the optimizer steps used for linear warmup")
+    adam_beta1: float = opt(0.9, "AdamW's beta1")
+    adam_beta2: float = opt(0.999, "AdamW's beta2")
+    adam_epsilon: float = opt(1e-8, "AdamW's epsilon")
+    lr_scheduler_type: Literal[SCHEDULERS] = opt("linear", "learning-rate schedule, transformers' get_scheduler by "
+                                                 "name: " + ", ".join(SCHEDULERS))
+    lr_scheduler_kwargs: dict | None = opt(None, "the schedule's own arguments, e.g. {min_lr_rate: 0.1} for "
+                                           "cosine_with_min_lr, {num_cycles: 2} for cosine_with_restarts")
+    warmup_steps: int | float | None = opt(None, "linear warmup steps; below 1 a fraction of the run (transformers' "
+                                           "meaning); null: warmup_ratio")
+    warmup_ratio: float = opt(0.0, "fraction of the optimizer steps used for linear warmup (rounded)")
     num_train_epochs: int = opt(1, "passes over the training data (the prompts, for the online trainers)")
-    max_steps: int | None = opt(None, "stop after this many optimizer steps (overrides num_train_epochs)")
+    max_steps: int | None = opt(None, "stop after this many optimizer steps (overrides num_train_epochs; -1 or null: "
+                                "not set)")
     per_device_train_batch_size: int = opt(8, "examples per device per micro-batch (SFT: sequences; reward, DPO: "
                                            "pairs; KTO: rows)")
     gradient_accumulation_steps: int = opt(1, "micro-batches accumulated per optimizer step")
     max_grad_norm: float | None = opt(1.0, "clip the global gradient norm to this (null: no clipping)")
     max_length: int = opt(512, "maximum tokens per example (prompt plus answer)")
     dtype: Literal["float32", "bfloat16", "float16", "auto"] = opt(
-        "auto", "weights/compute dtype; auto = bfloat16 on GPUs that support it, else float32")
+        "auto", "compute dtype (bf16: true is bfloat16, fp16: true float16); auto = bfloat16 on GPUs that support it, "
+        "else float32. The trained weights stay float32 (mixed precision)")
+    tf32: bool | None = opt(None, "allow TF32 matmuls on Ampere+ GPUs (null: torch's default)")
     gradient_checkpointing: bool = opt(False, "recompute activations in backward to save memory")
+    gradient_checkpointing_kwargs: dict | None = opt(None, "arguments of gradient checkpointing (default "
+                                                     "{use_reentrant: false})")
     logprob_chunk_size: int | None = opt(None, "the LM head and log-softmax run over this many positions at a time "
                                          "in training (recomputed in backward) and scoring forwards, so the "
                                          "(B, T, V) logits never exist at once (null: automatic, chunked once "
@@ -155,16 +110,47 @@ class TrainConfig(AliasAttributes, metaclass=AcceptsAliases):
                                       "training (lower peak memory, a little slower)")
     attn_implementation: str | None = opt(None, "attention kernel: sdpa, eager, flash_attention_2 (null: default)")
     trust_remote_code: bool = opt(False, "allow model code from the checkpoint (only if you trust it)")
+    disable_dropout: bool = opt(False, "set every dropout of the trained model to 0")
+    load_in_4bit: bool = opt(False, "4-bit (bitsandbytes) frozen weights under LoRA adapters: QLoRA; needs LoRA")
+    load_in_8bit: bool = opt(False, "8-bit (bitsandbytes) frozen weights under LoRA adapters; needs LoRA")
+    bnb_4bit_quant_type: Literal["nf4", "fp4"] = opt("nf4", "4-bit data type")
+    use_bnb_nested_quant: bool = opt(False, "quantize the 4-bit quantization constants too (double quantization)")
+    bnb_4bit_quant_storage: str | None = opt(None, "storage dtype of the 4-bit weights (null: uint8)")
+    chat_template_path: str | None = opt(None, "a chat template for the tokenizer: a .jinja file or a tokenizer "
+                                         "directory/hub id whose template to use")
+    eos_token: str | None = opt(None, "the tokenizer's end-of-sequence token (null: its own)")
+    pad_token: str | None = opt(None, "the tokenizer's padding token (null: its own, else eos)")
     deepspeed: str | None = opt(None, "DeepSpeed config JSON (e.g. ds_configs/zero3.json) when not given to accelerate")
-    logging_steps: int = opt(1, "log metrics every N optimizer steps")
-    eval_steps: int = opt(0, "evaluate every N optimizer steps (0: only at the end)")
-    save_steps: int = opt(0, "checkpoint every N optimizer steps (0: only the final model)")
+    logging_strategy: Literal[STRATEGIES] = opt("steps", "log every logging_steps (steps), after each epoch (epoch) "
+                                                "or only evaluations (no)")
+    logging_steps: int | float = opt(1, "log metrics every N optimizer steps (below 1: that fraction of the run)")
+    logging_first_step: bool = opt(False, "log the first optimizer step too")
+    eval_strategy: Literal[STRATEGIES] | None = opt(
+        None, "no: never evaluate; steps: every eval_steps (0 or null: every logging_steps); epoch: after each "
+        "epoch; null: every eval_steps when it is above 0. All but no evaluate at the end too")
+    eval_steps: int | float | None = opt(0, "evaluate every N optimizer steps (below 1: that fraction of the run; "
+                                         "0: only at the end)")
+    eval_on_start: bool = opt(False, "evaluate before the first step too")
+    save_strategy: Literal[STRATEGIES] | None = opt(
+        None, "no: no checkpoints; steps: every save_steps; epoch: after each epoch; null: every save_steps when it "
+        "is above 0 (the final model is saved in every case)")
+    save_steps: int | float = opt(0, "checkpoint every N optimizer steps (below 1: that fraction of the run; 0: only "
+                                  "the final model)")
     save_total_limit: int | None = opt(None, "keep only the newest N checkpoints (null: keep all)")
     resume: str | None = opt(None, "'auto' resumes from the newest complete checkpoint, or a checkpoint path")
     overwrite: bool = opt(False, "start a new run in an output_dir that holds a previous run (its metrics and "
                           "checkpoints are deleted); without it such a run is refused")
     save_merged: bool = opt(False, "LoRA runs: besides the adapter in output_dir, write the merged full "
                             "model to output_dir/merged")
+    push_to_hub: bool = opt(False, "upload the model and its card to the Hugging Face Hub (rl.models.hub)")
+    hub_model_id: str | None = opt(None, "the hub repository: org/name, or name under your account (null: "
+                                   "output_dir's name)")
+    hub_strategy: Literal[HUB_STRATEGIES] = opt(
+        "every_save", "end: the final model only; every_save: the model at each checkpoint and at the end; "
+        "checkpoint: also the newest checkpoint in last-checkpoint/; all_checkpoints: every checkpoint in its folder")
+    hub_token: str | None = opt(None, "hub token (null: the one `hf auth login` saved, or HF_TOKEN)")
+    hub_private_repo: bool | None = opt(None, "create the repository private (null: the hub's default)")
+    hub_revision: str | None = opt(None, "the branch to push to (null: main)")
     report_to: list[str] = opt(["jsonl"], "metric sinks: jsonl, tensorboard, wandb (offline unless configured), "
                                "trackio, mlflow, or none; each but jsonl needs its package installed")
     verbose: bool = opt(False, "show third-party warnings and loading bars (DeepSpeed, transformers)")
@@ -174,8 +160,10 @@ class TrainConfig(AliasAttributes, metaclass=AcceptsAliases):
     data: DataSection = section(DataSection, "training data and its columns")
 
     def __post_init__(self):
+        if self.max_steps == -1:  # transformers' "not set"
+            self.max_steps = None
         check_finite(self)
-        for name in ("per_device_train_batch_size", "gradient_accumulation_steps", "num_train_epochs", "max_length", "logging_steps"):
+        for name in ("per_device_train_batch_size", "gradient_accumulation_steps", "num_train_epochs", "max_length"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"key '{name}' must be at least 1, got {getattr(self, name)}")
         if not 0.0 <= self.warmup_ratio < 1.0:
@@ -188,13 +176,40 @@ class TrainConfig(AliasAttributes, metaclass=AcceptsAliases):
         if self.save_total_limit is not None and self.save_total_limit < 1:
             raise ConfigError(f"key 'save_total_limit' must be at least 1 or null, got {self.save_total_limit}")
         if self.max_steps is not None and self.max_steps < 1:
-            raise ConfigError(f"key 'max_steps' must be at least 1 or null, got {self.max_steps}")
-        problem = report_to_problem(self.report_to)
-        if problem:
-            raise ConfigError(problem)
+            raise ConfigError(f"key 'max_steps' must be at least 1, -1 or null, got {self.max_steps}")
+        for problem in (report_to_problem(self.report_to), steps_problem(self), quantization_problem(self)):
+            if problem:
+                raise ConfigError(problem)
+        warmup = "warmup_ratio" if self.warmup_ratio else "warmup_steps" if self.warmup_steps else None
+        if self.lr_scheduler_type == "constant" and warmup:
+            note_ignored(warmup, "lr_scheduler_type=constant has no warmup (transformers' meaning); "
+                                 "constant_with_warmup warms up")
         if self.save_merged and not self.lora.enabled:
             raise ConfigError("key 'save_merged': only a LoRA run has an adapter to merge (lora.enabled is false; "
                               "a full fine-tune is saved whole already); drop save_merged or set lora.enabled=true")
+
+
+def steps_problem(cfg) -> str | None:
+    """The first bad cadence key (logging_steps, eval_steps, save_steps, warmup_steps): a count >= 1, or a
+    fraction of the run in (0, 1) as transformers reads it; eval/save 0 means never by steps."""
+    for name, zero_ok in (("logging_steps", False), ("eval_steps", True), ("save_steps", True), ("warmup_steps", True)):
+        v = getattr(cfg, name, None)
+        if v is None or (zero_ok and v == 0):
+            continue
+        if v < 0 or (not zero_ok and v == 0) or (v > 1 and float(v) != int(v)):
+            return (f"key '{name}' must be a whole number of steps, or a fraction of the run between 0 and 1, "
+                    f"got {v}")
+    return None
+
+
+def quantization_problem(cfg) -> str | None:
+    """Why load_in_4bit / load_in_8bit cannot be honoured as given (both, or without LoRA), or None."""
+    if cfg.load_in_4bit and cfg.load_in_8bit:
+        return "load_in_4bit and load_in_8bit are both true; choose one"
+    if (cfg.load_in_4bit or cfg.load_in_8bit) and not cfg.lora.enabled:
+        return ("load_in_4bit/load_in_8bit train LoRA adapters on quantized frozen weights (QLoRA): set "
+                "lora.enabled=true (TRL: use_peft: true; the reference: use_lora=True)")
+    return None
 
 
 @dataclasses.dataclass
@@ -217,8 +232,14 @@ class VLLMKeys:
         True, "weight each token's loss by the truncated ratio pi_old / pi_vllm of the trainer's and the engine's "
         "log-probs (their kernels differ), as TRL and verl do")
     vllm_importance_sampling_mode: Literal["token_truncate", "token_mask", "sequence_truncate", "sequence_mask"] = opt(
-        "token_truncate", "truncate (min(w, cap)) or mask (0 where w > cap) the ratio, per token or per sequence")
-    vllm_importance_sampling_cap: float = opt(3.0, "the cap of the importance-sampling ratio")
+        "sequence_mask", "truncate (clamp to [clip_min, clip_max]) or mask (0 outside it) the ratio, per token or "
+        "per sequence (TRL 1.16's default: sequence_mask)")
+    vllm_importance_sampling_clip_max: float = opt(3.0, "upper bound of the importance-sampling ratio (TRL's former "
+                                                   "name: vllm_importance_sampling_cap)")
+    vllm_importance_sampling_clip_min: float | None = opt(None, "lower bound of the ratio (null: none; a mask mode "
+                                                          "with a lower bound is IcePop)")
+    vllm_server_base_url: str | None = opt(None, "server: its URL (http://host:port); sets vllm_server_host and "
+                                           "vllm_server_port")
 
     def check_vllm(self) -> None:
         if self.vllm_tensor_parallel_size < 1:
@@ -226,8 +247,18 @@ class VLLMKeys:
         if not 0 < self.vllm_gpu_memory_utilization <= 1:
             raise ConfigError("key 'vllm_gpu_memory_utilization' must be in (0, 1], got "
                               f"{self.vllm_gpu_memory_utilization}")
-        if not self.vllm_importance_sampling_cap > 0:
-            raise ConfigError(f"key 'vllm_importance_sampling_cap' must be > 0, got {self.vllm_importance_sampling_cap}")
+        if not self.vllm_importance_sampling_clip_max > 0:
+            raise ConfigError(f"key 'vllm_importance_sampling_clip_max' must be > 0, got "
+                              f"{self.vllm_importance_sampling_clip_max}")
+        low = self.vllm_importance_sampling_clip_min
+        if low is not None and not 0 <= low < self.vllm_importance_sampling_clip_max:
+            raise ConfigError(f"key 'vllm_importance_sampling_clip_min' must be in [0, clip_max), got {low}")
+        if self.vllm_server_base_url:
+            url = urllib.parse.urlsplit(self.vllm_server_base_url)
+            if not url.hostname or not url.port:
+                raise ConfigError(f"key 'vllm_server_base_url' must look like http://host:port, got "
+                                  f"{self.vllm_server_base_url!r}")
+            self.vllm_server_host, self.vllm_server_port = url.hostname, url.port
         if self.vllm_server_timeout <= 0:
             raise ConfigError(f"key 'vllm_server_timeout' must be > 0 seconds, got {self.vllm_server_timeout}")
 
@@ -238,11 +269,24 @@ class SamplingKeys:
     variants, online DPO, distillation): TRL's names and defaults."""
 
     max_completion_length: int = opt(64, "new tokens per completion at most")
+    max_prompt_length: int | None = opt(None, "prompts keep their last max_prompt_length tokens (null: max_length - "
+                                        "max_completion_length)")
+    max_length: int | None = opt(None, "prompt plus completion tokens at most (null: max_prompt_length + "
+                                 "max_completion_length, or 512 without max_prompt_length)")
     temperature: float = opt(1.0, "sampling temperature (log-probs in the loss use the same temperature)")
     top_k: int = opt(0, "sample from the k most likely tokens (0: all)")
     top_p: float = opt(1.0, "nucleus sampling mass (1.0: off)")
 
+    def resolve_lengths(self) -> None:
+        """max_length from max_prompt_length when it is not given (TRL's GRPO has no max_length: a recipe sets
+        max_prompt_length and max_completion_length). Before TrainConfig's checks, which read max_length."""
+        if self.max_length is None:
+            self.max_length = (self.max_prompt_length + self.max_completion_length if self.max_prompt_length
+                               else 512)
+
     def check_sampling(self) -> None:
+        if self.max_prompt_length is not None and self.max_prompt_length < 1:
+            raise ConfigError(f"key 'max_prompt_length' must be at least 1 or null, got {self.max_prompt_length}")
         if self.max_completion_length < 1:
             raise ConfigError(f"key 'max_completion_length' must be at least 1, got {self.max_completion_length}")
         if self.max_length <= self.max_completion_length:
@@ -255,8 +299,9 @@ class SamplingKeys:
 
     @property
     def prompt_budget(self) -> int:
-        """Prompt tokens kept (from the right) so that prompt + completion fits max_length."""
-        return self.max_length - self.max_completion_length
+        """Prompt tokens kept (from the right) so that prompt + completion fits max_length (and at most
+        max_prompt_length)."""
+        return min(self.max_length - self.max_completion_length, self.max_prompt_length or self.max_length)
 
 
 @dataclasses.dataclass
@@ -282,11 +327,14 @@ class OnlineConfig(SamplingKeys, VLLMKeys, TrainConfig):
                               "(instruct models); reward functions still see the plain prompt")
     packing: bool = opt(False, "padding-free training forwards: each micro-batch's prompt+completion rows packed "
                         "into rows no longer than its longest, with per-row position_ids (rl.engine.packing); same loss")
+    system_prompt: str | None = opt(None, "a system message before every prompt (the prompt is then a chat: "
+                                    "rendered with the tokenizer's chat template, as open-r1's system_prompt)")
 
     # a reward source on the command line replaces the recipe's (the environment stays: it is the prompts)
     REWARD_SOURCE_KEYS = ("reward_model_path", "reward_funcs")
 
     def __post_init__(self):
+        self.resolve_lengths()
         super().__post_init__()
         self.check_vllm()
         self.check_sampling()

@@ -26,17 +26,20 @@ import dataclasses
 import functools
 import os
 import sys
+import typing
 from typing import Any
 
 from rl.errors import ConfigError
 
-# alias -> candidate keys, in order. Silent: each is a documented API (the reference's or TRL's).
+# alias -> candidate keys, in order. Silent: each is a documented API (the reference's or TRL's). A dotted key
+# names a key of a section (`lora_r` -> `lora.rank`): TRL's flat ModelConfig/ScriptArguments keys.
 ALIASES: dict[str, tuple[str, ...]] = {
     # the reference module docs' config keywords (PPOConfig, DPOConfig, RewardModelConfig)
     "batch_size": ("per_device_train_batch_size",), "num_epochs": ("num_train_epochs",),
     "save_every": ("save_steps",), "eval_every": ("eval_steps",),
     "max_new_tokens": ("max_completion_length",), "kl_penalty_coef": ("beta",), "clip_ratio": ("epsilon",),
     "value_coef": ("vf_coef",), "ppo_epochs": ("num_ppo_epochs",),
+    "use_lora": ("lora.enabled",), "lora_rank": ("lora.rank",),
     # the reference's generic names (its CLI's LLMTrainingParams)
     "lr": ("learning_rate",), "epochs": ("num_train_epochs",), "model": ("model_name",),
     "project_name": ("output_dir",),
@@ -54,6 +57,24 @@ ALIASES: dict[str, tuple[str, ...]] = {
     "group_size": ("num_generations",), "kl_coef": ("beta",), "cliprange": ("epsilon",),
     "cliprange_value": ("value_clip",), "num_ppo_epochs": ("num_iterations",), "gae_lambda": ("lam",),
     "precompute_ref_log_probs": ("precompute_ref_logps",), "padding_free": ("packing",),
+    "per_device_eval_batch_size": ("eval_batch_size",),
+    "vllm_importance_sampling_cap": ("vllm_importance_sampling_clip_max",),  # TRL 1.16's deprecated name
+    "reward_model_name_or_path": ("reward_model_path",),  # TRL's GRPO script
+    # TRL's ModelConfig (a TRL CLI recipe is ScriptArguments + ModelConfig + the trainer's config in one file)
+    "model_name_or_path": ("model_name",), "torch_dtype": ("dtype",),
+    "use_peft": ("lora.enabled",), "lora_r": ("lora.rank",), "lora_alpha": ("lora.alpha",),
+    "lora_dropout": ("lora.dropout",), "lora_target_modules": ("lora.target_modules",),
+    "lora_target_parameters": ("lora.target_parameters",), "lora_modules_to_save": ("lora.modules_to_save",),
+    "use_rslora": ("lora.use_rslora",), "use_dora": ("lora.use_dora",),
+    # TRL's ScriptArguments, and open-r1's script keys beside them
+    "dataset_name": ("data.path",), "dataset_config": ("data.name",), "dataset_train_split": ("data.split",),
+    "dataset_test_split": ("data.eval_split",), "dataset_streaming": ("data.streaming",),
+    "dataset_text_field": ("data.text_column",), "dataset_prompt_column": ("data.prompt_column",),
+    # transformers' and TRL's former names: max_seq_length (SFT), evaluation_strategy, overwrite_output_dir, and
+    # transformers 5's activation_checkpointing* for gradient_checkpointing*
+    "max_seq_length": ("max_length",), "evaluation_strategy": ("eval_strategy",),
+    "overwrite_output_dir": ("overwrite",), "activation_checkpointing": ("gradient_checkpointing",),
+    "activation_checkpointing_kwargs": ("gradient_checkpointing_kwargs",),
 }
 
 # Our own former names (neither the reference's nor TRL's) -> the key now: one line per key per run.
@@ -69,8 +90,39 @@ DEPRECATED: dict[str, str] = {
 TRUE_WORDS = {"true", "yes", "on", "1"}
 FALSE_WORDS = {"false", "no", "off", "0"}
 
-# A key whose value is mapped too: TRL's boolean precision flag.
-VALUE_ALIASES: dict[str, tuple[str, dict]] = {"bf16": ("dtype", {True: "bfloat16", False: "float32"})}
+UNSET = object()  # a VALUE_ALIASES value that sets nothing (`bf16:` with no value, `fp16: false`)
+
+
+def _one_config(value):
+    """open-r1's `dataset_configs: [all]` (a list) -> data.name `all`; more than one config is one error line."""
+    if isinstance(value, (list, tuple)):
+        if len(value) != 1:
+            raise ValueError(f"a list of one config (data.name); {len(value)} configs are a data.mixture here")
+        value = value[0]
+    return UNSET if value is None else value
+
+
+def _checkpoint(value):
+    """transformers' resume_from_checkpoint: a path, or true for the newest checkpoint (resume=auto)."""
+    flag = _as_bool(value) if not isinstance(value, str) or value.lower() in TRUE_WORDS | FALSE_WORDS else None
+    if value is None or flag is False:
+        return UNSET
+    return "auto" if flag else value
+
+
+# A key whose value is mapped too: key -> (the key it sets, {value: the value it sets} or a function of the value
+# raising ValueError for a value it does not take). UNSET sets nothing. TRL's precision flags: `bf16:` with no
+# value is "not set" (TRL then means bf16 unless fp16, our dtype default `auto` means bf16 where the GPU has it);
+# TRL's scale_rewards picks GRPO's group estimator.
+VALUE_ALIASES: dict[str, tuple[str, object]] = {
+    "bf16": ("dtype", {True: "bfloat16", False: "float32", None: UNSET}),
+    "fp16": ("dtype", {True: "float16", False: UNSET, None: UNSET}),
+    "scale_rewards": ("advantage_estimator", {"group": "grpo", True: "grpo", "batch": "grpo_batch",
+                                              "none": "dr_grpo", False: "dr_grpo"}),
+    "dataset_configs": ("data.name", _one_config),
+    "resume_from_checkpoint": ("resume", _checkpoint),
+    "use_cpu": ("device", {True: "cpu", False: UNSET, None: UNSET}),
+}
 
 _warned: set[str] = set()
 
@@ -80,13 +132,24 @@ def _main_process() -> bool:
     return os.environ.get("RANK", "0") in ("", "0")
 
 
+def _once(key: str, line: str) -> None:
+    """Print `line` once per key per process, on the main process only."""
+    if key in _warned:
+        return
+    _warned.add(key)
+    if _main_process():
+        print(line, file=sys.stderr, flush=True)
+
+
 def warn_deprecated(old: str, new: str) -> None:
     """Print `warning: key 'old' is deprecated; use 'new'` once per key per process (main process only)."""
-    if old in _warned:
-        return
-    _warned.add(old)
-    if _main_process():
-        print(f"warning: key '{old}' is deprecated; use '{new}'", file=sys.stderr, flush=True)
+    _once(old, f"warning: key '{old}' is deprecated; use '{new}'")
+
+
+def note_ignored(key: str, reason: str) -> None:
+    """Print `note: key 'x' is ignored here: why` once per key per process (main process only): a TRL key with no
+    effect in this package (rl.config.trl_keys)."""
+    _once(key, f"note: key '{key}' is ignored here: {reason}")
 
 
 def reset_warnings() -> None:
@@ -99,13 +162,32 @@ def field_names(cls) -> frozenset[str]:
 
 
 @functools.lru_cache(maxsize=None)
+def section_type(cls: type, name: str) -> type | None:
+    """The dataclass type of `cls`'s section field `name` (`lora` -> LoraSection), or None."""
+    if name not in field_names(cls):
+        return None
+    tp = typing.get_type_hints(cls).get(name)
+    return tp if dataclasses.is_dataclass(tp) else None
+
+
+def has_key(cls: type, key: str) -> bool:
+    """Whether `key` (dotted for a section's key: `lora.rank`) is a field of schema `cls`."""
+    head, dot, rest = key.partition(".")
+    if not dot:
+        return key in field_names(cls)
+    sub = section_type(cls, head)
+    return sub is not None and has_key(sub, rest)
+
+
+@functools.lru_cache(maxsize=None)
 def aliases_of(cls: type) -> dict[str, str]:
-    """This schema's other key names -> its keys: ALIASES, VALUE_ALIASES, DEPRECATED and the schema's own
-    `ALIASES` mapping (rare; it wins). A name that is a field itself is never an alias there."""
+    """This schema's other key names -> its keys (dotted for a section's key: `lora_r` -> `lora.rank`): ALIASES,
+    VALUE_ALIASES, DEPRECATED and the schema's own `ALIASES` mapping (rare; it wins). A name that is a field
+    itself is never an alias there."""
     fields = field_names(cls)
-    out = {a: next(t for t in targets if t in fields) for a, targets in ALIASES.items()
-           if a not in fields and any(t in fields for t in targets)}
-    out.update({a: t for a, (t, _) in VALUE_ALIASES.items() if a not in fields and t in fields})
+    out = {a: next(t for t in targets if has_key(cls, t)) for a, targets in ALIASES.items()
+           if a not in fields and any(has_key(cls, t) for t in targets)}
+    out.update({a: t for a, (t, _) in VALUE_ALIASES.items() if a not in fields and has_key(cls, t)})
     out.update({old: new for old, new in DEPRECATED.items() if new in fields and old not in fields})
     out.update(getattr(cls, "ALIASES", {}))
     return out
@@ -121,56 +203,131 @@ def _as_bool(value: Any) -> bool | None:
     return None
 
 
-def _value(raw_key: str, key: str, value: Any, fields, where: str, prefix: str) -> Any:
-    """The value a VALUE_ALIASES key stands for (`bf16: true` -> `bfloat16`)."""
+def _mapped(how: Any, value: Any) -> Any:
+    """`value` through a VALUE_ALIASES mapping or function; ValueError (what it takes) for another value."""
+    if callable(how):
+        return how(value)
+    if isinstance(value, str) and value.lower() in ("none", "null"):
+        value = None
+    if isinstance(value, str) and value.lower() in how:
+        return how[value.lower()]
+    flag = value if value is None else _as_bool(value)
+    if flag is None and value is not None or flag not in how:
+        words = [k for k in how if not isinstance(k, bool) and k is not None]
+        raise ValueError(" or ".join(map(repr, words)) + " or a bool" if words else "bool (true or false)")
+    return how[flag]
+
+
+def _value(raw_key: str, key: str, value: Any, fields, where: str, shown: str) -> Any:
+    """The value a VALUE_ALIASES key stands for (`bf16: true` -> `bfloat16`; UNSET: nothing)."""
     if raw_key not in VALUE_ALIASES or raw_key in fields or VALUE_ALIASES[raw_key][0] != key:
         return value
-    flag = _as_bool(value)
-    if flag is None:
-        raise ConfigError(f"{where}: key '{prefix}{raw_key}' has value {value!r}, expected bool (true or false)")
-    return VALUE_ALIASES[raw_key][1][flag]
+    try:
+        return _mapped(VALUE_ALIASES[raw_key][1], value)
+    except ValueError as e:
+        raise ConfigError(f"{where}: key '{shown}' has value {value!r}, expected {e}") from None
+
+
+def _clash(where: str, key: str, first: str, second: str, prefix: str) -> ConfigError:
+    a, b = sorted((first, second), key=lambda name: name == prefix + key)  # the schema's own name last
+    if b == prefix + key:
+        return ConfigError(f"{where}: keys '{a}' and '{b}' are the same setting with different values; keep only "
+                           f"one ('{b}' is the name here)")
+    return ConfigError(f"{where}: keys '{a}' and '{b}' are the same setting ('{prefix}{key}') with different "
+                       f"values; keep only one")
+
+
+def _ignored(cls: type, raw_key: str, value: Any, prefix: str) -> bool:
+    """A TRL key with no effect here (rl.config.trl_keys): True (and one note line when its value asks for
+    something, i.e. is not TRL's default) for a trainer's schema that has no key of that name."""
+    from rl.config.trl_keys import ignored_reason  # the table imports nothing of ours; kept beside its use
+
+    if not isinstance(cls, AcceptsAliases):
+        return False  # only a trainer's schema takes TRL's flat keys (not its sections)
+    reason = ignored_reason(raw_key, value)
+    if reason is None:
+        return False
+    if reason:
+        note_ignored(prefix + raw_key, reason)
+    return True
 
 
 def canonical(data: dict, cls: type, where: str = "config", prefix: str = "",
               given: dict[str, str] | None = None) -> dict:
-    """`data` with every alias of schema `cls` replaced by its key (a deprecated one warned about once).
-    Unknown keys pass through (build reports them). Two names of one key with different values are one
-    ConfigError line; with equal values they are one setting. `given` (if passed) receives key -> the name
-    it was typed as, so that a message can name what the user wrote."""
+    """`data` with every alias of schema `cls` replaced by its key (a deprecated one warned about once; a dotted
+    one put into its section: `lora_r: 8` -> `lora: {rank: 8}`), and the TRL keys that have no effect here left
+    out (one note line each, rl.config.trl_keys). Unknown keys pass through (build reports them). Two names of
+    one key with different values are one ConfigError line; with equal values they are one setting. `given` (if
+    passed) receives key (dotted for a section's) -> the name it was typed as, with `prefix`, so that a message
+    can name what the user wrote."""
     aliases, fields = aliases_of(cls), field_names(cls)
     given = {} if given is None else given
-    if not any(k in aliases for k in data):
-        return data
     out: dict = {}
+    dotted: list[tuple[str, str, Any]] = []
     for raw_key, value in data.items():
         key = aliases.get(raw_key, raw_key)
+        shown = prefix + raw_key
+        if key not in fields and "." not in key and _ignored(cls, raw_key, value, prefix):
+            continue
         if raw_key in DEPRECATED and key == DEPRECATED[raw_key]:
-            warn_deprecated(prefix + raw_key, prefix + key)
-        value = _value(raw_key, key, value, fields, where, prefix)
+            warn_deprecated(shown, prefix + key)
+        value = _value(raw_key, key, value, fields, where, shown)
+        if value is UNSET:
+            continue
+        if "." in key:
+            dotted.append((raw_key, key, value))
+            continue
         if key in out and out[key] != value:
-            a, b = sorted((given[key], raw_key), key=lambda name: name == key)  # the schema's own name last
-            raise ConfigError(f"{where}: keys '{prefix}{a}' and '{prefix}{b}' are the same setting with different "
-                              f"values; keep only one ('{prefix}{b}' is the name here)" if b == key else
-                              f"{where}: keys '{prefix}{a}' and '{prefix}{b}' are the same setting ('{prefix}{key}') "
-                              f"with different values; keep only one")
+            raise _clash(where, key, given[key], shown, prefix)
         out[key] = value
-        given.setdefault(key, raw_key)
+        given.setdefault(key, shown)
+    for raw_key, key, value in dotted:  # after the sections' own mappings, whatever their order in `data`
+        head, sub = key.split(".", 1)
+        section = out.get(head)
+        if dataclasses.is_dataclass(section) and not isinstance(section, type):  # Python: replace() semantics
+            out[head] = dataclasses.replace(section, **{sub: value})
+            continue
+        section = dict(section) if isinstance(section, dict) else {}
+        section = canonical(section, section_type(cls, head), where, f"{prefix}{head}.")
+        if sub in section and section[sub] != value:
+            raise _clash(where, key, given.get(key, f"{prefix}{key}"), prefix + raw_key, prefix)
+        section[sub] = value
+        out[head] = section
+        given.setdefault(key, prefix + raw_key)
     return out
 
 
 class AcceptsAliases(type):
     """Metaclass of TrainConfig: `PPOConfig(batch_size=16, ppo_epochs=4)` is built by its keys' names
-    (the reference docs build configs so), silently for the reference's and TRL's names."""
+    (the reference docs build configs so), silently for the reference's and TRL's names; a section given as
+    a mapping (what a dotted alias such as `use_lora=True` makes) is its dataclass with those keys set."""
 
     def __call__(cls, *args, **kw):
         if kw and dataclasses.is_dataclass(cls):
+            if field_names(cls) <= set(kw):  # dataclasses.replace(cfg, alias=...): the alias is the change
+                targets = aliases_of(cls)
+                kw = {k: v for k, v in kw.items() if not any(targets.get(a) == k for a in kw)}
             kw = canonical(kw, cls, cls.__name__)
+            for name, value in kw.items():
+                sub = section_type(cls, name)
+                if sub is not None and isinstance(value, dict):
+                    default = next(f for f in dataclasses.fields(cls) if f.name == name).default_factory()
+                    kw[name] = dataclasses.replace(default, **canonical(value, sub, cls.__name__, f"{name}."))
         return super().__call__(*args, **kw)
 
 
+def _path(obj, key: str):
+    """(the object holding dotted `key`, its last name): `lora.rank` -> (obj.lora, "rank")."""
+    *heads, last = key.split(".")
+    for head in heads:
+        obj = getattr(obj, head)
+    return obj, last
+
+
 class AliasAttributes:
-    """Reading or setting an alias as an attribute (`cfg.batch_size`, `cfg.ppo_epochs`) reaches its field, so
-    code written against the reference's names works unchanged (a deprecated name says so once)."""
+    """Reading or setting an alias as an attribute (`cfg.batch_size`, `cfg.ppo_epochs`, `cfg.lora_r`) reaches its
+    field, so code written against the reference's or TRL's names works unchanged (a deprecated name says so
+    once)."""
 
     def __getattr__(self, name: str):
         # only called when normal lookup fails: no cost for the real fields
@@ -178,7 +335,7 @@ class AliasAttributes:
         if key is not None and name not in VALUE_ALIASES:
             if DEPRECATED.get(name) == key:
                 warn_deprecated(name, key)
-            return getattr(self, key)
+            return getattr(*_path(self, key))
         raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
 
     def __setattr__(self, name: str, value) -> None:
@@ -187,6 +344,9 @@ class AliasAttributes:
             if key is not None and name not in VALUE_ALIASES:
                 if DEPRECATED.get(name) == key:
                     warn_deprecated(name, key)
+                if "." in key:
+                    setattr(*_path(self, key), value)
+                    return
                 name = key
         object.__setattr__(self, name, value)
 

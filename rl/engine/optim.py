@@ -3,8 +3,10 @@
 `build_optimizer`: the recipe's `optim` (HF/TRL's names: adamw_torch by default, adamw_torch_fused,
 bitsandbytes' adamw_8bit / paged_adamw_8bit / paged_adamw_32bit, transformers' Adafactor, SGD) over the
 trainable parameters, with no weight decay on biases and norms.
-`build_scheduler`: linear warmup (`warmup_steps`, or `warmup_ratio` of the total), then constant,
-linear decay or cosine decay to zero over `total_steps`, as a `LambdaLR` stepped once per optimizer
+`build_scheduler`: transformers' `get_scheduler` by its name (TRL's `lr_scheduler_type` and `lr_scheduler_kwargs`:
+linear, cosine, cosine_with_min_lr, cosine_with_restarts, polynomial, constant, constant_with_warmup,
+inverse_sqrt, warmup_stable_decay, ...), its warmup `warmup_steps` (below 1 a fraction of the run, as
+transformers reads it) or `warmup_ratio` of the run (rounded; it wins when above 0), stepped once per optimizer
 step (the pipeline steps it itself, not through accelerate's wrapper).
 """
 
@@ -14,6 +16,8 @@ import logging
 import math
 
 import torch
+
+from rl.errors import ConfigError, first_line
 
 BNB_OPTIMS = ("adamw_8bit", "paged_adamw_8bit", "paged_adamw_32bit")
 
@@ -57,8 +61,10 @@ def optim_problem(optim: str | None) -> str | None:
     return bitsandbytes_problem("optim", optim, "optim=adamw_torch") if optim in BNB_OPTIMS else None
 
 
-def build_optimizer(model, learning_rate: float, weight_decay: float = 0.0, optim: str = "adamw_torch"):
-    """`optim` over trainable parameters; no decay on biases and norms (the usual transformer recipe)."""
+def build_optimizer(model, learning_rate: float, weight_decay: float = 0.0, optim: str = "adamw_torch",
+                    betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8):
+    """`optim` over trainable parameters; no decay on biases and norms (the usual transformer recipe). `betas` and
+    `eps` are AdamW's (TRL's adam_beta1, adam_beta2, adam_epsilon; the 8-bit AdamWs take them too)."""
     decay, no_decay = [], []
     for name, p in model.named_parameters():
         if not p.requires_grad:
@@ -66,14 +72,15 @@ def build_optimizer(model, learning_rate: float, weight_decay: float = 0.0, opti
         (no_decay if p.ndim < 2 or "norm" in name.lower() else decay).append(p)
     groups = [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
     groups = [g for g in groups if g["params"]]
+    adam = dict(lr=learning_rate, betas=tuple(betas), eps=eps)
     if optim in ("adamw_torch", "adamw_torch_fused"):
-        return torch.optim.AdamW(groups, lr=learning_rate, fused=True if optim.endswith("fused") else None)
+        return torch.optim.AdamW(groups, fused=True if optim.endswith("fused") else None, **adam)
     if optim in BNB_OPTIMS:
         bnb = import_bitsandbytes()  # its 8-bit and paged optimizers run on the CPU too
 
         cls = {"adamw_8bit": bnb.optim.AdamW8bit, "paged_adamw_8bit": bnb.optim.PagedAdamW8bit,
                "paged_adamw_32bit": bnb.optim.PagedAdamW32bit}[optim]
-        return cls(groups, lr=learning_rate)
+        return cls(groups, **adam)
     if optim == "adafactor":
         from transformers.optimization import Adafactor
 
@@ -84,20 +91,26 @@ def build_optimizer(model, learning_rate: float, weight_decay: float = 0.0, opti
     raise ValueError(f"unknown optim {optim!r}")
 
 
+def warmup_count(total_steps: int, warmup_ratio: float = 0.0, warmup_steps: int | float | None = None) -> int:
+    """Warmup optimizer steps: round(warmup_ratio x total) when the ratio is above 0, else `warmup_steps` (below 1:
+    ceil(fraction x total), transformers' reading), else 0."""
+    if warmup_ratio:
+        return int(round(warmup_ratio * total_steps))
+    if warmup_steps is None:
+        return 0
+    return math.ceil(warmup_steps * total_steps) if warmup_steps < 1 else int(warmup_steps)
+
+
 def build_scheduler(optimizer, kind: str, total_steps: int, warmup_ratio: float = 0.0,
-                    warmup_steps: int | None = None):
-    """Linear warmup then constant / linear decay / cosine decay to zero over `total_steps`."""
-    warmup = warmup_steps if warmup_steps is not None else int(round(warmup_ratio * total_steps))
-    total = max(total_steps, 1)
+                    warmup_steps: int | float | None = None, kwargs: dict | None = None):
+    """transformers' schedule `kind` over `total_steps` optimizer steps with `warmup_count` warmup steps and the
+    schedule's own `kwargs` (lr_scheduler_kwargs); a LambdaLR (or torch's scheduler) stepped once per step.
+    transformers' `constant` has no warmup (the config says so in one line when one is given)."""
+    from transformers import get_scheduler
 
-    def factor(step: int) -> float:
-        if warmup and step < warmup:
-            return (step + 1) / warmup
-        if kind == "constant":
-            return 1.0
-        progress = min(1.0, (step - warmup) / max(1, total - warmup))
-        if kind == "cosine":
-            return 0.5 * (1.0 + math.cos(math.pi * progress))
-        return max(0.0, 1.0 - progress)
-
-    return torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
+    warmup = warmup_count(total_steps, warmup_ratio, warmup_steps)
+    try:
+        return get_scheduler(kind, optimizer, num_warmup_steps=warmup, num_training_steps=max(total_steps, 1),
+                             scheduler_specific_kwargs=dict(kwargs or {}))
+    except (TypeError, ValueError) as e:  # an argument the schedule does not take, or lacks
+        raise ConfigError(f"key 'lr_scheduler_kwargs' {kwargs}: {first_line(e)} (lr_scheduler_type={kind})") from None

@@ -101,11 +101,12 @@ def check_source(name: str, path: str, task: str = "causal-lm") -> None:
                           f"a policy's output directory here")
 
 
-def load_tokenizer(name: str, trust_remote_code: bool = False, padding_side: str = "right"):
+def load_tokenizer(name: str, trust_remote_code: bool = False, padding_side: str = "right", revision: str | None = None):
     from transformers import AutoTokenizer
 
     try:
-        tok = AutoTokenizer.from_pretrained(resolve_model_path(name), trust_remote_code=trust_remote_code)
+        tok = AutoTokenizer.from_pretrained(resolve_model_path(name), trust_remote_code=trust_remote_code,
+                                            **({"revision": revision} if revision else {}))
     except OSError as e:  # transformers' "not a valid model identifier / no such file" family
         raise not_loadable(name, "tokenizer", e) from None
     if tok.pad_token is None:
@@ -131,10 +132,14 @@ def vocabulary_mismatch(tokenizer, other) -> str | None:
 
 def load_causal_lm(name: str, dtype: str | torch.dtype | None = "auto", trust_remote_code: bool = False,
                    attn_implementation: str | None = None, gradient_checkpointing: bool = False,
-                   quantization: str | None = None, task: str = "causal-lm", num_labels: int = 1):
+                   quantization: str | None = None, task: str = "causal-lm", num_labels: int = 1,
+                   revision: str | None = None, bnb: dict | None = None, init_kwargs: dict | None = None,
+                   checkpointing_kwargs: dict | None = None):
     """Load a causal LM (or, with task='classifier', a sequence classifier) by id, path or tiny:name.
 
-    `quantization` = '4bit' | '8bit' loads the weights through bitsandbytes (QLoRA). A PEFT adapter
+    `quantization` = '4bit' | '8bit' loads the weights through bitsandbytes (QLoRA), with `bnb` TRL's 4-bit
+    options (`quantization_options`; None: NF4 with nested quantization). `revision` is the hub revision (TRL's
+    model_revision), `init_kwargs` more keywords of from_pretrained (TRL's model_init_kwargs). A PEFT adapter
     directory (a LoRA run's output) loads as its base model with the adapter merged, so one stage's
     output is the next stage's `model_name` whether or not it trained LoRA."""
     from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
@@ -150,7 +155,8 @@ def load_causal_lm(name: str, dtype: str | torch.dtype | None = "auto", trust_re
         # merge into; DeepSpeed partitions the merged model when the engine is built instead.
         with without_zero3_init():
             model = load_causal_lm(base, dtype, trust_remote_code, attn_implementation, gradient_checkpointing,
-                                   quantization, task, num_labels)
+                                   quantization, task, num_labels, bnb=bnb, init_kwargs=init_kwargs,
+                                   checkpointing_kwargs=checkpointing_kwargs)
             try:
                 model = PeftModel.from_pretrained(model, path).merge_and_unload()
             except Exception as e:  # noqa: BLE001 - refused or unreadable adapter weights: one line
@@ -160,17 +166,21 @@ def load_causal_lm(name: str, dtype: str | torch.dtype | None = "auto", trust_re
         model.name_or_path = model.config._name_or_path = str(path)
         return model
     torch_dtype = dtype if isinstance(dtype, torch.dtype) else resolve_dtype(dtype)
-    kwargs = dict(dtype=torch_dtype, trust_remote_code=trust_remote_code)
+    kwargs = {k: v for k, v in (init_kwargs or {}).items() if k not in ("dtype", "torch_dtype")}
+    kwargs.update(dtype=torch_dtype, trust_remote_code=trust_remote_code)
     if attn_implementation:
         kwargs["attn_implementation"] = attn_implementation
+    if revision:
+        kwargs["revision"] = revision
     if quantization in ("4bit", "8bit"):
         from transformers import BitsAndBytesConfig
 
         import_bitsandbytes()  # before transformers imports it: without its kernels-community line
 
+        o = {"quant_type": "nf4", "nested": True, "storage": None, **(bnb or {})}
         kwargs["quantization_config"] = (
-            BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4",
-                               bnb_4bit_compute_dtype=torch_dtype, bnb_4bit_use_double_quant=True)
+            BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type=o["quant_type"], bnb_4bit_compute_dtype=torch_dtype,
+                               bnb_4bit_use_double_quant=o["nested"], bnb_4bit_quant_storage=o["storage"] or "uint8")
             if quantization == "4bit" else BitsAndBytesConfig(load_in_8bit=True))
     try:
         if task == "classifier":
@@ -184,33 +194,79 @@ def load_causal_lm(name: str, dtype: str | torch.dtype | None = "auto", trust_re
     if task == "classifier" and model.config.pad_token_id is None:
         model.config.pad_token_id = model.config.eos_token_id
     if gradient_checkpointing:
-        enable_checkpointing(model)
+        enable_checkpointing(model, checkpointing_kwargs)
         model.config.use_cache = False
     return model
 
 
-def enable_checkpointing(model) -> None:
-    """Activation (gradient) checkpointing, non-reentrant, by this transformers' name for it: 5.2x renamed
-    `gradient_checkpointing_enable` to `activation_checkpointing_enable` and warns on the old one."""
+def enable_checkpointing(model, kwargs: dict | None = None) -> None:
+    """Activation (gradient) checkpointing, non-reentrant unless `kwargs` (TRL's gradient_checkpointing_kwargs)
+    say otherwise, by this transformers' name for it: 5.2x renamed `gradient_checkpointing_enable` to
+    `activation_checkpointing_enable` and warns on the old one."""
+    kwargs = {"use_reentrant": False, **(kwargs or {})}
     if hasattr(model, "activation_checkpointing_enable"):
-        model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
     else:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
+
+
+def quantization_options(cfg) -> dict:
+    """`load_causal_lm`'s quantization keywords of a config (TRL's ModelConfig 4-bit keys): quantization '4bit',
+    '8bit' or None, and the 4-bit options."""
+    quantization = "4bit" if getattr(cfg, "load_in_4bit", False) else "8bit" if getattr(cfg, "load_in_8bit", False) \
+        else None
+    bnb = {"quant_type": cfg.bnb_4bit_quant_type, "nested": cfg.use_bnb_nested_quant,
+           "storage": cfg.bnb_4bit_quant_storage} if quantization else None
+    return {"quantization": quantization, "bnb": bnb}
 
 
 def load_trainable_policy(cfg):
     """The policy a trainer optimises, from a TrainConfig: fp32 master weights (bf16 compute comes
-    from autocast / DeepSpeed), the recipe's attention kernel and gradient checkpointing."""
-    return load_causal_lm(cfg.model_name, dtype=torch.float32, trust_remote_code=cfg.trust_remote_code,
-                          attn_implementation=cfg.attn_implementation,
-                          gradient_checkpointing=cfg.gradient_checkpointing)
+    from autocast / DeepSpeed), the recipe's attention kernel, revision, from_pretrained keywords, 4-bit/8-bit
+    frozen weights (QLoRA), gradient checkpointing and dropout."""
+    model = load_causal_lm(cfg.model_name, dtype=torch.float32, trust_remote_code=cfg.trust_remote_code,
+                           attn_implementation=cfg.attn_implementation,
+                           gradient_checkpointing=cfg.gradient_checkpointing, revision=cfg.model_revision,
+                           init_kwargs=cfg.model_init_kwargs, checkpointing_kwargs=cfg.gradient_checkpointing_kwargs,
+                           **quantization_options(cfg))
+    if cfg.disable_dropout:
+        disable_dropout(model)
+    return model
+
+
+def disable_dropout(model) -> None:
+    """Every dropout of `model` set to 0 (TRL's disable_dropout: log-probs of the same weights agree)."""
+    for module in model.modules():
+        if isinstance(module, torch.nn.Dropout):
+            module.p = 0.0
+
+
+def configure_tokenizer(tok, cfg):
+    """A config's tokenizer keys applied to `tok` (TRL's): chat_template_path (a .jinja file, or a tokenizer
+    directory or hub id whose template to use), eos_token, pad_token. Returns `tok`."""
+    path = getattr(cfg, "chat_template_path", None)
+    if path:
+        p = Path(path)
+        if p.is_file():
+            tok.chat_template = p.read_text()
+        else:
+            tok.chat_template = load_tokenizer(path, cfg.trust_remote_code).chat_template
+    for key in ("eos_token", "pad_token"):
+        value = getattr(cfg, key, None)
+        if value:
+            if value not in tok.get_vocab():
+                raise ConfigError(f"key '{key}': {value!r} is not a token of {cfg.model_name}'s tokenizer")
+            setattr(tok, key, value)
+    return tok
 
 
 def apply_lora(model, rank: int = 16, alpha: int = 32, dropout: float = 0.05,
-               target_modules: str | list[str] = "all-linear", task_type: str = "CAUSAL_LM",
-               modules_to_save: list[str] | None = None):
+               target_modules: str | list[str] | None = "all-linear", task_type: str = "CAUSAL_LM",
+               modules_to_save: list[str] | None = None, target_parameters: list[str] | None = None,
+               use_rslora: bool = False, use_dora: bool = False):
     """Wrap `model` with LoRA adapters. 'all-linear' adapts every linear layer but the output head,
-    so GPT-2 (Conv1D c_attn), Llama, Qwen2 and Gemma all work without naming their modules."""
+    so GPT-2 (Conv1D c_attn), Llama, Qwen2 and Gemma all work without naming their modules; None is peft's
+    default for the architecture (TRL's lora_target_modules: null)."""
     from peft import LoraConfig, get_peft_model, prepare_model_for_kbit_training
 
     if getattr(model, "is_loaded_in_4bit", False) or getattr(model, "is_loaded_in_8bit", False):
@@ -218,8 +274,16 @@ def apply_lora(model, rank: int = 16, alpha: int = 32, dropout: float = 0.05,
     if isinstance(target_modules, str) and target_modules != "all-linear":
         target_modules = [m.strip() for m in target_modules.split(",") if m.strip()]
     cfg = LoraConfig(r=rank, lora_alpha=alpha, lora_dropout=dropout, target_modules=target_modules,
-                     task_type=task_type, modules_to_save=modules_to_save)
+                     task_type=task_type, modules_to_save=modules_to_save, target_parameters=target_parameters,
+                     use_rslora=use_rslora, use_dora=use_dora)
     return get_peft_model(model, cfg)
+
+
+def lora_options(lora) -> dict:
+    """`apply_lora`'s keywords of a config's `lora` section."""
+    return dict(rank=lora.rank, alpha=lora.alpha, dropout=lora.dropout, target_modules=lora.target_modules,
+                modules_to_save=lora.modules_to_save, target_parameters=lora.target_parameters,
+                use_rslora=lora.use_rslora, use_dora=lora.use_dora)
 
 
 def freeze(model):

@@ -63,7 +63,8 @@ class ReferencePolicy:
         if model is None:
             if name is not None or zero_stage(accelerator) == 3:
                 model = load_causal_lm(name or cfg.model_name, dtype=dtype, trust_remote_code=cfg.trust_remote_code,
-                                       attn_implementation=cfg.attn_implementation)
+                                       attn_implementation=cfg.attn_implementation,
+                                       revision=None if name else getattr(cfg, "model_revision", None))
             else:
                 model = copy.deepcopy(policy)
         return cls("copy", freeze(model.to(dtype)), description=name or "frozen copy of the initial policy")

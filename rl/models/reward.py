@@ -34,7 +34,15 @@ from rl.data.preference import encode_texts, pad_batch, stack_pair
 from rl.engine.packing import pool_packed, position_ids_from_mask
 from rl.errors import ConfigError
 from rl.models.limits import check_length
-from rl.models.loading import apply_lora, enable_checkpointing, load_causal_lm, load_tokenizer
+from rl.models.loading import (
+    apply_lora,
+    disable_dropout,
+    enable_checkpointing,
+    load_causal_lm,
+    load_tokenizer,
+    lora_options,
+    quantization_options,
+)
 from rl.models.reward_config import RewardModelConfig
 from rl.models.reward_format import (
     CONFIG_FILE,
@@ -88,8 +96,11 @@ class RewardModel(nn.Module):
         self.config = config
         self.tokenizer = tokenizer
         hf = load_causal_lm(config.model_name, dtype=config.dtype, trust_remote_code=config.trust_remote_code,
-                            gradient_checkpointing=False, quantization=config.quantization,
-                            task="classifier", num_labels=config.num_labels)
+                            gradient_checkpointing=False, task="classifier", num_labels=config.num_labels,
+                            revision=config.model_revision, init_kwargs=config.model_init_kwargs,
+                            **quantization_options(config))
+        if config.disable_dropout:
+            disable_dropout(hf)
         check_length(config.max_length, hf, config.model_name)  # texts are cut to max_length, which must fit
         self.hf_config = hf.config  # written next to full fine-tunes for AutoModelForSequenceClassification
         self.hf_prefix = hf.base_model_prefix
@@ -107,7 +118,7 @@ class RewardModel(nn.Module):
                 nn.init.zeros_(head.bias)
         head.to(torch.float32 if config.quantization else next(backbone.parameters()).dtype)
         if config.gradient_checkpointing:
-            enable_checkpointing(backbone)
+            enable_checkpointing(backbone, config.gradient_checkpointing_kwargs)
         if config.quantization:
             from peft import (
                 prepare_model_for_kbit_training,  # optional: only for a quantized backbone
@@ -117,10 +128,7 @@ class RewardModel(nn.Module):
             backbone = prepare_model_for_kbit_training(
                 backbone, use_gradient_checkpointing=config.gradient_checkpointing)
         if config.lora.enabled:
-            lora = config.lora
-            backbone = apply_lora(backbone, rank=lora.rank, alpha=lora.alpha, dropout=lora.dropout,
-                                  target_modules=lora.target_modules,
-                                  task_type=None)
+            backbone = apply_lora(backbone, **lora_options(config.lora), task_type=None)
         self.backbone = backbone
         self.dropout = nn.Dropout(config.dropout_prob)
         self.head = head

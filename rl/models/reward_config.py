@@ -4,8 +4,6 @@ one config for the model and its training run. The recipe schema of launch/rewar
 
 from __future__ import annotations
 
-import dataclasses
-import functools
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -13,33 +11,12 @@ from rl.config.fields import opt
 from rl.config.schema import LoraSection, TrainConfig
 from rl.errors import ConfigError
 
-# The reference docs' flat LoRA names (RewardModelConfig(use_lora=..., lora_rank=...)) -> the `lora:` section's keys
-REFERENCE_LORA = {"use_lora": "enabled", "lora_rank": "rank", "lora_alpha": "alpha", "lora_dropout": "dropout",
-                  "lora_target_modules": "target_modules"}
+# The reference docs' flat LoRA names (RewardModelConfig(use_lora=..., lora_rank=...)), aliases of the `lora:`
+# section's keys in the one alias table (rl.config.vocabulary.ALIASES: use_lora -> lora.enabled, ...); what a saved
+# model's reward_config.json holds
+REFERENCE_LORA = ("use_lora", "lora_rank", "lora_alpha", "lora_dropout", "lora_target_modules")
 
 
-def accepts_reference_names(cls):
-    """Let `cls(...)` take the reference docs' keywords: the flat LoRA names (on top of `lora=`, so
-    `dataclasses.replace(cfg, use_lora=True)` works) and `temperature` for `reward_temperature`."""
-    init = cls.__init__
-
-    def __init__(self, *args, **kw):
-        flat = {REFERENCE_LORA[k]: kw.pop(k) for k in list(kw) if k in REFERENCE_LORA}
-        if flat:
-            lora = kw.get("lora") or next(f for f in dataclasses.fields(cls) if f.name == "lora").default_factory()
-            kw["lora"] = dataclasses.replace(lora, **flat)
-        for alias, key in cls.ALIASES.items():
-            if alias in kw:
-                kw[key] = kw.pop(alias)
-        if kw.get("warmup_ratio", 0.0) is None:  # the former "unset"
-            kw["warmup_ratio"] = 0.0
-        init(self, *args, **kw)
-
-    cls.__init__ = functools.wraps(init)(__init__)
-    return cls
-
-
-@accepts_reference_names
 @dataclass
 class RewardModelConfig(TrainConfig):
     """A reward model and its training run: the shared TrainConfig plus the reward-model keys, with the
@@ -59,15 +36,14 @@ class RewardModelConfig(TrainConfig):
     learning_rate: float = opt(1e-4, "peak AdamW learning rate")
     lora: LoraSection = field(default_factory=lambda: LoraSection(enabled=True, rank=8, alpha=16, dropout=0.1),
                               metadata={"help": "LoRA adapters (reference names: use_lora, lora_rank, ...)"})
+    disable_dropout: bool = opt(True, "set every dropout of the trained model to 0 (TRL's default here)")
     num_labels: int = opt(1, "outputs of the head (1 for a scalar reward)")
     pooling_strategy: Literal["last", "mean", "cls"] = opt(
         "last", "hidden state read by the head: last real token, masked mean, first token")
     dropout_prob: float = opt(0.1, "dropout on the pooled state (training only)")
     reward_temperature: float = opt(1.0, "rewards are divided by this (a scale of the reward, not a sampling "
                                     "temperature; alias: temperature)")
-    load_in_4bit: bool = opt(False, "NF4 backbone via bitsandbytes (QLoRA); needs lora.enabled=true")
-    load_in_8bit: bool = opt(False, "int8 backbone via bitsandbytes; needs lora.enabled=true")
-    warmup_steps: int | None = opt(100, "linear warmup steps (capped at the run length); warmup_ratio > 0 wins; "
+    warmup_steps: int | float | None = opt(100, "linear warmup steps (capped at the run length); warmup_ratio > 0 wins; "
                                    "null: warmup_ratio")
     center_rewards_coefficient: float | None = opt(
         None, "weight of mean((r_chosen + r_rejected)^2), keeps rewards centred (TRL name)")
@@ -77,6 +53,8 @@ class RewardModelConfig(TrainConfig):
                         "each text pooled on its own; same loss, no compute on padding")
 
     def __post_init__(self):
+        if self.warmup_ratio is None:  # the former "unset"
+            self.warmup_ratio = 0.0
         super().__post_init__()
         if self.num_labels < 1:
             raise ConfigError(f"key 'num_labels' must be at least 1, got {self.num_labels}")
@@ -86,11 +64,6 @@ class RewardModelConfig(TrainConfig):
             raise ConfigError(f"key 'reward_temperature' (alias temperature) must be > 0, got {self.reward_temperature}")
         if not 0.0 <= self.dropout_prob < 1.0:
             raise ConfigError(f"key 'dropout_prob' must be in [0, 1), got {self.dropout_prob}")
-        if self.load_in_4bit and self.load_in_8bit:
-            raise ConfigError("load_in_4bit and load_in_8bit are both true; choose one")
-        if (self.load_in_4bit or self.load_in_8bit) and not self.lora.enabled:
-            raise ConfigError("load_in_4bit/load_in_8bit train LoRA adapters on a quantized backbone (QLoRA): "
-                              "set lora.enabled=true (use_lora=True)")
         if self.max_length < 2:
             raise ConfigError(f"key 'max_length' must be at least 2, got {self.max_length}")
         if self.warmup_steps is not None and self.warmup_steps < 0:
@@ -116,6 +89,3 @@ class RewardModelConfig(TrainConfig):
         keep = set(cls.MODEL_KEYS) | set(cls.ALIASES)
         return cls(**{**{k: v for k, v in saved.items() if k in keep}, **overrides})
 
-
-for _flat, _key in REFERENCE_LORA.items():  # the reference's flat names, read-only views of `lora`
-    setattr(RewardModelConfig, _flat, property(lambda self, k=_key: getattr(self.lora, k), doc=f"lora.{_key}"))

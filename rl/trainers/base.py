@@ -43,6 +43,7 @@ from typing import Callable
 import torch
 
 from rl.config.parse import save_config, to_dict
+from rl.config.plan import cadence
 from rl.engine.dist import build_accelerator
 from rl.engine.optim import build_optimizer, build_scheduler
 from rl.engine.pipeline import ForwardBackwardPipeline
@@ -60,8 +61,10 @@ from rl.engine.tracking import Tracker
 from rl.errors import RunError, disk_full
 from rl.models.loading import (
     apply_lora,
+    configure_tokenizer,
     load_tokenizer,
     load_trainable_policy,
+    lora_options,
     resolve_dtype,
     trainable_fraction,
 )
@@ -219,7 +222,10 @@ class Trainer:
         LoRA the reference is the policy with its adapters off); LoRA; parameter counts. Returns the policy."""
         self.cfg = cfg = config
         torch.manual_seed(cfg.seed)
-        self.tokenizer = tokenizer or load_tokenizer(cfg.model_name, cfg.trust_remote_code, padding_side=padding_side)
+        if cfg.tf32 is not None:  # TRL's tf32: TF32 matmuls on Ampere+ GPUs (no effect on a CPU)
+            torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = cfg.tf32
+        self.tokenizer = tokenizer or configure_tokenizer(load_tokenizer(
+            cfg.model_name, cfg.trust_remote_code, padding_side=padding_side, revision=cfg.model_revision), cfg)
         self.reward = rewards() if rewards is not None else None
         self.accelerator = build_accelerator(
             cfg.gradient_accumulation_steps, device=getattr(cfg, "device", None),
@@ -238,7 +244,7 @@ class Trainer:
         if self.reference is not None and self.reference.model is not None and reference.get("name"):
             check_length(cfg.max_length, self.reference.model, reference["name"])  # a teacher of its own
         if cfg.lora.enabled and not hasattr(model, "disable_adapter"):  # a PEFT model given keeps its adapters
-            model = apply_lora(model, cfg.lora.rank, cfg.lora.alpha, cfg.lora.dropout, cfg.lora.target_modules)
+            model = apply_lora(model, **lora_options(cfg.lora))
         self.trainable, self.total_params = trainable_fraction(model)
         self._model, self.pipeline = model, None
         return model
@@ -290,8 +296,9 @@ class Trainer:
         head; checkpoints in `<run_dir>/checkpoints` unless `ckpt` says otherwise."""
         cfg = self.cfg
         optimizer = build_optimizer(model, cfg.learning_rate if learning_rate is None else learning_rate,
-                                    cfg.weight_decay, cfg.optim)
-        scheduler = build_scheduler(optimizer, cfg.lr_scheduler_type, total_steps, cfg.warmup_ratio, warmup_steps)
+                                    cfg.weight_decay, cfg.optim, (cfg.adam_beta1, cfg.adam_beta2), cfg.adam_epsilon)
+        scheduler = build_scheduler(optimizer, cfg.lr_scheduler_type, total_steps, cfg.warmup_ratio,
+                                    cfg.warmup_steps if warmup_steps is None else warmup_steps, cfg.lr_scheduler_kwargs)
         return ForwardBackwardPipeline(
             model, gradient_accumulation_steps=cfg.gradient_accumulation_steps, optimizer=optimizer,
             scheduler=scheduler, accelerator=self.accelerator, checkpoint_dir=ckpt or checkpoint_dir(self.run_dir),
@@ -301,6 +308,12 @@ class Trainer:
         return self.pipeline.load_state(path)
 
     # ------------------------------------------------------------------ derived
+    @property
+    def steps_per_epoch(self) -> int | None:
+        """Optimizer steps per pass over the data when the trainer knows it (the epoch trainers), for the
+        'epoch' strategies; None: total steps / num_train_epochs."""
+        return None
+
     @property
     def world(self) -> int:
         return self.accelerator.num_processes
@@ -313,14 +326,14 @@ class Trainer:
     # ------------------------------------------------------------------ the lifecycle
     def fit(self, total_steps: int, tracker, eval_at_start: bool = False) -> list[dict]:
         """Run `train_step` until `current_step` reaches `total_steps`; returns the metric rows."""
-        cfg = self.cfg
         history: list[dict] = []
         self.stopped_by = None
         self._resume(tracker)
         getattr(tracker, "set_total", lambda n: None)(total_steps)  # a bar with a total, for every trainer
+        when = cadence(self.cfg, total_steps, self.steps_per_epoch)
         stopper = _Stop()
         try:
-            if eval_at_start and self.current_step == 0:
+            if (eval_at_start or when.eval_start) and when.evaluate and self.current_step == 0:
                 ev = self.evaluate_now()
                 if ev is not None:
                     history.append({"step": 0, **ev})
@@ -334,13 +347,13 @@ class Trainer:
                     raise RuntimeError(f"{type(self).__name__}.train_step went from step {before} to "
                                        f"{self.current_step} (row step {step}); it must take exactly one")
                 check_finite(row)
-                if step == total_steps or (cfg.eval_steps and step % cfg.eval_steps == 0):
+                if when.eval_at(step, total_steps):
                     row.update(self.evaluate_now() or {})
                 history.append(row)
-                if step % cfg.logging_steps == 0 or step == total_steps or any(k.startswith("eval") for k in row):
+                if when.log_at(step, total_steps) or any(k.startswith("eval") for k in row):
                     tracker.log(step, {k: v for k, v in row.items() if k != "step"})
                 stop = stopper.agreed(self.accelerator)
-                if (cfg.save_steps and self.current_step % cfg.save_steps == 0) or stop:
+                if when.save_at(self.current_step) or stop:
                     self._checkpoint()
                 if stop:
                     self.stopped_by = stopper.received

@@ -47,7 +47,7 @@ from rl.algos.preference import (
     preference_loss,
 )
 from rl.algos.registry import check, choices
-from rl.config.fields import opt
+from rl.config.fields import one_of_list, opt
 from rl.config.plan import epoch_plan
 from rl.config.schema import TrainConfig
 from rl.data.preference import (
@@ -109,10 +109,11 @@ def _packed_loss(loss_fn, labels, sequence_index, loss_kw, model, inputs, output
 @dataclasses.dataclass
 class DPOConfig(TrainConfig):
     learning_rate: float = opt(1e-6, "peak learning rate of AdamW (DPO wants it small: 1e-6 to 1e-5)")
+    disable_dropout: bool = opt(True, "set every dropout of the trained model to 0 (TRL's default here)")
     beta: float = opt(0.1, "DPO temperature beta (IPO: tau; ORPO: lambda, the weight of the odds-ratio term)")
     label_smoothing: float = opt(0.0, "conservative DPO: probability a preference label is flipped, in [0, 0.5)")
     simpo_gamma: float = opt(0.5, "SimPO's target reward margin gamma (loss_type=simpo only)")
-    loss_type: str = opt("sigmoid", f"preference loss ({choices('preference_loss')}): sigmoid (DPO), ipo, hinge "
+    loss_type: str | list[str] = opt("sigmoid", f"preference loss ({choices('preference_loss')}): sigmoid (DPO), ipo, hinge "
                          "(SLiC), orpo (reference-free odds ratio + chosen NLL), simpo (reference-free, "
                          "length-normalised, margin simpo_gamma), or your own function")
     reference_free: bool = opt(False, "no reference model: its log-probs count as 0")
@@ -137,6 +138,8 @@ class DPOConfig(TrainConfig):
 
     def __post_init__(self):
         super().__post_init__()
+        self.loss_type = one_of_list(self.loss_type, "loss_type", "one preference loss per run here (TRL's list "
+                                     "combines several: MPO)")
         check("preference_loss", self.loss_type, "loss_type")
         if self.beta <= 0:
             raise ConfigError(f"key 'beta' must be > 0, got {self.beta}")

@@ -50,6 +50,10 @@ class EpochTrainer(Trainer):
         return ids
 
     @property
+    def steps_per_epoch(self) -> int | None:
+        return self._plan["steps_per_epoch"]
+
+    @property
     def epoch_progress(self) -> float:
         return self._epoch + self._batch_index / self._plan["steps_per_epoch"]
 

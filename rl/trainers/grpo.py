@@ -343,8 +343,9 @@ class GRPOTrainer(AsyncRollouts, OnlineTrainer):
             mb, (a, _) = take_micro_batch(batch, s, with_span=True)
             kw = dict(advantages=mb["advantages"], old_logprobs=mb.get("old"), ref_logprobs=mb.get("ref"),
                       temperature=cfg.temperature, num_items=gb["num_items"], **loss_params(cfg),
-                      behaviour_logprobs=mb.get("behaviour"), is_cap=cfg.vllm_importance_sampling_cap,
-                      is_mode=cfg.vllm_importance_sampling_mode, is_apply=cfg.vllm_importance_sampling_correction)
+                      behaviour_logprobs=mb.get("behaviour"), is_cap=cfg.vllm_importance_sampling_clip_max,
+                      is_mode=cfg.vllm_importance_sampling_mode, is_apply=cfg.vllm_importance_sampling_correction,
+                      is_clip_min=cfg.vllm_importance_sampling_clip_min)
             if self._share:  # each group's prompt once, its completions attending to it; no padding
                 b = self._shared(mb, P - a)
                 r = pipe.forward_backward(b["input_ids"], None, b["labels"], target_index=b["target_index"],

@@ -162,12 +162,14 @@ def loss_params(cfg) -> dict:
     return dict(loss_type=cfg.loss_type, beta=cfg.beta, epsilon_low=cfg.epsilon, epsilon_high=cfg.epsilon_high,
                 loss_aggregation=cfg.loss_aggregation, max_completion_length=cfg.max_completion_length,
                 use_bias_correction_kl=cfg.use_bias_correction_kl,
-                importance_sampling_level=cfg.importance_sampling_level)
+                importance_sampling_level=cfg.importance_sampling_level, delta=cfg.delta,
+                **{k: getattr(cfg, k) for k in ("sapo_temperature_pos", "sapo_temperature_neg", "vespo_k_pos",
+                                                "vespo_lambda_pos", "vespo_k_neg", "vespo_lambda_neg")})
 
 
 def grpo_loss_fn(logits, labels, attention_mask=None, *, advantages, old_logprobs=None, ref_logprobs=None,
                  temperature: float = 1.0, target_index=None, behaviour_logprobs=None, is_cap: float = 3.0,
-                 is_mode: str = "token_truncate", is_apply: bool = True, **kw):
+                 is_mode: str = "token_truncate", is_apply: bool = True, is_clip_min: float | None = None, **kw):
     """Engine signature `(logits, labels, attention_mask, **kw) -> (loss, metrics)`.
 
     old_logprobs/ref_logprobs are (B, T-1) aligned with labels[:, 1:]; old_logprobs None means the
@@ -184,7 +186,8 @@ def grpo_loss_fn(logits, labels, attention_mask=None, *, advantages, old_logprob
     old = logp.detach() if old_logprobs is None else old_logprobs
     weights, extra = None, {}
     if behaviour_logprobs is not None:
-        weights, extra = importance_weights(old, behaviour_logprobs, mask, is_cap, is_mode)
+        low = {} if is_clip_min is None else {"clip_min": is_clip_min}  # the config refuses it where unsupported
+        weights, extra = importance_weights(old, behaviour_logprobs, mask, is_cap, is_mode, **low)
     loss, metrics = grpo_loss(logp, old, advantages, mask, ref_logp=ref_logprobs,
                               token_weights=weights if is_apply else None, **kw)
     return loss, {**metrics, **extra}

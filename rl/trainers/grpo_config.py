@@ -5,7 +5,10 @@ from __future__ import annotations
 import dataclasses
 from typing import Literal
 
+import inspect
+
 from rl.algos import names
+from rl.algos.mismatch import importance_weights
 from rl.algos.policy_losses import IMPORTANCE_SAMPLING_LEVELS, KIND, LOSS_AGGREGATIONS
 from rl.algos.registry import check, choices, flag
 from rl.config.fields import opt
@@ -14,6 +17,7 @@ from rl.config.vocabulary import warn_deprecated
 from rl.errors import ConfigError
 
 
+MISMATCH_ARGS = inspect.signature(importance_weights).parameters  # what the rollout-mismatch correction takes
 _POLICY_LOSS_ALIASES = {"clip": None, "cispo": "cispo_clip"}  # the former policy_loss values (None: keep loss_type)
 
 
@@ -36,6 +40,14 @@ class GRPOConfig(OnlineConfig):
     epsilon: float = opt(0.2, "clip the ratio below at 1 - epsilon (and above at 1 + epsilon unless epsilon_high)")
     epsilon_high: float | None = opt(None, "clip the ratio above at 1 + epsilon_high (null: epsilon, as TRL; DAPO "
                                      "recommends 0.28)")
+    delta: float | None = opt(None, "two-sided clip: the unclipped ratio is capped at delta too (INTELLECT-2; null: "
+                              "off)")
+    sapo_temperature_pos: float = opt(1.0, "loss_type=sapo: the gate's temperature where the advantage is > 0")
+    sapo_temperature_neg: float = opt(1.05, "loss_type=sapo: the gate's temperature where the advantage is <= 0")
+    vespo_k_pos: float = opt(2.0, "loss_type=vespo: the gamma weight's power k where the advantage is >= 0")
+    vespo_lambda_pos: float = opt(3.0, "loss_type=vespo: the gamma weight's decay lambda where the advantage is >= 0")
+    vespo_k_neg: float = opt(3.0, "loss_type=vespo: k where the advantage is < 0")
+    vespo_lambda_neg: float = opt(2.0, "loss_type=vespo: lambda where the advantage is < 0")
     beta: float = opt(0.0, "k3 KL penalty to the reference model; 0 loads no reference model")
     use_bias_correction_kl: bool = opt(True, "multiply the k3 term by the importance ratio (unbiased reverse-KL "
                                        "gradient, DeepSeek-V3.2; TRL 1.16's default)")
@@ -70,6 +82,15 @@ class GRPOConfig(OnlineConfig):
             self.loss_type = _POLICY_LOSS_ALIASES[self.policy_loss] or self.loss_type
             self.policy_loss = None
         check(KIND, self.loss_type, "loss_type")
+        if (self.loss_type == "vespo" and self.use_vllm and self.vllm_importance_sampling_correction
+                and not self.vllm_importance_sampling_mode.startswith("token")):
+            raise ConfigError(f"loss_type=vespo folds the vLLM correction into its per-sequence weight, per token: "
+                              f"set vllm_importance_sampling_mode to token_truncate or token_mask (TRL's rule), got "
+                              f"{self.vllm_importance_sampling_mode}")
+        if self.vllm_importance_sampling_clip_min is not None and "clip_min" not in MISMATCH_ARGS:
+            # the lower bound arrives with rl.algos.mismatch's clip_min (issue 47); until then it is refused, not ignored
+            raise ConfigError("key 'vllm_importance_sampling_clip_min' needs a lower bound in rl.algos.mismatch, "
+                              "which this version does not have yet; leave it null")
         if self.loss_aggregation is None:  # the loss type's own aggregation (TRL's loss_type meaning)
             self.loss_aggregation = flag(KIND, self.loss_type, "normalization", "token_mean")
             if self.loss_aggregation not in LOSS_AGGREGATIONS:

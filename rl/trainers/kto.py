@@ -72,6 +72,7 @@ def label_means(sums: dict[str, float]) -> dict[str, float]:
 @dataclasses.dataclass
 class KTOConfig(TrainConfig):
     learning_rate: float = opt(1e-6, "peak learning rate of AdamW (KTO, like DPO, wants it small)")
+    disable_dropout: bool = opt(True, "set every dropout of the trained model to 0 (TRL's default here)")
     beta: float = opt(0.1, "KTO temperature beta: how far the policy may move from the reference")
     desirable_weight: float = opt(1.0, "lambda_D, weight of the desirable rows' losses (the paper: keep "
                                   "desirable_weight * n_desirable / (undesirable_weight * n_undesirable) in [1, 4/3])")

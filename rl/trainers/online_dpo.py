@@ -43,7 +43,7 @@ import torch
 from rl.algos import names
 from rl.algos.preference import needs_reference
 from rl.algos.registry import check
-from rl.config.fields import opt
+from rl.config.fields import one_of_list, opt
 from rl.config.plan import prompts_step_problem
 from rl.config.schema import OnlineConfig
 from rl.engine.dist import zero_stage
@@ -68,7 +68,8 @@ class OnlineDPOConfig(OnlineConfig):
     learning_rate: float = opt(5e-7, "peak learning rate of AdamW (TRL's online DPO default; DPO wants it small)")
     per_device_train_batch_size: int = opt(8, "prompts per device per micro-batch, as TRL's online DPO (each gives "
                                            "one pair: 2 completions)")
-    beta: float = opt(0.1, "DPO temperature beta (IPO: tau)")
+    disable_dropout: bool = opt(True, "set every dropout of the trained model to 0 (TRL's default here)")
+    beta: float | list[float] = opt(0.1, "DPO temperature beta (IPO: tau); TRL's list form takes one value here")
     loss_type: str = opt("sigmoid", "a preference loss that compares against the reference: "
                          + " | ".join(n for n in names("preference_loss") if needs_reference(n))
                          + " | package.module:function")
@@ -80,6 +81,7 @@ class OnlineDPOConfig(OnlineConfig):
                                             "max_completion_length (TRL's name); null: none")
 
     def __post_init__(self):
+        self.beta = one_of_list(self.beta, "beta", "one beta for the whole run here (TRL's list gives one per epoch)")
         super().__post_init__()
         check("preference_loss", self.loss_type, "loss_type")
         if not needs_reference(self.loss_type):

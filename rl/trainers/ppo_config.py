@@ -94,7 +94,7 @@ class PPOConfig(SamplingKeys, VLLMKeys, TrainConfig):
     critic_model_path: str | None = opt(None, "critic initialisation (default: reward_model_path, else model_name)")
     critic_learning_rate: float | None = opt(None, "critic learning rate (default: learning_rate)")
     device: str | None = opt(None, "'cpu' forces the CPU; null picks the accelerator's device")
-    eval_steps: int = opt(0, "score held-out prompts every N optimizer steps (0: only at the end, if any)")
+    eval_steps: int | float | None = opt(0, "score held-out prompts every N optimizer steps (0: only at the end, if any)")
     packing: bool = opt(False, "padding-free training forwards (policy and critic): each micro-batch's prompt+"
                         "response rows packed into rows no longer than its longest, with per-row position_ids "
                         "(rl.engine.packing); same loss")
@@ -105,6 +105,7 @@ class PPOConfig(SamplingKeys, VLLMKeys, TrainConfig):
     ALTERNATIVES = (("num_iterations", "max_steps"),)
 
     def __post_init__(self):
+        self.resolve_lengths()
         super().__post_init__()
         self.check_vllm()
         if self.mini_batch_size is None:  # derived once here, so the doc's batch_size=4 needs no extra key
@@ -247,7 +248,7 @@ def load_prompt_data(cfg: PPOConfig) -> tuple[list[str] | None, list[dict] | Non
 def encode_prompts(tok, prompts: Sequence[str], cfg: PPOConfig) -> list[list[int]]:
     """Token ids of each prompt (`rl.rollout.prompts.encode_prompt`: BOS once, the chat template with
     chat_template), keeping BOS and the LAST max_length - max_completion_length tokens of a prompt that is too long."""
-    room = cfg.max_length - cfg.max_completion_length
+    room = cfg.prompt_budget
     out = []
     for p in prompts:
         if not isinstance(p, str):

@@ -36,7 +36,7 @@ from rl.engine.optim import build_scheduler
 from rl.engine.packing import pack_sequences
 from rl.engine.tracking import Tracker
 from rl.errors import ConfigError
-from rl.models.loading import load_tokenizer, trainable_fraction
+from rl.models.loading import configure_tokenizer, load_tokenizer, trainable_fraction
 from rl.models.reward import RewardModel, RewardModelConfig
 from rl.models.reward_format import save_reward_model
 from rl.trainers.base import CallbackTracker
@@ -102,7 +102,8 @@ class RewardModelTrainer(EpochTrainer):
         torch.manual_seed(cfg.seed)
         accelerator = build_accelerator(cfg.gradient_accumulation_steps, micro_batch_size=2 * cfg.per_device_train_batch_size,
                                         max_grad_norm=cfg.max_grad_norm, deepspeed_config=cfg.deepspeed)
-        tokenizer = load_tokenizer(cfg.model_name, cfg.trust_remote_code)
+        tokenizer = configure_tokenizer(load_tokenizer(cfg.model_name, cfg.trust_remote_code, revision=cfg.model_revision),
+                                        cfg)
         return cls(cfg, model=RewardModel(cfg, tokenizer=tokenizer), tokenizer=tokenizer, accelerator=accelerator)
 
     def train_recipe(self, cfg: RewardTrainConfig, train: PreferencePairs, evals: PreferencePairs | None) -> dict:
@@ -176,7 +177,8 @@ class RewardModelTrainer(EpochTrainer):
         optimizer = self.pipeline.scheduler.optimizer  # the torch optimizer the engine steps
         for g in optimizer.param_groups:
             g["lr"] = g["initial_lr"]  # the peak, as the first schedule found it
-        self.pipeline.scheduler = build_scheduler(optimizer, cfg.lr_scheduler_type, total_steps, cfg.warmup_ratio, warmup)
+        self.pipeline.scheduler = build_scheduler(optimizer, cfg.lr_scheduler_type, total_steps, cfg.warmup_ratio, warmup,
+                                                  cfg.lr_scheduler_kwargs)
 
     def _fill_deepspeed_sizes(self) -> None:
         """Fill ZeRO's hidden-size based "auto" buckets as accelerate would: it reads

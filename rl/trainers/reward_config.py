@@ -8,10 +8,9 @@ from dataclasses import dataclass
 from rl.config.fields import REQUIRED, opt, section
 from rl.config.schema import LoraSection
 from rl.errors import ConfigError
-from rl.models.reward_config import RewardModelConfig, accepts_reference_names
+from rl.models.reward_config import RewardModelConfig
 
 
-@accepts_reference_names
 @dataclass
 class RewardTrainConfig(RewardModelConfig):
     """Recipe schema of launch/reward.py: `RewardModelConfig` (the model and its run, the object the
@@ -29,7 +28,8 @@ class RewardTrainConfig(RewardModelConfig):
     learning_rate: float = opt(1e-5, "peak learning rate of AdamW")
     lora: LoraSection = section(LoraSection, "LoRA adapters")
     dropout_prob: float = opt(0.0, "dropout on the pooled state during training")
-    warmup_steps: int | None = opt(None, "linear warmup steps (capped at the run length); null: use warmup_ratio")
+    warmup_steps: int | float | None = opt(None, "linear warmup steps (below 1: a fraction of the run); null: "
+                                           "use warmup_ratio")
     # recipe-only keys
     margin_column: str | None = opt(None, "optional numeric column: required reward gap per pair")
     prompt_text_column: str | None = opt(None, "reference CLI name for data.prompt_column")

@@ -25,16 +25,16 @@ KINDS = ("advantage_estimator", "policy_loss", "kl_estimator", "preference_loss"
 # ------------------------------------------------------------------------------------------ registry
 
 def test_registry_lists_every_kind_and_errors_name_the_valid_choices():
-    assert algos.names("advantage_estimator") == ("grpo", "dr_grpo", "rloo", "reinforce_pp")
+    assert algos.names("advantage_estimator") == ("grpo", "dr_grpo", "grpo_batch", "rloo", "reinforce_pp")
     assert algos.names("policy_loss") == ("ppo", "dapo", "bnpo", "grpo", "dr_grpo", "gspo", "cispo", "cispo_clip",
-                                          "sapo", "importance_sampling", "dro")
+                                          "sapo", "luspo", "vespo", "importance_sampling", "dro")
     assert algos.names("kl_estimator") == ("k1", "k2", "k3")
     assert algos.names("preference_loss") == ("sigmoid", "ipo", "hinge", "orpo", "simpo")
     with pytest.raises(ValueError) as e:
         algos.get("advantage_estimator", "gpro")
     msg = str(e.value)
-    assert msg == ("unknown advantage_estimator 'gpro'; choose one of: grpo, dr_grpo, rloo, reinforce_pp (or give "
-                   "'package.module:function')")
+    assert msg == ("unknown advantage_estimator 'gpro'; choose one of: grpo, dr_grpo, grpo_batch, rloo, reinforce_pp "
+                   "(or give 'package.module:function')")
     assert "\n" not in msg
     with pytest.raises(ValueError, match="unknown registry kind 'advantage'; kinds: .*advantage_estimator"):
         algos.get("advantage", "grpo")

@@ -186,27 +186,33 @@ def _loss_inputs(seed: int, B: int, noise: float):
     return base, old, ref, mask, torch.randn(B, generator=g)
 
 
-def _trl_loss(loss_type, logp, old, ref, adv, mask, beta, eps_low, eps_high, max_len, bias_kl, level="token"):
-    """Run TRL 1.16's GRPOTrainer._compute_loss on given per-token log-probs (no model)."""
+def _trl_loss(loss_type, logp, old, ref, adv, mask, beta, eps_low, eps_high, max_len, bias_kl, level="token",
+              is_ratio=None, **args_kw):
+    """Run TRL 1.16's GRPOTrainer._compute_loss on given per-token log-probs (no model); `is_ratio` (B, N): the
+    vLLM importance-sampling ratios (TRL's use_vllm path), `args_kw` more GRPOConfig keys (delta, vespo_*)."""
     from trl import GRPOConfig as TRLConfig
     from trl import GRPOTrainer as TRLTrainer
 
     # activation_checkpointing off by its current name: TRL's default (on) goes through a deprecated alias
     args = TRLConfig(output_dir="/tmp/trl-unused", bf16=False, activation_checkpointing=False, beta=beta,
                      epsilon=eps_low, epsilon_high=eps_high, loss_type=loss_type, max_completion_length=max_len, report_to=[],
-                     use_bias_correction_kl=bias_kl, importance_sampling_level=level)
+                     use_bias_correction_kl=bias_kl, importance_sampling_level=level, **args_kw)
     fake = types.SimpleNamespace(
         args=args, loss_type=loss_type, beta=beta, epsilon_low=eps_low, epsilon_high=eps_high,
         max_completion_length=max_len, importance_sampling_level=level, off_policy_mask_threshold=None,
-        top_entropy_quantile=1.0, use_vllm=False, aux_loss_enabled=False, _entropy_bonus_enabled=False,
+        top_entropy_quantile=1.0, use_vllm=is_ratio is not None, vllm_importance_sampling_correction=True,
+        aux_loss_enabled=False, _entropy_bonus_enabled=False,
         current_gradient_accumulation_steps=1, accelerator=_FakeAccelerator(),
         model=types.SimpleNamespace(training=True), _metrics={"train": defaultdict(list)})
     fake._get_per_token_logps_and_entropies = lambda *a, **k: (logp, torch.zeros_like(logp), None)
+    fake.get_gamma_weights = TRLTrainer.get_gamma_weights
     B, N = logp.shape
     inputs = {"prompt_ids": torch.ones(B, 1, dtype=torch.long), "prompt_mask": torch.ones(B, 1, dtype=torch.long),
               "completion_ids": torch.ones(B, N, dtype=torch.long), "completion_mask": mask.long(),
               "advantages": adv, "old_per_token_logps": old, "ref_per_token_logps": ref,
               "num_items_in_batch": mask.sum()}
+    if is_ratio is not None:
+        inputs["importance_sampling_ratio"] = is_ratio
     loss = TRLTrainer._compute_loss(fake, None, inputs)
     return loss, fake._metrics["train"]
 
@@ -291,6 +297,62 @@ def test_loss_type_by_trls_name_matches_trl(loss_type, beta):
         assert capped.any()
 
 
+@pytest.mark.parametrize("level", ["token", "sequence"])
+@pytest.mark.parametrize("beta,delta", [(0.0, None), (0.04, 1.5)])
+def test_luspo_matches_trl(level, beta, delta):
+    """TRL 1.16's loss_type="luspo" (the clipped surrogate summed per sequence, averaged over sequences) on
+    identical inputs, at both importance-sampling levels, with the KL term and the two-sided clip delta."""
+    base, old, ref, mask, adv = _loss_inputs(seed=4, B=6, noise=0.3)
+    lp_ours = base.clone().requires_grad_(True)
+    loss, m = grpo_loss(lp_ours, old, adv, mask, ref_logp=ref, beta=beta, epsilon_low=0.2, epsilon_high=0.28,
+                        max_completion_length=7, loss_type="luspo", importance_sampling_level=level, delta=delta)
+    loss.backward()
+    lp_trl = base.clone().requires_grad_(True)
+    trl_loss, trl_m = _trl_loss("luspo", lp_trl, old, ref, adv, mask, beta, 0.2, 0.28, 7, True, level, delta=delta)
+    trl_loss.backward()
+    assert loss.item() == pytest.approx(trl_loss.item(), rel=1e-6, abs=1e-6)
+    torch.testing.assert_close(lp_ours.grad, lp_trl.grad, rtol=1e-6, atol=1e-6)
+    assert m["clip_ratio/region_mean"].item() == pytest.approx(trl_m["clip_ratio/region_mean"][0], abs=1e-6)
+    # summed per sequence: a sequence of 5 tokens weighs 5 times one of 1 token (sequence_mean would weigh them alike)
+    assert loss.item() != pytest.approx(grpo_loss(base, old, adv, mask, ref_logp=ref, beta=beta, loss_type="grpo",
+                                                  importance_sampling_level=level, delta=delta)[0].item(), rel=1e-3)
+
+
+@pytest.mark.parametrize("with_vllm", [False, True])
+@pytest.mark.parametrize("beta", [0.0, 0.04])
+def test_vespo_matches_trl(with_vllm, beta):
+    """TRL 1.16's loss_type="vespo" (GRPOTrainer.get_gamma_weights: the gamma weight phi(w) of the sequence's
+    importance weight, detached, times A logp) on identical inputs, non-default k/lambda, with TRL's vLLM ratios
+    folded into w (token_mask: some weights 0) rather than multiplied onto the loss. No padding in the
+    completions: TRL's ratio there is 1, ours 0 (the mask drops it)."""
+    g = torch.Generator().manual_seed(5)
+    B, N = 6, 5
+    base = -torch.rand(B, N, generator=g) * 2
+    old = base + 0.15 * torch.randn(B, N, generator=g)
+    ref = base + 0.2 * torch.randn(B, N, generator=g)
+    mask, adv = torch.ones(B, N), torch.randn(B, generator=g)
+    is_ratio = torch.exp(0.3 * torch.randn(B, N, generator=g)) if with_vllm else None
+    if with_vllm:
+        is_ratio[0, 1] = 0.0  # token_mask dropped this token
+    kw = dict(vespo_k_pos=1.5, vespo_lambda_pos=2.5, vespo_k_neg=2.5, vespo_lambda_neg=1.5)
+    lp_ours = base.clone().requires_grad_(True)
+    loss, m = grpo_loss(lp_ours, old, adv, mask, ref_logp=ref, beta=beta, max_completion_length=7, loss_type="vespo",
+                        token_weights=is_ratio, **kw)
+    loss.backward()
+    lp_trl = base.clone().requires_grad_(True)
+    trl_loss, trl_m = _trl_loss("vespo", lp_trl, old, ref, adv, mask, beta, 0.2, 0.2, 7, True, is_ratio=is_ratio, **kw)
+    trl_loss.backward()
+    assert loss.item() == pytest.approx(trl_loss.item(), rel=1e-6, abs=1e-6)
+    torch.testing.assert_close(lp_ours.grad, lp_trl.grad, rtol=1e-6, atol=1e-6)
+    if beta:
+        assert m["kl"].item() == pytest.approx(trl_m["kl"][0], rel=1e-6)
+    # the weights matter: with k = 0 and lambda -> 0, phi -> 1 and VESPO is the plain policy gradient -A logp
+    flat = grpo_loss(base, old, adv, mask, loss_type="vespo", vespo_k_pos=0.0, vespo_k_neg=0.0,
+                     vespo_lambda_pos=1e-4, vespo_lambda_neg=1e-4)[0]
+    assert flat.item() == pytest.approx(-(adv[:, None] * base).mean().item(), rel=1e-3)
+    assert loss.item() != pytest.approx(flat.item(), rel=1e-2)
+
+
 def test_loss_type_config_resolves_aggregation_and_the_former_policy_loss():
     """loss_aggregation null takes the loss type's own (TRL's meaning); an explicit one wins; the former
     policy_loss=cispo is loss_type=cispo_clip, policy_loss=clip keeps the clipped surrogate; unknown names
@@ -304,7 +366,8 @@ def test_loss_type_config_resolves_aggregation_and_the_former_policy_loss():
     cfg = build(GRPOConfig, {**base, "policy_loss": "cispo"})
     assert (cfg.loss_type, cfg.policy_loss) == ("cispo_clip", None)
     assert build(GRPOConfig, {**base, "policy_loss": "clip", "loss_type": "grpo"}).loss_type == "grpo"
-    with pytest.raises(ConfigError, match="key 'loss_type': unknown policy_loss 'gpro'; choose one of: ppo, dapo"):
+    with pytest.raises(ConfigError, match="key 'loss_type' has unknown value 'gpro' .did you mean grpo or gspo..; choose one "
+                                          "of: ppo, dapo"):
         build(GRPOConfig, {**base, "loss_type": "gpro"})
     with pytest.raises(ConfigError, match="key 'policy_loss' is replaced by loss_type"):
         build(GRPOConfig, {**base, "policy_loss": "nope"})

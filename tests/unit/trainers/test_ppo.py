@@ -303,7 +303,8 @@ def test_reference_cli_names_are_aliases_with_reference_defaults():
     (dict(max_completion_length=600), "max_length"),
     (dict(reward_fn="default", reward_model_path="x"), "exactly one reward source"),
     (dict(temperature=0.0), "temperature"),
-    (dict(loss_type="cipso"), "key 'loss_type': unknown policy_loss 'cipso'; choose one of: ppo, dapo"),
+    (dict(loss_type="cipso"), "key 'loss_type' has unknown value 'cipso' .did you mean cispo..; choose one of: ppo, "
+                              "dapo"),
 ])
 def test_config_errors(kw, needle):
     from rl.errors import ConfigError
