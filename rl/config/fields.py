@@ -108,6 +108,8 @@ def _convert(value: Any, tp: Any) -> Any:
             return value
         raise TypeError(type_name(tp))
     if origin in (list, tuple):
+        if value is None:  # a list key given null (`reward_funcs:` with nothing): none
+            return []
         if isinstance(value, str):
             parsed = _load_inline(value) if value.strip().startswith("[") else value.split(",")
             value = parsed if isinstance(parsed, list) else [parsed]

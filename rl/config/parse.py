@@ -16,6 +16,7 @@ sections, nor suggests the closest key for a typo, which is most of what goes wr
 from __future__ import annotations
 
 import dataclasses
+import os
 import sys
 from pathlib import Path
 from typing import Any
@@ -45,14 +46,16 @@ def _set_dotted(tree: dict, dotted: str, value: Any) -> None:
 def field_type(cls: type, dotted: str) -> Any:
     """Type of a dotted key, or None when the key is unknown (reported later by `build`)."""
     tp: Any = cls
-    for part in dotted.split("."):
+    parts = dotted.split(".")
+    while parts:
         if not dataclasses.is_dataclass(tp):
             return None
-        part = aliases_of(tp).get(part, part)
+        head, *rest = aliases_of(tp).get(parts[0], parts[0]).split(".")  # an alias may name a section's key
+        parts = rest + parts[1:]
         hints = hints_of(tp)
-        if part not in hints:
+        if head not in hints:
             return None
-        tp = hints[part]
+        tp = hints[head]
     return tp
 
 
@@ -123,6 +126,19 @@ def load_recipe(path: str) -> dict:
     return data
 
 
+def recipe_environment(data: dict, cls: type, where: str) -> dict:
+    """A TRL recipe's `env:` mapping (TRL's CLI sets these environment variables before anything runs, e.g.
+    WANDB_PROJECT) applied to os.environ; `data` without it. A schema with a key `env` of its own keeps it."""
+    if "env" not in data or "env" in fields_of(cls):
+        return data
+    env = data["env"]
+    if not isinstance(env, dict):
+        raise ConfigError(f"{where}: key 'env' must be a mapping of environment variables (VAR: value)")
+    for name, value in env.items():
+        os.environ[str(name)] = str(value)
+    return {k: v for k, v in data.items() if k != "env"}
+
+
 def help_text(cls: type, prog: str, description: str = "") -> str:
     lines = [f"usage: {prog} [--config RECIPE.yaml] [--key VALUE | key=VALUE ...]", ""]
     if description:
@@ -165,6 +181,7 @@ def parse_config(cls: type, argv: list[str] | None = None, prog: str | None = No
         raise SystemExit(0)
     data = load_recipe(recipe) if recipe else {}
     where = recipe or "config"
+    data = recipe_environment(data, cls, where)
     build(cls, data, where, require=False)  # a mistake in the recipe names the recipe file and the key as typed
     build(cls, overrides, "command line", require=False)
     # every name becomes the schema's own before the merge, so that an override by any name replaces the recipe's

@@ -61,12 +61,13 @@ class Cadence:
     eval: int  # evaluate every N steps (0: at the end only)
     save: int  # checkpoint every N steps (0: none but on a stop signal; the final model is saved anyway)
     eval_start: bool  # evaluate before the first step (eval_on_start)
+    eval_delay: int = 0  # no evaluation before this step but the final one (eval_delay)
 
     def log_at(self, step: int, total: int) -> bool:
         return bool(self.logging and (step % self.logging == 0 or step == total)) or (self.first and step == 1)
 
     def eval_at(self, step: int, total: int) -> bool:
-        return self.evaluate and (step == total or bool(self.eval and step % self.eval == 0))
+        return self.evaluate and (step == total or bool(self.eval and step % self.eval == 0 and step >= self.eval_delay))
 
     def save_at(self, step: int) -> bool:
         return bool(self.save and step % self.save == 0)
@@ -94,5 +95,7 @@ def cadence(cfg, total_steps: int, steps_per_epoch: int | None = None) -> Cadenc
         eval_every = per_epoch
     saving = getattr(cfg, "save_strategy", None)
     save_every = {"no": 0, "epoch": per_epoch}.get(saving, _steps(getattr(cfg, "save_steps", 0), total_steps))
+    delay = getattr(cfg, "eval_delay", 0) or 0
     return Cadence(logging=logging, first=bool(getattr(cfg, "logging_first_step", False)), evaluate=evaluation != "no",
-                   eval=eval_every, save=save_every, eval_start=bool(getattr(cfg, "eval_on_start", False)))
+                   eval=eval_every, save=save_every, eval_start=bool(getattr(cfg, "eval_on_start", False)),
+                   eval_delay=math.ceil(delay * per_epoch) if evaluation == "epoch" else math.ceil(delay))

@@ -72,6 +72,11 @@ class TrainConfig(AliasAttributes, metaclass=AcceptsAliases):
                                          "compared against (dtype is the dtype key's)")
     output_dir: str = opt("runs/run", "where checkpoints, metrics, plots and the final model go")
     seed: int = opt(42, "random seed for initialisation, shuffling and sampling")
+    data_seed: int | None = opt(None, "seed of the data order (epoch shuffles, the online trainers' prompt order; "
+                                "null: seed)")
+    full_determinism: bool = opt(False, "deterministic kernels as well as seeds (transformers' "
+                                 "enable_full_determinism; slower)")
+    device: str | None = opt(None, "cpu or cuda (null: the accelerator's device; TRL's use_cpu: true is cpu)")
     learning_rate: float = opt(1e-5, "peak learning rate of AdamW")
     optim: Literal[OPTIMIZERS] = opt("adamw_torch", "optimizer, by HF/TRL's names: adamw_torch, adamw_torch_fused, "
                                      "adamw_8bit, paged_adamw_8bit, paged_adamw_32bit (bitsandbytes), "
@@ -80,6 +85,8 @@ class TrainConfig(AliasAttributes, metaclass=AcceptsAliases):
     adam_beta1: float = opt(0.9, "AdamW's beta1")
     adam_beta2: float = opt(0.999, "AdamW's beta2")
     adam_epsilon: float = opt(1e-8, "AdamW's epsilon")
+    optim_args: str | None = opt(None, "more arguments of the optimizer, as transformers writes them: "
+                                 "'amsgrad=True,foreach=False'")
     lr_scheduler_type: Literal[SCHEDULERS] = opt("linear", "learning-rate schedule, transformers' get_scheduler by "
                                                  "name: " + ", ".join(SCHEDULERS))
     lr_scheduler_kwargs: dict | None = opt(None, "the schedule's own arguments, e.g. {min_lr_rate: 0.1} for "
@@ -111,6 +118,10 @@ class TrainConfig(AliasAttributes, metaclass=AcceptsAliases):
     attn_implementation: str | None = opt(None, "attention kernel: sdpa, eager, flash_attention_2 (null: default)")
     trust_remote_code: bool = opt(False, "allow model code from the checkpoint (only if you trust it)")
     disable_dropout: bool = opt(False, "set every dropout of the trained model to 0")
+    neftune_noise_alpha: float | None = opt(None, "NEFTune: uniform noise of scale alpha / sqrt(length x hidden) on "
+                                            "the input embeddings in training forwards (null: off)")
+    torch_empty_cache_steps: int | None = opt(None, "free the accelerator's cached memory every N optimizer steps "
+                                              "(null: never)")
     load_in_4bit: bool = opt(False, "4-bit (bitsandbytes) frozen weights under LoRA adapters: QLoRA; needs LoRA")
     load_in_8bit: bool = opt(False, "8-bit (bitsandbytes) frozen weights under LoRA adapters; needs LoRA")
     bnb_4bit_quant_type: Literal["nf4", "fp4"] = opt("nf4", "4-bit data type")
@@ -131,6 +142,8 @@ class TrainConfig(AliasAttributes, metaclass=AcceptsAliases):
     eval_steps: int | float | None = opt(0, "evaluate every N optimizer steps (below 1: that fraction of the run; "
                                          "0: only at the end)")
     eval_on_start: bool = opt(False, "evaluate before the first step too")
+    eval_delay: int | float = opt(0, "no evaluation before this many steps (eval_strategy epoch: epochs), but the "
+                                  "final one")
     save_strategy: Literal[STRATEGIES] | None = opt(
         None, "no: no checkpoints; steps: every save_steps; epoch: after each epoch; null: every save_steps when it "
         "is above 0 (the final model is saved in every case)")
@@ -175,6 +188,8 @@ class TrainConfig(AliasAttributes, metaclass=AcceptsAliases):
                               f"got {self.logprob_chunk_size}")
         if self.save_total_limit is not None and self.save_total_limit < 1:
             raise ConfigError(f"key 'save_total_limit' must be at least 1 or null, got {self.save_total_limit}")
+        if self.device not in (None, "cpu", "cuda"):
+            raise ConfigError(f"key 'device' must be cpu, cuda or null, got {self.device!r}")
         if self.max_steps is not None and self.max_steps < 1:
             raise ConfigError(f"key 'max_steps' must be at least 1, -1 or null, got {self.max_steps}")
         for problem in (report_to_problem(self.report_to), steps_problem(self), quantization_problem(self)):
@@ -187,6 +202,31 @@ class TrainConfig(AliasAttributes, metaclass=AcceptsAliases):
         if self.save_merged and not self.lora.enabled:
             raise ConfigError("key 'save_merged': only a LoRA run has an adapter to merge (lora.enabled is false; "
                               "a full fine-tune is saved whole already); drop save_merged or set lora.enabled=true")
+
+    @property
+    def order_seed(self) -> int:
+        """The seed of the data order: data_seed, else seed."""
+        return self.seed if self.data_seed is None else self.data_seed
+
+
+@dataclasses.dataclass
+class RefSyncKeys:
+    """TR-DPO's reference updates (Gorbatovski et al. 2024; TRL's SyncRefModelCallback), in the trainers with a
+    reference model (DPO, KTO, GRPO): every ref_model_sync_steps optimizer steps ref = alpha policy + (1 - alpha)
+    ref (rl.models.reference.ReferencePolicy.sync)."""
+
+    sync_ref_model: bool = opt(False, "mix the policy into the reference model every ref_model_sync_steps steps")
+    ref_model_mixup_alpha: float = opt(0.6, "the policy's share alpha in that mix (TR-DPO's alpha)")
+    ref_model_sync_steps: int = opt(512, "optimizer steps between two mixes (TR-DPO's tau)")
+
+    def check_ref_sync(self) -> None:
+        if self.sync_ref_model and self.lora.enabled:
+            raise ConfigError("sync_ref_model with LoRA: the reference is the policy without its adapters, whose "
+                              "base weights are not trained; set sync_ref_model=false")
+        if not 0.0 <= self.ref_model_mixup_alpha <= 1.0:
+            raise ConfigError(f"key 'ref_model_mixup_alpha' must be in [0, 1], got {self.ref_model_mixup_alpha}")
+        if self.ref_model_sync_steps < 1:
+            raise ConfigError(f"key 'ref_model_sync_steps' must be at least 1, got {self.ref_model_sync_steps}")
 
 
 def steps_problem(cfg) -> str | None:
@@ -271,8 +311,8 @@ class SamplingKeys:
     max_completion_length: int = opt(64, "new tokens per completion at most")
     max_prompt_length: int | None = opt(None, "prompts keep their last max_prompt_length tokens (null: max_length - "
                                         "max_completion_length)")
-    max_length: int | None = opt(None, "prompt plus completion tokens at most (null: max_prompt_length + "
-                                 "max_completion_length, or 512 without max_prompt_length)")
+    max_length: int | None = opt(None, "prompt plus completion tokens at most (null: max_prompt_length, or 512 "
+                                 "without it, + max_completion_length)")
     temperature: float = opt(1.0, "sampling temperature (log-probs in the loss use the same temperature)")
     top_k: int = opt(0, "sample from the k most likely tokens (0: all)")
     top_p: float = opt(1.0, "nucleus sampling mass (1.0: off)")
@@ -281,8 +321,7 @@ class SamplingKeys:
         """max_length from max_prompt_length when it is not given (TRL's GRPO has no max_length: a recipe sets
         max_prompt_length and max_completion_length). Before TrainConfig's checks, which read max_length."""
         if self.max_length is None:
-            self.max_length = (self.max_prompt_length + self.max_completion_length if self.max_prompt_length
-                               else 512)
+            self.max_length = (self.max_prompt_length or 512) + self.max_completion_length
 
     def check_sampling(self) -> None:
         if self.max_prompt_length is not None and self.max_prompt_length < 1:
@@ -309,8 +348,10 @@ class OnlineConfig(SamplingKeys, VLLMKeys, TrainConfig):
     """Keys of the trainers that sample completions from the policy and score them with the reward
     protocol (`rl.trainers.rewards`): GRPO and its variants, online DPO. One meaning each, in both."""
 
-    reward_funcs: list[str] = opt([], "reward functions: rl.rewards.functions names (correctness, default, length_penalty) "
-                                  "or 'module:function' with TRL's signature (prompts, completions, **columns)")
+    reward_funcs: list[str] = opt([], "reward functions: rl.rewards.functions names (correctness, default, length_penalty; "
+                                  "TRL's accuracy_reward, reasoning_accuracy_reward, think_format_reward, "
+                                  "get_soft_overlong_punishment) or 'module:function' (TRL's 'module.function') with "
+                                  "TRL's signature (prompts, completions, **columns)")
     reward_model_path: str | None = opt(None, "reward model directory written by launch/reward.py (scores prompt + "
                                         "completion); one more reward source")
     reward_weights: list[float] | None = opt(None, "one weight per reward source (the environment first, then the "
@@ -323,6 +364,7 @@ class OnlineConfig(SamplingKeys, VLLMKeys, TrainConfig):
     eval_env_config: dict | None = opt(None, "environment config for evaluation (e.g. {split: test}); greedy "
                                        "decoding, reports eval/accuracy and eval/reward")
     eval_num_prompts: int = opt(200, "evaluation prompts at most (duplicates removed)")
+    per_device_eval_batch_size: int = opt(64, "evaluation prompts per greedy generation batch")
     chat_template: bool = opt(False, "render each prompt as a user turn with the tokenizer's chat template "
                               "(instruct models); reward functions still see the plain prompt")
     packing: bool = opt(False, "padding-free training forwards: each micro-batch's prompt+completion rows packed "

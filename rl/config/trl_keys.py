@@ -5,7 +5,7 @@ TrainingArguments and TRL's own fields, in one YAML) runs here unchanged. Every 
 either honoured with TRL's meaning (a schema field of the same name, or an alias in rl.config.vocabulary.ALIASES)
 or listed here. A listed key is accepted and left out of the config; when its value asks for something (it is
 not among the values that ask for nothing, normally TRL's default) it prints one line on the main process,
-`note: key 'tf32' is ignored here: <reason>`. tests/unit/config/test_trl_keys.py introspects TRL's dataclasses
+`note: key 'vllm_device' is accepted and ignored (<reason>)`. tests/unit/config/test_trl_keys.py introspects TRL's dataclasses
 and fails on a field that is neither honoured nor listed, so a TRL upgrade shows what is new.
 
 Three kinds, kept apart so that the coverage figure is honest (docs/coming-from-trl.md prints it):
@@ -113,6 +113,8 @@ SAME_HERE: dict[str, tuple[tuple, str]] = {
     "use_transformers_paged": ((False,), "generation uses this package's sampler or vLLM (use_vllm)"),
     "use_transformers_continuous_batching": ((False,), "generation uses this package's sampler or vLLM (use_vllm)"),
     "transformers_continuous_batching_config": ((None,), "generation uses this package's sampler or vLLM"),
+    "eval_packing": ((None, True, False), "packing changes no loss value here (padding-free, per-example positions): "
+                     "evaluation gives the same numbers packed or not"),
     "multi_objective_aggregation": (("sum_then_normalize",), "rewards are summed with reward_weights, then "
                                     "normalised per group (TRL's default)"),
 }
@@ -126,49 +128,37 @@ NOT_IMPLEMENTED: dict[str, tuple[tuple, str]] = {
     "torch_compile_mode": ((None,), "torch.compile is not applied here"),
     "use_liger_kernel": ((False,), "Liger's Triton kernels are not used here"),
     "liger_kernel_config": ((None,), "Liger's Triton kernels are not used here"),
-    "neftune_noise_alpha": ((None,), "NEFTune embedding noise is not implemented"),
-    "torch_empty_cache_steps": ((None,), "not implemented; optimize_device_cache frees the cache between "
-                                "generation and training"),
     "auto_find_batch_size": ((False,), "not implemented: --dry-run plans the memory instead"),
-    "optim_args": ((None,), "the optimizers take learning_rate, weight_decay and adam_* only"),
     "optim_target_modules": ((None,), "GaLore/APOLLO optimizers are not implemented"),
     "label_smoothing_factor": ((0.0,), "label smoothing of SFT's cross-entropy is not implemented"),
     "include_num_input_tokens_seen": (("no", False), "not implemented"),
     "project": (("huggingface",), "not implemented; set the tracker's project by its environment variable "
                 "(WANDB_PROJECT)"),
-    "eval_delay": ((0, 0.0), "not implemented: evaluation starts at the first eval step"),
     "save_only_model": ((False,), "checkpoints always hold the optimizer state (resume needs it)"),
     "load_best_model_at_end": ((False,), "not implemented: the final model is the last step's"),
     "metric_for_best_model": ((None,), "not implemented: the final model is the last step's"),
     "greater_is_better": ((None,), "not implemented: the final model is the last step's"),
-    "full_determinism": ((False,), "not implemented: runs are seeded (seed) but kernels are not forced "
-                         "deterministic"),
-    "data_seed": ((None,), "the data order follows seed"),
     "router_aux_loss_coef": ((None,), "the MoE load-balancing loss is not added"),
     "activation_offloading": ((False,), "activation offloading is not implemented (gradient_checkpointing saves "
                               "activation memory)"),
     "packing_strategy": (("bfd",), "SFT's packing packs each micro-batch's examples; TRL's bfd/wrapped packing into "
                          "max_length rows is not implemented"),
-    "eval_packing": ((None,), "evaluation follows packing"),
     "assistant_only_loss": ((False,), "the loss counts the last assistant message (completion_only_loss); every "
                             "assistant turn is not implemented"),
-    "loss_type": (("nll",), "SFT's loss is the token cross-entropy (nll); DFT is not implemented"),
-    "precompute_ref_batch_size": ((None,), "reference log-probs are precomputed in training-size batches"),
+    "loss_type": (("nll", "kto"), "SFT's loss is the token cross-entropy (nll) and KTO's is kto here; DFT and "
+                  "apo_zero_unpaired are not implemented"),
+    "precompute_ref_batch_size": ((None,), "KTO computes its reference log-probs in each step"),
+    "precompute_ref_log_probs": ((False,), "KTO computes its reference log-probs in each step"),
     "loss_weights": ((None,), "one preference loss per run here (MPO's weighted sum is not implemented)"),
     "ld_alpha": ((None,), "LD-DPO is not implemented"),
     "use_weighting": ((False,), "WPO weighting is not implemented"),
     "discopop_tau": ((0.05,), "the DiscoPOP loss is not implemented"),
-    "sync_ref_model": ((False,), "TR-DPO's reference updates are not implemented"),
-    "ref_model_mixup_alpha": ((0.6,), "TR-DPO's reference updates are not implemented"),
-    "ref_model_sync_steps": ((512,), "TR-DPO's reference updates are not implemented"),
     "cast_lm_head_to_fp32": ((False,), "not implemented (the trainable policy keeps fp32 master weights)"),
     "min_p": ((None,), "min-p sampling is not implemented (top_k, top_p)"),
     "generation_kwargs": ((None,), "sampling takes temperature, top_k, top_p and max_completion_length"),
     "chat_template_kwargs": ((None,), "chat-template keyword arguments are not implemented"),
     "vllm_structured_outputs_regex": ((None,), "structured outputs are not implemented"),
     "vllm_max_model_length": ((None,), "the engine's context is the model's"),
-    "mask_truncated_completions": ((False,), "not implemented: truncated completions count in the loss "
-                                   "(overlong_buffer shapes their reward instead)"),
     "top_entropy_quantile": ((1.0,), "the high-entropy token mask is not implemented"),
     "entropy_coef": ((0.0,), "GRPO's entropy bonus is not implemented"),
     "use_adaptive_entropy": ((False,), "adaptive entropy control is not implemented"),
@@ -178,13 +168,8 @@ NOT_IMPLEMENTED: dict[str, tuple[tuple, str]] = {
     "entropy_target": ((0.2,), "adaptive entropy control is not implemented"),
     "max_tool_calling_iterations": ((None,), "tool-calling turns are the environment's (env_type: tool_math)"),
     "off_policy_mask_threshold": ((None,), "off-policy sequence masking is not implemented"),
-    "log_completions": ((False,), "completions are not logged as a table (eval writes eval/* metrics)"),
-    "num_completions_to_print": ((None,), "completions are not printed"),
-    "log_unique_prompts": ((False,), "completions are not logged as a table"),
     "log_completions_hub_repo": ((None,), "completions are not pushed to the Hub"),
     "per_device_eval_batch_size": ((ANY,), "this trainer evaluates in batches of its own size"),
-    "use_cpu": ((False, None), "this trainer runs on the accelerator's device: hide the GPUs "
-                "(CUDA_VISIBLE_DEVICES=) to train on the CPU"),
 }
 
 TABLES = (NOT_APPLICABLE, SAME_HERE, NOT_IMPLEMENTED)

@@ -147,9 +147,9 @@ def warn_deprecated(old: str, new: str) -> None:
 
 
 def note_ignored(key: str, reason: str) -> None:
-    """Print `note: key 'x' is ignored here: why` once per key per process (main process only): a TRL key with no
-    effect in this package (rl.config.trl_keys)."""
-    _once(key, f"note: key '{key}' is ignored here: {reason}")
+    """Print `note: key 'x' is accepted and ignored (why)` once per key per process (main process only): a TRL key
+    with no effect in this package (rl.config.trl_keys)."""
+    _once(key, f"note: key '{key}' is accepted and ignored ({reason})")
 
 
 def reset_warnings() -> None:
@@ -257,7 +257,8 @@ def canonical(data: dict, cls: type, where: str = "config", prefix: str = "",
     """`data` with every alias of schema `cls` replaced by its key (a deprecated one warned about once; a dotted
     one put into its section: `lora_r: 8` -> `lora: {rank: 8}`), and the TRL keys that have no effect here left
     out (one note line each, rl.config.trl_keys). Unknown keys pass through (build reports them). Two names of
-    one key with different values are one ConfigError line; with equal values they are one setting. `given` (if
+    one key with different values are one ConfigError line; with equal values they are one setting, and a name
+    given null beside another sets nothing. `given` (if
     passed) receives key (dotted for a section's) -> the name it was typed as, with `prefix`, so that a message
     can name what the user wrote."""
     aliases, fields = aliases_of(cls), field_names(cls)
@@ -278,7 +279,11 @@ def canonical(data: dict, cls: type, where: str = "config", prefix: str = "",
             dotted.append((raw_key, key, value))
             continue
         if key in out and out[key] != value:
-            raise _clash(where, key, given[key], shown, prefix)
+            if value is None:  # another name of it said null: that name sets nothing (TRL's "unset")
+                continue
+            if out[key] is not None:
+                raise _clash(where, key, given[key], shown, prefix)
+            given[key] = shown
         out[key] = value
         given.setdefault(key, shown)
     for raw_key, key, value in dotted:  # after the sections' own mappings, whatever their order in `data`

@@ -37,14 +37,16 @@ logger = logging.getLogger(__name__)
 
 def tokenize_examples(records: list[dict], tokenizer, cfg, source: str = "data") -> list[dict]:
     """Records -> [{"input_ids": [...], "labels": [...]}]; labels are -100 on prompt tokens when
-    completion_only_loss is set. Examples longer than max_length are truncated (or rejected)."""
+    completion_only_loss says so (null: prompt/completion rows, as TRL). Examples longer than max_length are
+    truncated (or rejected)."""
     d = cfg.data
     report = LengthReport(cfg.max_length, d.strict)
     eos = [tokenizer.eos_token_id] if cfg.append_eos and tokenizer.eos_token_id is not None else []
     bos = [tokenizer.bos_token_id] if getattr(tokenizer, "bos_token_id", None) is not None else []
     out = []
     for row in records:
-        if d.messages_column in row and isinstance(row[d.messages_column], list):
+        chat = d.messages_column in row and isinstance(row[d.messages_column], list)
+        if chat:
             msgs = row[d.messages_column]
             if not msgs or msgs[-1]["role"] != "assistant":
                 raise ConfigError(f"{where(source, row)}: the last message must be the assistant's answer")
@@ -58,7 +60,8 @@ def tokenize_examples(records: list[dict], tokenizer, cfg, source: str = "data")
         c_ids = tokenizer(completion, add_special_tokens=False)["input_ids"] + eos
         ids = report.fit(p_ids + c_ids, where(source, row))
         n_prompt = min(len(p_ids), len(ids))
-        masked = cfg.completion_only_loss and bool(prompt)
+        only = cfg.completion_only_loss
+        masked = (not chat if only is None else only) and bool(prompt)  # None: TRL's meaning
         labels = [-100] * n_prompt + ids[n_prompt:] if masked else list(ids)
         if masked and all(x == -100 for x in labels):
             raise ConfigError(f"{where(source, row)}: nothing of the completion fits max_length="

@@ -63,6 +63,8 @@ def prepacked_linears(model, rows: int):
         return
     for m, w in zip(linears, packed):
         def forward(x, m=m, w=w):
+            if x.dtype != torch.float32:  # bf16 autocast (dtype: bfloat16 on a CPU): the plain path, as autocast casts
+                return torch.nn.functional.linear(x, m.weight, m.bias)
             y = torch.ops.mkldnn._linear_pointwise(x.reshape(-1, x.shape[-1]), w, m.bias, "none", [], "")
             return y.reshape(*x.shape[:-1], y.shape[-1])
         m.forward = forward

@@ -12,6 +12,7 @@ step (the pipeline steps it itself, not through accelerate's wrapper).
 
 from __future__ import annotations
 
+import ast
 import logging
 import math
 
@@ -61,10 +62,33 @@ def optim_problem(optim: str | None) -> str | None:
     return bitsandbytes_problem("optim", optim, "optim=adamw_torch") if optim in BNB_OPTIMS else None
 
 
+def optimizer_arguments(text: str | None) -> dict:
+    """transformers' optim_args, 'amsgrad=True,foreach=False', as keywords (each value read as a Python literal)."""
+    out = {}
+    for item in filter(None, (text or "").split(",")):
+        key, eq, value = item.partition("=")
+        if not eq:
+            raise ConfigError(f"key 'optim_args': {item!r} is not key=value; write e.g. 'amsgrad=True,foreach=False'")
+        try:
+            out[key.strip()] = ast.literal_eval(value.strip())
+        except (ValueError, SyntaxError):
+            out[key.strip()] = value.strip()
+    return out
+
+
 def build_optimizer(model, learning_rate: float, weight_decay: float = 0.0, optim: str = "adamw_torch",
-                    betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8):
+                    betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8, optim_args: str | None = None):
     """`optim` over trainable parameters; no decay on biases and norms (the usual transformer recipe). `betas` and
-    `eps` are AdamW's (TRL's adam_beta1, adam_beta2, adam_epsilon; the 8-bit AdamWs take them too)."""
+    `eps` are AdamW's (TRL's adam_beta1, adam_beta2, adam_epsilon; the 8-bit AdamWs take them too); `optim_args`
+    more keywords of the optimizer (`optimizer_arguments`)."""
+    extra = optimizer_arguments(optim_args)
+    try:
+        return _optimizer(model, learning_rate, weight_decay, optim, betas, eps, extra)
+    except TypeError as e:  # a keyword the optimizer does not take
+        raise ConfigError(f"key 'optim_args' {optim_args!r}: {first_line(e)} (optim={optim})") from None
+
+
+def _optimizer(model, learning_rate, weight_decay, optim, betas, eps, extra):
     decay, no_decay = [], []
     for name, p in model.named_parameters():
         if not p.requires_grad:
@@ -72,7 +96,7 @@ def build_optimizer(model, learning_rate: float, weight_decay: float = 0.0, opti
         (no_decay if p.ndim < 2 or "norm" in name.lower() else decay).append(p)
     groups = [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
     groups = [g for g in groups if g["params"]]
-    adam = dict(lr=learning_rate, betas=tuple(betas), eps=eps)
+    adam = dict(lr=learning_rate, betas=tuple(betas), eps=eps, **extra)
     if optim in ("adamw_torch", "adamw_torch_fused"):
         return torch.optim.AdamW(groups, fused=True if optim.endswith("fused") else None, **adam)
     if optim in BNB_OPTIMS:
@@ -85,9 +109,10 @@ def build_optimizer(model, learning_rate: float, weight_decay: float = 0.0, opti
         from transformers.optimization import Adafactor
 
         # an explicit learning rate, as HF's Trainer runs it (no relative step, no warmup of its own)
-        return Adafactor(groups, lr=learning_rate, scale_parameter=False, relative_step=False, warmup_init=False)
+        return Adafactor(groups, lr=learning_rate, **{"scale_parameter": False, "relative_step": False,
+                                                      "warmup_init": False, **extra})
     if optim == "sgd":
-        return torch.optim.SGD(groups, lr=learning_rate)
+        return torch.optim.SGD(groups, lr=learning_rate, **extra)
     raise ValueError(f"unknown optim {optim!r}")
 
 

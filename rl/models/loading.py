@@ -13,6 +13,7 @@ every linear layer but the output head by default ('all-linear'), GPT-2's Conv1D
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import pickle
 from pathlib import Path
@@ -20,6 +21,7 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
+from rl.config.vocabulary import note_ignored
 from rl.engine.optim import import_bitsandbytes
 from rl.errors import ConfigError, first_line
 from rl.models.saving import adapter_base
@@ -35,6 +37,19 @@ def resolve_dtype(name: str | None) -> torch.dtype:
         return torch.float32
     return {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16,
             "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16}[name]
+
+
+def usable_attention(name: str) -> str:
+    """`name`, or sdpa (the same attention, another kernel) when it is flash attention and this machine cannot run
+    it (no CUDA GPU, or no flash-attn package): a recipe written for GPUs runs here, saying so in one line."""
+    if not name.startswith("flash_attention"):
+        return name
+    package = "flash_attn_interface" if name == "flash_attention_3" else "flash_attn"
+    if torch.cuda.is_available() and importlib.util.find_spec(package) is not None:
+        return name
+    note_ignored("attn_implementation", f"{name} needs a CUDA GPU and the {package} package; sdpa is used, the "
+                                        f"same attention")
+    return "sdpa"
 
 
 def not_loadable(name: str, what: str, error: Exception) -> ConfigError:
@@ -169,7 +184,7 @@ def load_causal_lm(name: str, dtype: str | torch.dtype | None = "auto", trust_re
     kwargs = {k: v for k, v in (init_kwargs or {}).items() if k not in ("dtype", "torch_dtype")}
     kwargs.update(dtype=torch_dtype, trust_remote_code=trust_remote_code)
     if attn_implementation:
-        kwargs["attn_implementation"] = attn_implementation
+        kwargs["attn_implementation"] = usable_attention(attn_implementation)
     if revision:
         kwargs["revision"] = revision
     if quantization in ("4bit", "8bit"):
@@ -232,6 +247,30 @@ def load_trainable_policy(cfg):
     if cfg.disable_dropout:
         disable_dropout(model)
     return model
+
+
+def seed_run(cfg) -> None:
+    """Seed a run (`seed`); with full_determinism also transformers' deterministic kernels (TRL's meaning)."""
+    if getattr(cfg, "full_determinism", False):
+        from transformers import enable_full_determinism
+
+        enable_full_determinism(cfg.seed)
+    torch.manual_seed(cfg.seed)
+
+
+def add_neftune(model, alpha: float | None) -> None:
+    """NEFTune (Jain et al. 2023; transformers' neftune_noise_alpha): in training forwards, the input embeddings plus
+    uniform noise in [-s, s], s = alpha / sqrt(sequence length x hidden size). None: nothing."""
+    if not alpha:
+        return
+
+    def hook(module, args, output):
+        if module.training:
+            scale = alpha / (output.size(1) * output.size(2)) ** 0.5
+            output = output + torch.zeros_like(output).uniform_(-scale, scale)
+        return output
+
+    model.get_input_embeddings().register_forward_hook(hook)
 
 
 def disable_dropout(model) -> None:

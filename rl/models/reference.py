@@ -26,6 +26,7 @@ import copy
 import torch
 
 from rl.engine.dist import place_frozen, zero_stage
+from rl.errors import ConfigError
 from rl.models.loading import freeze, load_causal_lm, resolve_dtype
 
 MODES = ("none", "adapters", "copy")
@@ -68,6 +69,27 @@ class ReferencePolicy:
             else:
                 model = copy.deepcopy(policy)
         return cls("copy", freeze(model.to(dtype)), description=name or "frozen copy of the initial policy")
+
+    def check_sync(self, accelerator, policy) -> None:
+        """Refuse sync_ref_model (TR-DPO) where there is no reference weights to mix into: no reference (GRPO with
+        beta 0), LoRA's reference (the policy without adapters: its base weights are not trained), ZeRO-3 (the
+        reference is a sharded engine of its own)."""
+        if self.mode != "copy":
+            raise ConfigError(f"sync_ref_model mixes the policy into a reference model, and this run's reference is "
+                              f"{self.description}; set sync_ref_model=false")
+        if zero_stage(accelerator) == 3:
+            raise ConfigError("sync_ref_model is not supported under ZeRO-3 (the reference is sharded as an engine of "
+                              "its own); set sync_ref_model=false")
+        if [p.shape for p in self.model.parameters()] != [p.shape for p in policy.parameters()]:
+            raise ConfigError(f"sync_ref_model mixes the policy into the reference, and {self.description} is not the "
+                              f"policy's architecture; set sync_ref_model=false")
+
+    @torch.no_grad()
+    def sync(self, policy, alpha: float) -> None:
+        """TR-DPO's update (Gorbatovski et al. 2024; TRL's SyncRefModelCallback): ref <- alpha policy + (1 - alpha)
+        ref, parameter by parameter."""
+        for ref, new in zip(self.model.parameters(), policy.parameters(), strict=True):
+            ref.mul_(1.0 - alpha).add_(new.detach().to(ref.dtype), alpha=alpha)
 
     @property
     def exists(self) -> bool:

@@ -35,6 +35,7 @@ from rl.engine.packing import pool_packed, position_ids_from_mask
 from rl.errors import ConfigError
 from rl.models.limits import check_length
 from rl.models.loading import (
+    add_neftune,
     apply_lora,
     disable_dropout,
     enable_checkpointing,
@@ -106,6 +107,7 @@ class RewardModel(nn.Module):
         self.hf_prefix = hf.base_model_prefix
         self.hf_config.architectures = [type(hf).__name__]
         backbone = getattr(hf, self.hf_prefix)
+        add_neftune(backbone, config.neftune_noise_alpha)
         hidden = hf.config.get_text_config().hidden_size
         score = getattr(hf, "score", None)
         if (isinstance(score, nn.Linear) and score.bias is None and score.out_features == config.num_labels

@@ -59,19 +59,23 @@ def prompt_order(step: int, n: int, per_step: int, seed: int) -> list[int]:
 
 def load_prompt_rows(path: str, cfg) -> list[dict]:
     """Rows of a data file with a prompt column (data.prompt_column, else data.text_column); the other
-    columns are passed to the reward functions as keyword arguments (TRL's convention)."""
+    columns are passed to the reward functions as keyword arguments (TRL's convention). With `system_prompt` each
+    prompt is a chat (the system message, then the prompt as the user's), as TRL's conversational prompts."""
     rows = read_records(path, **source_options(cfg.data, seed=cfg.seed))
     if cfg.data.max_examples:
         rows = rows[:cfg.data.max_examples]
     if not rows:
         raise DataError(f"{source_name(path)}: no rows")
     col = cfg.data.prompt_column if cfg.data.prompt_column in rows[0] else cfg.data.text_column
+    system = getattr(cfg, "system_prompt", None)
     out = []
     for row in rows:
         p = row.get(col)
         if not isinstance(p, str) or not p:
             raise DataError(f"{where(path, row)}: column '{col}' must be a non-empty string "
                             f"(set data.prompt_column to the prompt column)")
+        if system:  # a chat prompt, as open-r1 builds it: the system message, then the row's prompt as the user's
+            p = [{"role": "system", "content": system}, {"role": "user", "content": p}]
         out.append({"prompt": p, **{k: v for k, v in row.items() if k not in (col, "_line")}})
     return out
 

@@ -1,6 +1,7 @@
 """`rl-train`: one command for users of the reference's CLI (`aitraining llm --train ...`).
 
     rl-train --trainer dpo --model google/gemma-2-2b --data-path pairs.jsonl --dpo-beta 0.1
+    rl-train grpo --config trl_recipe.yaml       # the trainer first, as `trl grpo --config` (a TRL recipe runs as is)
     rl-train --trainer ppo --model google/gemma-3-270m --data-path prompts.jsonl \\
         --project-name ppo-model --rl-reward-model-path ./reward-model --rl-kl-coef 0.1
     accelerate launch --num_processes 8 -m rl.scripts.cli --trainer sft --config recipes/qwen/0.5b_sft.yaml
@@ -129,7 +130,8 @@ def _targets(keys) -> str:
 
 def usage() -> str:
     rows = "\n".join(f"  --{k.replace('_', '-'):<24} {_targets(v)}" for k, v in FLAG_KEYS.items())
-    return (f"usage: rl-train --trainer {{{','.join(TRAINERS)}}} [reference flags] [--config RECIPE] [key=value ...]\n\n"
+    return (f"usage: rl-train [--trainer] {{{','.join(TRAINERS)}}} [reference flags] [--config RECIPE] "
+            f"[key=value ...]\n\n"
             f"{__doc__.strip()}\n\nreference flag -> recipe key:\n{rows}\n"
             f"  --rl-<name>                -> the trainer's rl_<name> alias, else <name>\n\n"
             f"Each trainer lists its own keys: rl-train --trainer ppo --help\n")
@@ -138,6 +140,8 @@ def usage() -> str:
 def main(argv: list[str] | None = None) -> None:
     argv = sys.argv[1:] if argv is None else list(argv)
     trainer, rest = None, []
+    if argv and argv[0] in TRAINERS:  # `rl-train grpo --config recipe.yaml`, as `trl grpo --config recipe.yaml`
+        trainer, argv = argv[0], argv[1:]
     i = 0
     while i < len(argv):
         a = argv[i]

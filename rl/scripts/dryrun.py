@@ -35,6 +35,7 @@ from rl.config.plan import prompts_step_problem
 from rl.config.schema import OPTIMIZER_STATE_BYTES
 from rl.data.records import HUB_ID, SUFFIXES, has_data
 from rl.errors import ConfigError
+from rl.models.hub import hub_plan
 from rl.models.limits import check_length
 from rl.models.saving import adapter_base
 from rl.models.sources import resolve_model_path
@@ -80,7 +81,7 @@ class ParamCount:
 
 
 def count_parameters(config, task: str = "causal-lm", lora_rank: int = 0,
-                     lora_targets: str = "all-linear") -> ParamCount:
+                     lora_targets: str | list[str] | None = "all-linear") -> ParamCount:
     """Count parameters by building the architecture on the meta device (no memory, no weights).
 
     `task='classifier'` counts a reward/value model: the backbone plus a 1-output score head."""
@@ -97,7 +98,12 @@ def count_parameters(config, task: str = "causal-lm", lora_rank: int = 0,
     model.tie_weights()  # measured: on the meta device from_config leaves lm_head untied
     total = sum(p.numel() for p in model.parameters())  # parameters() yields a tied tensor once
     largest = max(sum(p.numel() for p in m.parameters(recurse=False)) for m in model.modules())
-    targets = None if lora_targets == "all-linear" else {t.strip() for t in lora_targets.split(",")}
+    if lora_targets is None:  # peft's default for the architecture
+        from peft.utils.constants import TRANSFORMERS_MODELS_TO_LORA_TARGET_MODULES_MAPPING as defaults
+
+        lora_targets = list(defaults.get(config.model_type, ["q_proj", "v_proj"]))
+    targets = None if lora_targets == "all-linear" else (
+        {t.strip() for t in lora_targets.split(",")} if isinstance(lora_targets, str) else set(lora_targets))
     linear = lora = 0
     for name, m in model.named_modules():
         leaf = name.rsplit(".", 1)[-1]
@@ -342,7 +348,13 @@ def dry_run_report(cfg, n_examples: int | None = None, models: dict | None = Non
     if models:
         info["models"] = {k: (v if isinstance(v, str) else v.get("name")) for k, v in models.items()}
         info["memory_per_gpu"] = estimate_memory(cfg, models, world, zero)
+    if getattr(cfg, "push_to_hub", False):  # where it would upload, without asking the hub anything
+        info["push_to_hub"] = hub_plan(cfg)
     print(yaml.safe_dump({"config": to_dict(cfg), "plan": info}, sort_keys=False))
+    if getattr(cfg, "push_to_hub", False):
+        hub = info["push_to_hub"]
+        print(f"push_to_hub: would upload {hub['uploads']} to {hub['repository']} (branch {hub['branch']}; "
+              f"hub_strategy {hub['hub_strategy']}); nothing was sent")
     if models:
         print(f"estimated GPU memory of model states, {world} GPU(s), ZeRO stage {zero.stage}"
               f"{' + optimizer offload' if zero.offload_optimizer else ''}"

@@ -24,6 +24,7 @@ from rl.data.records import split_eval
 from rl.data.sft import load_sft_records, tokenize_examples
 from rl.errors import ConfigError, DataError, RunError
 from rl.models.card import write_model_card
+from rl.models.hub import HubPusher
 from rl.scripts.common import fail, final_save, parse_recipe, run_training
 from rl.scripts.dryrun import dry_run_data, dry_run_report
 from rl.trainers.base import check_output_dir
@@ -169,10 +170,13 @@ def main(name: str, argv=None) -> None:
     history = run_training(run.trainer, run.train, *run.args, **(run.kwargs or {}))
     # 4. save (every process takes part: ZeRO-3 gathers the weights)
     trainer = run.trainer
-    with final_save(cfg.output_dir):  # a full disk: one line, exit 1
+    with final_save(cfg.output_dir):  # a full disk, a failed upload: one line, exit 1
         out = shape.save(trainer, cfg)
         if trainer.accelerator.is_main_process:
             write_model_card(out, cfg, shape.card_history(trainer, history), name)
+            if cfg.push_to_hub:  # the model, its card and the run's files (rl.models.hub)
+                url = (getattr(trainer, "hub", None) or HubPusher(cfg)).final(out)
+                print(f"pushed {out} to {url}")
     line = entry.summary(history, run.plan, trainer) if trainer.accelerator.is_main_process else None
     if line is not None:
         print(f"{name} done: {line}; model saved to {out}")

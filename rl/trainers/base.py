@@ -33,8 +33,6 @@ from __future__ import annotations
 
 import logging
 import math
-import os
-import re
 import shutil
 import signal
 from pathlib import Path
@@ -52,26 +50,30 @@ from rl.engine.state import (
     checkpoint_dir,
     checkpoint_name,
     complete_checkpoints,
-    hold_run_lock,
-    previous_run,
+    load_error,
     prune_checkpoints,
     resolve_resume,
 )
 from rl.engine.tracking import Tracker
 from rl.errors import RunError, disk_full
 from rl.models.loading import (
+    add_neftune,
     apply_lora,
     configure_tokenizer,
     load_tokenizer,
     load_trainable_policy,
     lora_options,
+    release_device_cache,
     resolve_dtype,
+    seed_run,
     trainable_fraction,
 )
+from rl.models.hub import HubPusher
 from rl.models.limits import check_length
 from rl.models.reference import ReferencePolicy
 from rl.models.saving import make_loadable, save_pretrained
 from rl.trainers.rewards import RewardModelReward
+from rl.trainers.run_dir import check_output_dir  # noqa: F401 - the launch scripts import it from here
 
 logger = logging.getLogger(__name__)
 # metrics whose non-finite value means the weights are, or are about to be, garbage: the loss and its
@@ -84,57 +86,12 @@ class NonFiniteError(RunError):
     """A loss or gradient norm became NaN or infinite."""
 
 
-_MISMATCH = re.compile(r"size mismatch for ([^:]+): copying a param with shape torch\.Size\((\[[^\]]*\])\) from "
-                       r"checkpoint, the shape in current model is torch\.Size\((\[[^\]]*\])\)")
-
-
-def _load_error(e: BaseException) -> tuple[str, str]:
-    """Why a checkpoint did not load, in one line, and the fix when it is known ("; ..." or ""). torch's
-    load_state_dict puts the detail (which tensor, the two shapes) on the lines below "Error(s) in loading
-    state_dict for X:", one line per tensor: keep the first tensor, count the rest, say what changes a shape."""
-    text = str(e)
-    found = _MISMATCH.findall(text)
-    if found:
-        name, saved, now = found[0]
-        more = f", and {len(found) - 1} more tensors" if len(found) > 1 else ""
-        return (f"size mismatch for {name}: {saved} in the checkpoint, {now} in this run's model{more}",
-                "; the model differs from the one that wrote it (a changed lora.rank, lora.target_modules or "
-                "model_name?): resume with the settings it was written with, or start a new output_dir")
-    lines = [line.strip() for line in text.splitlines() if line.strip()]
-    return (f"{type(e).__name__}: {'; '.join(lines[:2])[:300]}" if lines else type(e).__name__), ""
-
-
 def check_finite(row: dict) -> None:
     """Raise NonFiniteError naming the step and the metric when a guarded value is not finite."""
     for key, v in row.items():
         if _guarded(key) and isinstance(v, (int, float)) and not math.isfinite(v):
             raise NonFiniteError(f"step {row.get('step')}: {key} is {v}; training diverged (lower "
                                  f"learning_rate, or check the data and rewards); nothing was saved at this step")
-
-
-def _previous(cfg, out: Path) -> str | None:
-    """What of a previous run `out` holds (None on resume, or when nothing); refused without overwrite=true."""
-    found = None if cfg.resume else previous_run(out)
-    if found is not None and not getattr(cfg, "overwrite", False):
-        raise RunError(f"output_dir={out} holds a previous run ({found}); pass resume=auto to continue it, "
-                       f"overwrite=true to replace it, or another output_dir")
-    return found
-
-
-def check_output_dir(cfg) -> None:
-    """Refuse to start a new run over a previous one, or beside a live one: the main process holds the
-    directory's run lock from here to its exit (`hold_run_lock`). With overwrite=true clear the previous
-    run's metrics and checkpoints (a later resume=auto must not pick up the old run's checkpoints)."""
-    out = Path(cfg.output_dir)
-    if out.exists() and not out.is_dir():
-        raise RunError(f"output_dir={out} is a file; give a directory")
-    found = _previous(cfg, out)  # before the lock: a refused run writes nothing into output_dir
-    if os.environ.get("RANK", "0") == "0":  # the main process (accelerate launch sets RANK on each)
-        hold_run_lock(out)
-        found = _previous(cfg, out)  # again: another run may have written there before the lock was ours
-    if found is not None:
-        (out / "metrics.jsonl").unlink(missing_ok=True)
-        shutil.rmtree(checkpoint_dir(out), ignore_errors=True)
 
 
 class CallbackTracker:
@@ -171,6 +128,7 @@ class Trainer:
     """Base of the five trainers. Subclasses set `cfg`, `accelerator` and, before `fit`, `pipeline`."""
 
     stopped_by: int | None = None  # the signal that stopped the run early, if any
+    hub = None  # rl.models.hub.HubPusher of a push_to_hub run (main process)
 
     # ------------------------------------------------------------------ hooks (the algorithm's own)
     def train_step(self) -> dict:
@@ -221,7 +179,7 @@ class Trainer:
         reference (`reference`: the keywords of `ReferencePolicy.build`, decided before LoRA, since with
         LoRA the reference is the policy with its adapters off); LoRA; parameter counts. Returns the policy."""
         self.cfg = cfg = config
-        torch.manual_seed(cfg.seed)
+        seed_run(cfg)
         if cfg.tf32 is not None:  # TRL's tf32: TF32 matmuls on Ampere+ GPUs (no effect on a CPU)
             torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = cfg.tf32
         self.tokenizer = tokenizer or configure_tokenizer(load_tokenizer(
@@ -243,6 +201,9 @@ class Trainer:
                           if reference is not None else None)
         if self.reference is not None and self.reference.model is not None and reference.get("name"):
             check_length(cfg.max_length, self.reference.model, reference["name"])  # a teacher of its own
+        if getattr(cfg, "sync_ref_model", False):
+            self.reference.check_sync(self.accelerator, model)
+        add_neftune(model, cfg.neftune_noise_alpha)
         if cfg.lora.enabled and not hasattr(model, "disable_adapter"):  # a PEFT model given keeps its adapters
             model = apply_lora(model, **lora_options(cfg.lora))
         self.trainable, self.total_params = trainable_fraction(model)
@@ -262,8 +223,11 @@ class Trainer:
             self._run_opened = True
         if acc.is_main_process:
             save_config(cfg, cfg.output_dir)
-        return Tracker(cfg.output_dir, cfg.report_to, cfg.run_name, to_dict(cfg), total_steps, acc.is_main_process,
-                       desc=desc, plot_keys=plot_keys)
+        tracker = Tracker(cfg.output_dir, cfg.report_to, cfg.run_name, to_dict(cfg), total_steps, acc.is_main_process,
+                          desc=desc, plot_keys=plot_keys)
+        # push_to_hub: the uploads of the checkpoints (rl.models.hub; the launch uploads output_dir at the end)
+        self.hub = HubPusher(cfg, log=tracker.write) if cfg.push_to_hub and acc.is_main_process else None
+        return tracker
 
     def save(self, out_dir: str | None = None) -> str:
         """Write the final model and tokenizer (LoRA: the PEFT adapter; `save_merged`: also the merged model);
@@ -296,7 +260,8 @@ class Trainer:
         head; checkpoints in `<run_dir>/checkpoints` unless `ckpt` says otherwise."""
         cfg = self.cfg
         optimizer = build_optimizer(model, cfg.learning_rate if learning_rate is None else learning_rate,
-                                    cfg.weight_decay, cfg.optim, (cfg.adam_beta1, cfg.adam_beta2), cfg.adam_epsilon)
+                                    cfg.weight_decay, cfg.optim, (cfg.adam_beta1, cfg.adam_beta2), cfg.adam_epsilon,
+                                    cfg.optim_args)
         scheduler = build_scheduler(optimizer, cfg.lr_scheduler_type, total_steps, cfg.warmup_ratio,
                                     cfg.warmup_steps if warmup_steps is None else warmup_steps, cfg.lr_scheduler_kwargs)
         return ForwardBackwardPipeline(
@@ -347,6 +312,7 @@ class Trainer:
                     raise RuntimeError(f"{type(self).__name__}.train_step went from step {before} to "
                                        f"{self.current_step} (row step {step}); it must take exactly one")
                 check_finite(row)
+                self._between_steps(step)
                 if when.eval_at(step, total_steps):
                     row.update(self.evaluate_now() or {})
                 history.append(row)
@@ -365,6 +331,15 @@ class Trainer:
             stopper.restore()
             tracker.close()
 
+    def _between_steps(self, step: int) -> None:
+        """TRL's per-step extras: the accelerator's cache freed every torch_empty_cache_steps, and TR-DPO's
+        reference update every ref_model_sync_steps (sync_ref_model)."""
+        cfg = self.cfg
+        if cfg.torch_empty_cache_steps and step % cfg.torch_empty_cache_steps == 0:
+            release_device_cache()
+        if getattr(cfg, "sync_ref_model", False) and step % cfg.ref_model_sync_steps == 0:
+            self.reference.sync(self.pipeline.unwrapped_model, cfg.ref_model_mixup_alpha)
+
     def _resume(self, tracker) -> None:
         cfg = self.cfg
         if not cfg.resume:
@@ -376,7 +351,7 @@ class Trainer:
                 extra = self.load_checkpoint(path)
             except Exception as e:  # noqa: BLE001 - any unreadable file: fall back to an older checkpoint
                 if cfg.resume != "auto" or i + 1 == len(candidates):
-                    detail, fix = _load_error(e)
+                    detail, fix = load_error(e)
                     raise RunError(f"resume: checkpoint {path} cannot be loaded ({detail}){fix}") from None
                 tracker.write(f"warning: checkpoint {path} cannot be loaded ({type(e).__name__}); "
                               f"trying the previous one")
@@ -405,4 +380,6 @@ class Trainer:
                            f"(free space or lower save_total_limit, then resume=auto)") from None
         if self.accelerator.is_main_process:
             prune_checkpoints(self.run_dir, getattr(self.cfg, "save_total_limit", None), self.checkpoint_parts)
+            if self.hub is not None:
+                self.hub.checkpoint(checkpoint_dir(self.run_dir) / name, self.current_step)
         self.accelerator.wait_for_everyone()

@@ -201,7 +201,7 @@ class DistillTrainer(Trainer):
         and whether its completions are the student's samples."""
         cfg, acc, plan = self.cfg, self.accelerator, self._plan
         k = plan["prompts_per_process"]
-        mine = step_prompts(None, self.train_prompts, cfg.seed, step,
+        mine = step_prompts(None, self.train_prompts, cfg.order_seed, step,
                             plan["prompts_per_step"])[acc.process_index * k:(acc.process_index + 1) * k]
         prompts = [encode_prompt(self.tokenizer, r["prompt"], cfg.prompt_budget, cfg.chat_template) for r in mine]
         on_policy = on_policy_draw(cfg.seed, step, cfg.lmbda)

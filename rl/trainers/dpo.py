@@ -49,7 +49,7 @@ from rl.algos.preference import (
 from rl.algos.registry import check, choices
 from rl.config.fields import one_of_list, opt
 from rl.config.plan import epoch_plan
-from rl.config.schema import TrainConfig
+from rl.config.schema import RefSyncKeys, TrainConfig
 from rl.data.preference import (
     PreferenceDataset,
     collate_pairs,
@@ -107,7 +107,7 @@ def _packed_loss(loss_fn, labels, sequence_index, loss_kw, model, inputs, output
 
 
 @dataclasses.dataclass
-class DPOConfig(TrainConfig):
+class DPOConfig(RefSyncKeys, TrainConfig):
     learning_rate: float = opt(1e-6, "peak learning rate of AdamW (DPO wants it small: 1e-6 to 1e-5)")
     disable_dropout: bool = opt(True, "set every dropout of the trained model to 0 (TRL's default here)")
     beta: float = opt(0.1, "DPO temperature beta (IPO: tau; ORPO: lambda, the weight of the odds-ratio term)")
@@ -125,6 +125,8 @@ class DPOConfig(TrainConfig):
     chat_template: bool = opt(False, "render plain-text prompt/answers as user/assistant turns with the "
                               "tokenizer's chat template (message-list data always uses it)")
     eval_batch_size: int | None = opt(None, "pairs per evaluation forward (default: per_device_train_batch_size)")
+    precompute_ref_batch_size: int | None = opt(None, "pairs per forward of precompute_ref_logps (null: "
+                                                "eval_batch_size, else per_device_train_batch_size)")
     packing: bool = opt(False, "padding-free micro-batches: each micro-batch's chosen and rejected sequences "
                         "packed into rows no longer than its longest, with per-sequence position_ids "
                         "(rl.engine.packing); same loss, no compute on padding (training, reference and eval "
@@ -133,11 +135,11 @@ class DPOConfig(TrainConfig):
     share_prompt_forward: bool = opt(True, "compute each pair's prompt once for its chosen and rejected answers, "
                                      "packed without padding (rl.data.preference.pack_pairs_shared; training, "
                                      "reference and eval forwards; same loss; SDPA models, else as packing says)")
-    device: str | None = opt(None, "cpu or cuda (null: auto-detected)")
 
 
     def __post_init__(self):
         super().__post_init__()
+        self.check_ref_sync()
         self.loss_type = one_of_list(self.loss_type, "loss_type", "one preference loss per run here (TRL's list "
                                      "combines several: MPO)")
         check("preference_loss", self.loss_type, "loss_type")
@@ -157,8 +159,6 @@ class DPOConfig(TrainConfig):
                               f"set precompute_ref_logps=false")
         if self.eval_batch_size is not None and self.eval_batch_size < 1:
             raise ConfigError(f"key 'eval_batch_size' must be at least 1, got {self.eval_batch_size}")
-        if self.device not in (None, "cpu", "cuda"):
-            raise ConfigError(f"key 'device' must be cpu, cuda or null, got {self.device!r}")
 
     @property
     def uses_no_reference(self) -> bool:
@@ -240,7 +240,7 @@ class DPOTrainer(EpochTrainer):
         """One no-grad pass that stores every pair's reference log-probs in `dataset.ref_logps` (N, 2).
         Pairs are split across processes and the results gathered, so each pair is scored once."""
         acc, cfg = self.accelerator, self.cfg
-        bs = cfg.eval_batch_size or cfg.per_device_train_batch_size
+        bs = cfg.precompute_ref_batch_size or cfg.eval_batch_size or cfg.per_device_train_batch_size
         out = torch.zeros(len(dataset), 2)
         for idx, weight in shard_batches(len(dataset), bs, acc.num_processes, acc.process_index):
             batch = self._collate([dataset.examples[i] for i in idx], dataset.pad_token_id)

@@ -43,7 +43,7 @@ class EpochTrainer(Trainer):
             self._epoch, self._batch_index, self._order = self._epoch + 1, 0, None
         if self._order is None:
             self._order = torch.randperm(self._n_train, generator=torch.Generator().manual_seed(
-                self.cfg.seed + self._epoch)) if getattr(self.cfg, "shuffle", True) else torch.arange(self._n_train)
+                self.cfg.order_seed + self._epoch)) if getattr(self.cfg, "shuffle", True) else torch.arange(self._n_train)
         g = plan["global_batch"]
         ids = self._order[self._batch_index * g:(self._batch_index + 1) * g].tolist()
         self._batch_index += 1

@@ -72,6 +72,7 @@ from rl.rollout.prompts import encode_prompt, step_prompts
 from rl.trainers.grpo_batch import (  # grpo_loss_fn: importable from here, as before
     grpo_loss_fn,
     length_grouped_slices,
+    log_completions,
     loss_params,
     pick_groups,
     picked_rows,
@@ -86,6 +87,7 @@ from rl.trainers.online import OnlineTrainer
 from rl.trainers.sampling import episode_sampler
 from rl.trainers.rewards import (
     combine_rewards,
+    reward_columns,
 )
 
 # ============================================================================ pure math
@@ -234,7 +236,7 @@ class GRPOTrainer(AsyncRollouts, OnlineTrainer):
         per-source rewards, components, lengths and truncation flags gathered over processes."""
         cfg, acc, plan = self.cfg, self.accelerator, self._plan
         k = plan["prompts_per_process"]
-        rows = step_prompts(self.env, self.train_prompts, cfg.seed, generation, plan["prompts_per_step"], round_)
+        rows = step_prompts(self.env, self.train_prompts, cfg.order_seed, generation, plan["prompts_per_step"], round_)
         mine = rows[acc.process_index * k:(acc.process_index + 1) * k]
         prompt_ids = [encode_prompt(self.tokenizer, r["prompt"], cfg.prompt_budget, cfg.chat_template)
                       for r in mine]
@@ -252,8 +254,10 @@ class GRPOTrainer(AsyncRollouts, OnlineTrainer):
             release_device_cache()
         completions = self.tokenizer.batch_decode(rollout.completions(), skip_special_tokens=True)
         rep = [r for r in mine for _ in range(cfg.num_generations)]
-        columns = {c: [r.get(c) for r in rep] for c in rep[0] if c not in ("prompt", "_line")}
+        columns = reward_columns(rep, rollout.completions())
         local, components = self.reward.score_each([r["prompt"] for r in rep], completions, columns)
+        if cfg.log_completions and acc.is_main_process and round_ == 0:  # TRL's key: this process's rows
+            log_completions(self, generation, [r["prompt"] for r in rep], completions, local)
 
         gather = self.gather
         lengths = gather(rollout.lengths.float())
@@ -303,6 +307,9 @@ class GRPOTrainer(AsyncRollouts, OnlineTrainer):
         metrics = {**reward_metrics(g["rewards"], g["per_func"], self.reward.names, g["components"], g["lengths"],
                                     g["truncated"], advantages_all, cfg.num_generations), **dapo}
         batch = {k: v.to(acc.device) for k, v in rollout.to_batch().items()}
+        if cfg.mask_truncated_completions:  # TRL's key (DAPO's overlong filtering): truncated rows carry no loss
+            cut = g["truncated"][acc.process_index * n_local:(acc.process_index + 1) * n_local].bool()
+            batch["labels"][cut.to(acc.device)] = -100
         ref_lp = old_lp = None
         micro, P = self._micro_batches(batch["attention_mask"]), rollout.prompt_ids.shape[1]
         if cfg.beta > 0:
@@ -386,4 +393,5 @@ class GRPOTrainer(AsyncRollouts, OnlineTrainer):
         prompts, metas = eval_set
         model = self.pipeline.model if self.pipeline is not None else self._model
         return greedy_eval(model, self.tokenizer, self.eval_env, prompts, metas, self.cfg.max_completion_length,
-                           self.cfg.prompt_budget, chat=self.cfg.chat_template)
+                           self.cfg.prompt_budget, batch_size=self.cfg.per_device_eval_batch_size,
+                           chat=self.cfg.chat_template)

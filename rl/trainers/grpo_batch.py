@@ -12,14 +12,19 @@ run on an unlucky step. Groups never move between processes.
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
 import torch
 
 from rl.algos.advantages import nanstd
 from rl.algos.mismatch import importance_weights
 from rl.algos.policy_losses import grpo_loss
+from rl.config.plan import cadence
 from rl.engine import losses
 from rl.engine.generation import Rollout
 from rl.engine.packing import left_pad, unpack_targets
+from rl.trainers.rewards import combine_rewards
 
 # ------------------------------------------------------------------------------ dynamic sampling
 
@@ -191,3 +196,20 @@ def grpo_loss_fn(logits, labels, attention_mask=None, *, advantages, old_logprob
     loss, metrics = grpo_loss(logp, old, advantages, mask, ref_logp=ref_logprobs,
                               token_weights=weights if is_apply else None, **kw)
     return loss, {**metrics, **extra}
+
+
+def log_completions(trainer, generation: int, prompts: list, completions: list[str], rewards: torch.Tensor) -> None:
+    """TRL's log_completions: this process's prompts, completions and rewards (each source's, and their sum with
+    reward_weights) of a generation batch whose first step is a logging step, appended to
+    `<output_dir>/completions.jsonl` (num_completions_to_print rows at most; log_unique_prompts: one per prompt)."""
+    cfg = trainer.cfg
+    step, total = generation * cfg.num_iterations + 1, trainer._plan["total_steps"]
+    if not cadence(cfg, total).log_at(step, total):
+        return
+    summed = combine_rewards(rewards, trainer.reward.weights).tolist()
+    rows = [{"step": step, "prompt": p, "completion": c, "reward": r, **dict(zip(trainer.reward.names, each))}
+            for p, c, r, each in zip(prompts, completions, summed, rewards.tolist())]
+    if cfg.log_unique_prompts:  # the first row of each prompt, in order
+        rows = list({json.dumps(r["prompt"]): r for r in reversed(rows)}.values())[::-1]
+    with open(Path(cfg.output_dir) / "completions.jsonl", "a") as f:
+        f.writelines(json.dumps(row) + "\n" for row in rows[:cfg.num_completions_to_print])

@@ -12,7 +12,7 @@ from rl.algos.mismatch import importance_weights
 from rl.algos.policy_losses import IMPORTANCE_SAMPLING_LEVELS, KIND, LOSS_AGGREGATIONS
 from rl.algos.registry import check, choices, flag
 from rl.config.fields import opt
-from rl.config.schema import OnlineConfig
+from rl.config.schema import OnlineConfig, RefSyncKeys
 from rl.config.vocabulary import warn_deprecated
 from rl.errors import ConfigError
 
@@ -22,7 +22,7 @@ _POLICY_LOSS_ALIASES = {"clip": None, "cispo": "cispo_clip"}  # the former polic
 
 
 @dataclasses.dataclass
-class GRPOConfig(OnlineConfig):
+class GRPOConfig(RefSyncKeys, OnlineConfig):
     per_device_train_batch_size: int = opt(8, "GRPO: completions (not prompts) per device per micro-batch, as TRL; "
                                            "x gradient_accumulation_steps it holds whole groups of num_generations")
     num_generations: int = opt(8, "completions sampled per prompt (the group size G)")
@@ -69,11 +69,18 @@ class GRPOConfig(OnlineConfig):
     max_staleness: int = opt(0, "asynchronous rollouts (TRL's name): the batch of step t is sampled by the policy of "
                              "step t - k at the oldest, while later steps train; its behaviour log-probs are the old "
                              "policy of the loss; older samples are dropped (async/dropped_samples). 0: synchronous")
+    mask_truncated_completions: bool = opt(False, "completions cut at max_completion_length (no EOS) carry no loss "
+                                           "(DAPO's overlong filtering; their reward still counts in the group)")
+    log_completions: bool = opt(False, "write the step's prompts, completions and rewards to completions.jsonl in "
+                                "output_dir, every logging step")
+    num_completions_to_print: int | None = opt(None, "log_completions: rows per step (null: all)")
+    log_unique_prompts: bool = opt(False, "log_completions: one row per prompt (its first completion)")
     rollout_processes: int = opt(0, "the last N processes of the launch only sample (our sampler) while the others "
                                  "train; weights sent to them after each optimizer step (docs/rollout.md). 0: none")
 
     def __post_init__(self):
         super().__post_init__()
+        self.check_ref_sync()
         if self.policy_loss is not None:  # the former key of the per-token term (clip | cispo)
             if self.policy_loss not in _POLICY_LOSS_ALIASES:
                 raise ConfigError(f"key 'policy_loss' is replaced by loss_type; set loss_type= one of "

@@ -30,7 +30,7 @@ import torch
 from rl.algos.kto import kl_reference_point, kto_loss
 from rl.config.fields import opt
 from rl.config.plan import epoch_plan
-from rl.config.schema import TrainConfig
+from rl.config.schema import RefSyncKeys, TrainConfig
 from rl.data.kto import UnpairedDataset, collate_unpaired, load_unpaired_records
 from rl.data.preference import shard_batches
 from rl.engine.scoring import sequence_logprobs, sequence_logps
@@ -70,7 +70,7 @@ def label_means(sums: dict[str, float]) -> dict[str, float]:
 
 
 @dataclasses.dataclass
-class KTOConfig(TrainConfig):
+class KTOConfig(RefSyncKeys, TrainConfig):
     learning_rate: float = opt(1e-6, "peak learning rate of AdamW (KTO, like DPO, wants it small)")
     disable_dropout: bool = opt(True, "set every dropout of the trained model to 0 (TRL's default here)")
     beta: float = opt(0.1, "KTO temperature beta: how far the policy may move from the reference")
@@ -85,10 +85,10 @@ class KTOConfig(TrainConfig):
     shuffle: bool = opt(True, "reshuffle the rows each epoch; false: file order, fixed batches (TRL's "
                         "sequential sampler)")
     eval_batch_size: int | None = opt(None, "rows per evaluation forward (default: per_device_train_batch_size)")
-    device: str | None = opt(None, "cpu or cuda (null: auto-detected)")
 
     def __post_init__(self):
         super().__post_init__()
+        self.check_ref_sync()
         if self.beta <= 0:
             raise ConfigError(f"key 'beta' must be > 0, got {self.beta}")
         if self.desirable_weight < 0 or self.undesirable_weight < 0:
@@ -99,8 +99,6 @@ class KTOConfig(TrainConfig):
         if not 1 <= self.max_prompt_length < self.max_length:
             raise ConfigError(f"max_prompt_length={self.max_prompt_length} must be at least 1 and below "
                               f"max_length={self.max_length}, or no completion token fits")
-        if self.device not in (None, "cpu", "cuda"):
-            raise ConfigError(f"key 'device' must be cpu, cuda or null, got {self.device!r}")
 
 
 class KTOTrainer(EpochTrainer):

@@ -60,7 +60,7 @@ from rl.rollout.prompts import encode_prompt, step_prompts
 from rl.trainers.dpo import dpo_batch_loss
 from rl.trainers.online import OnlineTrainer
 from rl.trainers.sampling import rollout_sampler
-from rl.trainers.rewards import combine_rewards
+from rl.trainers.rewards import combine_rewards, reward_columns
 
 
 @dataclasses.dataclass
@@ -197,7 +197,8 @@ class OnlineDPOTrainer(OnlineTrainer):
             return None
         model = self.pipeline.model if self.pipeline is not None else self._model
         return greedy_eval(model, self.tokenizer, self.eval_env, *self._eval_set, self.cfg.max_completion_length,
-                           self.cfg.prompt_budget, chat=self.cfg.chat_template)
+                           self.cfg.prompt_budget, batch_size=self.cfg.per_device_eval_batch_size,
+                           chat=self.cfg.chat_template)
 
     def checkpoint_extra(self) -> dict:
         return {"step": self.pipeline.step}
@@ -207,7 +208,7 @@ class OnlineDPOTrainer(OnlineTrainer):
         cfg, acc, pipe, plan = self.cfg, self.accelerator, self.pipeline, self._plan
         t0 = time.time()
         k = plan["prompts_per_process"]
-        mine = step_prompts(self.env, self.train_prompts, cfg.seed, pipe.step, plan["prompts_per_step"])[acc.process_index * k:(acc.process_index + 1) * k]
+        mine = step_prompts(self.env, self.train_prompts, cfg.order_seed, pipe.step, plan["prompts_per_step"])[acc.process_index * k:(acc.process_index + 1) * k]
         prompt_ids = [encode_prompt(self.tokenizer, r["prompt"], cfg.prompt_budget, cfg.chat_template) for r in mine]
         seed = cfg.seed * 7_919 + (pipe.step * self.world + acc.process_index) * 2 * k  # row r samples seed + r
         sample = rollout_sampler(self, generate)  # our sampler, or vLLM holding the policy's current weights
@@ -218,7 +219,7 @@ class OnlineDPOTrainer(OnlineTrainer):
             release_device_cache()
         completions = self.tokenizer.batch_decode(rollout.completions(), skip_special_tokens=True)
         rep = [r for r in mine for _ in range(2)]
-        columns = {c: [r.get(c) for r in rep] for c in rep[0] if c not in ("prompt", "_line")}
+        columns = reward_columns(rep, rollout.completions())
         per_func, _ = self.reward.score_each([r["prompt"] for r in rep], completions, columns)
         rewards = combine_rewards(per_func, self.reward.weights)
         clipped = torch.tensor([r == "length" for r in rollout.finish_reasons], dtype=torch.bool)

@@ -36,7 +36,7 @@ from rl.engine.optim import build_scheduler
 from rl.engine.packing import pack_sequences
 from rl.engine.tracking import Tracker
 from rl.errors import ConfigError
-from rl.models.loading import configure_tokenizer, load_tokenizer, trainable_fraction
+from rl.models.loading import configure_tokenizer, load_tokenizer, seed_run, trainable_fraction
 from rl.models.reward import RewardModel, RewardModelConfig
 from rl.models.reward_format import save_reward_model
 from rl.trainers.base import CallbackTracker
@@ -99,8 +99,9 @@ class RewardModelTrainer(EpochTrainer):
     def from_recipe(cls, cfg: RewardTrainConfig) -> "RewardModelTrainer":
         """The trainer a launch/reward.py recipe describes: seeded, with the recipe's accelerator
         (DeepSpeed config included), tokenizer and model; `train_recipe` then runs it."""
-        torch.manual_seed(cfg.seed)
-        accelerator = build_accelerator(cfg.gradient_accumulation_steps, micro_batch_size=2 * cfg.per_device_train_batch_size,
+        seed_run(cfg)
+        accelerator = build_accelerator(cfg.gradient_accumulation_steps, device=cfg.device,
+                                        micro_batch_size=2 * cfg.per_device_train_batch_size,
                                         max_grad_norm=cfg.max_grad_norm, deepspeed_config=cfg.deepspeed)
         tokenizer = configure_tokenizer(load_tokenizer(cfg.model_name, cfg.trust_remote_code, revision=cfg.model_revision),
                                         cfg)

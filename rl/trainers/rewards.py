@@ -137,6 +137,13 @@ def rows_to_columns(rows: Sequence[dict] | None, n: int) -> dict[str, list]:
     return {k: [(r or {}).get(k) for r in rows] for k in keys}
 
 
+def reward_columns(rows: Sequence[dict], completion_ids: Sequence[Sequence[int]]) -> dict[str, list]:
+    """The columns a reward function receives beside prompts and completions (TRL's GRPO convention): each prompt
+    row's other fields, one list per column, and `completion_ids`, the completions' token ids."""
+    columns = {c: [r.get(c) for r in rows] for c in rows[0] if c not in ("prompt", "_line")}
+    return {**columns, "completion_ids": [list(ids) for ids in completion_ids]}
+
+
 # ------------------------------------------------------------------------------ adapters
 
 def _calling_convention(fn: Callable) -> str:
@@ -188,7 +195,9 @@ class RewardModelReward:
         self.model, self.name, self.timeout = model, name, timeout
 
     def __call__(self, prompts, completions, columns):
-        texts = [p + c for p, c in zip(prompts, completions)]
+        # a chat prompt (system_prompt) is scored as its messages' text, as a plain prompt would be
+        texts = [(p if isinstance(p, str) else "\n".join(m["content"] for m in p)) + c
+                 for p, c in zip(prompts, completions)]
         return check_values(self.name, call_with_timeout(lambda: self.model.score(texts), self.timeout, self.name),
                             len(completions)), {}
 
@@ -279,7 +288,7 @@ def resolve_reward_func(spec: str | Callable, timeout: float | None = DEFAULT_RE
         fn = get_reward_fn(spec, custom=custom)
     except ValueError as e:
         raise ConfigError(f"{key}: {e}") from None
-    name = (custom if spec == "custom" else spec).split(":")[-1]
+    name = (custom if spec == "custom" else spec).replace(":", ".").split(".")[-1]  # module:f, TRL's module.f
     return FunctionReward(fn, name=name, timeout=timeout)
 
 

@@ -31,8 +31,10 @@ logger = logging.getLogger(__name__)
 
 @dataclasses.dataclass
 class SFTConfig(TrainConfig):
-    completion_only_loss: bool = opt(True, "count only completion tokens in the loss (needs prompt/"
-                                     "completion or messages data); false trains on the whole text")
+    completion_only_loss: bool | None = opt(
+        None, "count only completion tokens in the loss: true (prompt/completion data, or chat data's last assistant "
+        "message), false (the whole text), null (TRL's default: the completion of prompt/completion data, the whole "
+        "text of chat and text data)")
     append_eos: bool = opt(True, "append the EOS token to every example so the model learns to stop")
     packing: bool = opt(False, "padding-free micro-batches: each micro-batch's examples concatenated into one "
                         "row with per-example position_ids (rl.engine.packing); same loss, no compute on padding")

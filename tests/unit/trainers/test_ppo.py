@@ -300,7 +300,7 @@ def test_reference_cli_names_are_aliases_with_reference_defaults():
 @pytest.mark.parametrize("kw,needle", [
     (dict(per_device_train_batch_size=12, mini_batch_size=8), "not a multiple of mini_batch_size"),
     (dict(mini_batch_size=8, gradient_accumulation_steps=3), "gradient_accumulation_steps"),
-    (dict(max_completion_length=600), "max_length"),
+    (dict(max_completion_length=600, max_length=512), "max_length"),
     (dict(reward_fn="default", reward_model_path="x"), "exactly one reward source"),
     (dict(temperature=0.0), "temperature"),
     (dict(loss_type="cipso"), "key 'loss_type' has unknown value 'cipso' .did you mean cispo..; choose one of: ppo, "
