@@ -13,11 +13,17 @@ schema, in rl.trainers, extends these.
 from __future__ import annotations
 
 import dataclasses
-import importlib.util
 import math
 import urllib.parse
-from typing import Any, Literal
+from typing import Literal
 
+from rl.config.checks import (  # noqa: F401 - SINKS, report_to_problem: their home before
+    SINKS,
+    check_finite,
+    quantization_problem,
+    report_to_problem,
+    steps_problem,
+)
 from rl.config.fields import REQUIRED, opt, section
 from rl.config.sections import DataSection, LoraSection, mixture_problem  # noqa: F401 - their home before
 from rl.config.vocabulary import AcceptsAliases, AliasAttributes, note_ignored
@@ -33,22 +39,6 @@ from rl.errors import ConfigError
 OPTIMIZER_STATE_BYTES = {"adamw_torch": 8, "adamw_torch_fused": 8, "adamw_8bit": 2, "paged_adamw_8bit": 2,
                          "paged_adamw_32bit": 8, "adafactor": 0, "sgd": 0}
 OPTIMIZERS = tuple(OPTIMIZER_STATE_BYTES)
-
-
-def check_finite(cfg, prefix: str = "") -> None:
-    """One rule for every float key of every schema, from a recipe, the command line or Python: the value is
-    a finite number (a documented null stays null). NaN or inf would pass every range check (comparisons
-    with NaN are false) and train nothing, or stop at step 1 with a NaN loss."""
-    for f in dataclasses.fields(cfg):
-        value = getattr(cfg, f.name, None)
-        key = f"{prefix}{f.name}"
-        if dataclasses.is_dataclass(value):
-            check_finite(value, f"{key}.")
-        values = value if isinstance(value, (list, tuple)) else [value]
-        for v in values:
-            if isinstance(v, float) and not math.isfinite(v):
-                raise ConfigError(f"key '{key}' must be a finite number, got {value!r}; give a number"
-                                  f"{' (or null)' if 'None' in str(f.type) else ''}")
 
 
 # transformers' scheduler names (transformers.SchedulerType) that step by the optimizer step alone; the
@@ -229,29 +219,6 @@ class RefSyncKeys:
             raise ConfigError(f"key 'ref_model_sync_steps' must be at least 1, got {self.ref_model_sync_steps}")
 
 
-def steps_problem(cfg) -> str | None:
-    """The first bad cadence key (logging_steps, eval_steps, save_steps, warmup_steps): a count >= 1, or a
-    fraction of the run in (0, 1) as transformers reads it; eval/save 0 means never by steps."""
-    for name, zero_ok in (("logging_steps", False), ("eval_steps", True), ("save_steps", True), ("warmup_steps", True)):
-        v = getattr(cfg, name, None)
-        if v is None or (zero_ok and v == 0):
-            continue
-        if v < 0 or (not zero_ok and v == 0) or (v > 1 and float(v) != int(v)):
-            return (f"key '{name}' must be a whole number of steps, or a fraction of the run between 0 and 1, "
-                    f"got {v}")
-    return None
-
-
-def quantization_problem(cfg) -> str | None:
-    """Why load_in_4bit / load_in_8bit cannot be honoured as given (both, or without LoRA), or None."""
-    if cfg.load_in_4bit and cfg.load_in_8bit:
-        return "load_in_4bit and load_in_8bit are both true; choose one"
-    if (cfg.load_in_4bit or cfg.load_in_8bit) and not cfg.lora.enabled:
-        return ("load_in_4bit/load_in_8bit train LoRA adapters on quantized frozen weights (QLoRA): set "
-                "lora.enabled=true (TRL: use_peft: true; the reference: use_lora=True)")
-    return None
-
-
 @dataclasses.dataclass
 class VLLMKeys:
     """The rollout engine's keys, TRL's names and meanings (rl.rollout.vllm_engine), in every trainer that samples."""
@@ -382,18 +349,6 @@ class OnlineConfig(SamplingKeys, VLLMKeys, TrainConfig):
         self.check_sampling()
         if self.reward_timeout is not None and not self.reward_timeout >= 0:
             raise ConfigError(f"key 'reward_timeout' must be >= 0 seconds or null, got {self.reward_timeout}")
-
-# report_to values -> the package each needs (jsonl needs none)
-SINKS = {"jsonl": None, "tensorboard": "tensorboard", "wandb": "wandb", "trackio": "trackio", "mlflow": "mlflow",
-         "none": None}
-
-
-def report_to_problem(report_to) -> str | None:
-    """Why `report_to` cannot be honoured (an unknown sink, a sink whose package is not installed), or None."""
-    for sink in report_to:
-        if sink not in SINKS:
-            return f"key 'report_to' has unknown sink {sink!r}; use any of {', '.join(SINKS)}"
-        package = SINKS[sink]
-        if package and importlib.util.find_spec(package) is None:
-            return f"key 'report_to': {sink} needs the {package} package; pip install {package}, or drop {sink}"
-    return None
+        if self.eval_strategy in ("steps", "epoch") and self.eval_env_config is None:
+            note_ignored("eval_strategy", "the sampling trainers evaluate greedy accuracy on an environment's held-out "
+                                          "problems (env_type with eval_env_config); none is configured")

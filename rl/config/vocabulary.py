@@ -16,8 +16,10 @@ and print one line per key per run (main process). `VALUE_ALIASES` maps a key an
 `bf16: true` is `dtype: bfloat16`).
 
 An alias applies in a schema that does not have it as a field and has one of its targets (the first that is
-a field wins), so `ppo_epochs` means something only to PPO. Giving an alias and its key with different
-values is a one-line ConfigError, never a silent choice.
+a field wins), so `ppo_epochs` means something only to PPO. A target may be a section's key (`lora_r` ->
+`lora.rank`, `dataset_name` -> `data.path`: TRL's flat ModelConfig and ScriptArguments keys). Giving an alias and
+its key with different values is a one-line ConfigError, never a silent choice. TRL's keys that have no effect
+here are left out of the config with one note line (the table and its reasons: rl.config.trl_keys).
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ import sys
 import typing
 from typing import Any
 
+from rl.config.trl_keys import ignored_reason
 from rl.errors import ConfigError
 
 # alias -> candidate keys, in order. Silent: each is a documented API (the reference's or TRL's). A dotted key
@@ -240,8 +243,6 @@ def _clash(where: str, key: str, first: str, second: str, prefix: str) -> Config
 def _ignored(cls: type, raw_key: str, value: Any, prefix: str) -> bool:
     """A TRL key with no effect here (rl.config.trl_keys): True (and one note line when its value asks for
     something, i.e. is not TRL's default) for a trainer's schema that has no key of that name."""
-    from rl.config.trl_keys import ignored_reason  # the table imports nothing of ours; kept beside its use
-
     if not isinstance(cls, AcceptsAliases):
         return False  # only a trainer's schema takes TRL's flat keys (not its sections)
     reason = ignored_reason(raw_key, value)

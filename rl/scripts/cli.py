@@ -130,8 +130,9 @@ def _targets(keys) -> str:
 
 def usage() -> str:
     rows = "\n".join(f"  --{k.replace('_', '-'):<24} {_targets(v)}" for k, v in FLAG_KEYS.items())
-    return (f"usage: rl-train [--trainer] {{{','.join(TRAINERS)}}} [reference flags] [--config RECIPE] "
-            f"[key=value ...]\n\n"
+    trainers = f"{{{','.join(TRAINERS)}}}"
+    return (f"usage: rl-train --trainer {trainers} [reference flags] [--config RECIPE] [key=value ...]\n"
+            f"       rl-train {trainers} --config RECIPE [key=value ...]   (the trainer first, as trl grpo --config)\n\n"
             f"{__doc__.strip()}\n\nreference flag -> recipe key:\n{rows}\n"
             f"  --rl-<name>                -> the trainer's rl_<name> alias, else <name>\n\n"
             f"Each trainer lists its own keys: rl-train --trainer ppo --help\n")

@@ -58,7 +58,7 @@ def test_a_trl_recipe_plans_unchanged(trainer, recipe, capsys, monkeypatch, tmp_
     if trainer == "grpo":
         assert (cfg["use_vllm"], cfg["max_length"], cfg["eval_strategy"], cfg["system_prompt"][:17]) == (
             True, 512, "steps", "You are a helpful")
-        assert notes == ["log_level", "vllm_device"]  # log_completions is honoured (completions.jsonl)
+        assert notes == ["eval_strategy", "log_level", "vllm_device"]  # log_completions: honoured (completions.jsonl)
     else:
         assert (cfg["packing"], cfg["max_length"], cfg["data"]["name"], cfg["save_strategy"]) == (
             True, 1024, "all", "epoch")

@@ -6,7 +6,7 @@ import pytest
 from rl.rewards import functions as ours
 from rl.trainers.rewards import FunctionReward, resolve_reward_func
 
-trl_rewards = pytest.importorskip("trl.rewards")
+import trl.rewards as trl_rewards  # noqa: E402 - TRL is pinned in the dev extra
 
 SOLUTIONS = [r"\frac{1}{3}", r"\frac{1}{3}", "7", "42", "x^2", r"\sqrt{2}", "unparseable gold ]]", "10"]
 TEXTS = [r"My answer is \boxed{\frac{1}{3}}", r"My answer is \boxed{\frac{1}{2}}", r"So \boxed{7}.", "It is 42.",

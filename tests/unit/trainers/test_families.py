@@ -19,8 +19,8 @@ CHEAP = {
     "reward": ["per_device_train_batch_size=4", "max_steps=1"],
     "dpo": ["per_device_train_batch_size=4", "max_steps=1"],
     "kto": ["per_device_train_batch_size=4", "max_steps=1"],
-    "ppo": ["per_device_train_batch_size=4", "mini_batch_size=4", "gradient_accumulation_steps=1", "num_iterations=1",
-            "max_completion_length=4", "max_steps=1"],
+    "ppo": ["per_device_train_batch_size=4", "mini_batch_size=4", "gradient_accumulation_steps=1",
+            "max_completion_length=4", "max_steps=1"],  # max_steps replaces the recipe's num_iterations (rounds)
     "grpo": ["per_device_train_batch_size=8", "num_generations=4", "max_steps=1", "eval_num_prompts=4"],
     "online_dpo": ["per_device_train_batch_size=4", "max_steps=1", "max_completion_length=4"],
     "distill": ["per_device_train_batch_size=4", "gradient_accumulation_steps=1", "max_steps=1", "max_completion_length=4"],
