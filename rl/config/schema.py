@@ -47,6 +47,7 @@ SCHEDULERS = ("linear", "cosine", "cosine_with_restarts", "polynomial", "constan
               "inverse_sqrt", "cosine_with_min_lr", "cosine_warmup_with_min_lr", "warmup_stable_decay")
 STRATEGIES = ("no", "steps", "epoch")  # transformers' IntervalStrategy: eval_strategy, save_strategy, logging_strategy
 HUB_STRATEGIES = ("end", "every_save", "checkpoint", "all_checkpoints")  # transformers' HubStrategy
+DATA_FILES = (".jsonl", ".json", ".csv", ".parquet")  # a single data file has no test split (rl.data.records)
 
 
 @dataclasses.dataclass
@@ -128,7 +129,8 @@ class TrainConfig(AliasAttributes, metaclass=AcceptsAliases):
     logging_first_step: bool = opt(False, "log the first optimizer step too")
     eval_strategy: Literal[STRATEGIES] | None = opt(
         None, "no: never evaluate; steps: every eval_steps (0 or null: every logging_steps); epoch: after each "
-        "epoch; null: every eval_steps when it is above 0. All but no evaluate at the end too")
+        "epoch; null: every eval_steps when it is above 0. All but no evaluate at the end too; steps/epoch with a "
+        "dataset repository and no data.eval_path evaluate on its data.eval_split, as TRL's scripts")
     eval_steps: int | float | None = opt(0, "evaluate every N optimizer steps (below 1: that fraction of the run; "
                                          "0: only at the end)")
     eval_on_start: bool = opt(False, "evaluate before the first step too")
@@ -185,6 +187,10 @@ class TrainConfig(AliasAttributes, metaclass=AcceptsAliases):
         for problem in (report_to_problem(self.report_to), steps_problem(self), quantization_problem(self)):
             if problem:
                 raise ConfigError(problem)
+        d = self.data
+        if (self.eval_strategy in ("steps", "epoch") and d.eval_path is None and not d.eval_fraction and d.path
+                and not d.path.lower().endswith(DATA_FILES)):  # TRL's scripts: dataset_test_split of dataset_name
+            d.eval_path = d.path
         warmup = "warmup_ratio" if self.warmup_ratio else "warmup_steps" if self.warmup_steps else None
         if self.lr_scheduler_type == "constant" and warmup:
             note_ignored(warmup, "lr_scheduler_type=constant has no warmup (transformers' meaning); "

@@ -176,7 +176,7 @@ def test_sft_messages_loss_only_on_the_last_assistant_span(tok):
     from rl.data.sft import collate, counted_tokens, tokenize_examples
     from rl.trainers.sft import SFTConfig
 
-    cfg = build(SFTConfig, dict(model_name=NAME, max_length=256))
+    cfg = build(SFTConfig, dict(model_name=NAME, max_length=256, completion_only_loss=True))  # null: TRL's meaning
     examples = tokenize_examples([{"messages": m, "_line": i} for i, m in enumerate(CONVERSATIONS, 1)], tok, cfg)
     for msgs, ex in zip(CONVERSATIONS, examples):
         full = tok.apply_chat_template(msgs, tokenize=False)

@@ -92,6 +92,15 @@ def test_grpo_batch_is_trls_scale_rewards_batch():
     torch.testing.assert_close(compute_advantages(combine_rewards(per_func, [1.0]), 4, "grpo_batch"), want)
 
 
+def test_an_eval_strategy_evaluates_the_test_split_of_the_dataset_as_trls_scripts():
+    cfg = build(SFTConfig, {"model_name": "m", "dataset_name": "org/ds", "dataset_test_split": "val",
+                            "eval_strategy": "steps"})
+    assert (cfg.data.eval_path, cfg.data.eval_split) == ("org/ds", "val")
+    assert build(SFTConfig, {"model_name": "m", "dataset_name": "a.jsonl", "eval_strategy": "steps"}).data.eval_path \
+        is None  # a single file has no test split
+    assert build(SFTConfig, {"model_name": "m", "dataset_name": "org/ds"}).data.eval_path is None
+
+
 def test_online_lengths_from_trls_keys():
     g = build(GRPOConfig, {"model_name": "m", "max_prompt_length": 100, "max_completion_length": 30})
     assert (g.max_length, g.prompt_budget) == (130, 100)
