@@ -360,3 +360,23 @@ class StopSignal:
     def restore(self) -> None:
         for s, h in self._previous.items():
             signal.signal(s, h)
+
+
+_MISMATCH = re.compile(r"size mismatch for ([^:]+): copying a param with shape torch\.Size\((\[[^\]]*\])\) from "
+                       r"checkpoint, the shape in current model is torch\.Size\((\[[^\]]*\])\)")
+
+
+def checkpoint_load_error(e: BaseException) -> tuple[str, str]:
+    """Why a checkpoint did not load, in one line, and the fix when it is known ("; ..." or ""). torch's
+    load_state_dict puts the detail (which tensor, the two shapes) on the lines below "Error(s) in loading
+    state_dict for X:", one line per tensor: keep the first tensor, count the rest, say what changes a shape."""
+    text = str(e)
+    found = _MISMATCH.findall(text)
+    if found:
+        name, saved, now = found[0]
+        more = f", and {len(found) - 1} more tensors" if len(found) > 1 else ""
+        return (f"size mismatch for {name}: {saved} in the checkpoint, {now} in this run's model{more}",
+                "; the model differs from the one that wrote it (a changed lora.rank, lora.target_modules or "
+                "model_name?): resume with the settings it was written with, or start a new output_dir")
+    lines = [line.strip() for line in text.splitlines() if line.strip()]
+    return (f"{type(e).__name__}: {'; '.join(lines[:2])[:300]}" if lines else type(e).__name__), ""

@@ -34,9 +34,9 @@ from __future__ import annotations
 import logging
 import math
 import os
-import re
 import shutil
 import signal
+import time
 from pathlib import Path
 from typing import Callable
 
@@ -49,6 +49,7 @@ from rl.engine.pipeline import ForwardBackwardPipeline
 from rl.engine.state import (
     StopSignal,
     checkpoint_dir,
+    checkpoint_load_error,
     checkpoint_name,
     complete_checkpoints,
     hold_run_lock,
@@ -77,28 +78,11 @@ def _guarded(key: str) -> bool:
     return key in ("loss", "grad_norm") or key.startswith("loss/")
 
 
+FIRST_EVAL = "first_eval"  # a checkpoint's copy of the evaluation before the first step
+
+
 class NonFiniteError(RunError):
     """A loss or gradient norm became NaN or infinite."""
-
-
-_MISMATCH = re.compile(r"size mismatch for ([^:]+): copying a param with shape torch\.Size\((\[[^\]]*\])\) from "
-                       r"checkpoint, the shape in current model is torch\.Size\((\[[^\]]*\])\)")
-
-
-def _load_error(e: BaseException) -> tuple[str, str]:
-    """Why a checkpoint did not load, in one line, and the fix when it is known ("; ..." or ""). torch's
-    load_state_dict puts the detail (which tensor, the two shapes) on the lines below "Error(s) in loading
-    state_dict for X:", one line per tensor: keep the first tensor, count the rest, say what changes a shape."""
-    text = str(e)
-    found = _MISMATCH.findall(text)
-    if found:
-        name, saved, now = found[0]
-        more = f", and {len(found) - 1} more tensors" if len(found) > 1 else ""
-        return (f"size mismatch for {name}: {saved} in the checkpoint, {now} in this run's model{more}",
-                "; the model differs from the one that wrote it (a changed lora.rank, lora.target_modules or "
-                "model_name?): resume with the settings it was written with, or start a new output_dir")
-    lines = [line.strip() for line in text.splitlines() if line.strip()]
-    return (f"{type(e).__name__}: {'; '.join(lines[:2])[:300]}" if lines else type(e).__name__), ""
 
 
 def check_finite(row: dict) -> None:
@@ -312,18 +296,22 @@ class Trainer:
 
     # ------------------------------------------------------------------ the lifecycle
     def fit(self, total_steps: int, tracker, eval_at_start: bool = False) -> list[dict]:
-        """Run `train_step` until `current_step` reaches `total_steps`; returns the metric rows."""
+        """Run `train_step` until `current_step` reaches `total_steps`; returns the metric rows (a resumed run's
+        begin with the evaluation before its first step, when there was one: the summary's "before" figure)."""
         cfg = self.cfg
-        history: list[dict] = []
         self.stopped_by = None
-        self._resume(tracker)
-        getattr(tracker, "set_total", lambda n: None)(total_steps)  # a bar with a total, for every trainer
+        resumed = self._resume(tracker)
+        history: list[dict] = [dict(self.first_eval)] if resumed and self.first_eval else []
+        # a bar with a total for every trainer; the console's elapsed time and ETA count from here
+        getattr(tracker, "set_total", lambda *a: None)(total_steps, self.current_step)
         stopper = _Stop()
+        mark = [time.time(), getattr(self.pipeline, "tokens_seen", 0)]  # tokens/s since the previous logged row
         try:
             if eval_at_start and self.current_step == 0:
                 ev = self.evaluate_now()
                 if ev is not None:
-                    history.append({"step": 0, **ev})
+                    self.first_eval = {"step": 0, **ev}  # kept in checkpoints (see above)
+                    history.append(dict(self.first_eval))
                     tracker.log(0, ev)
             while self.current_step < total_steps:
                 before = self.current_step
@@ -334,7 +322,10 @@ class Trainer:
                     raise RuntimeError(f"{type(self).__name__}.train_step went from step {before} to "
                                        f"{self.current_step} (row step {step}); it must take exactly one")
                 check_finite(row)
-                if step == total_steps or (cfg.eval_steps and step % cfg.eval_steps == 0):
+                evaluate = step == total_steps or (cfg.eval_steps and step % cfg.eval_steps == 0)
+                if evaluate or step % cfg.logging_steps == 0:  # on every process: the count is summed over them
+                    row["train_tokens_per_second"] = self._tokens_per_second(mark)
+                if evaluate:
                     row.update(self.evaluate_now() or {})
                 history.append(row)
                 if step % cfg.logging_steps == 0 or step == total_steps or any(k.startswith("eval") for k in row):
@@ -352,10 +343,20 @@ class Trainer:
             stopper.restore()
             tracker.close()
 
-    def _resume(self, tracker) -> None:
+    first_eval: dict | None = None  # the evaluation before the first step (step 0), also in every checkpoint
+
+    def _tokens_per_second(self, mark: list) -> float:
+        """Tokens through forward-backward on every process per wall second since `mark` ([time, this process's
+        count]), which moves to now."""
+        now, seen = time.time(), getattr(self.pipeline, "tokens_seen", 0)
+        tokens = self.reduce({"n": float(seen - mark[1])}, "sum")["n"]
+        rate, mark[:] = tokens / max(now - mark[0], 1e-9), [now, seen]
+        return rate
+
+    def _resume(self, tracker) -> bool:
         cfg = self.cfg
         if not cfg.resume:
-            return
+            return False
         candidates = complete_checkpoints(self.run_dir) if cfg.resume == "auto" else \
             [resolve_resume(cfg.resume, self.run_dir)]
         for i, path in enumerate(candidates):
@@ -363,14 +364,16 @@ class Trainer:
                 extra = self.load_checkpoint(path)
             except Exception as e:  # noqa: BLE001 - any unreadable file: fall back to an older checkpoint
                 if cfg.resume != "auto" or i + 1 == len(candidates):
-                    detail, fix = _load_error(e)
+                    detail, fix = checkpoint_load_error(e)
                     raise RunError(f"resume: checkpoint {path} cannot be loaded ({detail}){fix}") from None
                 tracker.write(f"warning: checkpoint {path} cannot be loaded ({type(e).__name__}); "
                               f"trying the previous one")
                 continue
             self.restore(extra)
+            self.first_eval = extra.get(FIRST_EVAL)
             tracker.write(f"resumed from {path} at step {self.current_step}")
-            return
+            return True
+        return False
 
     def _checkpoint(self) -> None:
         name = checkpoint_name(self.current_step)
@@ -379,7 +382,8 @@ class Trainer:
         self.pipeline.before_commit = lambda tmp: make_loadable(tmp, self.pipeline.unwrapped_model,
                                                                 getattr(self, "tokenizer", None))
         try:
-            self.save_checkpoint(name, self.checkpoint_extra())
+            extra = self.checkpoint_extra()
+            self.save_checkpoint(name, {**extra, FIRST_EVAL: self.first_eval} if self.first_eval else extra)
         except Exception as e:
             # a full disk, in the words of each writer (an OSError, safetensors' own error, torch.save's
             # RuntimeError: see rl.errors.disk_full); anything else is not ours to explain
