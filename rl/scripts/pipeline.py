@@ -77,6 +77,7 @@ class PipelineConfig:
     sft: dict = opt({}, "SFTConfig keys for the SFT stage (see launch/sft.py --help)")
     grpo: dict = opt({}, "GRPOConfig keys for the GRPO stage (see launch/grpo.py --help)")
     report_to: list[str] = opt(["jsonl"], "metric sinks of both stages: jsonl, wandb")
+    quiet: bool = opt(False, "no console line per logging step in either stage (--quiet)")
     dry_run: bool = opt(False, "print each stage's resolved config, sizes and memory plan, then exit without training")
     overwrite: bool = opt(False, "replace a previous run in output_dir (its summary, plots and both stages); without "
                           "it such a rerun is refused, as every trainer refuses one")
@@ -87,10 +88,11 @@ class PipelineConfig:
 def stage_configs(cfg: PipelineConfig, init_model: str, sft_dir: Path, grpo_dir: Path):
     env = {"seed": cfg.seed, **cfg.env_config}
     # the pipeline's overwrite is its stages' (each then clears its own metrics and checkpoints)
-    sft = build(SFTConfig, {"seed": cfg.seed, "report_to": cfg.report_to, "overwrite": cfg.overwrite, **cfg.sft,
+    sft = build(SFTConfig, {"seed": cfg.seed, "report_to": cfg.report_to, "overwrite": cfg.overwrite, "quiet": cfg.quiet,
+                            **cfg.sft,
                             "model_name": init_model, "output_dir": str(sft_dir)}, where="sft")
     grpo = build(GRPOConfig, {"seed": cfg.seed, "report_to": cfg.report_to, "overwrite": cfg.overwrite,
-                              "chat_template": cfg.chat_template, **cfg.grpo,
+                              "quiet": cfg.quiet, "chat_template": cfg.chat_template, **cfg.grpo,
                               "model_name": init_model if cfg.skip_sft else str(sft_dir),
                               "output_dir": str(grpo_dir), "env_type": cfg.env_type,
                               "env_config": env, "eval_env_config": cfg.eval_env_config,

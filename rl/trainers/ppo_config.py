@@ -14,13 +14,17 @@ from rl.algos.policy_losses import KIND
 from rl.algos.registry import check, choices
 from rl.config.fields import opt
 from rl.config.schema import SamplingKeys, TrainConfig, VLLMKeys
+from rl.data.columns import column_keys
 from rl.data.records import (
     has_data,
     load_records,
     read_records,
     source_options,
+    where,
 )
-from rl.errors import ConfigError
+from rl.errors import ConfigError, DataError
+from rl.rewards.functions import reward_columns_problem
+from rl.trainers.rewards import env_keys_problem
 from rl.rollout.prompts import encode_prompt
 
 logger = logging.getLogger(__name__)
@@ -224,9 +228,14 @@ def load_prompts(path: str, cfg: PPOConfig, for_eval: bool = False) -> tuple[lis
     data.eval_path (its split is data.eval_split)."""
     d = cfg.data
     source = source_options(d, for_eval, seed=cfg.seed)
-    load_records(path, columns=[d.text_column], max_examples=d.max_examples, **source)  # names file:line
+    # names file:line, and data.text_column for a missing prompt column
+    load_records(path, columns=[d.text_column], max_examples=d.max_examples, keys=column_keys(d), **source)
     rows = read_records(path, **source)
     rows = rows[:d.max_examples] if d.max_examples else rows
+    problem = rows and reward_columns_problem(cfg, {k for r in rows[:1000] for k in r} - {"_line"},
+                                              where(path, rows[0]))
+    if problem:  # e.g. reward_fn=correctness without an 'answer' column: before any model, not at the first reward
+        raise DataError(problem)
     return ([r[d.text_column] for r in rows],
             [{k: v for k, v in r.items() if k not in (d.text_column, "_line")} for r in rows])
 
@@ -235,6 +244,9 @@ def load_prompt_data(cfg: PPOConfig) -> tuple[list[str] | None, list[dict] | Non
                                               list[dict] | None]:
     """(prompts, metadata, eval_prompts, eval_metadata) of a recipe; prompts None when the environment
     supplies them. The metadata are each row's other columns (a correctness reward reads `answer`)."""
+    problem = env_keys_problem(cfg, env_supplies_prompts=False)  # env_config without an environment
+    if problem:
+        raise ConfigError(problem)
     if not has_data(cfg.data) and not (cfg.env_type or cfg.multi_objective):
         raise ConfigError("data.path is not set: pass --data.path prompts.jsonl (rows {\"text\": ...}) "
                           "or set data: {path: ...} (or data.mixture) in the recipe")
