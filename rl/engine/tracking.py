@@ -27,6 +27,8 @@ from rl.config.schema import SINKS
 from rl.engine.console import choose_columns, console_line
 from rl.errors import RunError
 
+logger = logging.getLogger(__name__)
+
 # Shown in the progress bar when present, in this order.
 BAR_KEYS = ("loss", "objective/scores", "reward", "rewards/accuracies", "accuracy", "objective/kl",
             "eval/loss", "eval/accuracy", "learning_rate")
@@ -141,6 +143,24 @@ def progress_bar_wanted() -> bool:
     if forced in ("0", "1"):
         return forced == "0"
     return sys.stderr.isatty()
+
+
+class CallbackTracker:
+    """The tracker interface `fit` needs, for library calls without a Tracker: each logged row goes to
+    `log_fn(step, metrics)` (or nowhere), notes go to the module logger."""
+
+    def __init__(self, log_fn=None):
+        self.log_fn = log_fn
+
+    def log(self, step: int, metrics: dict) -> None:
+        if self.log_fn is not None:
+            self.log_fn(step, metrics)
+
+    def write(self, message: str) -> None:
+        logger.info(message)
+
+    def close(self) -> None:
+        pass
 
 
 class Tracker:

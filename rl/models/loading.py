@@ -115,7 +115,7 @@ def load_tokenizer(name: str, trust_remote_code: bool = False, padding_side: str
     return tok
 
 
-def vocabulary_mismatch(tokenizer, other) -> str | None:
+def vocabulary_mismatch(tokenizer, other, whose: str = "the student's") -> str | None:
     """Why two tokenizers do not share one vocabulary (None when they do): the first id both define that
     they map to different tokens. Ids only one of them defines (a special token a tokenizer class adds on
     load, as Qwen2's does) do not count: the models' output sizes are compared where both are loaded."""
@@ -125,7 +125,7 @@ def vocabulary_mismatch(tokenizer, other) -> str | None:
     if not differ:
         return None
     i = differ[0]
-    return (f"maps id {i} to {theirs[i]!r} where the student's tokenizer has {mine[i]!r} ({len(differ)} of "
+    return (f"maps id {i} to {theirs[i]!r} where {whose} tokenizer has {mine[i]!r} ({len(differ)} of "
             f"{len(mine.keys() & theirs.keys())} shared ids differ)")
 
 

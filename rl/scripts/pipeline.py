@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import Literal
 
 from rl.config.fields import build, opt
-from rl.config.parse import cli_config, save_config
+from rl.config.parse import save_config
 from rl.data.sft import tokenize_examples
 from rl.engine.state import previous_run
 from rl.envs.math import create_math_problem_env
@@ -40,7 +40,7 @@ from rl.errors import (
 from rl.models.card import write_model_card
 from rl.models.limits import check_length
 from rl.models.tiny import FAMILIES, write_tiny_model
-from rl.scripts.common import fail, final_save, preflight, run_training
+from rl.scripts.common import fail, final_save, parse_cli, preflight, run_training
 from rl.scripts.dryrun import dry_run_report, load_model_config
 from rl.trainers.base import check_output_dir
 from rl.trainers.grpo import GRPOTrainer
@@ -194,7 +194,7 @@ def plot_accuracy(history: list[dict], before: float, after: float, path: Path, 
 
 def main(argv=None) -> None:
     # 1. parse: every stage's config is built (and validated) before anything runs
-    cfg = cli_config(PipelineConfig, argv, prog="launch/pipeline.py", description=__doc__)
+    cfg = parse_cli(PipelineConfig, argv, prog="launch/pipeline.py", description=__doc__)
     preflight(cfg)  # model names, deepspeed file, resume path, output_dir: before any model
     if cfg.model_name is None and cfg.tiny_family not in FAMILIES:
         fail(f"key 'tiny_family': unknown family {cfg.tiny_family!r}; use one of {', '.join(FAMILIES)}")

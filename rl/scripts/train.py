@@ -28,7 +28,7 @@ from rl.models.card import write_model_card
 from rl.scripts.common import fail, final_save, parse_recipe, run_training
 from rl.scripts.dryrun import dry_run_data, dry_run_report
 from rl.trainers.base import check_output_dir
-from rl.trainers.ppo_config import check_reward_source
+from rl.trainers.ppo_config import check_reward_source, critic_problem
 from rl.trainers.registry import TRAINERS, Entry, resolve, unread_data_key
 
 # what a setup may raise that is the user's to fix: one `error:` line, exit 2
@@ -93,6 +93,9 @@ def _build_reward(entry, cls, cfg, data) -> Run:
 def _load_ppo(entry, cls, cfg):
     if not (cfg.dry_run and cfg.reward_model_path and not Path(cfg.reward_model_path).exists()):
         check_reward_source(cfg)  # a dry run plans without the reward model that an earlier step writes
+        problem = critic_problem(cfg)  # a critic from another directory reads the policy's token ids
+        if problem:
+            raise ConfigError(problem)
     return cls.load_data(cfg)
 
 

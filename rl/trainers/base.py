@@ -31,7 +31,6 @@ Everything else below is the same for all trainers, so each guarantee is proven 
 
 from __future__ import annotations
 
-import logging
 import math
 import os
 import shutil
@@ -57,7 +56,7 @@ from rl.engine.state import (
     prune_checkpoints,
     resolve_resume,
 )
-from rl.engine.tracking import Tracker
+from rl.engine.tracking import CallbackTracker, Tracker  # noqa: F401 - CallbackTracker: importable from here
 from rl.errors import RunError, disk_full
 from rl.models.loading import (
     apply_lora,
@@ -71,7 +70,7 @@ from rl.models.reference import ReferencePolicy
 from rl.models.saving import make_loadable, save_pretrained
 from rl.trainers.rewards import RewardModelReward
 
-logger = logging.getLogger(__name__)
+
 # metrics whose non-finite value means the weights are, or are about to be, garbage: the loss and its
 # parts (PPO logs loss/policy, loss/value, loss/total) and the gradient norm
 def _guarded(key: str) -> bool:
@@ -116,24 +115,6 @@ def check_output_dir(cfg) -> None:
     if found is not None:
         (out / "metrics.jsonl").unlink(missing_ok=True)
         shutil.rmtree(checkpoint_dir(out), ignore_errors=True)
-
-
-class CallbackTracker:
-    """The tracker interface `fit` needs, for library calls without a Tracker: each logged row goes to
-    `log_fn(step, metrics)` (or nowhere), notes go to the module logger."""
-
-    def __init__(self, log_fn=None):
-        self.log_fn = log_fn
-
-    def log(self, step: int, metrics: dict) -> None:
-        if self.log_fn is not None:
-            self.log_fn(step, metrics)
-
-    def write(self, message: str) -> None:
-        logger.info(message)
-
-    def close(self) -> None:
-        pass
 
 
 class _Stop(StopSignal):
@@ -291,8 +272,11 @@ class Trainer:
 
     @property
     def processes(self) -> str:
-        """"1 process" / "2 processes", for the run's first line."""
-        return f"{self.world} process{'es' if self.world != 1 else ''}"
+        """"1 process" / "2 processes" for the run's first line; with GRPO's rollout_processes (outside this
+        process's world) "1 training process + 1 rollout (sampling) process"."""
+        sampling = getattr(self.cfg, "rollout_processes", 0) or 0
+        parts = [(self.world, "training " if sampling else ""), (sampling, "rollout (sampling) ")][:1 + bool(sampling)]
+        return " + ".join(f"{n} {kind}process{'es' if n != 1 else ''}" for n, kind in parts)
 
     # ------------------------------------------------------------------ the lifecycle
     def fit(self, total_steps: int, tracker, eval_at_start: bool = False) -> list[dict]:

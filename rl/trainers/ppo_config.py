@@ -4,6 +4,7 @@ that some reward source exists, and the prompts (read from a file, then tokenise
 from __future__ import annotations
 
 import dataclasses
+import json
 import logging
 import math
 from pathlib import Path
@@ -23,6 +24,10 @@ from rl.data.records import (
     where,
 )
 from rl.errors import ConfigError, DataError
+from rl.models.limits import context_length
+from rl.models.loading import load_tokenizer, vocabulary_mismatch
+from rl.models.reward_format import CONFIG_FILE
+from rl.models.sources import resolve_model_path
 from rl.rewards.functions import reward_columns_problem
 from rl.trainers.rewards import env_keys_problem
 from rl.rollout.prompts import encode_prompt
@@ -209,6 +214,36 @@ def check_reward_source(cfg: PPOConfig, reward_fn=None, reward_model=None) -> No
         cfg.reward_fn = "default"
         return
     raise ConfigError(NO_REWARD_ERROR)
+
+
+def critic_problem(cfg: PPOConfig) -> str | None:
+    """value_model=critic started from another directory (critic_model_path, else reward_model_path) reads the
+    policy's token ids at up to max_length positions: why it cannot, in one line, before any model loads (its
+    tokenizer maps an id to another token than the policy's, or its context is below max_length); None when it can
+    or when the directory cannot be read here (its loader then says why)."""
+    key = next((k for k in ("critic_model_path", "reward_model_path") if getattr(cfg, k)), None)
+    if cfg.value_model != "critic" or key is None or getattr(cfg, key) == cfg.model_name:
+        return None
+    from transformers import AutoConfig
+
+    path = Path(resolve_model_path(getattr(cfg, key)))
+    meta = path / CONFIG_FILE  # a LoRA reward model names its backbone there
+    base = json.loads(meta.read_text())["config"].get("model_name") if meta.is_file() else str(path)
+    try:
+        found = context_length(AutoConfig.from_pretrained(path if (path / "config.json").is_file() else base,
+                                                          trust_remote_code=cfg.trust_remote_code))
+        theirs = load_tokenizer(str(path if (path / "tokenizer_config.json").is_file() else base), cfg.trust_remote_code)
+        mismatch = vocabulary_mismatch(load_tokenizer(cfg.model_name, cfg.trust_remote_code), theirs, "the policy's")
+    except (OSError, ValueError, KeyError, ConfigError):
+        return None
+    what = f"key '{key}': the critic {getattr(cfg, key)} reads the policy's token ids"
+    if found is not None and cfg.max_length > found[0]:
+        return (f"{what} at up to max_length={cfg.max_length} positions, but its context is {found[0]} (its config's "
+                f"{found[1]}); set max_length={found[0]} or less, or start the critic from another model")
+    if mismatch:
+        return (f"{what}, but its tokenizer {mismatch}; start the critic from a model with the policy's tokenizer "
+                f"(critic_model_path={cfg.model_name} starts it from the policy)")
+    return None
 
 
 def ppo_dry_run_models(cfg: PPOConfig) -> dict:

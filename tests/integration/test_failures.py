@@ -163,10 +163,23 @@ def test_stale_temp_directory_in_the_tiny_cache_is_removed(tmp_path):
     assert not list(tmp_path.glob(".m.tmp-*"))
 
 
-def test_hub_id_that_cannot_be_loaded_offline(tmp_path):
-    """A name that looks like a hub id is left to the loader; offline its failure is one line."""
-    fails_in_subprocess("sft", "model_name=no-such-org/no-such-model", f"output_dir={tmp_path / 'o'}",
-                        names=("no-such-org/no-such-model", "cannot load"))
+def test_hub_id_that_cannot_be_loaded_offline(capsys, tmp_path, monkeypatch):
+    """A hub id that is not in the local cache fails at preflight, in one line and before any library retries:
+    offline (HF_HUB_OFFLINE, the suite's setting), or with the hub unreachable, where huggingface_hub retried
+    for ~60 s, printing a line per retry, before transformers' error. Unreachable, the run then goes offline
+    (a cached model loads without those retries)."""
+    from rl.scripts import common
+
+    out = _prepared_out(tmp_path)
+    name = "no-such-org/no-such-model"
+    fails_in_process(capsys, "sft", f"model_name={name}", out=out,
+                     names=("key 'model_name'", name, "not in the local Hugging Face cache", "(HF_HUB_OFFLINE is set)"))
+    monkeypatch.delenv("HF_HUB_OFFLINE")
+    monkeypatch.setattr(common, "hub_unreachable", lambda: "huggingface.co cannot be reached: [Errno -2] Name or "
+                                                           "service not known")
+    fails_in_process(capsys, "grpo", f"model_name={name}", out=out,
+                     names=(name, "(huggingface.co cannot be reached: [Errno -2]", f"hf download {name}"))
+    assert os.environ["HF_HUB_OFFLINE"] == "1"
 
 
 # ------------------------------------------------------------------------- deepspeed, resume, output

@@ -52,18 +52,24 @@ ZERO3 = ["--use_deepspeed", "--deepspeed_config_file", "ds_configs/zero3.json",
          "--deepspeed_multinode_launcher", "standard"]
 
 
-def _accelerate(out: Path, port: int, kind: str, machines: int = 1, rank: int = 0, script: str = "launch/sft.py",
-                **env) -> subprocess.Popen:
+def _accelerate_cmd(out: Path, port: int, kind: str, machines: int = 1, rank: int = 0,
+                    script: str = "launch/sft.py") -> list[str]:
     """One `accelerate launch` of a 2-process world: `machines` 1 (both processes here) or 2 (one each,
     this command being machine `rank`), rendezvous on 127.0.0.1:`port`; plain DDP (gloo) or ZeRO-3."""
-    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--num_processes", "2", "--num_machines",
-           str(machines), "--machine_rank", str(rank), "--main_process_ip", "127.0.0.1", "--main_process_port",
-           str(port), "--mixed_precision", "no", "--dynamo_backend", "no",
-           *(ZERO3 if kind == "zero3" else ["--multi_gpu"]), script, *SFT[2:], *SHORT, f"output_dir={out}"]
+    return [sys.executable, "-m", "accelerate.commands.launch", "--num_processes", "2", "--num_machines",
+            str(machines), "--machine_rank", str(rank), "--main_process_ip", "127.0.0.1", "--main_process_port",
+            str(port), "--mixed_precision", "no", "--dynamo_backend", "no",
+            *(ZERO3 if kind == "zero3" else ["--multi_gpu"]), script, *SFT[2:], *SHORT, f"output_dir={out}"]
+
+
+def _accelerate(out: Path, port: int, kind: str, machines: int = 1, rank: int = 0, script: str = "launch/sft.py",
+                **env) -> subprocess.Popen:
+    """`_accelerate_cmd` started, its output (stdout and stderr) in one pipe."""
     # ACCELERATE_USE_CPU gives gloo DDP on CPU; with DeepSpeed on several machines it turned DeepSpeed off
     cpu = {"ACCELERATE_USE_CPU": "true"} if kind == "ddp" else {}
-    return subprocess.Popen(cmd, cwd=ROOT, env=_env(**cpu, RL_NO_PROGRESS="1", **env),
-                            text=True, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)
+    return subprocess.Popen(_accelerate_cmd(out, port, kind, machines, rank, script), cwd=ROOT,
+                            env=_env(**cpu, RL_NO_PROGRESS="1", **env), text=True, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, start_new_session=True)
 
 
 def _losses(out: Path) -> list[float]:
@@ -122,9 +128,21 @@ def test_a_machine_that_never_joins_is_one_line(tmp_path):
         absent.communicate(timeout=60)
     assert main.returncode != 0
     lines = [x for x in log.splitlines() if x.startswith("error:")]
-    assert len(lines) == 1, log[-3000:]
+    # the line, then the launcher's ChildFailedError report, then the line again: the last line is the cause
+    assert len(set(lines)) == 1 and log.strip().splitlines()[-1] == lines[0], log[-3000:]
     assert "RL_DIST_TIMEOUT" in lines[0] and "within 10 s" in lines[0] and "127.0.0.1" in lines[0], lines[0]
     print(f"\nnever joins: {lines[0]}")
+
+
+def test_a_bad_key_under_accelerate_launch_ends_with_its_line(tmp_path):
+    """torchelastic reports a failed worker with a Python traceback and a box of ~35 lines after the worker's
+    own output, whatever its exit status; the line that names the cause is printed again once the launcher
+    has exited (rl.scripts.common.echo_after_launcher), so it is the last line of the output."""
+    cmd = [*_accelerate_cmd(tmp_path / "run", free_port(), "ddp"), "no_such_key=1"]
+    r = subprocess.run(cmd, cwd=ROOT, env=_env(ACCELERATE_USE_CPU="true"), text=True, capture_output=True, timeout=300)
+    tail = r.stderr.strip().splitlines()
+    assert r.returncode == 1 and "ChildFailedError" in r.stderr, r.stderr[-3000:]
+    assert tail[-1] == "error: command line: unknown key 'no_such_key' (run with --help to list the keys)", tail[-5:]
 
 
 def test_deepspeed_without_accelerate_launch_is_a_one_process_run(tmp_path, capfd, monkeypatch):
