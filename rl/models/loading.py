@@ -21,7 +21,7 @@ import torch
 from safetensors import safe_open
 
 from rl.engine.optim import import_bitsandbytes
-from rl.errors import ConfigError, first_line
+from rl.errors import ConfigError, disk_full, first_line
 from rl.models.saving import adapter_base
 from rl.models.sources import resolve_model_path
 from rl.models.tiny import without_zero3_init
@@ -40,6 +40,9 @@ def resolve_dtype(name: str | None) -> torch.dtype:
 def not_loadable(name: str, what: str, error: Exception) -> ConfigError:
     """One line for a model/tokenizer the loader could not find or read (a hub id offline, a typo)."""
     first = (str(error).strip().splitlines() or [type(error).__name__])[0][:200]
+    if disk_full(error):  # writing a tiny model or a GGUF conversion into its cache, before the run
+        return ConfigError(f"model {name!r}: no space left on device while preparing it in its cache ({first}); "
+                           f"free space, or point RL_TINY_CACHE / RL_MODEL_CACHE / HF_HOME at a disk that has some")
     return ConfigError(f"model {name!r}: cannot load its {what} ({first}); check the name, or download it "
                        f"first (hf download {name}) when this machine is offline")
 
