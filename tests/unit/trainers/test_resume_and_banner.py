@@ -16,7 +16,7 @@ from rl.trainers.base import Trainer
 from rl.trainers.grpo import GRPOTrainer
 from rl.trainers.grpo_config import GRPOConfig
 from rl.trainers.registry import grpo_summary
-from tests.conftest import ROOT, run_main
+from tests.conftest import ROOT, run_main, swapped_digits_copy
 from tests.unit.trainers.test_cadence import PROMPTS, _ppo
 
 
@@ -83,11 +83,7 @@ def test_a_ppo_critic_is_checked_against_the_policys_tokens_and_length(tmp_path,
     from rl.models.tiny import write_tiny_model
 
     swapped = tmp_path / "swapped"
-    shutil.copytree(tiny_llama, swapped)
-    spec = json.loads((swapped / "tokenizer.json").read_text())
-    vocab = spec["model"]["vocab"]
-    vocab["0"], vocab["1"] = vocab["1"], vocab["0"]
-    (swapped / "tokenizer.json").write_text(json.dumps(spec))
+    swapped_digits_copy(tiny_llama, swapped)
     short = write_tiny_model(tmp_path / "short", family="llama")
     config = json.loads((short / "config.json").read_text())
     (short / "config.json").write_text(json.dumps({**config, "max_position_embeddings": 64}))
