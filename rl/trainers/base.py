@@ -310,7 +310,11 @@ class Trainer:
                 if evaluate or step % cfg.logging_steps == 0:  # on every process: the count is summed over them
                     row["train_tokens_per_second"] = self._tokens_per_second(mark)
                 if evaluate:
-                    row.update(self.evaluate_now() or {})
+                    ev = self.evaluate_now()
+                    if ev is None and cfg.eval_steps and step == cfg.eval_steps:  # a key without effect: said once
+                        tracker.write(f"warning: eval_steps={cfg.eval_steps} evaluates nothing: this run has no held-out "
+                                      f"data (data.eval_path, data.eval_fraction) or eval_env_config")
+                    row.update(ev or {})
                 history.append(row)
                 if step % cfg.logging_steps == 0 or step == total_steps or any(k.startswith("eval") for k in row):
                     tracker.log(step, {k: v for k, v in row.items() if k != "step"})

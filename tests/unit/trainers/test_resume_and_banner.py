@@ -96,3 +96,26 @@ def test_a_ppo_critic_is_checked_against_the_policys_tokens_and_length(tmp_path,
         assert lines[0].startswith(f"error: key 'critic_model_path': the critic {critic} reads the policy's token ids"), lines
         assert said in lines[0], lines
         assert not (tmp_path / "out").exists()  # nothing ran
+
+
+def test_eval_steps_with_nothing_to_evaluate_says_so_once():
+    """eval_steps without held-out data or an eval environment would have no effect: one `warning:` line at the
+    first step it names (the trainers' evaluate_now returns None), and the run goes on."""
+    from rl.trainers.base import CallbackTracker
+
+    class One(Trainer):
+        cfg = types.SimpleNamespace(resume=None, eval_steps=2, logging_steps=1, save_steps=0)
+        accelerator = types.SimpleNamespace(num_processes=1)
+        pipeline = types.SimpleNamespace(step=0, tokens_seen=0)
+
+        def train_step(self):
+            self.pipeline.step += 1
+            return {"step": self.pipeline.step, "loss": 0.0}
+
+    notes = []
+    tracker = CallbackTracker()
+    tracker.write = notes.append
+    rows = One().fit(6, tracker)
+    assert [r["step"] for r in rows] == [1, 2, 3, 4, 5, 6]
+    assert notes == ["warning: eval_steps=2 evaluates nothing: this run has no held-out data (data.eval_path, "
+                     "data.eval_fraction) or eval_env_config"]
