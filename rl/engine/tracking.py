@@ -1,5 +1,5 @@
-"""Metrics: a live progress bar, a JSONL file, accelerate's trackers (TensorBoard, wandb, trackio,
-MLflow) and a PNG plot.
+"""Metrics: a console line per logged row (rl.engine.console), a live progress bar, a JSONL file, accelerate's
+trackers (TensorBoard, wandb, trackio, MLflow) and a PNG plot; `CallbackTracker` for library calls without one.
 
 Only the main process writes; the others get a Tracker that does nothing, so trainers call it
 unconditionally. Metric names are the ones TRL users read (`loss`, `learning_rate`, `num_tokens`,
