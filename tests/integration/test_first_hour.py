@@ -107,16 +107,20 @@ def test_readme_planning_line_runs_as_written(capfd, monkeypatch):
 
 
 def test_a_real_recipe_offline_is_one_line(tmp_path, capfd, monkeypatch):
-    """A real recipe names a Hub dataset; offline, the run (not a dry run) stops in one `error:` line, exit 2,
-    before any model is built (launch/sft.py's main() in this process)."""
+    """A real recipe names a Hub model and a Hub dataset; offline, the run (not a dry run) stops in one `error:`
+    line, exit 2, before any model is built (launch/sft.py's main() in this process): the model first (not in the
+    local cache, said at preflight), then, with a local model, the dataset."""
     for k, v in OFFLINE.items():
         monkeypatch.setenv(k, v)
-    code, _, stderr = run_main("sft", ["--config", "recipes/qwen/0.5b_sft.yaml", f"output_dir={tmp_path / 'out'}"],
-                               capfd, monkeypatch)
-    assert code == 2, stderr[-1000:]
-    lines = stderr.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith("error: trl-lib/Capybara: ") and "Hub could not be reached" in lines[0]
-    assert "Traceback" not in stderr
+    for extra, first in (([], "error: key 'model_name': Qwen/Qwen2.5-0.5B is not in the local Hugging Face cache"),
+                         (["model_name=tiny:llama"], "error: trl-lib/Capybara: ")):
+        code, _, stderr = run_main("sft", ["--config", "recipes/qwen/0.5b_sft.yaml", f"output_dir={tmp_path / 'out'}",
+                                           *extra], capfd, monkeypatch)
+        assert code == 2, stderr[-1000:]
+        lines = stderr.strip().splitlines()
+        assert len(lines) == 1 and lines[0].startswith(first), lines
+        assert "Traceback" not in stderr
+    assert "Hub could not be reached" in lines[0]
 
 
 def test_real_recipes_name_a_hub_dataset_in_their_trainers_format():

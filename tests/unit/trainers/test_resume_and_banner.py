@@ -62,7 +62,7 @@ def test_ppo_resumed_with_another_number_of_processes_applies_the_kl_update_once
     """checkpoint-6 falls inside iteration 2, whose rollout already moved the adaptive KL coefficient. Resumed with
     another number of processes that rollout is sampled afresh (its rows were split for the old world); the
     coefficient it starts from is the one before its update, so the update is applied once, not twice."""
-    full_t = _ppo(tmp_path / "full", model=tiny_llama, save_steps=3)
+    full_t = _ppo(tmp_path / "full", model=tiny_llama, save_steps=6, max_steps=6)  # steps 7-8 run resumed only
     full = full_t.train(PROMPTS)
     ckpt = tmp_path / "full" / "checkpoints" / "checkpoint-6"
     state = json.loads((ckpt / "state.json").read_text())["extra"]
@@ -72,7 +72,7 @@ def test_ppo_resumed_with_another_number_of_processes_applies_the_kl_update_once
     torch.save(local, ckpt / "per_process_0.pt")
     (tmp_path / "cut" / "checkpoints").mkdir(parents=True)
     shutil.copytree(ckpt, tmp_path / "cut" / "checkpoints" / ckpt.name)
-    cut = _ppo(tmp_path / "cut", model=tiny_llama, resume="auto").train(PROMPTS)
+    cut = _ppo(tmp_path / "cut", model=tiny_llama, resume="auto").train(PROMPTS)  # max_steps 8
     assert [r["step"] for r in cut] == [7, 8]
     assert cut[0]["kl_coef"] == full[4]["kl_coef"]  # the resampled rollout's rewards use iteration 2's coefficient
 
