@@ -66,6 +66,20 @@ def tiny_tokenizer(tiny_llama):
     return load_tokenizer(tiny_llama)
 
 
+def swapped_digits_copy(model_dir, out: Path) -> dict:
+    """A copy of a tiny model whose tokenizer maps the ids of '0' and '1' to each other (the same size, another
+    vocabulary); returns the copy's vocabulary (token -> id)."""
+    import json
+    import shutil
+
+    shutil.copytree(model_dir, out)
+    spec = json.loads((out / "tokenizer.json").read_text())
+    vocab = spec["model"]["vocab"]
+    vocab["0"], vocab["1"] = vocab["1"], vocab["0"]
+    (out / "tokenizer.json").write_text(json.dumps(spec))
+    return vocab
+
+
 def run_cmd(args: list[str], timeout: int = 600, env: dict | None = None, cwd: Path = ROOT):
     """Run a command from the repository root; on failure the assertion shows its output tail."""
     full_env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", **(env or {})}

@@ -159,6 +159,7 @@ class TrainConfig(AliasAttributes, metaclass=AcceptsAliases):
     report_to: list[str] = opt(["jsonl"], "metric sinks: jsonl, tensorboard, wandb (offline unless configured), "
                                "trackio, mlflow, or none; each but jsonl needs its package installed")
     verbose: bool = opt(False, "show third-party warnings and loading bars (DeepSpeed, transformers)")
+    quiet: bool = opt(False, "no console line per logging step (--quiet); report_to's trackers still log")
     run_name: str | None = opt(None, "name of the run in wandb and the plots (default: output_dir name)")
     dry_run: bool = opt(False, "print the resolved config and sizes, then exit without training")
     lora: LoraSection = section(LoraSection, "LoRA adapters")

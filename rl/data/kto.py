@@ -15,7 +15,8 @@ from typing import Sequence
 import torch
 
 from rl.data.preference import _tokenize_pair, pad_batch
-from rl.data.records import load_records, source_options, split_eval, where
+from rl.data.columns import column_keys, missing_column
+from rl.data.records import load_records, read_records, source_options, split_eval, where
 from rl.errors import DataError
 
 logger = logging.getLogger(__name__)
@@ -26,7 +27,10 @@ def load_unpaired(path, cfg, for_eval: bool = False) -> list[dict]:
     d = cfg.data
     cols = [d.prompt_column, d.completion_column]
     records = load_records(path, cols, chat_columns=cols, max_examples=d.max_examples, keep=[d.label_column],
-                           **source_options(d, for_eval, seed=cfg.seed))
+                           keys=column_keys(d), **source_options(d, for_eval, seed=cfg.seed))
+    if records and all(r[d.label_column] is None for r in records[:1000]):  # no such column at all
+        present = {k for r in read_records(path, **source_options(d, for_eval, seed=cfg.seed))[:1] for k in r} - {"_line"}
+        raise missing_column(where(path, records[0]), d.label_column, present, "data.label_column")
     for r in records:
         label = r[d.label_column]
         if not isinstance(label, bool):

@@ -2,10 +2,9 @@
 
 Files: `{"prompt", "chosen", "rejected"[, margin]}` rows (`load_preference_pairs`, `load_pairs`;
 `load_pair_records` adds the eval rows: data.eval_path, else a seeded data.eval_fraction split).
-`PreferenceDataset` tokenises them the way TRL does: the prompt alone and prompt + answer are
-tokenised and the answer starts where the two token lists diverge; a too-long prompt keeps its last
-tokens, then answers are cut to fit `max_length`, and message-list rows are rendered with the chat
-template.
+`PreferenceDataset` tokenises them the way TRL does: the prompt alone and prompt + answer are tokenised and the
+answer starts where the two token lists diverge; a too-long prompt keeps its last tokens, then answers are cut to
+fit `max_length`, and message-list rows are rendered with the chat template.
 
 Batches: `collate_pairs` puts B pairs into one concatenated batch of 2B rows [chosen..., rejected...],
 padded to this batch's longest row, labels -100 on prompt and padding (so a sequence log-prob sums
@@ -27,6 +26,7 @@ from typing import Sequence
 import torch
 import torch.nn.functional as F
 
+from rl.data.columns import column_keys, missing_column
 from rl.data.records import (
     load_records,
     read_records,
@@ -155,6 +155,10 @@ def load_preference_pairs(path: str | Path, prompt_column: str = "prompt", chose
         rows = rows[:max_examples]
     if not rows:
         raise DataError(f"{source_name(path)}: no examples (the file is empty)")
+    present = {k for r in rows[:1000] for k in r if k != "_line"}
+    for col, key in ((chosen_column, "data.chosen_column"), (rejected_column, "data.rejected_column")):
+        if col not in present:  # a whole column, not a row, is missing: say which key maps it
+            raise missing_column(where(path, rows[0]), col, present, key)
     has_prompt = any(prompt_column in r for r in rows)
     text_cols = ([prompt_column] if has_prompt else []) + [chosen_column, rejected_column]
     problems: list[str] = []
@@ -201,7 +205,7 @@ def load_pairs(path, cfg, for_eval: bool = False) -> list[dict]:
     data.eval_path (its split is data.eval_split)."""
     d = cfg.data
     cols = [d.prompt_column, d.chosen_column, d.rejected_column]
-    records = load_records(path, cols, chat_columns=cols, max_examples=d.max_examples,
+    records = load_records(path, cols, chat_columns=cols, max_examples=d.max_examples, keys=column_keys(d),
                            **source_options(d, for_eval, seed=cfg.seed))
     for r in records:
         if r[d.chosen_column] == r[d.rejected_column]:

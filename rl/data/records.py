@@ -30,6 +30,7 @@ from typing import Any, Iterable
 import torch
 
 from rl.data.chat import check_messages
+from rl.data.columns import missing_column
 from rl.errors import DataError
 
 logger = logging.getLogger(__name__)
@@ -296,13 +297,14 @@ def source_name(path: Any) -> str:
 
 def load_records(path: str | Path, columns: Iterable[str], *, optional: Iterable[str] = (),
                  chat_columns: Iterable[str] = (), max_examples: int | None = None, keep: Iterable[str] = (),
-                 **source) -> list[dict]:
+                 keys: dict[str, str] | None = None, **source) -> list[dict]:
     """Rows of `path` restricted to `columns` (required) and `optional` ones, validated.
 
     Required columns must exist in the data and hold non-empty strings; a column listed in
     `chat_columns` may instead hold a list of {"role", "content"} messages. `source`: the
     `read_records` keywords (`source_options`); with a mixture `path` is None. `keep`: columns copied
-    as they are (a non-string value, e.g. KTO's bool label), for the caller to validate."""
+    as they are (a non-string value, e.g. KTO's bool label), for the caller to validate. `keys`: the config
+    key naming each column (`column_keys`), for the fix a missing column's message proposes."""
     columns, optional, chat = list(columns), list(optional), set(chat_columns)
     rows = read_records(path, **source)
     if not rows:
@@ -310,9 +312,7 @@ def load_records(path: str | Path, columns: Iterable[str], *, optional: Iterable
     present = sorted({k for r in rows[:1000] for k in r if k != "_line"})
     for col in columns:
         if col not in present:
-            raise DataError(f"{source_name(path)}: missing column '{col}' (columns present: "
-                            f"{', '.join(present) or 'none'}); rename it in the data or set the matching "
-                            f"data.*_column key")
+            raise missing_column(where(path, rows[0]), col, present, (keys or {}).get(col))
     out = []
     for row in rows[:max_examples] if max_examples else rows:
         here = where(path, row)

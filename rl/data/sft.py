@@ -21,6 +21,7 @@ import logging
 import torch
 
 from rl.data.chat import render_chat, with_bos
+from rl.data.columns import COLUMN_SYNONYMS, column_keys
 from rl.data.records import (
     LengthReport,
     load_records,
@@ -82,9 +83,18 @@ def load_sft_records(path, cfg, for_eval: bool = False) -> list[dict]:
         spec = dict(columns=[d.messages_column], chat_columns=[d.messages_column])
     elif d.prompt_column in cols and d.completion_column in cols:
         spec = dict(columns=[d.prompt_column, d.completion_column])
-    else:
+    elif d.text_column in cols or not first:
         spec = dict(columns=[d.text_column])
-    records = load_records(path, max_examples=d.max_examples, **spec, **source)
+    else:  # none of the three formats: name the keys that map each
+        prompt = next((c for c in COLUMN_SYNONYMS["prompt_column"] if c in cols), None)
+        answer = next((c for c in COLUMN_SYNONYMS["completion_column"] if c in cols and c != prompt), None)
+        fix = (f"set data.prompt_column={prompt} data.completion_column={answer} if those hold them" if prompt
+               and answer else "set data.text_column, data.prompt_column and data.completion_column, or "
+               "data.messages_column to the columns that hold them")
+        raise DataError(f"{where(path, first[0])}: no '{d.text_column}' column, no '{d.prompt_column}'/"
+                        f"'{d.completion_column}' pair and no '{d.messages_column}' column (columns present: "
+                        f"{', '.join(sorted(cols - {'_line'}))}); {fix}, or rename the columns in the data")
+    records = load_records(path, max_examples=d.max_examples, keys=column_keys(d), **spec, **source)
     for row in records:
         msgs = row.get(d.messages_column)
         if msgs is not None and not isinstance(msgs, list):  # a string here is not chat data

@@ -128,6 +128,7 @@ class ForwardBackwardPipeline(RequestQueue):
             self.model = accelerator.prepare(model)
         self.step = 0  # optimizer steps taken
         self.micro_step = 0  # micro-batches since the last optimizer step
+        self.tokens_seen = 0  # tokens (attended positions) through forward-backward on this process, for tokens/s
         self.before_commit: Callable[[Path], None] | None = None  # rl.engine.state.save_pipeline_state calls it
         self.loss_fns: dict[str, Callable] = dict(losses.LOSS_FNS)
         super().__init__(asynchronous=asynchronous)  # the request queue: submit, shutdown
@@ -212,6 +213,7 @@ class ForwardBackwardPipeline(RequestQueue):
                                  use_cache=False, **model_kw)
         loss, metrics = fn(outputs.logits, labels, attention_mask, **kwargs)
         self._backward(loss)
+        self.tokens_seen += int(attention_mask.sum())
         n = int((labels[:, 1:] != -100).sum())
         return ForwardBackwardResult(loss=float(loss.detach()), metrics=_floats(metrics), num_tokens=n)
 
@@ -242,6 +244,7 @@ class ForwardBackwardPipeline(RequestQueue):
         if not torch.is_tensor(loss) or loss.dim() != 0:
             raise ValueError("custom_loss_fn must return a scalar tensor (or (scalar, metrics))")
         self._backward(loss)
+        self.tokens_seen += int(attention_mask.sum())
         return ForwardBackwardResult(loss=float(loss.detach()), metrics=_floats(metrics),
                                      num_tokens=int(attention_mask.sum()))
 

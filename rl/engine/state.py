@@ -41,7 +41,7 @@ import numpy as np
 import torch
 
 from rl.engine.dist import inner_optimizer, is_deepspeed
-from rl.errors import RunError
+from rl.errors import RunError, disk_full
 
 COMPLETE_MARKER = "COMPLETE"
 PER_PROCESS = "per_process"  # the key of `extra_state` written per process, not into state.json
@@ -308,19 +308,25 @@ def hold_run_lock(output_dir: str | Path) -> None:
     key = str(out.resolve())
     if key in _held:
         return
-    out.mkdir(parents=True, exist_ok=True)
-    f = open(out / RUN_LOCK, "a+")  # never truncated before the lock is ours: it names the holder
     try:
-        fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        f.seek(0)
-        holder = f.read().strip() or "a process that is starting"
-        f.close()
-        raise RunError(f"output_dir={out} is in use by another run ({holder}, holding {out / RUN_LOCK}); wait "
-                       f"for it to end, or give another output_dir") from None
-    f.truncate(0)
-    f.write(f"pid {os.getpid()} on {socket.gethostname()}\n")
-    f.flush()
+        out.mkdir(parents=True, exist_ok=True)
+        f = open(out / RUN_LOCK, "a+")  # never truncated before the lock is ours: it names the holder
+        try:
+            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            f.seek(0)
+            holder = f.read().strip() or "a process that is starting"
+            f.close()
+            raise RunError(f"output_dir={out} is in use by another run ({holder}, holding {out / RUN_LOCK}); wait "
+                           f"for it to end, or give another output_dir") from None
+        f.truncate(0)
+        f.write(f"pid {os.getpid()} on {socket.gethostname()}\n")
+        f.flush()
+    except OSError as e:  # a run's first write: a full disk is one line, before any model is built
+        if not disk_full(e):
+            raise
+        raise RunError(f"no space left on {out} while starting the run (writing {RUN_LOCK}); free space there or "
+                       f"give another output_dir, then rerun") from None
     _held[key] = f
 
 
@@ -366,7 +372,7 @@ _MISMATCH = re.compile(r"size mismatch for ([^:]+): copying a param with shape t
                        r"checkpoint, the shape in current model is torch\.Size\((\[[^\]]*\])\)")
 
 
-def load_error(e: BaseException) -> tuple[str, str]:
+def checkpoint_load_error(e: BaseException) -> tuple[str, str]:
     """Why a checkpoint did not load, in one line, and the fix when it is known ("; ..." or ""). torch's
     load_state_dict puts the detail (which tensor, the two shapes) on the lines below "Error(s) in loading
     state_dict for X:", one line per tensor: keep the first tensor, count the rest, say what changes a shape."""

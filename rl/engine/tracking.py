@@ -1,5 +1,5 @@
-"""Metrics: a live progress bar, a JSONL file, accelerate's trackers (TensorBoard, wandb, trackio,
-MLflow) and a PNG plot.
+"""Metrics: a console line per logged row (rl.engine.console), a live progress bar, a JSONL file, accelerate's
+trackers (TensorBoard, wandb, trackio, MLflow) and a PNG plot; `CallbackTracker` for library calls without one.
 
 Only the main process writes; the others get a Tracker that does nothing, so trainers call it
 unconditionally. Metric names are the ones TRL users read (`loss`, `learning_rate`, `num_tokens`,
@@ -24,7 +24,10 @@ from pathlib import Path
 from typing import Any
 
 from rl.config.schema import SINKS
+from rl.engine.console import choose_columns, console_line
 from rl.errors import RunError
+
+logger = logging.getLogger(__name__)
 
 # Shown in the progress bar when present, in this order.
 BAR_KEYS = ("loss", "objective/scores", "reward", "rewards/accuracies", "accuracy", "objective/kl",
@@ -142,10 +145,30 @@ def progress_bar_wanted() -> bool:
     return sys.stderr.isatty()
 
 
+class CallbackTracker:
+    """The tracker interface `fit` needs, for library calls without a Tracker: each logged row goes to
+    `log_fn(step, metrics)` (or nowhere), notes go to the module logger."""
+
+    def __init__(self, log_fn=None):
+        self.log_fn = log_fn
+
+    def log(self, step: int, metrics: dict) -> None:
+        if self.log_fn is not None:
+            self.log_fn(step, metrics)
+
+    def write(self, message: str) -> None:
+        logger.info(message)
+
+    def close(self) -> None:
+        pass
+
+
 class Tracker:
     def __init__(self, output_dir: str | os.PathLike, report_to: list[str] | tuple[str, ...] = ("jsonl",),
                  run_name: str | None = None, config: dict | None = None, total_steps: int | None = None,
-                 is_main: bool = True, desc: str = "train", plot_keys: list[str] | None = None):
+                 is_main: bool = True, desc: str = "train", plot_keys: list[str] | None = None,
+                 console: bool | None = None):
+        """`console`: print a line per logged row (rl.engine.console); None: unless the config says quiet."""
         self.is_main = is_main
         self.output_dir = Path(output_dir)
         self.history: list[dict[str, Any]] = []
@@ -153,7 +176,10 @@ class Tracker:
         self._bar = None
         self._trackers: list = []
         self._file = None
-        self._start = time.time()
+        self._start = self._loop_start = time.time()
+        self._console = is_main and (not (config or {}).get("quiet") if console is None else console)
+        self._columns: list[str] | None = None  # the console's figures, fixed by the first training row
+        self._total, self._first_step = total_steps, 0
         if not is_main:
             return
         self.output_dir.mkdir(parents=True, exist_ok=True)
@@ -169,8 +195,10 @@ class Tracker:
 
         self._bar = tqdm(total=total_steps, desc=self._desc, dynamic_ncols=True, disable=not progress_bar_wanted())
 
-    def set_total(self, total_steps: int) -> None:
-        """The bar's total, when only the training loop knows it (the lifecycle calls this)."""
+    def set_total(self, total_steps: int, done: int = 0) -> None:
+        """The run's total steps, when only the training loop knows it, and the steps already `done` (a resumed
+        run's): the lifecycle calls this as its loop starts, where the console's elapsed time and ETA count from."""
+        self._total, self._first_step, self._loop_start = total_steps, done, time.time()
         if not self.is_main:
             return
         if self._bar is None:
@@ -201,6 +229,17 @@ class Tracker:
                      if isinstance(row.get(k), (int, float))}
             self._bar.set_postfix(shown, refresh=False)
             self._bar.update(max(0, step - self._bar.n))
+        if self._console:
+            self.write(self.console_text(step, row))
+
+    def console_text(self, step: int, row: dict) -> str:
+        """The console line of a logged row (rl.engine.console), with the run's fixed columns."""
+        if self._columns is None and choose_columns(row):
+            self._columns = choose_columns(row)
+        elapsed = time.time() - self._loop_start
+        done = step - self._first_step
+        eta = elapsed / done * (self._total - step) if done > 0 and self._total else None
+        return console_line(step, self._total, row, self._columns or [], elapsed, eta)
 
     def write(self, text: str) -> None:
         """Print a line without breaking the progress bar."""

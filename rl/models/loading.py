@@ -23,7 +23,7 @@ from safetensors import safe_open
 
 from rl.config.vocabulary import note_ignored
 from rl.engine.optim import import_bitsandbytes
-from rl.errors import ConfigError, first_line
+from rl.errors import ConfigError, disk_full, first_line
 from rl.models.saving import adapter_base
 from rl.models.sources import resolve_model_path
 from rl.models.tiny import without_zero3_init
@@ -55,6 +55,9 @@ def usable_attention(name: str) -> str:
 def not_loadable(name: str, what: str, error: Exception) -> ConfigError:
     """One line for a model/tokenizer the loader could not find or read (a hub id offline, a typo)."""
     first = (str(error).strip().splitlines() or [type(error).__name__])[0][:200]
+    if disk_full(error):  # writing a tiny model or a GGUF conversion into its cache, before the run
+        return ConfigError(f"model {name!r}: no space left on device while preparing it in its cache ({first}); "
+                           f"free space, or point RL_TINY_CACHE / RL_MODEL_CACHE / HF_HOME at a disk that has some")
     return ConfigError(f"model {name!r}: cannot load its {what} ({first}); check the name, or download it "
                        f"first (hf download {name}) when this machine is offline")
 
@@ -131,7 +134,7 @@ def load_tokenizer(name: str, trust_remote_code: bool = False, padding_side: str
     return tok
 
 
-def vocabulary_mismatch(tokenizer, other) -> str | None:
+def vocabulary_mismatch(tokenizer, other, whose: str = "the student's") -> str | None:
     """Why two tokenizers do not share one vocabulary (None when they do): the first id both define that
     they map to different tokens. Ids only one of them defines (a special token a tokenizer class adds on
     load, as Qwen2's does) do not count: the models' output sizes are compared where both are loaded."""
@@ -141,7 +144,7 @@ def vocabulary_mismatch(tokenizer, other) -> str | None:
     if not differ:
         return None
     i = differ[0]
-    return (f"maps id {i} to {theirs[i]!r} where the student's tokenizer has {mine[i]!r} ({len(differ)} of "
+    return (f"maps id {i} to {theirs[i]!r} where {whose} tokenizer has {mine[i]!r} ({len(differ)} of "
             f"{len(mine.keys() & theirs.keys())} shared ids differ)")
 
 

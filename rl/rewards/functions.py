@@ -36,6 +36,20 @@ logger = logging.getLogger(__name__)
 
 # ---------------------------------------------------------------- named reward functions (CLI)
 
+def needs(*columns: str):
+    """Declare the metadata columns a reward function reads (`fn.required_columns`): the trainers check that the
+    prompt data, or the environment's prompts, carry them before any model loads (`reward_columns_problem`)."""
+    def mark(fn):
+        fn.required_columns = columns
+        return fn
+    return mark
+
+
+def required_columns(fn) -> tuple[str, ...]:
+    """The columns `fn` declared with `needs` (a functools.partial: its function's), else ()."""
+    return getattr(fn, "required_columns", None) or getattr(getattr(fn, "func", None), "required_columns", ())
+
+
 def default_reward(prompts: Sequence[str], responses: Sequence[str], metadata=None) -> list[float]:
     """Length-based, as the reference documents: words / 100 (no reward model needed)."""
     return [len(r.split()) / 100.0 for r in responses]
@@ -47,6 +61,7 @@ def length_penalty_reward(prompts: Sequence[str], responses: Sequence[str], meta
     return [-abs(len(r.split()) - target_words) / target_words for r in responses]
 
 
+@needs("answer")
 def correctness_reward(prompts: Sequence[str], responses: Sequence[str], metadata=None) -> list[float]:
     """1.0 when the response's answer equals `metadata[i]["answer"]` (numerically if numeric), else 0.0."""
     if metadata is None or len(metadata) != len(responses):
@@ -139,12 +154,14 @@ def _verified(content: str, solution: str) -> float | None:
     return float(verify(gold, answer, timeout_seconds=verify_s))
 
 
+@needs("solution")
 def accuracy_reward(completions, solution, **kwargs) -> list[float | None]:
     """TRL's accuracy_reward: 1.0 when the completion's math answer equals the row's `solution` (math-verify), 0.0
     otherwise, None (no score) when the solution does not parse."""
     return [_verified(_content(c), s) for c, s in zip(completions, solution, strict=True)]
 
 
+@needs("solution")
 def reasoning_accuracy_reward(completions, solution, reasoning_delimiters=None, **kwargs) -> list[float | None]:
     """TRL's reasoning_accuracy_reward: accuracy_reward on what follows the reasoning (after the first delimiter
     found, default `</think>`); 0.0 when no delimiter closes the reasoning."""
@@ -237,3 +254,21 @@ TRL_REWARD_FUNCTIONS: dict[str, RewardFn] = {
     "get_soft_overlong_punishment": get_soft_overlong_punishment(max_completion_len=1280, soft_punish_cache=256),
 }
 REWARD_FUNCTIONS.update(TRL_REWARD_FUNCTIONS)
+
+
+def reward_columns_problem(cfg, present, location: str, what: str = "the data") -> str | None:
+    """Why a configured reward function (GRPO's reward_funcs, PPO's reward_fn) cannot score these prompts: the
+    first column it declared (`needs`) that the prompts' columns `present` lack; None when
+    every one is there. Checked before any model loads, so a run does not stop at its first reward."""
+    names = [*(getattr(cfg, "reward_funcs", None) or []), *([cfg.reward_fn] if getattr(cfg, "reward_fn", None) else [])]
+    for name in names:
+        try:
+            fn = get_reward_fn(name, custom=getattr(cfg, "custom_reward", None))
+        except ValueError:
+            continue  # an unknown name is its own error, where the reward sources are built
+        missing = [c for c in required_columns(fn) if c not in present]
+        if missing:
+            return (f"{location}: reward function '{name}' reads column '{missing[0]}', which {what} lacks (columns "
+                    f"present: {', '.join(sorted(present)) or 'none'}); give every row a column '{missing[0]}', or "
+                    f"choose another reward")
+    return None

@@ -17,8 +17,10 @@ from __future__ import annotations
 import torch
 
 from rl.data.chat import render_chat, with_bos
+from rl.data.columns import missing_column
 from rl.data.records import read_records, source_name, source_options, where
 from rl.errors import DataError
+from rl.rewards.functions import reward_columns_problem
 
 
 def encode_prompt(tokenizer, prompt: str | list[dict], budget: int | None = None, chat: bool = False) -> list[int]:
@@ -59,14 +61,19 @@ def prompt_order(step: int, n: int, per_step: int, seed: int) -> list[int]:
 
 def load_prompt_rows(path: str, cfg) -> list[dict]:
     """Rows of a data file with a prompt column (data.prompt_column, else data.text_column); the other
-    columns are passed to the reward functions as keyword arguments (TRL's convention). With `system_prompt` each
-    prompt is a chat (the system message, then the prompt as the user's), as TRL's conversational prompts."""
+    columns are passed to the reward functions as keyword arguments (TRL's convention), so each column a
+    configured reward function reads (`rl.rewards.functions.needs`) must be there: checked here, before any model.
+    With `system_prompt` each prompt is a chat (the system message, then the prompt as the user's), as TRL's
+    conversational prompts."""
     rows = read_records(path, **source_options(cfg.data, seed=cfg.seed))
     if cfg.data.max_examples:
         rows = rows[:cfg.data.max_examples]
     if not rows:
         raise DataError(f"{source_name(path)}: no rows")
-    col = cfg.data.prompt_column if cfg.data.prompt_column in rows[0] else cfg.data.text_column
+    present = {k for r in rows[:1000] for k in r if k != "_line"}
+    col = next((c for c in (cfg.data.prompt_column, cfg.data.text_column) if c in present), None)
+    if col is None:
+        raise missing_column(where(path, rows[0]), cfg.data.prompt_column, present, "data.prompt_column")
     system = getattr(cfg, "system_prompt", None)
     out = []
     for row in rows:
@@ -77,6 +84,9 @@ def load_prompt_rows(path: str, cfg) -> list[dict]:
         if system:  # a chat prompt, as open-r1 builds it: the system message, then the row's prompt as the user's
             p = [{"role": "system", "content": system}, {"role": "user", "content": p}]
         out.append({"prompt": p, **{k: v for k, v in row.items() if k not in (col, "_line")}})
+    problem = reward_columns_problem(cfg, present, where(path, rows[0]))  # e.g. correctness: 'answer'
+    if problem:
+        raise DataError(problem)
     return out
 
 

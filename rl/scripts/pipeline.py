@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import Literal
 
 from rl.config.fields import build, opt
-from rl.config.parse import cli_config, save_config
+from rl.config.parse import save_config
 from rl.data.sft import tokenize_examples
 from rl.engine.state import previous_run
 from rl.envs.math import create_math_problem_env
@@ -40,7 +40,7 @@ from rl.errors import (
 from rl.models.card import write_model_card
 from rl.models.limits import check_length
 from rl.models.tiny import FAMILIES, write_tiny_model
-from rl.scripts.common import fail, final_save, preflight, run_training
+from rl.scripts.common import fail, final_save, parse_cli, preflight, run_training
 from rl.scripts.dryrun import dry_run_report, load_model_config
 from rl.trainers.base import check_output_dir
 from rl.trainers.grpo import GRPOTrainer
@@ -77,6 +77,7 @@ class PipelineConfig:
     sft: dict = opt({}, "SFTConfig keys for the SFT stage (see launch/sft.py --help)")
     grpo: dict = opt({}, "GRPOConfig keys for the GRPO stage (see launch/grpo.py --help)")
     report_to: list[str] = opt(["jsonl"], "metric sinks of both stages: jsonl, wandb")
+    quiet: bool = opt(False, "no console line per logging step in either stage (--quiet)")
     dry_run: bool = opt(False, "print each stage's resolved config, sizes and memory plan, then exit without training")
     overwrite: bool = opt(False, "replace a previous run in output_dir (its summary, plots and both stages); without "
                           "it such a rerun is refused, as every trainer refuses one")
@@ -87,10 +88,11 @@ class PipelineConfig:
 def stage_configs(cfg: PipelineConfig, init_model: str, sft_dir: Path, grpo_dir: Path):
     env = {"seed": cfg.seed, **cfg.env_config}
     # the pipeline's overwrite is its stages' (each then clears its own metrics and checkpoints)
-    sft = build(SFTConfig, {"seed": cfg.seed, "report_to": cfg.report_to, "overwrite": cfg.overwrite, **cfg.sft,
+    sft = build(SFTConfig, {"seed": cfg.seed, "report_to": cfg.report_to, "overwrite": cfg.overwrite, "quiet": cfg.quiet,
+                            **cfg.sft,
                             "model_name": init_model, "output_dir": str(sft_dir)}, where="sft")
     grpo = build(GRPOConfig, {"seed": cfg.seed, "report_to": cfg.report_to, "overwrite": cfg.overwrite,
-                              "chat_template": cfg.chat_template, **cfg.grpo,
+                              "quiet": cfg.quiet, "chat_template": cfg.chat_template, **cfg.grpo,
                               "model_name": init_model if cfg.skip_sft else str(sft_dir),
                               "output_dir": str(grpo_dir), "env_type": cfg.env_type,
                               "env_config": env, "eval_env_config": cfg.eval_env_config,
@@ -192,7 +194,7 @@ def plot_accuracy(history: list[dict], before: float, after: float, path: Path, 
 
 def main(argv=None) -> None:
     # 1. parse: every stage's config is built (and validated) before anything runs
-    cfg = cli_config(PipelineConfig, argv, prog="launch/pipeline.py", description=__doc__)
+    cfg = parse_cli(PipelineConfig, argv, prog="launch/pipeline.py", description=__doc__)
     preflight(cfg)  # model names, deepspeed file, resume path, output_dir: before any model
     if cfg.model_name is None and cfg.tiny_family not in FAMILIES:
         fail(f"key 'tiny_family': unknown family {cfg.tiny_family!r}; use one of {', '.join(FAMILIES)}")

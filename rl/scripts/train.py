@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from rl.config.parse import save_config
+from rl.config.plan import prompts_step_problem
 from rl.data.records import split_eval
 from rl.data.sft import load_sft_records, tokenize_examples
 from rl.errors import ConfigError, DataError, RunError
@@ -28,8 +29,8 @@ from rl.models.hub import HubPusher
 from rl.scripts.common import fail, final_save, parse_recipe, run_training
 from rl.scripts.dryrun import dry_run_data, dry_run_report
 from rl.trainers.base import check_output_dir
-from rl.trainers.ppo_config import check_reward_source
-from rl.trainers.registry import TRAINERS, Entry, resolve
+from rl.trainers.ppo_config import check_reward_source, critic_problem
+from rl.trainers.registry import TRAINERS, Entry, resolve, unread_data_key
 
 # what a setup may raise that is the user's to fix: one `error:` line, exit 2
 SETUP_ERRORS = (ConfigError, DataError, RunError, ValueError, FileNotFoundError)
@@ -93,6 +94,9 @@ def _build_reward(entry, cls, cfg, data) -> Run:
 def _load_ppo(entry, cls, cfg):
     if not (cfg.dry_run and cfg.reward_model_path and not Path(cfg.reward_model_path).exists()):
         check_reward_source(cfg)  # a dry run plans without the reward model that an earlier step writes
+        problem = critic_problem(cfg)  # a critic from another directory reads the policy's token ids
+        if problem:
+            raise ConfigError(problem)
     return cls.load_data(cfg)
 
 
@@ -157,11 +161,20 @@ def main(name: str, argv=None) -> None:
     shape, cls = SHAPES[entry.shape], resolve(entry.trainer)
     # 1. parse: recipe + overrides; model names, deepspeed file, resume path, output_dir before any model
     cfg = parse_recipe(resolve(entry.config), argv, f"launch/{name}.py", entry.doc, require_data=entry.require_data)
+    problem = unread_data_key(entry, cfg.data)  # a data key this trainer does not read would have no effect
+    if problem:
+        fail(problem)
     try:
         if cfg.dry_run:  # the data only when it is here: a plan needs the model's config
             return dry_run(entry, cls, cfg, shape)
         # 2. setup: the data is validated before any model is built, so a bad file fails in seconds
         data = shape.load(entry, cls, cfg)
+        if entry.shape == "online" and data:  # fewer prompt rows than a step draws: said before the model loads
+            group = getattr(cfg, entry.prompt_group) if isinstance(entry.prompt_group, str) else entry.prompt_group
+            world = int(os.environ.get("WORLD_SIZE", "1")) - getattr(cfg, "rollout_processes", 0)
+            problem = prompts_step_problem(cfg, len(data), max(world, 1), group or 1)
+            if problem:
+                fail(problem)
         check_output_dir(cfg)
         run = shape.build(entry, cls, cfg, data)
     except SETUP_ERRORS as e:

@@ -31,10 +31,10 @@ Everything else below is the same for all trainers, so each guarantee is proven 
 
 from __future__ import annotations
 
-import logging
 import math
 import shutil
 import signal
+import time
 from pathlib import Path
 from typing import Callable
 
@@ -48,13 +48,13 @@ from rl.engine.pipeline import ForwardBackwardPipeline
 from rl.engine.state import (
     StopSignal,
     checkpoint_dir,
+    checkpoint_load_error,
     checkpoint_name,
     complete_checkpoints,
-    load_error,
     prune_checkpoints,
     resolve_resume,
 )
-from rl.engine.tracking import Tracker
+from rl.engine.tracking import CallbackTracker, Tracker  # noqa: F401 - CallbackTracker: importable from here
 from rl.errors import RunError, disk_full
 from rl.models.loading import (
     add_neftune,
@@ -75,11 +75,14 @@ from rl.models.saving import make_loadable, save_pretrained
 from rl.trainers.rewards import RewardModelReward
 from rl.trainers.run_dir import check_output_dir  # noqa: F401 - the launch scripts import it from here
 
-logger = logging.getLogger(__name__)
+
 # metrics whose non-finite value means the weights are, or are about to be, garbage: the loss and its
 # parts (PPO logs loss/policy, loss/value, loss/total) and the gradient norm
 def _guarded(key: str) -> bool:
     return key in ("loss", "grad_norm") or key.startswith("loss/")
+
+
+FIRST_EVAL = "first_eval"  # a checkpoint's copy of the evaluation before the first step
 
 
 class NonFiniteError(RunError):
@@ -94,22 +97,6 @@ def check_finite(row: dict) -> None:
                                  f"learning_rate, or check the data and rewards); nothing was saved at this step")
 
 
-class CallbackTracker:
-    """The tracker interface `fit` needs, for library calls without a Tracker: each logged row goes to
-    `log_fn(step, metrics)` (or nowhere), notes go to the module logger."""
-
-    def __init__(self, log_fn=None):
-        self.log_fn = log_fn
-
-    def log(self, step: int, metrics: dict) -> None:
-        if self.log_fn is not None:
-            self.log_fn(step, metrics)
-
-    def write(self, message: str) -> None:
-        logger.info(message)
-
-    def close(self) -> None:
-        pass
 
 
 class _Stop(StopSignal):
@@ -285,23 +272,30 @@ class Trainer:
 
     @property
     def processes(self) -> str:
-        """"1 process" / "2 processes", for the run's first line."""
-        return f"{self.world} process{'es' if self.world != 1 else ''}"
+        """"1 process" / "2 processes" for the run's first line; with GRPO's rollout_processes (outside this
+        process's world) "1 training process + 1 rollout (sampling) process"."""
+        sampling = getattr(self.cfg, "rollout_processes", 0) or 0
+        parts = [(self.world, "training " if sampling else ""), (sampling, "rollout (sampling) ")][:1 + bool(sampling)]
+        return " + ".join(f"{n} {kind}process{'es' if n != 1 else ''}" for n, kind in parts)
 
     # ------------------------------------------------------------------ the lifecycle
     def fit(self, total_steps: int, tracker, eval_at_start: bool = False) -> list[dict]:
-        """Run `train_step` until `current_step` reaches `total_steps`; returns the metric rows."""
-        history: list[dict] = []
+        """Run `train_step` until `current_step` reaches `total_steps`; returns the metric rows (a resumed run's
+        begin with the evaluation before its first step, when there was one: the summary's "before" figure)."""
         self.stopped_by = None
-        self._resume(tracker)
-        getattr(tracker, "set_total", lambda n: None)(total_steps)  # a bar with a total, for every trainer
+        resumed = self._resume(tracker)
+        history: list[dict] = [dict(self.first_eval)] if resumed and self.first_eval else []
+        # a bar with a total for every trainer; the console's elapsed time and ETA count from here
+        getattr(tracker, "set_total", lambda *a: None)(total_steps, self.current_step)
         when = cadence(self.cfg, total_steps, self.steps_per_epoch)
         stopper = _Stop()
+        mark = [time.time(), getattr(self.pipeline, "tokens_seen", 0)]  # tokens/s since the previous logged row
         try:
             if (eval_at_start or when.eval_start) and when.evaluate and self.current_step == 0:
                 ev = self.evaluate_now()
                 if ev is not None:
-                    history.append({"step": 0, **ev})
+                    self.first_eval = {"step": 0, **ev}  # kept in checkpoints (see above)
+                    history.append(dict(self.first_eval))
                     tracker.log(0, ev)
             while self.current_step < total_steps:
                 before = self.current_step
@@ -313,8 +307,15 @@ class Trainer:
                                        f"{self.current_step} (row step {step}); it must take exactly one")
                 check_finite(row)
                 self._between_steps(step)
-                if when.eval_at(step, total_steps):
-                    row.update(self.evaluate_now() or {})
+                evaluate = when.eval_at(step, total_steps)
+                if evaluate or when.log_at(step, total_steps):  # on every process: the count is summed over them
+                    row["train_tokens_per_second"] = self._tokens_per_second(mark)
+                if evaluate:
+                    ev = self.evaluate_now()
+                    if ev is None and when.eval and step == when.eval:  # a key without effect: said once
+                        tracker.write(f"warning: eval_steps={self.cfg.eval_steps} evaluates nothing: this run has no "
+                                      f"held-out data (data.eval_path, data.eval_fraction) or eval_env_config")
+                    row.update(ev or {})
                 history.append(row)
                 if when.log_at(step, total_steps) or any(k.startswith("eval") for k in row):
                     tracker.log(step, {k: v for k, v in row.items() if k != "step"})
@@ -340,10 +341,20 @@ class Trainer:
         if getattr(cfg, "sync_ref_model", False) and step % cfg.ref_model_sync_steps == 0:
             self.reference.sync(self.pipeline.unwrapped_model, cfg.ref_model_mixup_alpha)
 
-    def _resume(self, tracker) -> None:
+    first_eval: dict | None = None  # the evaluation before the first step (step 0), also in every checkpoint
+
+    def _tokens_per_second(self, mark: list) -> float:
+        """Tokens through forward-backward on every process per wall second since `mark` ([time, this process's
+        count]), which moves to now."""
+        now, seen = time.time(), getattr(self.pipeline, "tokens_seen", 0)
+        tokens = self.reduce({"n": float(seen - mark[1])}, "sum")["n"]
+        rate, mark[:] = tokens / max(now - mark[0], 1e-9), [now, seen]
+        return rate
+
+    def _resume(self, tracker) -> bool:
         cfg = self.cfg
         if not cfg.resume:
-            return
+            return False
         candidates = complete_checkpoints(self.run_dir) if cfg.resume == "auto" else \
             [resolve_resume(cfg.resume, self.run_dir)]
         for i, path in enumerate(candidates):
@@ -351,14 +362,16 @@ class Trainer:
                 extra = self.load_checkpoint(path)
             except Exception as e:  # noqa: BLE001 - any unreadable file: fall back to an older checkpoint
                 if cfg.resume != "auto" or i + 1 == len(candidates):
-                    detail, fix = load_error(e)
+                    detail, fix = checkpoint_load_error(e)
                     raise RunError(f"resume: checkpoint {path} cannot be loaded ({detail}){fix}") from None
                 tracker.write(f"warning: checkpoint {path} cannot be loaded ({type(e).__name__}); "
                               f"trying the previous one")
                 continue
             self.restore(extra)
+            self.first_eval = extra.get(FIRST_EVAL)
             tracker.write(f"resumed from {path} at step {self.current_step}")
-            return
+            return True
+        return False
 
     def _checkpoint(self) -> None:
         name = checkpoint_name(self.current_step)
@@ -367,7 +380,8 @@ class Trainer:
         self.pipeline.before_commit = lambda tmp: make_loadable(tmp, self.pipeline.unwrapped_model,
                                                                 getattr(self, "tokenizer", None))
         try:
-            self.save_checkpoint(name, self.checkpoint_extra())
+            extra = self.checkpoint_extra()
+            self.save_checkpoint(name, {**extra, FIRST_EVAL: self.first_eval} if self.first_eval else extra)
         except Exception as e:
             # a full disk, in the words of each writer (an OSError, safetensors' own error, torch.save's
             # RuntimeError: see rl.errors.disk_full); anything else is not ours to explain

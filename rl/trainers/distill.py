@@ -39,6 +39,7 @@ from rl.algos.distill import generalized_jsd
 from rl.config.fields import opt
 from rl.config.plan import prompts_step_problem
 from rl.config.schema import OnlineConfig
+from rl.data.columns import missing_column
 from rl.data.records import has_data
 from rl.engine.dist import zero_stage
 from rl.engine.generation import generate
@@ -152,6 +153,9 @@ class DistillTrainer(Trainer):
         rows = load_prompt_rows(cfg.data.path, cfg)
         if cfg.lmbda < 1 and not cfg.seq_kd:
             col = cfg.data.completion_column
+            present = {k for r in rows for k in r}
+            if col not in present:  # the whole column: the key that maps it
+                raise missing_column(str(cfg.data.path or "data.mixture"), col, present, "data.completion_column")
             for i, r in enumerate(rows):
                 if not isinstance(r.get(col), str) or not r[col]:
                     raise DataError(f"{cfg.data.path}: row {i + 1}: column '{col}' must be a non-empty string "

@@ -12,7 +12,7 @@ from rl.envs.registry import make_env
 from rl.errors import ConfigError
 from rl.rollout.prompts import load_prompt_rows
 from rl.trainers.base import Trainer
-from rl.trainers.rewards import build_reward_fns
+from rl.trainers.rewards import build_reward_fns, env_keys_problem
 
 
 class OnlineTrainer(Trainer):
@@ -42,7 +42,11 @@ class OnlineTrainer(Trainer):
 
     @staticmethod
     def load_data(cfg) -> list[dict] | None:
-        """The recipe's prompt rows (data.path), or None when the environment supplies the prompts."""
+        """The recipe's prompt rows (data.path), or None when the environment supplies the prompts (a
+        data.path beside it would not be read: refused, as every key that would have no effect)."""
+        problem = env_keys_problem(cfg, env_supplies_prompts=True)
+        if problem:
+            raise ConfigError(problem)
         if cfg.env_type is not None:
             return None
         if not has_data(cfg.data):

@@ -43,10 +43,7 @@ from typing import Callable, Sequence
 import torch
 import torch.nn as nn
 
-from rl.algos.kl import (
-    AdaptiveKLController,
-    FixedKLController,
-)
+from rl.algos.kl import AdaptiveKLController, FixedKLController
 from rl.engine.dist import is_deepspeed, zero_stage
 from rl.engine.generation import generate
 from rl.engine.packing import pack_padded
@@ -81,10 +78,7 @@ from rl.trainers.ppo_math import (
     save_policy,
     score_forward,
 )
-from rl.trainers.ppo_rewards import (
-    build_reward_source,
-    ppo_scores,
-)
+from rl.trainers.ppo_rewards import build_reward_source, ppo_scores
 
 
 class PPOTrainer(Trainer):
@@ -315,7 +309,9 @@ class PPOTrainer(Trainer):
         t0 = time.time()
         if self._exp is None or self._exp["iteration"] != it:
             prompts, metadata = self._prompts, self._metadata
-            idx = self._global_indices(it, len(prompts))[self.accelerator.process_index::self.world]
+            # the iteration's global_batch prompts: consecutive slices of per-epoch seeded shuffles, every process alike
+            idx = prompt_order(it, len(prompts), self._plan["global_batch"], self.cfg.seed)[
+                self.accelerator.process_index::self.world]
             self._exp = self._experience([prompts[i] for i in idx], [self._encoded[i] for i in idx],
                                          [dict(metadata[i]) for i in idx] if metadata is not None else None, it)
         ex, t_train = self._exp, time.time()
@@ -334,17 +330,20 @@ class PPOTrainer(Trainer):
         """Within an iteration its rollout goes into the checkpoint (each process its own rows), so a resume
         continues on it exactly instead of sampling it again with a policy that has taken some updates."""
         extra = {"iteration": self.pipeline.step // self._plan["steps_per_iteration"], "kl_coef": self.kl_ctl.value}
-        if self._exp is not None:
-            extra[PER_PROCESS] = {"experience": self._exp}
+        if self._exp is not None:  # the coefficient before this rollout's KL update, for a resume that resamples it
+            extra.update({PER_PROCESS: {"experience": self._exp}, "kl_coef_before": self._exp["stats"]["kl_coef"]})
         return extra
 
     def restore(self, extra: dict) -> None:
         self.kl_ctl.value = float(extra["kl_coef"])
         ex, self._exp = extra.get(PER_PROCESS, {}).get("experience"), None
-        # another number of processes splits the rollout otherwise: that resume samples it afresh (not exact)
+        # another number of processes splits the rollout otherwise: that resume samples it afresh (not exact), from
+        # the coefficient it had before (its KL update is applied again, when it is sampled, and only then)
         if ex is not None and ex["world"] == self.world:
             self._exp = {**ex, "data": {k: v.to(self.pipeline.device) for k, v in ex["data"].items()}}
             self.last_rollout = ex["last_rollout"]
+        elif "kl_coef_before" in extra:
+            self.kl_ctl.value = float(extra["kl_coef_before"])
 
     def checkpoint_parts(self, name: str) -> list[Path]:
         """The critic's engine state lives in `checkpoints/critic/<name>` beside the policy's."""
@@ -372,11 +371,6 @@ class PPOTrainer(Trainer):
         if self.critic_pipeline is not None:
             out["critic"] = parameter_counts(self.critic_pipeline.unwrapped_model.parameters())
         return out
-
-    def _global_indices(self, iteration: int, n: int) -> list[int]:
-        """The iteration's per_device_train_batch_size * world prompt indices: consecutive slices of per-epoch seeded
-        shuffles (so every prompt is used once per epoch), identical on every process."""
-        return prompt_order(iteration, n, self._plan["global_batch"], self.cfg.seed)
 
     @torch.no_grad()
     def evaluate(self, prompts: Sequence[str], metadata: Sequence[dict] | None = None) -> dict:

@@ -4,6 +4,7 @@ that some reward source exists, and the prompts (read from a file, then tokenise
 from __future__ import annotations
 
 import dataclasses
+import json
 import logging
 import math
 from pathlib import Path
@@ -14,13 +15,21 @@ from rl.algos.policy_losses import KIND
 from rl.algos.registry import check, choices
 from rl.config.fields import opt
 from rl.config.schema import SamplingKeys, TrainConfig, VLLMKeys
+from rl.data.columns import column_keys
 from rl.data.records import (
     has_data,
     load_records,
     read_records,
     source_options,
+    where,
 )
-from rl.errors import ConfigError
+from rl.errors import ConfigError, DataError
+from rl.models.limits import context_length
+from rl.models.loading import load_tokenizer, vocabulary_mismatch
+from rl.models.reward_format import CONFIG_FILE
+from rl.models.sources import resolve_model_path
+from rl.rewards.functions import reward_columns_problem
+from rl.trainers.rewards import env_keys_problem
 from rl.rollout.prompts import encode_prompt
 
 logger = logging.getLogger(__name__)
@@ -208,6 +217,36 @@ def check_reward_source(cfg: PPOConfig, reward_fn=None, reward_model=None) -> No
     raise ConfigError(NO_REWARD_ERROR)
 
 
+def critic_problem(cfg: PPOConfig) -> str | None:
+    """value_model=critic started from another directory (critic_model_path, else reward_model_path) reads the
+    policy's token ids at up to max_length positions: why it cannot, in one line, before any model loads (its
+    tokenizer maps an id to another token than the policy's, or its context is below max_length); None when it can
+    or when the directory cannot be read here (its loader then says why)."""
+    key = next((k for k in ("critic_model_path", "reward_model_path") if getattr(cfg, k)), None)
+    if cfg.value_model != "critic" or key is None or getattr(cfg, key) == cfg.model_name:
+        return None
+    from transformers import AutoConfig
+
+    path = Path(resolve_model_path(getattr(cfg, key)))
+    meta = path / CONFIG_FILE  # a LoRA reward model names its backbone there
+    base = json.loads(meta.read_text())["config"].get("model_name") if meta.is_file() else str(path)
+    try:
+        found = context_length(AutoConfig.from_pretrained(path if (path / "config.json").is_file() else base,
+                                                          trust_remote_code=cfg.trust_remote_code))
+        theirs = load_tokenizer(str(path if (path / "tokenizer_config.json").is_file() else base), cfg.trust_remote_code)
+        mismatch = vocabulary_mismatch(load_tokenizer(cfg.model_name, cfg.trust_remote_code), theirs, "the policy's")
+    except (OSError, ValueError, KeyError, ConfigError):
+        return None
+    what = f"key '{key}': the critic {getattr(cfg, key)} reads the policy's token ids"
+    if found is not None and cfg.max_length > found[0]:
+        return (f"{what} at up to max_length={cfg.max_length} positions, but its context is {found[0]} (its config's "
+                f"{found[1]}); set max_length={found[0]} or less, or start the critic from another model")
+    if mismatch:
+        return (f"{what}, but its tokenizer {mismatch}; start the critic from a model with the policy's tokenizer "
+                f"(critic_model_path={cfg.model_name} starts it from the policy)")
+    return None
+
+
 def ppo_dry_run_models(cfg: PPOConfig) -> dict:
     """The models a PPO run holds, for the dry-run memory plan (the reference as ReferencePolicy decides)."""
     models = {"policy (trainable)": cfg.model_name,
@@ -225,9 +264,14 @@ def load_prompts(path: str, cfg: PPOConfig, for_eval: bool = False) -> tuple[lis
     data.eval_path (its split is data.eval_split)."""
     d = cfg.data
     source = source_options(d, for_eval, seed=cfg.seed)
-    load_records(path, columns=[d.text_column], max_examples=d.max_examples, **source)  # names file:line
+    # names file:line, and data.text_column for a missing prompt column
+    load_records(path, columns=[d.text_column], max_examples=d.max_examples, keys=column_keys(d), **source)
     rows = read_records(path, **source)
     rows = rows[:d.max_examples] if d.max_examples else rows
+    problem = rows and reward_columns_problem(cfg, {k for r in rows[:1000] for k in r} - {"_line"},
+                                              where(path, rows[0]))
+    if problem:  # e.g. reward_fn=correctness without an 'answer' column: before any model, not at the first reward
+        raise DataError(problem)
     return ([r[d.text_column] for r in rows],
             [{k: v for k, v in r.items() if k not in (d.text_column, "_line")} for r in rows])
 
@@ -236,6 +280,9 @@ def load_prompt_data(cfg: PPOConfig) -> tuple[list[str] | None, list[dict] | Non
                                               list[dict] | None]:
     """(prompts, metadata, eval_prompts, eval_metadata) of a recipe; prompts None when the environment
     supplies them. The metadata are each row's other columns (a correctness reward reads `answer`)."""
+    problem = env_keys_problem(cfg, env_supplies_prompts=False)  # env_config without an environment
+    if problem:
+        raise ConfigError(problem)
     if not has_data(cfg.data) and not (cfg.env_type or cfg.multi_objective):
         raise ConfigError("data.path is not set: pass --data.path prompts.jsonl (rows {\"text\": ...}) "
                           "or set data: {path: ...} (or data.mixture) in the recipe")

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import importlib
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import MISSING, dataclass, field, fields
 
 NAN = float("nan")
 
@@ -95,6 +95,33 @@ def ppo_summary(history, plan, trainer) -> str | None:
             f"{last['time/scoring']:.2f} per iteration, training {last['time/training']:.2f} per step")
 
 
+# ------------------------------------------------------------------------------------------ the data keys
+
+SOURCE_KEYS = ("path", "name", "split", "max_examples", "streaming", "mixture")  # every trainer reads these
+HELD_OUT = ("eval_path", "eval_split", "eval_fraction")  # an evaluation on data (the online trainers use environments)
+
+
+def unread_data_key(entry: "Entry", data) -> str | None:
+    """The first data.* key set (to other than its default) that `entry`'s trainer does not read, as one line, or
+    None: a key without effect is refused (PPO's prompts are data.text_column, not data.prompt_column; GRPO
+    evaluates through eval_env_config, not data.eval_path)."""
+    for f in fields(data):
+        default = f.default_factory() if f.default_factory is not MISSING else f.default
+        if f.name in SOURCE_KEYS or f.name in entry.data_keys or getattr(data, f.name) == default:
+            continue
+        columns = [f"data.{k}" for k in entry.data_keys if k.endswith("_column")]
+        if f.name.endswith("_column"):
+            hint = f" (its columns: {', '.join(columns)})" if columns else ""
+            fix = f", or set {columns[0]}={getattr(data, f.name)}" if len(columns) == 1 else ""
+        else:
+            hint = (" (its held-out data is data.eval_path)" if "eval_path" in entry.data_keys else
+                    " (it evaluates with an environment's eval_env_config)" if entry.name in ("grpo", "online_dpo")
+                    else "")
+            fix = ""
+        return f"key 'data.{f.name}' has no effect in the {entry.name} trainer{hint}; drop it{fix}"
+    return None
+
+
 # ------------------------------------------------------------------------------------------ the entry
 
 # How rl.scripts.train.main drives a trainer between parsing and saving (its SHAPES):
@@ -118,6 +145,7 @@ class Entry:
     prompt_group: int | str | None = None  # --dry-run: distinct prompts per completion group (a config key's value)
     text_column: str | None = None  # the key rl-train's --text-column sets (None: the flag has no meaning)
     short_run: tuple[str, ...] = field(default=())  # overrides: {n} optimizer steps of a few examples (tests, smoke)
+    data_keys: tuple[str, ...] = ()  # the data.* keys it reads besides SOURCE_KEYS (any other set one: refused)
 
     @property
     def doc(self) -> str:
@@ -180,35 +208,43 @@ def _usage(name: str) -> str:
 
 TRAINERS: dict[str, Entry] = {e.name: e for e in (
     Entry("sft", "SFT (completion-only loss, LoRA)", "rl.trainers.sft:SFTConfig", "rl.trainers.sft:SFTTrainer",
-          "sft", loss_summary, text_column="data.text_column", short_run=("per_device_train_batch_size=4", "max_steps={n}")),
+          "sft", loss_summary, text_column="data.text_column", short_run=("per_device_train_batch_size=4", "max_steps={n}"),
+          data_keys=(*HELD_OUT, "text_column", "prompt_column", "completion_column", "messages_column", "strict")),
     Entry("reward", "reward model (BT, pairwise, multi-objective, QLoRA)", "rl.trainers.reward_config:RewardTrainConfig",
           "rl.trainers.reward:RewardModelTrainer", "reward", reward_summary, text_column="data.chosen_column",
-          short_run=("per_device_train_batch_size=4", "num_train_epochs=100", "max_steps={n}", "data.eval_fraction=0")),
+          short_run=("per_device_train_batch_size=4", "num_train_epochs=100", "max_steps={n}", "data.eval_fraction=0"),
+          data_keys=(*HELD_OUT, "prompt_column", "chosen_column", "rejected_column")),
     Entry("dpo", "DPO family (sigmoid, IPO, hinge, cDPO, reference-free, ORPO, SimPO)", "rl.trainers.dpo:DPOConfig",
           "rl.trainers.dpo:DPOTrainer", "epoch", dpo_summary, dataset="rl.data.preference:PreferenceDataset",
           text_column="data.chosen_column",
-          short_run=("per_device_train_batch_size=4", "max_steps={n}", "eval_steps=0", "data.eval_fraction=0")),
+          short_run=("per_device_train_batch_size=4", "max_steps={n}", "eval_steps=0", "data.eval_fraction=0"),
+          data_keys=(*HELD_OUT, "prompt_column", "chosen_column", "rejected_column")),
     Entry("ppo", "PPO (value head or critic, adaptive KL, GAE)", "rl.trainers.ppo_config:PPOConfig",
           "rl.trainers.ppo:PPOTrainer", "ppo", ppo_summary, require_data=False, plan="rl.trainers.ppo_config:ppo_plan",
           text_column="data.text_column", short_run=("per_device_train_batch_size=4", "mini_batch_size=4", "gradient_accumulation_steps=1",
-                                                     "num_ppo_epochs=1", "max_completion_length=4", "max_steps={n}")),
+                                                     "num_ppo_epochs=1", "max_completion_length=4", "max_steps={n}"),
+          data_keys=("eval_path", "eval_split", "text_column")),
     Entry("grpo", "GRPO family (GRPO, Dr. GRPO, RLOO, REINFORCE++, DAPO, GSPO)", "rl.trainers.grpo_config:GRPOConfig",
           "rl.trainers.grpo:GRPOTrainer", "online", grpo_summary, require_data=False,
           plan="rl.trainers.grpo_config:grpo_sizes", prompt_group="num_generations", text_column="data.text_column",
-          short_run=("per_device_train_batch_size=8", "num_generations=4", "max_steps={n}", "eval_steps=0", "eval_num_prompts=4")),
+          short_run=("per_device_train_batch_size=8", "num_generations=4", "max_steps={n}", "eval_steps=0", "eval_num_prompts=4"),
+          data_keys=("prompt_column", "text_column")),
     Entry("online_dpo", "online DPO (two samples ranked by the reward sources; sigmoid, IPO, hinge)",
           "rl.trainers.online_dpo:OnlineDPOConfig", "rl.trainers.online_dpo:OnlineDPOTrainer", "online",
           online_dpo_summary, require_data=False, prompt_group=1, text_column="data.text_column",
-          short_run=("per_device_train_batch_size=4", "max_steps={n}", "max_completion_length=4")),
+          short_run=("per_device_train_batch_size=4", "max_steps={n}", "max_completion_length=4"),
+          data_keys=("prompt_column", "text_column")),
     Entry("kto", "KTO (unpaired rows `prompt`/`completion`/`label`, KL reference point from mismatched rows, "
           "desirable/undesirable weights)", "rl.trainers.kto:KTOConfig", "rl.trainers.kto:KTOTrainer", "epoch",
           kto_summary, dataset="rl.data.kto:UnpairedDataset", text_column="data.completion_column",
-          short_run=("per_device_train_batch_size=4", "max_steps={n}", "eval_steps=0", "data.eval_fraction=0")),
+          short_run=("per_device_train_batch_size=4", "max_steps={n}", "eval_steps=0", "data.eval_fraction=0"),
+          data_keys=(*HELD_OUT, "prompt_column", "completion_column", "label_column")),
     Entry("distill", "on-policy distillation (GKD: a frozen teacher, generalised JSD `beta`, the student's own "
           "samples with probability `lmbda`, `seq_kd`)", "rl.trainers.distill:DistillConfig",
           "rl.trainers.distill:DistillTrainer", "online", distill_summary, prompt_group=1,
           text_column="data.completion_column",
-          short_run=("per_device_train_batch_size=4", "gradient_accumulation_steps=1", "max_steps={n}", "max_completion_length=4")),
+          short_run=("per_device_train_batch_size=4", "gradient_accumulation_steps=1", "max_steps={n}", "max_completion_length=4"),
+          data_keys=("prompt_column", "text_column", "completion_column")),
 )}
 
 

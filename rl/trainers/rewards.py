@@ -31,6 +31,7 @@ from __future__ import annotations
 import inspect
 import math
 import numbers
+import sys
 import threading
 from pathlib import Path
 from typing import Any, Callable, Protocol, Sequence
@@ -40,7 +41,7 @@ import torch
 from rl.envs.registry import make_env
 from rl.errors import ConfigError, RunError
 from rl.models.reward import load_reward_model
-from rl.rewards.functions import get_reward_fn
+from rl.rewards.functions import get_reward_fn, reward_columns_problem
 
 DEFAULT_REWARD_TIMEOUT = 300.0
 
@@ -319,6 +320,13 @@ def build_reward_fns(cfg, tokenizer, *, reward_funcs: Sequence[Callable | str] =
     if env is None and (getattr(cfg, "env_type", None) or getattr(cfg, "multi_objective", False)):
         env = build_env(cfg, tokenizer, not_components={"env", "reward_model", *(f.name for f in functions)})
     if env is not None:
+        data = getattr(cfg, "data", None)
+        if data is None or (data.path is None and not getattr(data, "mixture", None)):  # the env's prompts are used
+            problem = reward_columns_problem(cfg, set((getattr(env, "metadata", None) or [{}])[0]),
+                                             f"env_type={getattr(cfg, 'env_type', None) or 'multi_objective'}",
+                                             "the environment's prompts' metadata")
+            if problem:
+                raise ConfigError(problem)
         sources.append(EnvironmentReward(env, timeout=timeout))
     if reward_model is not None:
         sources.append(RewardModelReward(reward_model, timeout=timeout))
@@ -344,6 +352,28 @@ def source_weights(weights, names: list[str], env=None) -> list[float] | None:
 
 
 ENVS_WITH_PROMPTS = ("math", "code", "tool_math")  # environments that draw their own problems
+
+
+def env_keys_problem(cfg, env_supplies_prompts: bool) -> str | None:
+    """A key beside the environment's that would have no effect: training data where the environment supplies
+    the prompts (`env_supplies_prompts`: GRPO and online DPO read no data beside an environment; PPO reads it) is
+    refused, as one line returned (None when all is read). env_config / eval_env_config without an environment
+    get a `warning:` line instead: a recipe's mapping cannot be cleared from the command line (env_type=null is
+    how a user switches a recipe's environment off)."""
+    env = getattr(cfg, "env_type", None) or ("multi_objective" if getattr(cfg, "multi_objective", False) else None)
+    if env is None:
+        unread = [key for key in ("env_config", "eval_env_config") if getattr(cfg, key, None)]
+        if unread:
+            print(f"warning: {' and '.join(unread)} not read: no environment (env_type is null)", file=sys.stderr,
+                  flush=True)
+        return None
+    data = getattr(cfg, "data", None)
+    if env_supplies_prompts and data is not None and (data.path or getattr(data, "mixture", None)):
+        given = f"data.path={data.path}" if data.path else "data.mixture"
+        return (f"{given} would not be read: env_type={env} supplies the prompts (and what its reward needs); "
+                f"drop {given.split('=')[0]}, or set env_type=null to train on the data's prompts (scored by "
+                f"reward_funcs or reward_model_path)")
+    return None
 
 
 def build_env(cfg, tokenizer, not_components: set[str] = frozenset()):

@@ -1,13 +1,12 @@
-"""launch/dpo.py end to end: tiny recipe in a subprocess, bad data reported by line, 2-process ZeRO-3."""
+"""launch/dpo.py end to end: the tiny recipe (its main() in this process), bad data reported by line, 2-process ZeRO-3."""
 
 from __future__ import annotations
 
 import json
-import sys
 
 import pytest
 
-from tests.conftest import ROOT, accelerate_cmd, run_cmd, run_main
+from tests.conftest import accelerate_cmd, run_cmd, run_main
 
 
 def _metrics(out_dir) -> list[dict]:
@@ -15,10 +14,11 @@ def _metrics(out_dir) -> list[dict]:
 
 
 @pytest.mark.slow
-def test_launch_tiny_recipe_orpo_with_eval_and_checkpoint(tmp_path, tiny_llama):
+def test_launch_tiny_recipe_orpo_with_eval_and_checkpoint(tmp_path, tiny_llama, capfd, monkeypatch):
     out = tmp_path / "run"
-    run_cmd([sys.executable, "launch/dpo.py", "--config", "recipes/tiny/dpo.yaml", f"output_dir={out}",
-             "num_train_epochs=1", "loss_type=orpo", "save_steps=7", "eval_steps=7"], timeout=300)
+    code, stdout, stderr = run_main("dpo", ["--config", "recipes/tiny/dpo.yaml", f"output_dir={out}", "num_train_epochs=1",
+                                            "loss_type=orpo", "save_steps=7", "eval_steps=7"], capfd, monkeypatch)
+    assert code == 0, (stdout + stderr)[-3000:]
     rows = _metrics(out)
     assert any("eval/rewards/accuracies" in r for r in rows)
     assert all("nll_loss" in r for r in rows if "loss" in r and "eval/loss" not in r)
@@ -27,17 +27,14 @@ def test_launch_tiny_recipe_orpo_with_eval_and_checkpoint(tmp_path, tiny_llama):
 
 
 @pytest.mark.slow
-def test_launch_reports_bad_row_by_line(tmp_path, tiny_cache):
+def test_launch_reports_bad_row_by_line(tmp_path, tiny_cache, capfd, monkeypatch):
     data = tmp_path / "pairs.jsonl"
     data.write_text('{"prompt": "a", "chosen": "b", "rejected": "c"}\n'
                     '{"prompt": "a", "chosen": "b"}\n')
-    import subprocess
-
-    proc = subprocess.run([sys.executable, "launch/dpo.py", "--config", "recipes/tiny/dpo.yaml",
-                           f"data.path={data}", f"output_dir={tmp_path / 'o'}"], cwd=ROOT,
-                          capture_output=True, text=True, timeout=120)
-    assert proc.returncode == 2
-    assert f"{data}:2" in proc.stderr and "rejected" in proc.stderr
+    code, _, stderr = run_main("dpo", ["--config", "recipes/tiny/dpo.yaml", f"data.path={data}",
+                                       f"output_dir={tmp_path / 'o'}"], capfd, monkeypatch)
+    assert code == 2
+    assert f"{data}:2" in stderr and "rejected" in stderr and "Traceback" not in stderr
 
 
 @pytest.mark.slow

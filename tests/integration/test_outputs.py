@@ -45,6 +45,34 @@ def test_tensorboard_holds_what_jsonl_holds(tmp_path):
     assert (tmp_path / "metrics.png").stat().st_size > 1000
 
 
+def test_a_grpo_run_written_to_a_file_prints_a_line_per_logging_step(tmp_path, tiny_llama):
+    """`python launch/grpo.py ... > log`: stdout is a file (no terminal, no progress bar), and it holds one
+    console line per row of metrics.jsonl, step over total, in fixed columns, between the banner and the summary."""
+    import re
+    import subprocess
+    import sys
+
+    from tests.conftest import ROOT
+
+    out, log = tmp_path / "run", tmp_path / "log"
+    with log.open("w") as f:
+        r = subprocess.run([sys.executable, "launch/grpo.py", "--config", "recipes/tiny/grpo.yaml", f"model_name={tiny_llama}",
+                            "max_steps=4", "logging_steps=2", "eval_steps=0", "eval_num_prompts=4",
+                            "reward_funcs=[default]", f"output_dir={out}"], cwd=ROOT, stdout=f, stderr=subprocess.PIPE,
+                           text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)})
+    assert r.returncode == 0, r.stderr[-2000:]
+    lines = log.read_text().splitlines()
+    steps = [json.loads(x)["step"] for x in (out / "metrics.jsonl").read_text().splitlines()]
+    shown = [x for x in lines if x.startswith("step ")]
+    assert steps == [0, 2, 4] and [x.split(" |")[0] for x in shown] == ["step 0/4", "step 2/4", "step 4/4"], lines
+    assert lines[0].startswith("grpo (") and lines[-1].startswith("grpo done:") and len(lines) == 2 + len(shown)
+    for line in shown[1:]:
+        assert re.fullmatch(r"step \d/4 \| loss +\S+ \| reward +\S+ \| reward_std +\S+ \| grad_norm +\S+ \| "
+                            r"learning_rate \S+ \| tokens/s +[\d,]+ \| elapsed \d:\d\d:\d\d \| eta \d:\d\d:\d\d"
+                            r"( \| eval/accuracy \S+ \| eval/reward \S+)?", line), line
+    assert [line.index("| learning_rate") for line in shown[1:]] == [shown[1].index("| learning_rate")] * 2
+
+
 def test_flat_config_and_y_labels():
     assert flat_config({"a": 1, "lora": {"rank": 4, "alpha": None}, "report_to": ["jsonl"]}) == \
         {"a": 1, "lora.rank": 4, "lora.alpha": "None", "report_to": "['jsonl']"}

@@ -11,7 +11,7 @@ import torch
 from rl.rewards.functions import char_fraction_reward
 from rl.trainers.ppo import PPOTrainer
 from rl.trainers.ppo_config import PPOConfig
-from tests.conftest import LEARN_SEED, accelerate_cmd, learned, run_cmd
+from tests.conftest import LEARN_SEED, accelerate_cmd, learned, run_cmd, run_main
 
 PROMPTS = [f"{w} {v}: " for w in ("tell", "write", "why", "how") for v in ("sea", "cat", "sky", "poem")]
 
@@ -96,19 +96,21 @@ def test_lora_reference_adaptive_kl_and_critic(tmp_path, tiny_llama):
 
 
 @pytest.mark.slow
-def test_two_step_rlhf_pipeline(tmp_path, tiny_cache):
+def test_two_step_rlhf_pipeline(tmp_path, tiny_cache, capfd, monkeypatch):
     """launch/reward.py trains a reward model; launch/ppo.py uses it by path (the reference's pipeline), as
-    the README writes it: the command line's reward_model_path replaces the recipe's reward_fn."""
+    the README writes it: the command line's reward_model_path replaces the recipe's reward_fn. Both launch
+    scripts' main() in this process (conftest.run_main: two process start-ups fewer)."""
     rm = tmp_path / "rm"
-    run_cmd(["python", "launch/reward.py", "--config", "recipes/tiny/reward.yaml", f"output_dir={rm}",
-             "num_train_epochs=1", "data.max_examples=64"], timeout=300)
-    assert (rm / "reward_config.json").exists()
+    code, stdout, stderr = run_main("reward", ["--config", "recipes/tiny/reward.yaml", f"output_dir={rm}",
+                                               "num_train_epochs=1", "data.max_examples=64"], capfd, monkeypatch)
+    assert code == 0 and (rm / "reward_config.json").exists(), (stdout + stderr)[-3000:]
     out = tmp_path / "ppo"
-    proc = run_cmd(["python", "launch/ppo.py", "--config", "recipes/tiny/ppo.yaml", f"reward_model_path={rm}",
-                    "max_steps=1", "per_device_train_batch_size=8", "mini_batch_size=8", "gradient_accumulation_steps=1",
-                    "num_ppo_epochs=1", "max_completion_length=4", f"output_dir={out}"], timeout=300)
-    assert "reward: reward_model" in proc.stdout + proc.stderr, proc.stdout + proc.stderr
-    assert "ppo done" in proc.stdout, proc.stdout + proc.stderr
+    code, stdout, stderr = run_main("ppo", ["--config", "recipes/tiny/ppo.yaml", f"reward_model_path={rm}",
+                                            "max_steps=1", "per_device_train_batch_size=8", "mini_batch_size=8",
+                                            "gradient_accumulation_steps=1", "num_ppo_epochs=1",
+                                            "max_completion_length=4", f"output_dir={out}"], capfd, monkeypatch)
+    assert code == 0 and "reward: reward_model" in stdout + stderr, stdout + stderr
+    assert "ppo done" in stdout, stdout + stderr
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert len(rows) == 1 and all("objective/scores" in r and "time/generation" in r for r in rows)
     assert (out / "config.json").exists() and (out / "value_head.safetensors").exists()

@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from tests.conftest import ROOT, accelerate_cmd, run_cmd
+from tests.conftest import ROOT, accelerate_cmd, run_cmd, run_main
 
 pytestmark = pytest.mark.slow
 
@@ -22,15 +22,17 @@ def _renamed_data(tmp_path, n=64):
     return path
 
 
-def test_launch_reward_with_reference_column_flags(tiny_cache, tmp_path):
+def test_launch_reward_with_reference_column_flags(tiny_cache, tmp_path, capfd, monkeypatch):
+    """launch/reward.py's main() in this process (conftest.run_main: a process start-up fewer; the flags are
+    parsed by the same code a subprocess runs)."""
     from rl.models.reward import load_reward_model
 
     out = tmp_path / "rm"
-    proc = run_cmd([sys.executable, "launch/reward.py", "--config", "recipes/tiny/reward.yaml",
-                    "--data.path", str(_renamed_data(tmp_path)), "--prompt-text-column", "question",
-                    "--text-column", "good", "--rejected-text-column", "bad", f"output_dir={out}",
-                    "max_steps=3", "report_to=[jsonl]"], env={"RL_NO_PROGRESS": "1"}, timeout=300)
-    assert "reward done" in proc.stdout
+    code, stdout, stderr = run_main("reward", [
+        "--config", "recipes/tiny/reward.yaml", "--data.path", str(_renamed_data(tmp_path)), "--prompt-text-column",
+        "question", "--text-column", "good", "--rejected-text-column", "bad", f"output_dir={out}", "max_steps=3",
+        "report_to=[jsonl]"], capfd, monkeypatch)
+    assert code == 0 and "reward done" in stdout, (stdout + stderr)[-3000:]
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows if "loss" in r] == [1, 2, 3]
     assert any("eval/accuracy" in r for r in rows)

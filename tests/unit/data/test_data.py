@@ -47,8 +47,24 @@ def test_malformed_json_names_the_line(tmp_path):
 
 def test_missing_column_lists_present_ones(tmp_path):
     p = write(tmp_path, "d.jsonl", '{"body": "x", "title": "y"}\n')
-    with pytest.raises(DataError, match=r"missing column 'text' \(columns present: body, title\)"):
+    with pytest.raises(DataError, match=r"d.jsonl:1: no column 'text' \(columns present: body, title\); rename"):
         load_records(p, ["text"])
+
+
+def test_a_missing_column_names_the_key_that_maps_it_and_the_likely_column(tmp_path):
+    """file:line, the column, the columns present and the data.*_column key, with the column that probably holds
+    it (`data.prompt_column=question`); every trainer's loader passes its keys."""
+    from rl.data.columns import column_keys
+    from rl.trainers.dpo import DPOConfig
+
+    p = write(tmp_path, "d.jsonl", '{"question": "1+1=", "answer": "2"}\n')
+    d = DPOConfig(model_name="m").data
+    with pytest.raises(DataError) as e:
+        load_records(p, [d.prompt_column], keys=column_keys(d))
+    assert str(e.value) == (f"{p}:1: no column 'prompt' (columns present: answer, question); set "
+                            f"data.prompt_column=question if that column holds it, or rename the column in the data")
+    with pytest.raises(DataError, match=r"no column 'chosen' .*; set data.chosen_column=<the column that holds it>"):
+        load_records(p, [d.chosen_column], keys=column_keys(d))
 
 
 def test_non_string_and_empty_values(tmp_path):
@@ -107,7 +123,7 @@ def test_dataset_repository_folder_configs_and_splits(tmp_path):
     assert [r["completion"] for r in load_records(repo, ["completion"], split="test")] == ["tc"]
     assert [r["answer"] for r in load_records(repo, ["problem", "answer"], name="math")] == ["2", "2"]
     # our validation layer still runs, naming the source and the row
-    with pytest.raises(DataError, match=r"repo: missing column 'text' \(columns present: completion, prompt\)"):
+    with pytest.raises(DataError, match=r"repo \(train row 1\): no column 'text' \(columns present: completion, prompt\)"):
         load_records(repo, ["text"])
     with pytest.raises(DataError, match=r"repo: .*'nope'.*default.*math.*\(set data.name\)$"):
         read_records(repo, name="nope")

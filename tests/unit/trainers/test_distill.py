@@ -255,16 +255,11 @@ def test_a_teacher_whose_tokenizer_maps_ids_to_other_tokens_is_refused(tmp_path,
     """The same number of ids (and of output rows), two digits' ids swapped: the loss would compare the
     teacher's '1' with the student's '0'. One line naming the key and the first differing id, exit 2, before
     any model is loaded; the shipped recipe's tiny:qwen2 teacher (whose class adds a token of its own) passes."""
-    import shutil
-
     from rl.models.loading import load_tokenizer, vocabulary_mismatch
+    from tests.conftest import swapped_digits_copy
 
     teacher = tmp_path / "teacher"
-    shutil.copytree(tiny_llama, teacher)
-    spec = json.loads((teacher / "tokenizer.json").read_text())
-    vocab = spec["model"]["vocab"]
-    vocab["0"], vocab["1"] = vocab["1"], vocab["0"]
-    (teacher / "tokenizer.json").write_text(json.dumps(spec))
+    vocab = swapped_digits_copy(tiny_llama, teacher)
     student_tok, teacher_tok = load_tokenizer(tiny_llama), load_tokenizer(str(teacher))
     assert len(student_tok) == len(teacher_tok)
     assert vocabulary_mismatch(student_tok, teacher_tok) == (

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -190,6 +191,9 @@ def test_sigterm_retention_corrupt_fallback_and_rerun(trainer, tmp_path, tiny_ll
     assert code == 0, text[-3000:]
     assert "cannot be loaded" in text and f"resumed from {ckpts[1]}" in text, text[-3000:]
     assert final.exists()
+    # the console: one line per logged step of the resumed run (logging_steps=1), the step over the run's total
+    shown = [tuple(map(int, m.groups())) for m in re.finditer(r"^step +(\d+)/(\d+) \| ", stdout, re.MULTILINE)]
+    assert [s for s, _ in shown] == [stopped, stopped + 1] and {t for _, t in shown} == {stopped + 1}, stdout[-2000:]
     # 3. a new run into the finished one is refused before any model is built; nothing is touched
     before = final.stat().st_mtime_ns
     code, _, stderr = _main(trainer, out, 2, capfd=capfd, monkeypatch=monkeypatch)
