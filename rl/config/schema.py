@@ -212,6 +212,9 @@ class VLLMKeys:
     vllm_group_port: int = opt(51216, "server: port of the weight-sync group's store (--group-port)")
     vllm_server_timeout: float = opt(240.0, "server: seconds to wait for it to answer, and for any one request "
                                      "or weight transfer, before the run stops with one line")
+    vllm_weight_sync_bucket_mb: int = opt(
+        512, "weights travel to the engine packed in buckets of this many MiB, each tensor in its own dtype (verl's "
+        "default size; TRL has no key); 0: one tensor at a time")
     vllm_importance_sampling_correction: bool = opt(
         True, "weight each token's loss by the truncated ratio pi_old / pi_vllm of the trainer's and the engine's "
         "log-probs (their kernels differ), as TRL and verl do")
@@ -229,6 +232,9 @@ class VLLMKeys:
             raise ConfigError(f"key 'vllm_importance_sampling_cap' must be > 0, got {self.vllm_importance_sampling_cap}")
         if self.vllm_server_timeout <= 0:
             raise ConfigError(f"key 'vllm_server_timeout' must be > 0 seconds, got {self.vllm_server_timeout}")
+        if self.vllm_weight_sync_bucket_mb < 0:
+            raise ConfigError("key 'vllm_weight_sync_bucket_mb' must be >= 0 (0: one tensor at a time), got "
+                              f"{self.vllm_weight_sync_bucket_mb}")
 
 
 @dataclasses.dataclass

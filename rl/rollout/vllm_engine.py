@@ -33,7 +33,7 @@ from transformers import AutoConfig
 from rl.engine.generation import Rollout, _as_prompt_list, _resolve_ids
 from rl.engine.packing import left_pad
 from rl.engine.dist import is_zero3
-from rl.engine.weight_sync import policy_module, policy_weights
+from rl.engine.weight_sync import bucketed, policy_module, policy_weights
 from rl.errors import RunError
 from rl.rollout.vllm_client import ServerClient, model_shape
 
@@ -167,12 +167,13 @@ class VLLMRollout:
         if version == self.version:
             return
         weights = policy_weights(model)
+        bucket_bytes = self.cfg.vllm_weight_sync_bucket_mb << 20
         try:
             if self.llm is not None:
                 self.wake_up()
-                load_weights(self.llm, weights)
+                load_weights(self.llm, bucketed(weights, bucket_bytes))
             elif self.acc.is_main_process:
-                self.client.push(weights)
+                self.client.push(weights, bucket_bytes)
             else:  # the other ranks take part in ZeRO-3's gathers only
                 if is_zero3(policy_module(model)):
                     for _ in weights:

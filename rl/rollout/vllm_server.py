@@ -30,7 +30,7 @@ from transformers import AutoConfig
 
 from rl.errors import RunError
 from rl.models.sources import resolve_model_path
-from rl.rollout.vllm_client import HEADER_BYTES, model_shape, weight_group
+from rl.rollout.vllm_client import model_shape, received_weights, weight_group
 from rl.rollout.vllm_engine import colocated_llm, completions_of, load_weights
 
 
@@ -70,19 +70,8 @@ class _Server:
         if self.pg is None:
             raise RuntimeError("no communicator: POST /init_communicator first")
 
-        def received():
-            while True:
-                h = torch.empty(HEADER_BYTES, dtype=torch.uint8, device=self.device)
-                self.pg.broadcast(h, 0).wait()
-                meta = json.loads(bytes(h.cpu().tolist()).decode().rstrip())
-                if meta.get("end"):
-                    return
-                t = torch.empty(meta["shape"], dtype=getattr(torch, meta["dtype"]), device=self.device)
-                self.pg.broadcast(t, 0).wait()
-                yield meta["name"], t
-
         with self.lock:
-            load_weights(self.llm, received())
+            load_weights(self.llm, received_weights(self.pg, self.device))
         return {"ok": True}
 
     def close_communicator(self, body: dict) -> dict:

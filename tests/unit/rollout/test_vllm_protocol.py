@@ -82,3 +82,38 @@ def test_a_server_of_another_model_is_refused(fake_server, tiny_llama):
         client.generate([[1, 2]], sampling_params(1, 4, 1.0, 0, 1.0, []))
     assert model_shape({"model_type": "llama", "vocab_size": 3, "hidden_size": 2, "num_hidden_layers": 1}) == \
         {"model_type": "llama", "vocab_size": 3, "hidden_size": 2, "num_hidden_layers": 1}
+
+
+@pytest.mark.parametrize("bucket_bytes", [0, 256, 1 << 20], ids=["per_tensor", "small_buckets", "one_bucket"])
+def test_weights_cross_the_group_bit_for_bit(bucket_bytes):
+    """Both ends of the weight stream over a real two-rank gloo group (two threads here): every tensor arrives
+    with its name, dtype, shape and bytes; 40 names in one bucket make a header longer than the control block."""
+    import socket
+
+    import torch
+
+    from rl.rollout.vllm_client import HEADER_BYTES, received_weights, send_weights, weight_group
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    g = torch.Generator().manual_seed(1)
+    sent = [(f"model.layers.{i}.mlp.some_rather_long_projection_name.weight", torch.randn(3, i + 1, generator=g)
+             .to(torch.bfloat16 if i % 2 else torch.float32)) for i in range(40)] + [("flag", torch.tensor([True]))]
+    got, errors = [], []
+
+    def server():
+        try:
+            store, pg = weight_group("127.0.0.1", port, 1, 30.0, "gloo")
+            got.extend((n, t.clone()) for n, t in received_weights(pg, "cpu"))
+        except Exception as e:  # noqa: BLE001 - reported by the assert below
+            errors.append(e)
+    th = threading.Thread(target=server)
+    th.start()
+    store, pg = weight_group("127.0.0.1", port, 0, 30.0, "gloo")
+    assert send_weights(pg, iter(sent), bucket_bytes, "cpu") == len(sent)
+    th.join(60)
+    assert not errors, errors
+    assert [n for n, _ in got] == [n for n, _ in sent]
+    assert all(a.dtype == b.dtype and torch.equal(a, b) for (_, a), (_, b) in zip(got, sent))
+    assert len(" ".join(n for n, _ in sent)) > HEADER_BYTES  # one_bucket's header needed its own broadcast
