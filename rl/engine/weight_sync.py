@@ -35,7 +35,7 @@ from typing import Iterable, Iterator
 import torch
 
 from rl.engine.dist import is_zero3, unwrap_module
-from rl.engine.fast_decode import lora_merged
+from rl.engine.lora import lora_merged, lora_parent, merged_zero3
 
 
 def policy_module(model) -> torch.nn.Module:
@@ -75,37 +75,15 @@ def policy_weights(model) -> Iterator[tuple[str, torch.Tensor]]:
 
                 with deepspeed.zero.GatheredParameters([p for _, p in own], modifier_rank=None):
                     items = [(n, p.detach().clone()) for n, p in own]
-                parent = _lora_parent(lm, mod_name)
+                parent = lora_parent(lm, mod_name)
                 if parent is not None:
-                    items = _merged_zero3(parent, items)
+                    items = merged_zero3(parent, items)
             else:
                 items = [(n, p.detach()) for n, p in own]
             for n, t in items:
                 name = hf_name(f"{mod_name}.{n}" if mod_name else n)
                 if name is not None:
                     yield name, t
-
-
-def _lora_parent(lm, mod_name: str):
-    """The PEFT LoRA layer whose `base_layer` is the module `mod_name` (ZeRO-3 merging), else None."""
-    if not mod_name.endswith(".base_layer"):
-        return None
-    parent = lm.get_submodule(mod_name[: -len(".base_layer")])
-    return parent if hasattr(parent, "lora_A") else None
-
-
-def _merged_zero3(layer, items: list[tuple[str, torch.Tensor]]) -> list[tuple[str, torch.Tensor]]:
-    """`items` (the gathered base weight) with the active adapters' delta W = B A s added, the adapter's
-    own parameters gathered for it (ZeRO-3 partitions them too)."""
-    import deepspeed
-
-    adapters = [a for a in getattr(layer, "active_adapters", []) if a in layer.lora_A]
-    params = [p for a in adapters for p in (*layer.lora_A[a].parameters(), *layer.lora_B[a].parameters())]
-    with deepspeed.zero.GatheredParameters(params, modifier_rank=None):
-        delta = sum(layer.get_delta_weight(a) for a in adapters) if adapters else None
-    if delta is None:
-        return items
-    return [(n, t + delta.to(t.dtype) if n == "weight" else t) for n, t in items]
 
 
 # Offsets in a bucket are multiples of this, so that every tensor's bytes can be viewed as its dtype again

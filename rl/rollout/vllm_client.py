@@ -1,5 +1,6 @@
 """The trainer's side of `rl vllm-serve` (rl.rollout.vllm_server: the protocol is described there), and what both
-sides share: the model-shape check and the two-rank weight group. Needs no vLLM: the trainer's venv may lack it."""
+sides share: the model-shape check, the two-rank weight group and the weight stream over it (`send_weights` /
+`received_weights`, buckets of rl.engine.weight_sync). Needs no vLLM: the trainer's venv may lack it."""
 
 from __future__ import annotations
 
@@ -110,8 +111,8 @@ class ServerClient:
                            f"still running there? (vllm_server_host / vllm_server_port)") from None
 
     def wait_ready(self, expect: dict | None = None) -> dict:
-        """Poll /health until the server answers (at most `timeout` seconds), then check it serves a model
-        of the policy's shape (`model_shape`)."""
+        """Ask /info until the server answers (at most `timeout` seconds), then check it serves a model of the
+        policy's shape (`model_shape`); returns the server's info."""
         deadline = time.time() + self.timeout
         while True:
             try:
@@ -128,7 +129,8 @@ class ServerClient:
                            f"the policy {expect}: start it with the trainer's model_name")
         return info
 
-    def generate(self, prompts: list[list[int]], sampling: dict) -> list[list[dict]]:
+    def generate(self, prompts: list[list[int]], sampling: dict | list[dict]) -> list[list[dict]]:
+        """Completions per prompt (`sampling`: one dict of vLLM SamplingParams keywords per prompt, or one for all)."""
         return self._call("/generate", {"prompts": prompts, "sampling": sampling})["completions"]
 
     def init_communicator(self) -> None:
