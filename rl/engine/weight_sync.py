@@ -57,15 +57,16 @@ def hf_name(name: str) -> str | None:
     return name.replace(".base_layer.", ".").replace(".modules_to_save.default.", ".")
 
 
-def policy_weights(model) -> Iterator[tuple[str, torch.Tensor]]:
+def policy_weights(model, merge_lora: bool = True) -> Iterator[tuple[str, torch.Tensor]]:
     """Yield (HF name, tensor) for every weight of the policy's LM, a module at a time (see the module
-    docstring). Tensors are valid until the next item is requested under ZeRO-3 (copies), and are the
-    parameters themselves otherwise (the consumer copies them into its own storage)."""
+    docstring). Under ZeRO-3 the tensors are copies; otherwise they are the parameters themselves, to be
+    copied by the consumer before the iteration ends (a LoRA policy's are unmerged then). `merge_lora`
+    False: a LoRA policy's base weights as they are (its adapters travel on their own: rl.rollout.vllm_lora)."""
     lm = policy_module(model)
     zero3 = is_zero3(lm)
     # merging under ZeRO-3 would need every rank's full weights at once; there the adapters are merged
     # per module below instead
-    with (nullcontext() if zero3 else lora_merged(lm)):
+    with (nullcontext() if zero3 or not merge_lora else lora_merged(lm)):
         for mod_name, module in lm.named_modules():
             own = list(module.named_parameters(recurse=False))
             if not own or ".lora_" in f".{mod_name}":
@@ -75,7 +76,7 @@ def policy_weights(model) -> Iterator[tuple[str, torch.Tensor]]:
 
                 with deepspeed.zero.GatheredParameters([p for _, p in own], modifier_rank=None):
                     items = [(n, p.detach().clone()) for n, p in own]
-                parent = lora_parent(lm, mod_name)
+                parent = lora_parent(lm, mod_name) if merge_lora else None
                 if parent is not None:
                     items = merged_zero3(parent, items)
             else:

