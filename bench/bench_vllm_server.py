@@ -52,18 +52,19 @@ def worker(args) -> None:
         client.wait_ready()
     ways = {"one_call": lambda: generate_across_processes(request, client.generate),
             "call_per_process": lambda: client.generate(*request)}
-    result = {}
-    for name, step in ways.items():
-        times = []
-        for i in range(args.repeats + 1):
+    times = {name: [] for name in ways}
+    for i in range(args.repeats + 1):  # the ways interleaved, so that a change of load falls on both; 0: warm-up
+        for name, step in ways.items():
             dist.barrier()
             t = time.time()
             got = step()
             dist.barrier()
-            if i:  # the first is the warm-up
-                times.append(time.time() - t)
-        assert len(got) == len(prompts) and all(len(c) == GROUP for c in got)
-        seconds = statistics.median(times)
+            if i:
+                times[name].append(time.time() - t)
+            assert len(got) == len(prompts) and all(len(c) == GROUP for c in got)
+    result = {}
+    for name, ts in times.items():
+        seconds = statistics.median(ts)
         result[name] = {"seconds": round(seconds, 3), "completions_per_s": round(world * len(prompts) * GROUP / seconds, 2)}
     if rank == 0:
         print("RESULT " + json.dumps(result), flush=True)

@@ -6,9 +6,10 @@ and through `rl vllm-serve`; and (mode lora) a LoRA policy's adapters alone agai
 
 Needs vLLM (the README's vLLM section). Each (model, mode) runs in a process of its own (one engine per process:
 vLLM's CPU engine keeps its KV cache until the process ends). A sync is what `VLLMRollout.sync` does after an
-optimizer step: colocated, `load_weights(llm, bucketed(policy_weights(model), bucket_bytes))` (one in-place
-`reload_weights`); server, `ServerClient.push` (the stream over the gloo group, loaded by the server as it
-arrives; the time ends when the server confirms). The median of `--repeats` syncs counts, after one warm-up.
+optimizer step: colocated, `load_weights(llm, policy_weights(model))` (one in-place `reload_weights`; with a bucket
+size, the same tensors packed into buckets first, to see what packing would cost there); server,
+`ServerClient.push` (the stream over the gloo group, loaded by the server as it arrives; the time ends when the
+server confirms). The median of `--repeats` syncs counts, after one warm-up.
 Timings under load: compare the columns of one row (measured side by side), not rows of different runs.
 Results: printed, and written to bench/results/vllm_sync.json.
 """
@@ -53,14 +54,18 @@ def model_dir(name: str, work: Path) -> str:
     return str(out)
 
 
-def timed(fn, repeats: int) -> float:
-    fn()  # warm-up
-    times = []
-    for _ in range(repeats):
-        t = time.time()
+def timed(fns: dict, repeats: int) -> dict:
+    """The median seconds of each function, after one warm-up call each; the calls interleaved (one of each per
+    round), so that a change of the machine's load falls on all of them alike."""
+    for fn in fns.values():
         fn()
-        times.append(time.time() - t)
-    return statistics.median(times)
+    times = {k: [] for k in fns}
+    for _ in range(repeats):
+        for k, fn in fns.items():
+            t = time.time()
+            fn()
+            times[k].append(time.time() - t)
+    return {k: statistics.median(v) for k, v in times.items()}
 
 
 def side(args) -> dict:
@@ -68,7 +73,7 @@ def side(args) -> dict:
     import torch
     from transformers import AutoModelForCausalLM
 
-    from rl.engine.weight_sync import bucketed, policy_weights
+    from rl.engine.weight_sync import pack_buckets, policy_weights, unpack_bucket
     from rl.rollout.vllm_client import ServerClient
     from rl.rollout.vllm_engine import engine_kwargs, in_process_llm, load_weights
 
@@ -81,27 +86,29 @@ def side(args) -> dict:
     if args.mode == "colocate":
         llm = in_process_llm(engine_kwargs(path, dtype="float32", max_model_len=256, gpu_memory_utilization=0.3))
 
-        def sync(mb):
-            load_weights(llm, bucketed(policy_weights(model), mb << 20))
+        def sync(mb):  # what the engine does (mb 0), and the same tensors through buckets first
+            weights = policy_weights(model)
+            load_weights(llm, weights if not mb else
+                         (p for b in pack_buckets(weights, mb << 20) for p in unpack_bucket(b)))
     else:
         client = ServerClient("127.0.0.1", args.port, 600.0, args.group_port)
         client.wait_ready()
 
         def sync(mb):
             client.push(policy_weights(model), mb << 20)
-    for mb in BUCKETS_MB:
-        out["seconds"][f"bucket_{mb}mb"] = round(timed(lambda: sync(mb), args.repeats), 3)
-        print(f"{args.model} {args.mode} bucket {mb} MiB: {out['seconds'][f'bucket_{mb}mb']:.3f} s", flush=True)
+    medians = timed({f"bucket_{mb}mb": (lambda mb=mb: sync(mb)) for mb in BUCKETS_MB}, args.repeats)
+    out["seconds"] = {k: round(v, 3) for k, v in medians.items()}
+    print(f"{args.model} {args.mode}: {out['seconds']}", flush=True)
     return out
 
 
 def lora_side(args, model, out: dict) -> dict:
-    """A rank-16 LoRA policy on every linear layer, colocated: the merged weights (the default; 512 MiB buckets)
-    against the adapters alone (written for vLLM's LoRA support, and its in-place reload at the next request; the
+    """A rank-16 LoRA policy on every linear layer, colocated: the merged weights (the default) against the adapters
+    alone (written for vLLM's LoRA support, and its in-place reload at the next request; the
     same request without a reload is subtracted)."""
     import torch
 
-    from rl.engine.weight_sync import bucketed, policy_weights
+    from rl.engine.weight_sync import policy_weights
     from rl.models.loading import apply_lora
     from rl.rollout.vllm_engine import engine_call, engine_kwargs, in_process_llm, load_weights
     from rl.rollout.vllm_lora import AdapterSlot, adapter_state
@@ -114,15 +121,15 @@ def lora_side(args, model, out: dict) -> dict:
     llm = in_process_llm(engine_kwargs(args.path, dtype="float32", max_model_len=256, gpu_memory_utilization=0.3,
                                        max_lora_rank=16))
     slot = AdapterSlot()
-    probe = ([[1, 2, 3]], [{"max_tokens": 1, "temperature": 0.0}])
-    out["seconds"]["merged"] = round(timed(lambda: load_weights(llm, bucketed(policy_weights(policy), 512 << 20)),
-                                           args.repeats), 3)
-
+    probe = ([[1, 2, 3]], [{"max_tokens": 1, "temperature": 0.0, "logprobs": 0}])
     def adapter_sync():
         slot.write(*adapter_state(policy))
         engine_call(llm, slot.request())(*probe)
-    request_alone = timed(lambda: engine_call(llm, slot.request())(*probe), args.repeats)
-    out["seconds"]["adapters"] = round(max(timed(adapter_sync, args.repeats) - request_alone, 0.0), 3)
+    m = timed({"merged": lambda: load_weights(llm, policy_weights(policy)),
+               "adapters": adapter_sync, "request_alone": lambda: engine_call(llm, slot.request())(*probe)},
+              args.repeats)
+    out["seconds"] = {"merged": round(m["merged"], 3), "adapters": round(m["adapters"] - m["request_alone"], 3),
+                      "adapters_with_request": round(m["adapters"], 3), "request_alone": round(m["request_alone"], 3)}
     slot.close()
     print(f"{args.model} lora r16: merged {out['seconds']['merged']:.3f} s, adapters {out['seconds']['adapters']:.3f} s",
           flush=True)

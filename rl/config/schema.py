@@ -223,8 +223,8 @@ class VLLMKeys:
         False, "colocate, LoRA: the engine applies the policy's adapters with vLLM's LoRA support and only they are "
         "synced after each step (default: the adapters merged into full weights, TRL's way)")
     vllm_weight_sync_bucket_mb: int = opt(
-        512, "weights travel to the engine packed in buckets of this many MiB, each tensor in its own dtype (verl's "
-        "default size; TRL has no key); 0: one tensor at a time")
+        512, "server: weights travel to it packed in buckets of this many MiB, each tensor in its own dtype (verl's "
+        "default size; TRL has no key); 0: one tensor at a time. A colocated engine reads them in place")
     vllm_importance_sampling_correction: bool = opt(
         True, "weight each token's loss by the truncated ratio pi_old / pi_vllm of the trainer's and the engine's "
         "log-probs (their kernels differ), as TRL and verl do")

@@ -135,22 +135,29 @@ def _aligned(n: int) -> int:
     return (n + ALIGN - 1) // ALIGN * ALIGN
 
 
-def pack_buckets(named_tensors: Iterable[tuple[str, torch.Tensor]], bucket_bytes: int) -> Iterator[Bucket]:
+def pack_buckets(named_tensors: Iterable[tuple[str, torch.Tensor]], bucket_bytes: int,
+                 reuse: bool = False) -> Iterator[Bucket]:
     """Pack (name, tensor) pairs, in order, into buckets of at most `bucket_bytes` bytes (offsets aligned to
     ALIGN); a tensor larger than `bucket_bytes` goes alone in a bucket of its own size. The bytes are copied
     as they are (no dtype conversion), so unpacking gives every tensor back bit for bit. Each tensor is copied
     in as it arrives, before the next pair is requested: `policy_weights` may change or free it after (a LoRA
-    policy is unmerged when its iteration ends)."""
+    policy is unmerged when its iteration ends). `reuse`: every bucket fills the same memory, so a bucket (and
+    its views) is valid only until the next one is requested; for a sender that is done with each bucket
+    before it asks for the next (measured on CPU: fresh memory for each bucket cost ~4x the copy itself, in
+    page faults)."""
     if bucket_bytes <= 0:
         raise ValueError(f"bucket_bytes must be > 0, got {bucket_bytes}")
-    buf, metas, used = None, [], 0
+    buf, metas, used, spare = None, [], 0, None
     for name, t in named_tensors:
         nbytes = t.numel() * t.element_size()
         if buf is not None and (_aligned(used) + nbytes > buf.numel() or buf.device != t.device):
             yield Bucket(buf[:used], metas)
+            spare = buf if reuse else None
             buf, metas, used = None, [], 0
         if buf is None:  # (pages of a CPU buffer that stay unused are never touched, so cost nothing)
-            buf = torch.empty(max(bucket_bytes, nbytes), dtype=torch.uint8, device=t.device)
+            size = max(bucket_bytes, nbytes)
+            fits = spare is not None and spare.numel() >= size and spare.device == t.device
+            buf = spare if fits else torch.empty(size, dtype=torch.uint8, device=t.device)
         off = _aligned(used)
         if nbytes:
             buf[off:off + nbytes].copy_(t.detach().contiguous().reshape(-1).view(torch.uint8))
@@ -168,12 +175,3 @@ def unpack_bucket(bucket: Bucket) -> list[tuple[str, torch.Tensor]]:
         out.append((m.name, raw.view(m.dtype).reshape(m.shape)))
     return out
 
-
-def bucketed(named_tensors: Iterable[tuple[str, torch.Tensor]], bucket_bytes: int) -> Iterator[tuple[str, torch.Tensor]]:
-    """The pairs again, each having gone through a bucket (views into it): a loader that takes pairs can be fed
-    from buckets; `bucket_bytes` 0: the pairs as they are (one tensor at a time)."""
-    if bucket_bytes <= 0:
-        yield from named_tensors
-        return
-    for b in pack_buckets(named_tensors, bucket_bytes):
-        yield from unpack_bucket(b)

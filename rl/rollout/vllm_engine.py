@@ -1,7 +1,7 @@
 """vLLM as the rollout engine: the same call and result as our sampler (`rl.engine.generation.generate`
 -> `Rollout`: tokens, the behaviour log-probs they were drawn with, mask, finish reasons), colocated in
 the training processes or behind a server (`rl.rollout.vllm_server`), with the policy's weights loaded into
-it after each optimizer step (`rl.engine.weight_sync`, packed in buckets).
+it after each optimizer step (`rl.engine.weight_sync`; to a server packed in buckets).
 
     engine = VLLMRollout(cfg, accelerator, model_dir)      # cfg: an OnlineConfig with use_vllm=true
     sample = engine.sampler(pipeline.model, pipeline.step)  # syncs the weights if the step moved on
@@ -11,7 +11,8 @@ it after each optimizer step (`rl.engine.weight_sync`, packed in buckets).
 Choices, and why:
 * Colocated, the engine runs in each training process (`VLLM_ENABLE_V1_MULTIPROCESSING=0`), as TRL's
   colocate mode does, so a weight update is an in-place `reload_weights` of tensors the trainer already
-  holds. With `vllm_tensor_parallel_size` t > 1, every t consecutive processes share one engine sharded
+  holds: nothing is transferred, so nothing is packed in buckets (packing them anyway was measured to cost
+  a copy of the model per sync and save nothing). With `vllm_tensor_parallel_size` t > 1, every t consecutive processes share one engine sharded
   over them (vLLM's `external_launcher` executor on the launch's own process group, TRL's way): they pool
   their prompts, make the same call, and each keeps its own completions.
 * Server mode: every process's prompts go to the main process, which makes one call for the step
@@ -43,7 +44,7 @@ from transformers import AutoConfig
 from rl.engine.dist import is_zero3
 from rl.engine.generation import Rollout, _as_prompt_list, _resolve_ids
 from rl.engine.packing import left_pad
-from rl.engine.weight_sync import bucketed, policy_module, policy_weights
+from rl.engine.weight_sync import policy_module, policy_weights
 from rl.errors import RunError, first_line
 from rl.rollout.vllm_batching import generate_across_processes, local_only
 from rl.rollout.vllm_client import ServerClient, model_shape
@@ -276,7 +277,7 @@ class VLLMRollout:
                 if self._asleep:  # level 2 freed the weights: their memory back (the KV cache's at the rollout)
                     self.llm.wake_up(tags=["weights"])
                     self._asleep = False
-                load_weights(self.llm, bucketed(weights, self.bucket_bytes))
+                load_weights(self.llm, weights)  # in this process: no transfer, so no buckets (docs/rollout.md)
             elif self.acc.is_main_process:
                 self.client.push(weights, self.bucket_bytes)
             elif is_zero3(policy_module(model)):  # the other ranks take part in ZeRO-3's gathers only

@@ -132,11 +132,10 @@ def test_engine_logprobs_equal_our_recompute(hd64):
 
 @pytest.mark.parametrize("sync", ["full", "lora", "lora_adapters"])
 def test_after_a_step_the_engine_holds_the_updated_policy(hd64, tmp_path, sync):
-    """full: the weights in the default buckets; lora: merged, one tensor at a time (bucket 0); lora_adapters: the
-    adapters alone, applied by vLLM's LoRA support (an engine of its own: LoRA enabled)."""
+    """Colocated: full weights; LoRA merged into them; LoRA adapters alone, applied by vLLM's LoRA support (an
+    engine of its own: LoRA enabled)."""
     lora = {"lora": {"enabled": True, "rank": 4, "alpha": 8, "dropout": 0.0}}
-    over = {"full": {}, "lora": {**lora, "vllm_weight_sync_bucket_mb": 0},
-            "lora_adapters": {**lora, "vllm_sync_lora_adapters": True}}[sync]
+    over = {"full": {}, "lora": lora, "lora_adapters": {**lora, "vllm_sync_lora_adapters": True}}[sync]
     t = grpo(hd64, tmp_path, spread, max_steps=1, **over)
     t.train()
     before = copy.deepcopy(t.pipeline.unwrapped_model)
@@ -209,16 +208,19 @@ def server(tiny_cache, tmp_path_factory):
         print(path.read_text()[-3000:])
 
 
-def test_server_mode_syncs(hd64, tmp_path, server):
+@pytest.mark.parametrize("bucket_mb", [512, 0], ids=["buckets", "per_tensor"])
+def test_server_mode_syncs(hd64, tmp_path, server, bucket_mb):
+    """After a step the server's engine holds the updated policy, its weights sent in 512 MiB buckets (the default)
+    or one tensor at a time."""
     proc, port, group, _ = server
     t = grpo(hd64, tmp_path, spread, max_steps=1, vllm_mode="server", vllm_server_port=port,
-             vllm_group_port=group, vllm_server_timeout=300.0)
+             vllm_group_port=group, vllm_server_timeout=300.0, vllm_weight_sync_bucket_mb=bucket_mb)
     t.train()
     before = copy.deepcopy(t.pipeline.unwrapped_model)
     t._plan["total_steps"] = t.cfg.max_steps = 2
     t.train_step()
     now_gap, old_gap = engine_vs_policy(t, before)
-    print(f"server: max |engine - updated| {now_gap:.2e}, mean |engine - old| {old_gap:.2e}")
+    print(f"server ({bucket_mb} MiB): max |engine - updated| {now_gap:.2e}, mean |engine - old| {old_gap:.2e}")
     assert now_gap < 1e-4 and old_gap > 1e-3
 
 
