@@ -14,8 +14,10 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import os
 import urllib.parse
 from typing import Literal
+
 
 from rl.config.checks import (  # noqa: F401 - SINKS, report_to_problem: their home before
     SINKS,
@@ -226,6 +228,12 @@ class RefSyncKeys:
             raise ConfigError(f"key 'ref_model_sync_steps' must be at least 1, got {self.ref_model_sync_steps}")
 
 
+def _has_gpu() -> bool:
+    import torch  # only for a key that needs the answer: the schema stays light to import
+
+    return torch.cuda.is_available()
+
+
 @dataclasses.dataclass
 class VLLMKeys:
     """The rollout engine's keys, TRL's names and meanings (rl.rollout.vllm_engine), in every trainer that samples."""
@@ -242,6 +250,12 @@ class VLLMKeys:
     vllm_group_port: int = opt(51216, "server: port of the weight-sync group's store (--group-port)")
     vllm_server_timeout: float = opt(240.0, "server: seconds to wait for it to answer, and for any one request "
                                      "or weight transfer, before the run stops with one line")
+    vllm_sync_lora_adapters: bool = opt(
+        False, "colocate, LoRA: the engine applies the policy's adapters with vLLM's LoRA support and only they are "
+        "synced after each step (default: the adapters merged into full weights, TRL's way)")
+    vllm_weight_sync_bucket_mb: int = opt(
+        512, "server: weights travel to it packed in buckets of this many MiB, each tensor in its own dtype (verl's "
+        "default size; TRL has no key); 0: one tensor at a time. A colocated engine reads them in place")
     vllm_importance_sampling_correction: bool = opt(
         True, "weight each token's loss by the truncated ratio pi_old / pi_vllm of the trainer's and the engine's "
         "log-probs (their kernels differ), as TRL and verl do")
@@ -275,6 +289,23 @@ class VLLMKeys:
             self.vllm_server_host, self.vllm_server_port = url.hostname, url.port
         if self.vllm_server_timeout <= 0:
             raise ConfigError(f"key 'vllm_server_timeout' must be > 0 seconds, got {self.vllm_server_timeout}")
+        tp = self.vllm_tensor_parallel_size
+        if self.use_vllm and tp > 1 and self.vllm_mode != "colocate":
+            raise ConfigError("key 'vllm_tensor_parallel_size' is colocate's (engines sharded over the training "
+                              "processes); a vLLM server takes one GPU: set vllm_mode=colocate or the key to 1")
+        world = int(os.environ.get("WORLD_SIZE", "1"))
+        if self.use_vllm and tp > 1 and world % tp:
+            raise ConfigError(f"vllm_tensor_parallel_size={tp} shards each engine over {tp} training processes, so "
+                              f"it must divide their number ({world}): accelerate launch --num_processes {tp}")
+        if self.use_vllm and self.vllm_enable_sleep_mode and not _has_gpu():
+            raise ConfigError("vllm_enable_sleep_mode=true is GPU-only: vLLM's CPU build ignores sleep(), so there is "
+                              "no memory to free here; set it to false")
+        if self.use_vllm and self.vllm_sync_lora_adapters and not (self.lora.enabled and self.vllm_mode == "colocate"):
+            raise ConfigError("vllm_sync_lora_adapters=true syncs a LoRA policy's adapters into a colocated engine: it "
+                              "needs lora.enabled=true and vllm_mode=colocate (a server gets the merged weights)")
+        if self.vllm_weight_sync_bucket_mb < 0:
+            raise ConfigError("key 'vllm_weight_sync_bucket_mb' must be >= 0 (0: one tensor at a time), got "
+                              f"{self.vllm_weight_sync_bucket_mb}")
 
 
 @dataclasses.dataclass

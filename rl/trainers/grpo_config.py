@@ -5,10 +5,8 @@ from __future__ import annotations
 import dataclasses
 from typing import Literal
 
-import inspect
 
 from rl.algos import names
-from rl.algos.mismatch import importance_weights
 from rl.algos.policy_losses import IMPORTANCE_SAMPLING_LEVELS, KIND, LOSS_AGGREGATIONS
 from rl.algos.registry import check, choices, flag
 from rl.config.fields import opt
@@ -17,7 +15,6 @@ from rl.config.vocabulary import warn_deprecated
 from rl.errors import ConfigError
 
 
-MISMATCH_ARGS = inspect.signature(importance_weights).parameters  # what the rollout-mismatch correction takes
 _POLICY_LOSS_ALIASES = {"clip": None, "cispo": "cispo_clip"}  # the former policy_loss values (None: keep loss_type)
 
 
@@ -94,10 +91,6 @@ class GRPOConfig(RefSyncKeys, OnlineConfig):
             raise ConfigError(f"loss_type=vespo folds the vLLM correction into its per-sequence weight, per token: "
                               f"set vllm_importance_sampling_mode to token_truncate or token_mask (TRL's rule), got "
                               f"{self.vllm_importance_sampling_mode}")
-        if self.vllm_importance_sampling_clip_min is not None and "clip_min" not in MISMATCH_ARGS:
-            # the lower bound arrives with rl.algos.mismatch's clip_min (issue 47); until then it is refused, not ignored
-            raise ConfigError("key 'vllm_importance_sampling_clip_min' needs a lower bound in rl.algos.mismatch, "
-                              "which this version does not have yet; leave it null")
         if self.loss_aggregation is None:  # the loss type's own aggregation (TRL's loss_type meaning)
             self.loss_aggregation = flag(KIND, self.loss_type, "normalization", "token_mean")
             if self.loss_aggregation not in LOSS_AGGREGATIONS:

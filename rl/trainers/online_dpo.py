@@ -79,10 +79,16 @@ class OnlineDPOConfig(OnlineConfig):
     temperature: float = opt(1.0, "sampling temperature (the loss scores the model itself, temperature 1)")
     missing_eos_penalty: float | None = opt(None, "subtracted from the reward of a completion cut at "
                                             "max_completion_length (TRL's name); null: none")
+    vllm_importance_sampling_correction: bool = opt(
+        False, "GRPO's and PPO's key: online DPO's pair loss has no policy-gradient term to reweight (TRL's "
+        "OnlineDPOConfig has no such key); true is refused")
 
     def __post_init__(self):
         self.beta = one_of_list(self.beta, "beta", "one beta for the whole run here (TRL's list gives one per epoch)")
         super().__post_init__()
+        if self.vllm_importance_sampling_correction:
+            raise ConfigError("vllm_importance_sampling_correction reweights a policy-gradient term (GRPO, PPO); "
+                              "online DPO's pair loss has none: set it to false")
         check("preference_loss", self.loss_type, "loss_type")
         if not needs_reference(self.loss_type):
             raise ConfigError(f"loss_type={self.loss_type} has no reference model, which online DPO's pairs are "
