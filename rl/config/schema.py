@@ -16,7 +16,7 @@ import dataclasses
 import math
 import os
 import urllib.parse
-from typing import Literal
+from typing import ClassVar, Literal
 
 
 from rl.config.checks import (  # noqa: F401 - SINKS, report_to_problem: their home before
@@ -58,6 +58,10 @@ class TrainConfig(AliasAttributes, metaclass=AcceptsAliases):
     reference docs' names (`batch_size`, `num_epochs`, `save_every`, ...) and TRL's other names (`lora_r`,
     `dataset_name`, ...) are accepted silently as keywords, attributes and keys (rl.config.vocabulary); TRL's keys
     without an effect here are accepted with one line (rl.config.trl_keys)."""
+
+    # Whether held-out data (data.eval_path) is what this trainer evaluates on; the sampling trainers evaluate on an
+    # environment's problems, so TRL's "evaluate on the dataset's test split" does not apply to them.
+    EVALUATES_ON_DATA: ClassVar[bool] = True
 
     model_name: str = opt(REQUIRED, "HF model id or local path; 'tiny:llama' builds a tiny local model")
     model_revision: str | None = opt(None, "hub revision of model_name: a branch, tag or commit (null: main)")
@@ -191,7 +195,7 @@ class TrainConfig(AliasAttributes, metaclass=AcceptsAliases):
             if problem:
                 raise ConfigError(problem)
         d = self.data
-        if (self.eval_strategy in ("steps", "epoch") and d.eval_path is None and not d.eval_fraction and d.path
+        if (self.EVALUATES_ON_DATA and self.eval_strategy in ("steps", "epoch") and d.eval_path is None and not d.eval_fraction and d.path
                 and not d.path.lower().endswith(DATA_FILES)):  # TRL's scripts: dataset_test_split of dataset_name
             d.eval_path = d.path
         warmup = "warmup_ratio" if self.warmup_ratio else "warmup_steps" if self.warmup_steps else None
@@ -352,6 +356,8 @@ class SamplingKeys:
 class OnlineConfig(SamplingKeys, VLLMKeys, TrainConfig):
     """Keys of the trainers that sample completions from the policy and score them with the reward
     protocol (`rl.trainers.rewards`): GRPO and its variants, online DPO. One meaning each, in both."""
+
+    EVALUATES_ON_DATA: ClassVar[bool] = False
 
     reward_funcs: list[str] = opt([], "reward functions: rl.rewards.functions names (correctness, default, length_penalty; "
                                   "TRL's accuracy_reward, reasoning_accuracy_reward, think_format_reward, "

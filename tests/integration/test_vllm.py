@@ -167,13 +167,14 @@ def test_grpo_with_vllm_learns_like_our_sampler(hd64, tmp_path):
 
 def test_ppo_logs_the_mismatch_of_vllms_samples(hd64, tmp_path):
     """PPO with use_vllm: its rollouts come from the engine, the mismatch metrics (TRL's names) are logged and the
-    correction's weights are those of an engine that holds the policy (ratio 1 to 1e-4)."""
+    correction's weights are those of an engine that holds the policy (ratio 1 to 1e-4). top_k=0: PPO's documented
+    top_k 50 truncates the sampling distribution, which the engine's log-probs measure and the policy's do not."""
     from rl.trainers.ppo import PPOConfig, PPOTrainer
 
     cfg = PPOConfig(model_name="tiny:llama-hd64", output_dir=str(tmp_path), seed=0, learning_rate=1e-2,
-                    per_device_train_batch_size=8, mini_batch_size=8, num_iterations=1, max_completion_length=4,
-                    max_length=MAX_LENGTH, max_steps=2, dtype="float32", report_to=["jsonl"], logging_steps=1,
-                    use_vllm=True)
+                    per_device_train_batch_size=8, mini_batch_size=8, num_iterations=2, num_ppo_epochs=1,
+                    max_completion_length=4, max_length=MAX_LENGTH, dtype="float32", report_to=["jsonl"],
+                    logging_steps=1, use_vllm=True, top_k=0)
     t = PPOTrainer(cfg, reward_fn=lambda p, r, m=None: [float(sum(map(ord, x)) % 7) for x in r])
     t.train([f"{a}+{a}=" for a in range(8)])
     rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]

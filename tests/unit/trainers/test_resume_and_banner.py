@@ -101,10 +101,11 @@ def test_a_ppo_critic_is_checked_against_the_policys_tokens_and_length(tmp_path,
 def test_eval_steps_with_nothing_to_evaluate_says_so_once():
     """eval_steps without held-out data or an eval environment would have no effect: one `warning:` line at the
     first step it names (the trainers' evaluate_now returns None), and the run goes on."""
+    from rl.config.schema import TrainConfig
     from rl.trainers.base import CallbackTracker
 
     class One(Trainer):
-        cfg = types.SimpleNamespace(resume=None, eval_steps=2, logging_steps=1, save_steps=0)
+        cfg = TrainConfig(model_name="tiny:llama", eval_steps=2, logging_steps=1, save_steps=0, quiet=True)
         accelerator = types.SimpleNamespace(num_processes=1)
         pipeline = types.SimpleNamespace(step=0, tokens_seen=0)
 
