@@ -1,6 +1,12 @@
-"""Rollout processes (`rollout_processes=N`, issue 41): the last N processes of one `accelerate launch` only
-sample, the others train; torch.distributed (gloo, point to point) carries weights one way and generation
-batches the other. No orchestration layer: the launch's own processes and its rendezvous store.
+"""Rollout processes (`rollout_processes=N`): the last N processes of one `accelerate launch` only sample, the
+others train. Both ends of the channel are here: what a training process sends and receives (`TrainerEnd`)
+and the rollout process's whole program (`serve_rollouts`). torch.distributed (gloo, point to point) carries
+weights one way and generation batches the other; no orchestration layer: the launch's own processes and its
+rendezvous store.
+
+What the trainer hands over: a `sample(index, version) -> batch` callable (the generation batch of `index`,
+sampled by the weights of `version`, already loaded into the model the rollout process samples with) and that
+model. Nothing else of the trainer crosses into this module.
 
 How the world is split (`split_world`, before the Accelerator exists): every process joins one gloo group of
 the whole launch on a prefix of the launcher's store (the channel); then each process's environment is
@@ -8,10 +14,17 @@ rewritten so that accelerate sees only its side: the M = world - N training proc
 M-process run among themselves (DDP or ZeRO-2 all-reduce only among them, unchanged code), and each
 rollout process is a 1-process world that never builds an optimizer.
 
-Messages (tags): the trainer's header (start step, total steps), the trainable parameters flattened into
-one tensor per policy version (LoRA: only the adapters), and per generation batch its size and its bytes
-(torch.save). Every send is asynchronous and kept alive until it completes; every wait is bounded
-(RL_DIST_TIMEOUT, default 600 s), and a peer that died ends the waiting side with one RunError line.
+The schedule (`rl.rollout.staleness`): the batch of step t is sampled by the policy of version max(start, t - k).
+Rollout process w samples the items (t, i) whose `Role.producer(t, i)` is w (round robin), in order; item
+(t, i) is share i of step t: generation index t * M + i of a 1-process run, i.e. the prompt rows of training
+process i at step t. Training process 0 sends every version some rollout process needs, after its optimizer step.
+
+Messages (tags): the trainer's header (start step, total steps); per policy version a header object (the
+version and each bucket's tensor names, dtypes and shapes) and then each bucket as one flat tensor of its
+dtype (bf16 stays bf16; LoRA: only the adapters), at most `BUCKET_BYTES` each; per generation batch its size
+and its bytes (torch.save, read back with weights_only=True). Every send is asynchronous and kept alive until
+it completes; every wait is bounded (RL_DIST_TIMEOUT, default 600 s), and a peer that died ends the waiting side
+with one RunError line.
 """
 
 from __future__ import annotations
@@ -20,15 +33,20 @@ import datetime
 import io
 import os
 import socket
+import time
 from dataclasses import dataclass
+from typing import Callable, Iterator
 
 import torch
 import torch.distributed as dist
 
 from rl.engine.dist import dist_timeout
 from rl.errors import ConfigError, RunError, first_line
+from rl.rollout.staleness import last_needed_version, sample_version
 
 HEADER, SIZE, PAYLOAD, WEIGHTS = 1, 2, 3, 4
+BUCKET_BYTES = 256 << 20  # one flat tensor per this many bytes of one dtype (what a send holds at once)
+SILENT_TRAINER = "the training processes stopped answering the rollout process"
 
 
 @dataclass
@@ -101,45 +119,66 @@ def _wait(work, what: str) -> None:
         raise RunError(f"{what} ({first_line(e)}); the run stops here, its last checkpoint is kept") from None
 
 
-def send_object(role: Role, obj, dst: int, pending: list) -> None:
-    """`obj` (torch.save-able) to global rank `dst`, asynchronously: size then bytes."""
+# ------------------------------------------------------------------------------ the wire
+
+def send_object(role: Role, obj, dst: int, pending: list, tag: int = PAYLOAD) -> None:
+    """`obj` (tensors and plain containers) to global rank `dst`, asynchronously: size then bytes."""
     buf = io.BytesIO()
     torch.save(obj, buf)
     data = torch.frombuffer(bytearray(buf.getvalue()), dtype=torch.uint8)
     size = torch.tensor([data.numel()], dtype=torch.long)
-    pending += [(role.group.send([size], dst, SIZE), size), (role.group.send([data], dst, PAYLOAD), data)]
+    pending += [(role.group.send([size], dst, SIZE), size), (role.group.send([data], dst, tag), data)]
 
 
-def recv_object(role: Role, src: int, what: str):
+def recv_object(role: Role, src: int, what: str, tag: int = PAYLOAD):
     size = torch.zeros(1, dtype=torch.long)
     _wait(role.group.recv([size], src, SIZE), what)
     data = torch.empty(int(size), dtype=torch.uint8)
-    _wait(role.group.recv([data], src, PAYLOAD), what)
+    _wait(role.group.recv([data], src, tag), what)
     return torch.load(io.BytesIO(data.numpy().tobytes()), weights_only=True)  # tensors and plain containers only
 
 
-def trainable(model) -> list[torch.Tensor]:
-    """The parameters a training step changes, in one fixed order on both sides."""
-    return [p for _, p in model.named_parameters() if p.requires_grad]
+def trainable(model) -> Iterator[tuple[str, torch.Tensor]]:
+    """(name, parameter) of what a training step changes, in one fixed order on both sides."""
+    return ((n, p) for n, p in model.named_parameters() if p.requires_grad)
+
+
+def buckets(named: list[tuple[str, torch.Tensor]], limit: int = BUCKET_BYTES) -> list[list[tuple[str, torch.Tensor]]]:
+    """Consecutive runs of one dtype, each at most `limit` bytes (a larger tensor is a bucket of its own)."""
+    out: list[list] = []
+    size = 0
+    for name, t in named:
+        nbytes = t.numel() * t.element_size()
+        if not out or out[-1][0][1].dtype != t.dtype or size + nbytes > limit:
+            out.append([])
+            size = 0
+        out[-1].append((name, t))
+        size += nbytes
+    return out
 
 
 def send_weights(role: Role, model, version: int, dst: int, pending: list) -> None:
-    flat = torch.cat([p.detach().reshape(-1).float().cpu() for p in trainable(model)])
-    tag = torch.tensor([version], dtype=torch.long)
-    pending += [(role.group.send([tag], dst, HEADER), tag), (role.group.send([flat], dst, WEIGHTS), flat)]
+    """The trainable parameters of `model` (policy `version`) to rollout process rank `dst`, in their dtype."""
+    parts = buckets([(n, p.detach()) for n, p in trainable(model)])
+    meta = {"version": version, "buckets": [[(n, str(t.dtype).split(".")[-1], list(t.shape)) for n, t in b]
+                                            for b in parts]}
+    send_object(role, meta, dst, pending, tag=HEADER)
+    for b in parts:
+        flat = torch.cat([t.reshape(-1).cpu() for _, t in b])
+        pending.append((role.group.send([flat], dst, WEIGHTS), flat))
 
 
 def recv_weights(role: Role, model) -> int:
     """The next policy version from training process 0, copied into `model`'s trainable parameters."""
-    params = trainable(model)
-    tag = torch.zeros(1, dtype=torch.long)
-    _wait(role.group.recv([tag], 0, HEADER), "the training processes stopped answering the rollout process")
-    flat = torch.empty(sum(p.numel() for p in params), dtype=torch.float32)
-    _wait(role.group.recv([flat], 0, WEIGHTS), "the training processes stopped answering the rollout process")
-    with torch.no_grad():
-        for p, chunk in zip(params, flat.split([p.numel() for p in params])):
-            p.copy_(chunk.view_as(p).to(p.dtype))
-    return int(tag)
+    params = dict(trainable(model))
+    meta = recv_object(role, 0, SILENT_TRAINER, tag=HEADER)
+    for b in meta["buckets"]:
+        flat = torch.empty(sum(torch.Size(shape).numel() for _, _, shape in b), dtype=getattr(torch, b[0][1]))
+        _wait(role.group.recv([flat], 0, WEIGHTS), SILENT_TRAINER)
+        with torch.no_grad():
+            for (name, _, shape), chunk in zip(b, flat.split([torch.Size(s).numel() for _, _, s in b])):
+                params[name].copy_(chunk.view(shape))
+    return int(meta["version"])
 
 
 def finish(pending: list, what: str) -> None:
@@ -152,3 +191,70 @@ def finish(pending: list, what: str) -> None:
 def prune(pending: list) -> None:
     """Forget the sends already received (their buffers may go)."""
     pending[:] = [(w, t) for w, t in pending if not w.is_completed()]
+
+
+# ------------------------------------------------------------------------------ the two ends
+
+class TrainerEnd:
+    """A training process's end: its share of each step's batches from the rollout processes; training
+    process 0 also sends the header and every policy version a rollout process needs."""
+
+    def __init__(self, role: Role, k: int):
+        self.role, self.k, self.pending, self.started = role, k, [], False
+        self.first = self.total = 0
+
+    def _steps_of(self, w: int) -> list[int]:
+        r = self.role
+        return [t for t in range(self.first, self.total) for i in range(r.trainers) if r.producer(t, i) == w]
+
+    def start(self, step: int, total: int, model) -> None:
+        """At the first step (after a resume): the rollout position and the weights the run starts from."""
+        self.first, self.total, self.started = step, total, True
+        if self.role.index == 0:
+            for w in range(self.role.rollouts):
+                send_object(self.role, {"start": step, "total": total}, self.role.rank_of_rollout(w), self.pending)
+            self._send(model, step)
+
+    def _send(self, model, version: int) -> None:
+        for w in range(self.role.rollouts):
+            # a version no batch of w's is sampled by would never be received: not sent
+            if version <= last_needed_version(self._steps_of(w), self.k, self.first):
+                send_weights(self.role, model, version, self.role.rank_of_rollout(w), self.pending)
+        prune(self.pending)
+
+    def after_step(self, model, version: int) -> None:
+        """After an optimizer step: the weights of `version` to the rollout processes that need them."""
+        if self.role.index == 0 and version < self.total:
+            self._send(model, version)
+
+    def receive(self, step: int) -> tuple[int, dict]:
+        """(the policy version that sampled it, this process's generation batch of `step`)."""
+        w = self.role.producer(step, self.role.index)
+        gb = recv_object(self.role, self.role.rank_of_rollout(w),
+                         f"rollout process {w} (rank {self.role.rank_of_rollout(w)}) stopped answering")
+        return gb.pop("version"), gb
+
+    def close(self) -> None:
+        finish(self.pending, "a rollout process did not take its last weights")
+
+
+def serve_rollouts(role: Role, model, sample: Callable[[int, int], dict], k: int) -> None:
+    """A rollout process's whole run: for its items (step t, trainer share i) in order, the weights of version
+    max(start, t - k) (received in order, loaded into `model`), then `sample(t * M + i, version)`, sent to
+    training process i with its version and the time this process waited for the weights."""
+    header = recv_object(role, 0, SILENT_TRAINER)
+    start, total, M = header["start"], header["total"], role.trainers
+    version, pending = None, []
+    for t in range(start, total):
+        for i in range(M):
+            if role.producer(t, i) != role.index:
+                continue
+            t0 = time.time()
+            while version is None or version < sample_version(t, k, start):
+                version = recv_weights(role, model)
+            waited = time.time() - t0
+            gb = sample(t * M + i, version)
+            gb.update(version=version, t_wait=waited)
+            send_object(role, gb, i, pending)
+            prune(pending)
+    finish(pending, "the training processes stopped taking batches")
