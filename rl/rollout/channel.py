@@ -159,7 +159,7 @@ def buckets(named: list[tuple[str, torch.Tensor]], limit: int = BUCKET_BYTES) ->
 
 def send_weights(role: Role, model, version: int, dst: int, pending: list) -> None:
     """The trainable parameters of `model` (policy `version`) to rollout process rank `dst`, in their dtype."""
-    parts = buckets([(n, p.detach()) for n, p in trainable(model)])
+    parts = buckets([(n, p.detach()) for n, p in trainable(model)], BUCKET_BYTES)
     meta = {"version": version, "buckets": [[(n, str(t.dtype).split(".")[-1], list(t.shape)) for n, t in b]
                                             for b in parts]}
     send_object(role, meta, dst, pending, tag=HEADER)

@@ -1,0 +1,71 @@
+"""The rollout-process channel's weights (rl.rollout.channel): every trainable parameter crosses in its own dtype
+(bf16 stays bf16), in buckets of one dtype and a bounded size, and lands by name in the receiver's model; frozen
+parameters do not cross. Two ranks of a gloo group in two threads of this process."""
+
+from __future__ import annotations
+
+import datetime
+import threading
+
+import torch
+import torch.distributed as dist
+
+from rl.rollout import channel
+from rl.rollout.channel import Role, buckets, finish, recv_weights, send_weights
+
+
+def _model(seed: int) -> torch.nn.Module:
+    torch.manual_seed(seed)
+    m = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 4))
+    m[0].to(torch.bfloat16)  # a bf16 layer beside a fp32 one
+    m[1].bias.requires_grad_(False)  # frozen: never sent
+    return m
+
+
+def test_buckets_split_by_dtype_and_size():
+    named = [("a", torch.zeros(4)), ("b", torch.zeros(4)), ("c", torch.zeros(4, dtype=torch.bfloat16)),
+             ("d", torch.zeros(100))]
+    assert [[n for n, _ in b] for b in buckets(named, limit=32)] == [["a", "b"], ["c"], ["d"]]
+
+
+def test_weights_cross_in_their_dtype_bucketed_and_by_name(monkeypatch):
+    monkeypatch.setattr(channel, "BUCKET_BYTES", 100)  # 3 buckets: bf16 weight (128 bytes), bf16 bias, fp32 weight
+    store = dist.HashStore()
+    groups = [None, None]
+
+    def join(rank):
+        groups[rank] = dist.ProcessGroupGloo(store, rank, 2, datetime.timedelta(seconds=60))
+
+    threads = [threading.Thread(target=join, args=(r,)) for r in (0, 1)]
+    [t.start() for t in threads]
+    [t.join() for t in threads]
+    sender, receiver = _model(0), _model(1)
+    frozen = receiver[1].bias.detach().clone()
+    pending, got = [], {}
+    recv = threading.Thread(target=lambda: got.update(version=recv_weights(Role(True, 0, 1, 1, groups[1]), receiver)))
+    recv.start()
+    send_weights(Role(False, 0, 1, 1, groups[0]), sender, 7, 1, pending)
+    recv.join(60)
+    finish(pending, "the receiver did not take the weights")
+    assert got["version"] == 7
+    for (name, a), b in zip(sender.named_parameters(), receiver.parameters()):
+        if name == "1.bias":
+            assert torch.equal(b, frozen)  # not trainable: not sent
+        else:
+            assert a.dtype == b.dtype and torch.equal(a, b), name
+
+
+def test_the_flat_tensors_sent_keep_bf16(monkeypatch):
+    """What goes on the wire: one bf16 bucket for the bf16 layer (not a fp32 copy), fp32 ones for the other."""
+    sent = []
+
+    class Group:
+        def send(self, tensors, dst, tag):
+            sent.append((tag, tensors[0].dtype, tensors[0].numel()))
+            return None
+
+    monkeypatch.setattr(channel, "send_object", lambda role, obj, dst, pending, tag=0: sent.append(("meta", obj)))
+    send_weights(Role(False, 0, 1, 1, Group()), _model(0), 3, 1, [])
+    meta = sent[0][1]
+    assert meta["version"] == 3 and [len(b) for b in meta["buckets"]] == [2, 1]
+    assert [(dtype, n) for tag, dtype, n in sent[1:]] == [(torch.bfloat16, 8 * 8 + 8), (torch.float32, 8 * 4)]
