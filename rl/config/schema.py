@@ -14,6 +14,7 @@ from __future__ import annotations
 import dataclasses
 import importlib.util
 import math
+import os
 from typing import Any, Literal
 
 from rl.config.fields import REQUIRED, opt, section
@@ -196,6 +197,12 @@ class TrainConfig(DeprecatedAttributes, metaclass=DeprecatedNames):
                               "a full fine-tune is saved whole already); drop save_merged or set lora.enabled=true")
 
 
+def _has_gpu() -> bool:
+    import torch  # only for a key that needs the answer: the schema stays light to import
+
+    return torch.cuda.is_available()
+
+
 @dataclasses.dataclass
 class VLLMKeys:
     """The rollout engine's keys, TRL's names and meanings (rl.rollout.vllm_engine), in every trainer that samples."""
@@ -212,11 +219,15 @@ class VLLMKeys:
     vllm_group_port: int = opt(51216, "server: port of the weight-sync group's store (--group-port)")
     vllm_server_timeout: float = opt(240.0, "server: seconds to wait for it to answer, and for any one request "
                                      "or weight transfer, before the run stops with one line")
+    vllm_weight_sync_bucket_mb: int = opt(
+        512, "weights travel to the engine packed in buckets of this many MiB, each tensor in its own dtype (verl's "
+        "default size; TRL has no key); 0: one tensor at a time")
     vllm_importance_sampling_correction: bool = opt(
         True, "weight each token's loss by the truncated ratio pi_old / pi_vllm of the trainer's and the engine's "
         "log-probs (their kernels differ), as TRL and verl do")
     vllm_importance_sampling_mode: Literal["token_truncate", "token_mask", "sequence_truncate", "sequence_mask"] = opt(
-        "token_truncate", "truncate (min(w, cap)) or mask (0 where w > cap) the ratio, per token or per sequence")
+        "sequence_mask", "truncate (min(w, cap)) or mask (0 where w > cap) the ratio, per token or per sequence "
+        "(TRL 1.16's default: sequence_mask)")
     vllm_importance_sampling_cap: float = opt(3.0, "the cap of the importance-sampling ratio")
 
     def check_vllm(self) -> None:
@@ -229,6 +240,20 @@ class VLLMKeys:
             raise ConfigError(f"key 'vllm_importance_sampling_cap' must be > 0, got {self.vllm_importance_sampling_cap}")
         if self.vllm_server_timeout <= 0:
             raise ConfigError(f"key 'vllm_server_timeout' must be > 0 seconds, got {self.vllm_server_timeout}")
+        tp = self.vllm_tensor_parallel_size
+        if self.use_vllm and tp > 1 and self.vllm_mode != "colocate":
+            raise ConfigError("key 'vllm_tensor_parallel_size' is colocate's (engines sharded over the training "
+                              "processes); a vLLM server takes one GPU: set vllm_mode=colocate or the key to 1")
+        world = int(os.environ.get("WORLD_SIZE", "1"))
+        if self.use_vllm and tp > 1 and world % tp:
+            raise ConfigError(f"vllm_tensor_parallel_size={tp} shards each engine over {tp} training processes, so "
+                              f"it must divide their number ({world}): accelerate launch --num_processes {tp}")
+        if self.use_vllm and self.vllm_enable_sleep_mode and not _has_gpu():
+            raise ConfigError("vllm_enable_sleep_mode=true is GPU-only: vLLM's CPU build ignores sleep(), so there is "
+                              "no memory to free here; set it to false")
+        if self.vllm_weight_sync_bucket_mb < 0:
+            raise ConfigError("key 'vllm_weight_sync_bucket_mb' must be >= 0 (0: one tensor at a time), got "
+                              f"{self.vllm_weight_sync_bucket_mb}")
 
 
 @dataclasses.dataclass

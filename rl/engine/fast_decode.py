@@ -1,37 +1,12 @@
-"""What makes CPU sampling fast without changing its numbers: LoRA merged, linear weights prepacked.
-
-Both are context managers that `rl.engine.generation.generate` holds for one rollout."""
+"""What makes CPU sampling fast without changing its numbers: linear weights prepacked (a context manager that
+`rl.engine.generation.generate` holds for one rollout; it also merges a LoRA policy's adapters for it:
+`rl.engine.lora.lora_merged`)."""
 
 from __future__ import annotations
 
 from contextlib import contextmanager
 
 import torch
-
-
-@contextmanager
-def lora_merged(model):
-    """For the duration of a rollout, a PEFT LoRA model's adapters merged into its base weights
-    (W += B A s), and unmerged after (W -= B A s), as TRL does before it hands weights to vLLM.
-
-    Why: decoding a few rows is bound by reading the weights, and an unmerged adapter adds two small
-    matmuls and an add per linear layer per token; on SmolLM2-135M with rank-8 adapters on every linear
-    layer (16 rows, 48 new tokens, 2 threads) that cost ~27% of the sampling time (9.0 s against 7.1 s
-    merged; merge + unmerge ~0.2 s). The sampled distribution is the same model's up to fp32 rounding;
-    each merge/unmerge cycle moves a base weight by at most ~1 ulp. Only float base weights are merged
-    (a 4/8-bit quantized base would be re-quantized), and only adapters that are not merged already."""
-    tuner = getattr(model, "base_model", None)
-    layers = [m for m in model.modules() if hasattr(m, "lora_A") and hasattr(m, "get_base_layer")]
-    ok = (layers and hasattr(tuner, "merge_adapter") and not any(getattr(m, "merged", False) for m in layers)
-          and all(m.get_base_layer().weight.dtype.is_floating_point for m in layers))
-    if not ok:
-        yield
-        return
-    tuner.merge_adapter()
-    try:
-        yield
-    finally:
-        tuner.unmerge_adapter()
 
 
 # Below this many new tokens, prepacking the weights (a copy of every linear weight, ~0.3 s for 135M

@@ -57,7 +57,8 @@ from dataclasses import dataclass, field
 import torch
 
 from rl.engine.dist import is_zero3, unwrap_module
-from rl.engine.fast_decode import PREPACK_MIN_NEW_TOKENS, lora_merged, prepacked_linears
+from rl.engine.fast_decode import PREPACK_MIN_NEW_TOKENS, prepacked_linears
+from rl.engine.lora import lora_merged
 from rl.engine.losses import IGNORE_INDEX
 from rl.engine.packing import left_pad, position_ids_from_mask
 from rl.engine.scoring import sample_tokens

@@ -17,17 +17,25 @@ What it handles, and why:
   enters) and copied out one module at a time, so no rank holds more than one module's full weights
   beyond its shard; never the whole model at once (the most memory a colocated sync takes).
 Names are yielded in `named_modules()` order, deterministic across ranks and runs.
+
+Buckets (`pack_buckets` / `unpack_bucket`): the same pairs packed into flat byte buffers of at most
+`bucket_bytes` (the `vllm_weight_sync_bucket_mb` key), so that a transfer is one message per bucket instead of
+one (header, tensor) pair per tensor, as TRL's packed broadcast and verl's `update_weights_bucket_megabytes` do.
+Each tensor keeps its dtype bit for bit (its bytes are copied, never cast); a tensor larger than a bucket
+travels alone in a bucket of its own size. Under ZeRO-3 the tensors packed are `policy_weights`' gathered
+copies (gathered a module at a time as above): a bucket fills with full tensors, never with partitions.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from contextlib import nullcontext
-from typing import Iterator
+from typing import Iterable, Iterator
 
 import torch
 
 from rl.engine.dist import is_zero3, unwrap_module
-from rl.engine.fast_decode import lora_merged
+from rl.engine.lora import lora_merged, lora_parent, merged_zero3
 
 
 def policy_module(model) -> torch.nn.Module:
@@ -67,9 +75,9 @@ def policy_weights(model) -> Iterator[tuple[str, torch.Tensor]]:
 
                 with deepspeed.zero.GatheredParameters([p for _, p in own], modifier_rank=None):
                     items = [(n, p.detach().clone()) for n, p in own]
-                parent = _lora_parent(lm, mod_name)
+                parent = lora_parent(lm, mod_name)
                 if parent is not None:
-                    items = _merged_zero3(parent, items)
+                    items = merged_zero3(parent, items)
             else:
                 items = [(n, p.detach()) for n, p in own]
             for n, t in items:
@@ -78,23 +86,93 @@ def policy_weights(model) -> Iterator[tuple[str, torch.Tensor]]:
                     yield name, t
 
 
-def _lora_parent(lm, mod_name: str):
-    """The PEFT LoRA layer whose `base_layer` is the module `mod_name` (ZeRO-3 merging), else None."""
-    if not mod_name.endswith(".base_layer"):
-        return None
-    parent = lm.get_submodule(mod_name[: -len(".base_layer")])
-    return parent if hasattr(parent, "lora_A") else None
+# Offsets in a bucket are multiples of this, so that every tensor's bytes can be viewed as its dtype again
+# (a view needs its offset to be a multiple of the element size) and start on a cache line.
+ALIGN = 64
 
 
-def _merged_zero3(layer, items: list[tuple[str, torch.Tensor]]) -> list[tuple[str, torch.Tensor]]:
-    """`items` (the gathered base weight) with the active adapters' delta W = B A s added, the adapter's
-    own parameters gathered for it (ZeRO-3 partitions them too)."""
-    import deepspeed
+@dataclasses.dataclass(frozen=True)
+class TensorMeta:
+    """Where one tensor lies in a bucket: its name, dtype, shape and byte offset."""
+    name: str
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+    offset: int
 
-    adapters = [a for a in getattr(layer, "active_adapters", []) if a in layer.lora_A]
-    params = [p for a in adapters for p in (*layer.lora_A[a].parameters(), *layer.lora_B[a].parameters())]
-    with deepspeed.zero.GatheredParameters(params, modifier_rank=None):
-        delta = sum(layer.get_delta_weight(a) for a in adapters) if adapters else None
-    if delta is None:
-        return items
-    return [(n, t + delta.to(t.dtype) if n == "weight" else t) for n, t in items]
+    @property
+    def nbytes(self) -> int:
+        return _numel(self.shape) * _itemsize(self.dtype)
+
+
+@dataclasses.dataclass
+class Bucket:
+    """Tensors packed into one flat contiguous uint8 buffer (on the tensors' device), and where each lies."""
+    buffer: torch.Tensor
+    metas: list[TensorMeta]
+
+    def header(self) -> list:
+        """The metadata as plain data (JSON), for a receiver that gets the buffer over a wire."""
+        return [[m.name, str(m.dtype).removeprefix("torch."), list(m.shape), m.offset] for m in self.metas]
+
+    @classmethod
+    def from_header(cls, header: list, buffer: torch.Tensor) -> "Bucket":
+        return cls(buffer, [TensorMeta(n, getattr(torch, d), tuple(s), o) for n, d, s, o in header])
+
+
+def _numel(shape) -> int:
+    n = 1
+    for d in shape:
+        n *= int(d)
+    return n
+
+
+def _itemsize(dtype: torch.dtype) -> int:
+    return torch.empty((), dtype=dtype).element_size()
+
+
+def _aligned(n: int) -> int:
+    return (n + ALIGN - 1) // ALIGN * ALIGN
+
+
+def pack_buckets(named_tensors: Iterable[tuple[str, torch.Tensor]], bucket_bytes: int) -> Iterator[Bucket]:
+    """Pack (name, tensor) pairs, in order, into buckets of at most `bucket_bytes` bytes (offsets aligned to
+    ALIGN); a tensor larger than `bucket_bytes` goes alone in a bucket of its own size. The bytes are copied
+    as they are (no dtype conversion), so unpacking gives every tensor back bit for bit. Each tensor is copied
+    in as it arrives, before the next pair is requested: `policy_weights` may change or free it after (a LoRA
+    policy is unmerged when its iteration ends)."""
+    if bucket_bytes <= 0:
+        raise ValueError(f"bucket_bytes must be > 0, got {bucket_bytes}")
+    buf, metas, used = None, [], 0
+    for name, t in named_tensors:
+        nbytes = t.numel() * t.element_size()
+        if buf is not None and (_aligned(used) + nbytes > buf.numel() or buf.device != t.device):
+            yield Bucket(buf[:used], metas)
+            buf, metas, used = None, [], 0
+        if buf is None:  # (pages of a CPU buffer that stay unused are never touched, so cost nothing)
+            buf = torch.empty(max(bucket_bytes, nbytes), dtype=torch.uint8, device=t.device)
+        off = _aligned(used)
+        if nbytes:
+            buf[off:off + nbytes].copy_(t.detach().contiguous().reshape(-1).view(torch.uint8))
+        metas.append(TensorMeta(name, t.dtype, tuple(t.shape), off))
+        used = off + nbytes
+    if metas:
+        yield Bucket(buf[:used], metas)
+
+
+def unpack_bucket(bucket: Bucket) -> list[tuple[str, torch.Tensor]]:
+    """The (name, tensor) pairs of a bucket, each a view into its buffer (no copy), in packing order."""
+    out = []
+    for m in bucket.metas:
+        raw = bucket.buffer[m.offset:m.offset + m.nbytes]
+        out.append((m.name, raw.view(m.dtype).reshape(m.shape)))
+    return out
+
+
+def bucketed(named_tensors: Iterable[tuple[str, torch.Tensor]], bucket_bytes: int) -> Iterator[tuple[str, torch.Tensor]]:
+    """The pairs again, each having gone through a bucket (views into it): a loader that takes pairs can be fed
+    from buckets; `bucket_bytes` 0: the pairs as they are (one tensor at a time)."""
+    if bucket_bytes <= 0:
+        yield from named_tensors
+        return
+    for b in pack_buckets(named_tensors, bucket_bytes):
+        yield from unpack_bucket(b)

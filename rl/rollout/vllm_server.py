@@ -1,26 +1,30 @@
-"""vLLM behind a server: `rl vllm-serve --model M` (like `trl vllm-serve`) on other GPUs, another node or
-simply another process, and the trainer's client for it.
+"""`rl vllm-serve --model M` (like `trl vllm-serve`): a vLLM engine in a process of its own, on other GPUs, another
+node or simply another process, serving the training processes of one launch (its main process speaks for them
+all: rl.rollout.vllm_batching). The trainer's side, and what both sides share: rl.rollout.vllm_client.
 
     rl vllm-serve --model tiny:llama-hd64 --port 8000          # in its own venv if vLLM pins other packages
     python launch/grpo.py --config recipes/tiny/grpo.yaml use_vllm=true vllm_mode=server model_name=tiny:llama-hd64
 
-The trainer's client: rl.rollout.vllm_client. Protocol (plain data and tensors only, so the server may run in another virtual environment):
+Protocol (plain data and tensors only, so the server may run in another virtual environment):
 * HTTP + JSON on `--host:--port`: GET /health, GET /info (the model's shape, to refuse another model),
-  POST /generate (prompt token ids and sampling keywords -> token ids, log-probs, finish reasons),
-  POST /init_communicator, POST /update_weights, POST /close_communicator.
+  POST /generate (prompt token ids and one dict of sampling keywords per prompt -> token ids, log-probs,
+  finish reasons), POST /init_communicator (a new weight group; a trainer connecting again replaces the
+  previous one), POST /update_weights.
 * Weights travel over a two-rank torch.distributed group (gloo on the CPU, NCCL on GPUs) whose store
   the server holds on `--group-port`; the trainer's main process is rank 0 (the source), the server
-  rank 1. An update is a stream of (1 KiB JSON header, tensor) broadcasts ending with an end header,
-  fed straight into vLLM's in-place `reload_weights`, so neither side holds more than one tensor extra.
-* Every wait is bounded: HTTP calls by `timeout`, the group's collectives by its timeout, so a server
-  that is not there, dies or hangs gives one line (`RunError`) instead of the silent hang of a stuck
-  weight sync.
+  rank 1. An update is a stream of buckets (`send_weights` / `received_weights`), fed into vLLM's
+  in-place `reload_weights` as they arrive.
+* Every wait is bounded: HTTP calls by the client's timeout, the group's collectives by its timeout, so a
+  server that is not there, dies or hangs gives one line (`RunError`) on the trainer's side instead of the
+  silent hang of a stuck weight sync. The server logs every failed request with its traceback (stderr).
 """
 
 from __future__ import annotations
 
 import argparse
+import gc
 import json
+import logging
 import threading
 import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -28,37 +32,46 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 import torch
 from transformers import AutoConfig
 
-from rl.errors import RunError
+from rl.errors import RunError, first_line
 from rl.models.sources import resolve_model_path
-from rl.rollout.vllm_client import HEADER_BYTES, model_shape, weight_group
-from rl.rollout.vllm_engine import colocated_llm, completions_of, load_weights
+from rl.rollout.vllm_client import model_shape, received_weights, weight_group
+from rl.rollout.vllm_engine import engine_call, engine_kwargs, in_process_llm, load_weights
 
+log = logging.getLogger("rl.vllm_server")
 
-
-# ------------------------------------------------------------------------------------------- server
 
 class _Server:
+    """The routes' work: the engine behind a lock (one call at a time), and the weight group."""
+
     def __init__(self, llm, model_dir: str, host: str, group_port: int):
         self.llm, self.model_dir, self.host, self.group_port = llm, model_dir, host, group_port
         self.shape = model_shape(AutoConfig.from_pretrained(model_dir).get_text_config())
-        self.lock = threading.Lock()  # one engine call at a time
+        self.lock = threading.Lock()
         self.pg = self.store = None
         self.device = "cuda" if torch.cuda.is_available() else "cpu"
 
     def generate(self, body: dict) -> dict:
-        from vllm import SamplingParams
-        from vllm.inputs import TokensPrompt
-
+        prompts, sampling = body["prompts"], body["sampling"]
+        samplings = sampling if isinstance(sampling, list) else [sampling] * len(prompts)
+        t0 = time.time()
         with self.lock:
-            outs = self.llm.generate([TokensPrompt(prompt_token_ids=p) for p in body["prompts"]],
-                                     SamplingParams(**body["sampling"]), use_tqdm=False)
-        return {"completions": completions_of(outs)}
+            completions = engine_call(self.llm)(prompts, samplings)
+        log.debug("generate: %d prompts, %d completions in %.2f s", len(prompts),
+                  sum(len(c) for c in completions), time.time() - t0)
+        return {"completions": completions}
 
     def init_communicator(self, body: dict) -> dict:
         backend = "nccl" if self.device == "cuda" else "gloo"
+        with self.lock:  # a trainer that connects again (or another one): its group replaces the old one
+            self.pg = self.store = None
+            gc.collect()  # the old store's listening socket on --group-port closes with it
 
         def join():  # blocks until the trainer joins: answered first, so the trainer can
-            self.store, self.pg = weight_group(self.host, self.group_port, 1, float(body.get("timeout", 120)), backend)
+            try:
+                self.store, self.pg = weight_group(self.host, self.group_port, 1, float(body.get("timeout", 120)),
+                                                   backend)
+            except Exception:  # noqa: BLE001 - the trainer sees its own timeout; the log says why here
+                log.exception("the weight group on port %d did not form", self.group_port)
         threading.Thread(target=join, daemon=True).start()
         return {"ok": True, "backend": backend}
 
@@ -68,38 +81,31 @@ class _Server:
                 break
             time.sleep(0.05)
         if self.pg is None:
-            raise RuntimeError("no communicator: POST /init_communicator first")
-
-        def received():
-            while True:
-                h = torch.empty(HEADER_BYTES, dtype=torch.uint8, device=self.device)
-                self.pg.broadcast(h, 0).wait()
-                meta = json.loads(bytes(h.cpu().tolist()).decode().rstrip())
-                if meta.get("end"):
-                    return
-                t = torch.empty(meta["shape"], dtype=getattr(torch, meta["dtype"]), device=self.device)
-                self.pg.broadcast(t, 0).wait()
-                yield meta["name"], t
-
+            raise RuntimeError("no weight group: POST /init_communicator first")
+        t0 = time.time()
         with self.lock:
-            load_weights(self.llm, received())
-        return {"ok": True}
-
-    def close_communicator(self, body: dict) -> dict:
-        self.pg = self.store = None
+            load_weights(self.llm, received_weights(self.pg, self.device))
+        log.debug("weights loaded in %.2f s", time.time() - t0)
         return {"ok": True}
 
 
 def serve(model: str, host: str = "0.0.0.0", port: int = 8000, group_port: int = 51216, dtype: str = "auto",
           max_model_len: int = 1024, gpu_memory_utilization: float = 0.9, tensor_parallel_size: int = 1,
-          seed: int = 0) -> None:
+          seed: int = 0, verbose: bool = False) -> None:
     """Start the engine on `model`, then answer requests until interrupted."""
+    logging.basicConfig(level=logging.DEBUG if verbose else logging.INFO, format="%(asctime)s %(name)s %(levelname)s "
+                        "%(message)s")
+    if tensor_parallel_size > 1:
+        raise RunError("--tensor-parallel-size > 1 is not built for the server: it loads the pushed weights in place "
+                       "in its own process, which vLLM's multiprocess executor cannot do (its collective_rpc pickles "
+                       "its arguments); run one server per GPU, or vllm_mode=colocate with vllm_tensor_parallel_size")
     model_dir = resolve_model_path(model)
-    llm = colocated_llm(model_dir, dtype=dtype, max_model_len=max_model_len, tensor_parallel_size=tensor_parallel_size,
-                        gpu_memory_utilization=gpu_memory_utilization, enable_sleep_mode=False, seed=seed)
+    llm = in_process_llm(engine_kwargs(model_dir, dtype=dtype, max_model_len=max_model_len, seed=seed,
+                                       gpu_memory_utilization=gpu_memory_utilization,
+                                       tensor_parallel_size=tensor_parallel_size), verbose)
     state = _Server(llm, model_dir, host, group_port)
     routes = {"/generate": state.generate, "/init_communicator": state.init_communicator,
-              "/update_weights": state.update_weights, "/close_communicator": state.close_communicator}
+              "/update_weights": state.update_weights}
 
     class Handler(BaseHTTPRequestHandler):
         def _send(self, code: int, obj: dict) -> None:
@@ -124,8 +130,9 @@ def serve(model: str, host: str = "0.0.0.0", port: int = 8000, group_port: int =
             body = json.loads(self.rfile.read(int(self.headers.get("Content-Length", 0))) or b"{}")
             try:
                 self._send(200, fn(body))
-            except Exception as e:  # noqa: BLE001 - the client gets the reason as one line
-                self._send(500, {"error": f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"})
+            except Exception as e:  # noqa: BLE001 - the client gets the reason as one line, the log the traceback
+                log.exception("POST %s failed", self.path)
+                self._send(500, {"error": f"{type(e).__name__}: {first_line(e)}"})
 
         def log_message(self, *args):  # one line per request is noise at one request per step
             pass
@@ -153,12 +160,16 @@ def main(argv=None) -> None:
     p.add_argument("--max-model-len", type=int, default=1024, help="prompt + completion tokens per request at most "
                    "(at least the trainer's max_length)")
     p.add_argument("--gpu-memory-utilization", type=float, default=0.9, help="fraction of GPU memory vLLM may use")
-    p.add_argument("--tensor-parallel-size", type=int, default=1, help="GPUs per engine (tensor parallel)")
-    p.add_argument("--seed", type=int, default=0, help="the engine's sampling seed")
+    p.add_argument("--tensor-parallel-size", type=int, default=1, help="GPUs per engine: 1 (tensor parallelism is built "
+                   "for colocate: vllm_tensor_parallel_size)")
+    p.add_argument("--seed", type=int, default=0, help="the engine's seed (requests the trainer seeds sample from "
+                   "their own seeds)")
+    p.add_argument("--verbose", action="store_true", help="vLLM's INFO log and one line per request (default: "
+                   "vLLM at WARNING, and failed requests)")
     a = p.parse_args(argv)
     try:
         serve(a.model, a.host, a.port, a.group_port, a.dtype, a.max_model_len, a.gpu_memory_utilization,
-              a.tensor_parallel_size, a.seed)
+              a.tensor_parallel_size, a.seed, a.verbose)
     except RunError as e:
         raise SystemExit(f"error: {e}") from None
 

@@ -82,24 +82,35 @@ def engine_vs_policy(trainer, model_before) -> tuple[float, float]:
     return float((engine - lp_now).abs()[m].max()), float((engine - lp_old).abs()[m].mean())
 
 
+def colocated(model_dir, **over):
+    """A VLLMRollout on the session's shared engine (the trainers' engine settings: one engine for the session)."""
+    from types import SimpleNamespace
+
+    from rl.rollout.vllm_engine import VLLMRollout
+
+    cfg = SimpleNamespace(**{**dict(vllm_mode="colocate", vllm_weight_sync_bucket_mb=512, vllm_enable_sleep_mode=False,
+                                    vllm_tensor_parallel_size=1, dtype="float32", max_length=MAX_LENGTH,
+                                    vllm_gpu_memory_utilization=0.3, seed=0, verbose=False), **over})
+    acc = SimpleNamespace(process_index=0, local_process_index=0, num_processes=1, is_main_process=True)
+    return VLLMRollout(cfg, acc, model_dir)
+
+
 def test_engine_logprobs_equal_our_recompute(hd64):
     from transformers import AutoModelForCausalLM
 
     from rl.engine.scoring import sequence_logprobs
     from rl.models.loading import load_tokenizer
-    from rl.rollout.vllm_engine import VLLMRollout, colocated_llm, load_weights
 
     tok = load_tokenizer(hd64)
     model = AutoModelForCausalLM.from_pretrained(hd64, dtype=torch.float32)
-    llm = colocated_llm(hd64, dtype="float32", max_model_len=MAX_LENGTH, gpu_memory_utilization=0.3,
-                        tensor_parallel_size=1, enable_sleep_mode=False, seed=0)
-    load_weights(llm, model.state_dict().items())  # an engine shared with other tests: this model's weights
-    eng = VLLMRollout.__new__(VLLMRollout)
-    eng.llm, eng.client, eng._asleep = llm, None, False
-    eng.cfg = type("C", (), {"vllm_enable_sleep_mode": False})()
+    eng = colocated(hd64)
+    eng.sync(model, -1)  # an engine shared with other tests: this model's weights
     prompts = [tok(f"{a}*{b}=")["input_ids"] for a in range(4) for b in range(2)]
-    roll = eng.generate(None, tok, prompts, max_new_tokens=12, temperature=1.0, num_samples=4)
+    roll = eng.generate(None, tok, prompts, max_new_tokens=12, temperature=1.0, num_samples=4, seed=11)
     assert roll.tokens.shape[0] == 32 and roll.mask.sum() > 32
+    # seeded: row r of the call samples from seed 11 + r, whatever the batch (the rows of prompt 5 alone)
+    again = eng.generate(None, tok, prompts[5:6], max_new_tokens=12, temperature=1.0, num_samples=4, seed=11 + 5 * 4)
+    assert torch.equal(again.tokens, roll.tokens[20:24, :again.tokens.shape[1]])
     batch = roll.to_batch()
     lp = sequence_logprobs(model, batch["input_ids"], batch["attention_mask"], batch["labels"])[0]
     m = batch["labels"][:, 1:].ne(-100)

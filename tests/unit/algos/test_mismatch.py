@@ -52,3 +52,27 @@ def test_the_weights_scale_each_tokens_policy_gradient_term():
     assert g_w.tolist()[0] == pytest.approx([-1 / 3, -0.5 / 3, -2 / 3, 0.0], abs=1e-6)
     ones, _ = grpo_loss(logp, logp.detach(), adv, MASK, token_weights=torch.ones_like(w))
     assert float(ones.detach()) == float(loss.detach())
+
+
+def test_clip_min_and_trls_default_mode_by_hand():
+    """TRL 1.16: the default mode is sequence_mask; vllm_importance_sampling_clip_min clamps from below in the
+    truncate modes and masks below in the mask modes (IcePop)."""
+    import inspect
+
+    assert inspect.signature(importance_weights).parameters["mode"].default == "sequence_mask"
+    # ratios 1, e^0.5 = 1.65, e^-1.5 = 0.22; bounds [0.5, 1.5]
+    w, m = importance_weights(OLD, BEH, MASK, cap=1.5, mode="token_truncate", clip_min=0.5)
+    assert w.tolist()[0] == pytest.approx([1.0, 1.5, 0.5, 0.0], abs=1e-6)
+    assert float(m["sampling/importance_sampling_ratio/clipped_frac"]) == pytest.approx(2 / 3, abs=1e-6)
+    w, m = importance_weights(OLD, BEH, MASK, cap=1.5, mode="token_mask", clip_min=0.5)
+    assert w.tolist()[0] == pytest.approx([1.0, 0.0, 0.0, 0.0], abs=1e-6)
+    # sequences: row 0's ratio e^-1 = 0.37; row 1 (old = behaviour) ratio 1; clip_min 0.5 masks row 0 alone
+    old, beh = torch.cat([OLD, torch.zeros(1, 4)]), torch.cat([BEH, torch.zeros(1, 4)])
+    mask = torch.tensor([[1, 1, 1, 0], [1, 1, 0, 0]])
+    w, m = importance_weights(old, beh, mask, cap=3.0, mode="sequence_mask", clip_min=0.5)
+    assert w.flatten().tolist() == pytest.approx([0.0] * 4 + [1.0, 1.0, 0.0, 0.0], abs=1e-6)
+    # per sequence, as TRL: min 0 (row 0 masked), mean (0 + 1) / 2, max 1; half the sequences out of bounds
+    assert [float(m[f"sampling/importance_sampling_ratio/{k}"]) for k in ("min", "mean", "max", "clipped_frac")] == \
+        pytest.approx([0.0, 0.5, 1.0, 0.5], abs=1e-6)
+    w, _ = importance_weights(old, beh, mask, cap=3.0, mode="sequence_truncate", clip_min=0.5)
+    assert w.flatten().tolist() == pytest.approx([0.5, 0.5, 0.5, 0.0, 1.0, 1.0, 0.0, 0.0], abs=1e-6)

@@ -1,13 +1,15 @@
-"""The weights a rollout engine loads (rl.engine.weight_sync): HF names, merged LoRA, tied head, no value head."""
+"""The weights a rollout engine loads (rl.engine.weight_sync): HF names, merged LoRA, tied head, no value head,
+and the buckets they travel in (bit for bit in their dtype)."""
 
 from __future__ import annotations
 
 import copy
+import json
 
 import torch
 from transformers import AutoModelForCausalLM
 
-from rl.engine.weight_sync import hf_name, policy_weights
+from rl.engine.weight_sync import ALIGN, Bucket, bucketed, hf_name, pack_buckets, policy_weights, unpack_bucket
 from rl.models.loading import apply_lora
 from rl.models.value import PPOModel
 
@@ -63,3 +65,67 @@ def test_a_sync_stopped_half_way_still_unmerges_the_adapters(tiny_llama):
     next(weights), next(weights)  # merged now
     weights.close()
     assert all(torch.allclose(p, before[n], atol=1e-6) for n, p in model.named_parameters())
+
+
+def _mixed():
+    g = torch.Generator().manual_seed(0)
+    return [("a.bf16", torch.randn(3, 5, generator=g).to(torch.bfloat16)),
+            ("b.fp16", torch.randn(7, generator=g).to(torch.float16)),
+            ("c.fp32", torch.randn(4, 4, generator=g)),
+            ("d.scalar", torch.tensor(3.25)),
+            ("e.empty", torch.empty(0, 2)),
+            ("f.int64", torch.arange(5)),
+            ("g.bool", torch.tensor([True, False, True])),
+            ("h.strided", torch.randn(6, 4, generator=g).t()),  # not contiguous
+            ("i.nan_bits", torch.tensor([float("nan"), -0.0, float("inf")]))]
+
+
+def test_buckets_give_every_tensor_back_bit_for_bit_in_its_dtype():
+    items = _mixed()
+    buckets = list(pack_buckets(items, bucket_bytes=96))
+    got = [p for b in buckets for p in unpack_bucket(b)]
+    assert [n for n, _ in got] == [n for n, _ in items]
+    for (n, t), (_, u) in zip(items, got):
+        assert u.dtype == t.dtype and u.shape == t.shape, n
+        # the bytes themselves (NaN payloads, -0.0 included), not a float comparison
+        assert torch.equal(u.contiguous().reshape(-1).view(torch.uint8), t.contiguous().reshape(-1).view(torch.uint8)), n
+    for b in buckets:  # one flat uint8 buffer each, never over the size unless a tensor is larger alone
+        assert b.buffer.dtype == torch.uint8 and b.buffer.is_contiguous() and b.buffer.dim() == 1
+        assert b.buffer.numel() <= 96 or len(b.metas) == 1
+        assert all(m.offset % ALIGN == 0 for m in b.metas)
+    # by hand: bf16 15*2 = 30 B, fp16 14 B at offset 64 (aligned) -> 78 B; fp32 64 B would pass 96: a new bucket
+    assert [m.name for m in buckets[0].metas] == ["a.bf16", "b.fp16"] and buckets[0].buffer.numel() == 78
+
+
+def test_a_tensor_larger_than_the_bucket_goes_alone_and_views_share_the_buffer():
+    big = torch.arange(100, dtype=torch.float32)
+    buckets = list(pack_buckets([("s", torch.ones(2)), ("big", big), ("t", torch.zeros(3))], bucket_bytes=64))
+    assert [[m.name for m in b.metas] for b in buckets] == [["s"], ["big"], ["t"]]
+    assert buckets[1].buffer.numel() == 400
+    (name, view), = unpack_bucket(buckets[1])
+    assert torch.equal(view, big) and view.data_ptr() == buckets[1].buffer.data_ptr()  # a view, no copy
+
+
+def test_bucket_header_round_trip_and_bucketed_stream(tiny_llama):
+    items = _mixed()
+    b = next(pack_buckets(items, bucket_bytes=1 << 20))
+    again = Bucket.from_header(json.loads(json.dumps(b.header())), b.buffer.clone())
+    assert [(n, t.dtype, t.shape) for n, t in unpack_bucket(again)] == [(n, t.dtype, t.shape) for n, t in items]
+    model = AutoModelForCausalLM.from_pretrained(tiny_llama, dtype=torch.float32)
+    plain = [(n, t.clone()) for n, t in policy_weights(model)]
+    for size in (0, 4096, 1 << 20):  # 0: one tensor at a time, as they come
+        got = [(n, t.clone()) for n, t in bucketed(policy_weights(model), size)]
+        assert [n for n, _ in got] == [n for n, _ in plain]
+        assert all(torch.equal(a, b) for (_, a), (_, b) in zip(got, plain))
+
+
+def test_buckets_of_a_lora_policy_hold_the_merged_weights(tiny_llama):
+    """The last bucket is complete only after the weights' iteration ends (and the adapters are unmerged): each
+    tensor must be copied in when it arrives."""
+    model = apply_lora(AutoModelForCausalLM.from_pretrained(tiny_llama, dtype=torch.float32), 4, 8, 0.0, "all-linear")
+    for n, p in model.named_parameters():
+        if "lora_B" in n:
+            p.data.normal_(0, 0.5)
+    expect = {k: v.clone() for k, v in policy_weights(model)}
+    got = {n: t for b in pack_buckets(policy_weights(model), 1 << 30) for n, t in unpack_bucket(b)}
+    assert set(got) == set(expect) and all(torch.equal(got[k], expect[k]) for k in expect)

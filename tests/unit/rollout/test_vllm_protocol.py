@@ -82,3 +82,66 @@ def test_a_server_of_another_model_is_refused(fake_server, tiny_llama):
         client.generate([[1, 2]], sampling_params(1, 4, 1.0, 0, 1.0, []))
     assert model_shape({"model_type": "llama", "vocab_size": 3, "hidden_size": 2, "num_hidden_layers": 1}) == \
         {"model_type": "llama", "vocab_size": 3, "hidden_size": 2, "num_hidden_layers": 1}
+
+
+@pytest.mark.parametrize("bucket_bytes", [0, 256, 1 << 20], ids=["per_tensor", "small_buckets", "one_bucket"])
+def test_weights_cross_the_group_bit_for_bit(bucket_bytes):
+    """Both ends of the weight stream over a real two-rank gloo group (two threads here): every tensor arrives
+    with its name, dtype, shape and bytes; 40 names in one bucket make a header longer than the control block."""
+    import socket
+
+    import torch
+
+    from rl.rollout.vllm_client import HEADER_BYTES, received_weights, send_weights, weight_group
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    g = torch.Generator().manual_seed(1)
+    sent = [(f"model.layers.{i}.mlp.some_rather_long_projection_name.weight", torch.randn(3, i + 1, generator=g)
+             .to(torch.bfloat16 if i % 2 else torch.float32)) for i in range(40)] + [("flag", torch.tensor([True]))]
+    got, errors = [], []
+
+    def server():
+        try:
+            store, pg = weight_group("127.0.0.1", port, 1, 30.0, "gloo")
+            got.extend((n, t.clone()) for n, t in received_weights(pg, "cpu"))
+        except Exception as e:  # noqa: BLE001 - reported by the assert below
+            errors.append(e)
+    th = threading.Thread(target=server)
+    th.start()
+    store, pg = weight_group("127.0.0.1", port, 0, 30.0, "gloo")
+    assert send_weights(pg, iter(sent), bucket_bytes, "cpu") == len(sent)
+    th.join(60)
+    assert not errors, errors
+    assert [n for n, _ in got] == [n for n, _ in sent]
+    assert all(a.dtype == b.dtype and torch.equal(a, b) for (_, a), (_, b) in zip(got, sent))
+    assert len(" ".join(n for n, _ in sent)) > HEADER_BYTES  # one_bucket's header needed its own broadcast
+
+
+def test_requests_of_several_processes_merge_into_one_call_and_split_back():
+    from rl.rollout.vllm_batching import local_only, merge_requests, split_completions
+
+    s = {"temperature": 1.0, "max_tokens": 4}
+    reqs = [([[1, 2], [3]], [{**s, "n": 2}, {**s, "n": 1}]),          # process 0
+            ([[1, 2], [4]], [{**s, "n": 3}, {**s, "n": 2, "seed": 7}]),  # process 1: [1, 2] again, same sampling
+            ([[4]], [{**s, "n": 1, "seed": 8}])]                       # another seed: another request
+    merged, plan = merge_requests(reqs)
+    assert [(p, m["n"], m.get("seed")) for p, m in merged] == [([1, 2], 5, None), ([3], 1, None), ([4], 2, 7),
+                                                                 ([4], 1, 8)]
+    assert plan == [[(0, 0, 2), (1, 0, 1)], [(0, 2, 3), (2, 0, 2)], [(3, 0, 1)]]
+    # the engine's answer: pair j's samples named (j, k); each process gets its own, in order
+    answer = [[(j, k) for k in range(m["n"])] for j, (_, m) in enumerate(merged)]
+    parts = split_completions(plan, answer)
+    assert parts == [[[(0, 0), (0, 1)], [(1, 0)]], [[(0, 2), (0, 3), (0, 4)], [(2, 0), (2, 1)]], [[(3, 0)]]]
+    calls = []
+    out = local_only(([[5], [5]], [{**s, "n": 1}, {**s, "n": 1}]), lambda p, m: calls.append((p, m)) or [["a", "b"]])
+    assert calls == [([[5]], [{**s, "n": 2}])] and out == [["a"], ["b"]]  # duplicates in one process merge too
+
+
+def test_seeded_requests_follow_our_samplers_rows():
+    from rl.rollout.vllm_engine import request_of
+
+    prompts, samplings = request_of([[1], [2], [3]], {"n": 4, "temperature": 1.0}, seed=100)
+    assert [m["seed"] for m in samplings] == [100, 104, 108]  # vLLM draws sample j of a request from seed + j
+    assert "seed" not in request_of([[1]], {"n": 4}, seed=None)[1][0]
