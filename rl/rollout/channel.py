@@ -20,8 +20,9 @@ Rollout process w samples the items (t, i) whose `Role.producer(t, i)` is w (rou
 process i at step t. Training process 0 sends every version some rollout process needs, after its optimizer step.
 
 Messages (tags): the trainer's header (start step, total steps); per policy version a header object (the
-version and each bucket's tensor names, dtypes and shapes) and then each bucket as one flat tensor of its
-dtype (bf16 stays bf16; LoRA: only the adapters), at most `BUCKET_BYTES` each; per generation batch its size
+version and each bucket's layout: tensor names, dtypes, shapes, offsets) and then each bucket's bytes
+(`rl.engine.weight_sync.pack_buckets`: every tensor in its own dtype, bf16 stays bf16; LoRA: only the adapters;
+`BUCKET_BYTES` at most, a larger tensor alone); per generation batch its size
 and its bytes (torch.save, read back with weights_only=True). Every send is asynchronous and kept alive until
 it completes; every wait is bounded (RL_DIST_TIMEOUT, default 600 s), and a peer that died ends the waiting side
 with one RunError line.
@@ -41,11 +42,12 @@ import torch
 import torch.distributed as dist
 
 from rl.engine.dist import dist_timeout
+from rl.engine.weight_sync import Bucket, pack_buckets, unpack_bucket
 from rl.errors import ConfigError, RunError, first_line
 from rl.rollout.staleness import last_needed_version, sample_version
 
 HEADER, SIZE, PAYLOAD, WEIGHTS = 1, 2, 3, 4
-BUCKET_BYTES = 256 << 20  # one flat tensor per this many bytes of one dtype (what a send holds at once)
+BUCKET_BYTES = 256 << 20  # one message per this many bytes of weights (what a send holds at once)
 SILENT_TRAINER = "the training processes stopped answering the rollout process"
 
 
@@ -140,44 +142,30 @@ def recv_object(role: Role, src: int, what: str, tag: int = PAYLOAD):
 
 def trainable(model) -> Iterator[tuple[str, torch.Tensor]]:
     """(name, parameter) of what a training step changes, in one fixed order on both sides."""
-    return ((n, p) for n, p in model.named_parameters() if p.requires_grad)
-
-
-def buckets(named: list[tuple[str, torch.Tensor]], limit: int = BUCKET_BYTES) -> list[list[tuple[str, torch.Tensor]]]:
-    """Consecutive runs of one dtype, each at most `limit` bytes (a larger tensor is a bucket of its own)."""
-    out: list[list] = []
-    size = 0
-    for name, t in named:
-        nbytes = t.numel() * t.element_size()
-        if not out or out[-1][0][1].dtype != t.dtype or size + nbytes > limit:
-            out.append([])
-            size = 0
-        out[-1].append((name, t))
-        size += nbytes
-    return out
+    return ((n, p.detach()) for n, p in model.named_parameters() if p.requires_grad)
 
 
 def send_weights(role: Role, model, version: int, dst: int, pending: list) -> None:
-    """The trainable parameters of `model` (policy `version`) to rollout process rank `dst`, in their dtype."""
-    parts = buckets([(n, p.detach()) for n, p in trainable(model)], BUCKET_BYTES)
-    meta = {"version": version, "buckets": [[(n, str(t.dtype).split(".")[-1], list(t.shape)) for n, t in b]
-                                            for b in parts]}
-    send_object(role, meta, dst, pending, tag=HEADER)
-    for b in parts:
-        flat = torch.cat([t.reshape(-1).cpu() for _, t in b])
-        pending.append((role.group.send([flat], dst, WEIGHTS), flat))
+    """The trainable parameters of `model` (policy `version`) to rollout process rank `dst`: a header (the
+    version, each bucket's layout) then each bucket's bytes (`rl.engine.weight_sync.pack_buckets`: every tensor
+    in its dtype, bit for bit)."""
+    parts = [(b.header(), b.buffer.cpu()) for b in pack_buckets(trainable(model), BUCKET_BYTES)]
+    send_object(role, {"version": version, "buckets": [(h, buf.numel()) for h, buf in parts]}, dst, pending,
+                tag=HEADER)
+    for _, buf in parts:
+        pending.append((role.group.send([buf], dst, WEIGHTS), buf))
 
 
 def recv_weights(role: Role, model) -> int:
     """The next policy version from training process 0, copied into `model`'s trainable parameters."""
     params = dict(trainable(model))
     meta = recv_object(role, 0, SILENT_TRAINER, tag=HEADER)
-    for b in meta["buckets"]:
-        flat = torch.empty(sum(torch.Size(shape).numel() for _, _, shape in b), dtype=getattr(torch, b[0][1]))
-        _wait(role.group.recv([flat], 0, WEIGHTS), SILENT_TRAINER)
+    for header, nbytes in meta["buckets"]:
+        buf = torch.empty(nbytes, dtype=torch.uint8)
+        _wait(role.group.recv([buf], 0, WEIGHTS), SILENT_TRAINER)
         with torch.no_grad():
-            for (name, _, shape), chunk in zip(b, flat.split([torch.Size(s).numel() for _, _, s in b])):
-                params[name].copy_(chunk.view(shape))
+            for name, t in unpack_bucket(Bucket.from_header(header, buf)):
+                params[name].copy_(t)
     return int(meta["version"])
 
 

@@ -25,13 +25,15 @@ from accelerate.utils import broadcast_object_list
 
 from rl.engine import segments
 from rl.engine.dist import zero_stage
-from rl.engine.generation import generate
+from rl.engine.generation import _resolve_ids, generate
 from rl.engine.pipeline import ForwardBackwardPipeline
 from rl.engine.state import PER_PROCESS
 from rl.errors import ConfigError
 from rl.rollout.ahead import InProcess, ServerAhead
 from rl.rollout.channel import TrainerEnd, serve_rollouts, split_world
 from rl.rollout.staleness import StalenessBuffer, Tagged, staleness_metrics
+from rl.rollout.vllm_batching import local_only
+from rl.rollout.vllm_engine import request_of, sampling_params, to_rollout
 from rl.trainers.grpo_batch import select_rollout
 from rl.trainers.sampling import rollout_sampler
 
@@ -122,17 +124,23 @@ class AsyncRollouts:
 
     def _server_sync(self, version: int) -> None:
         """The server holds the weights of `version` (the current policy): pushed when it moved on."""
-        self._server_generate = rollout_sampler(self, generate)
+        rollout_sampler(self, generate)  # builds the engine's client at the first call; syncs the weights
 
     def _server_request(self, index: int) -> tuple[list, dict]:
         """Every process's prompt ids of generation `index` and the sampler's keywords (the main process)."""
         return [self.round_prompts(index, 0, p)[1] for p in range(self.world)], self.sampling_kwargs(index, 0)
 
     def _server_fetch(self, request: tuple[list, dict]) -> list:
-        """One request to the server for every process's prompts (worker thread): a rollout per process."""
+        """One request to the server for every process's prompts (worker thread, main process): a rollout per
+        process. Not the engine's `generate`, which gathers the processes' prompts itself (a collective); the same
+        request otherwise (rl.rollout.vllm_engine): row r of the call samples from seed + r, and process p's rows
+        follow process p - 1's, so each row gets the seed it has in the synchronous run."""
         per_process, kw = request
         flat = [p for prompts in per_process for p in prompts]
-        rollout = self._server_generate(None, self.tokenizer, flat, **kw)
+        _, pad, eos = _resolve_ids(self.tokenizer, None)
+        sp = sampling_params(kw["num_samples"], kw["max_new_tokens"], kw["temperature"], kw["top_k"], kw["top_p"],
+                             [eos] if isinstance(eos, int) else list(eos or []))
+        rollout = to_rollout(flat, local_only(request_of(flat, sp, kw["seed"]), self._vllm.client.generate), pad)
         rows = len(per_process[0]) * kw["num_samples"]
         return [select_rollout([rollout], list(range(p * rows, (p + 1) * rows))) for p in range(len(per_process))]
 

@@ -1,5 +1,6 @@
 """The rollout-process channel's weights (rl.rollout.channel): every trainable parameter crosses in its own dtype
-(bf16 stays bf16), in buckets of one dtype and a bounded size, and lands by name in the receiver's model; frozen
+(bf16 stays bf16), in buckets of a bounded size (rl.engine.weight_sync.pack_buckets), and lands by name in the
+receiver's model; frozen
 parameters do not cross. Two ranks of a gloo group in two threads of this process."""
 
 from __future__ import annotations
@@ -11,7 +12,7 @@ import torch
 import torch.distributed as dist
 
 from rl.rollout import channel
-from rl.rollout.channel import Role, buckets, finish, recv_weights, send_weights
+from rl.rollout.channel import Role, finish, recv_weights, send_weights
 
 
 def _model(seed: int) -> torch.nn.Module:
@@ -20,12 +21,6 @@ def _model(seed: int) -> torch.nn.Module:
     m[0].to(torch.bfloat16)  # a bf16 layer beside a fp32 one
     m[1].bias.requires_grad_(False)  # frozen: never sent
     return m
-
-
-def test_buckets_split_by_dtype_and_size():
-    named = [("a", torch.zeros(4)), ("b", torch.zeros(4)), ("c", torch.zeros(4, dtype=torch.bfloat16)),
-             ("d", torch.zeros(100))]
-    assert [[n for n, _ in b] for b in buckets(named, limit=32)] == [["a", "b"], ["c"], ["d"]]
 
 
 def test_weights_cross_in_their_dtype_bucketed_and_by_name(monkeypatch):
@@ -55,17 +50,18 @@ def test_weights_cross_in_their_dtype_bucketed_and_by_name(monkeypatch):
             assert a.dtype == b.dtype and torch.equal(a, b), name
 
 
-def test_the_flat_tensors_sent_keep_bf16(monkeypatch):
-    """What goes on the wire: one bf16 bucket for the bf16 layer (not a fp32 copy), fp32 ones for the other."""
+def test_the_bytes_sent_are_bf16_not_a_fp32_copy(monkeypatch):
+    """What goes on the wire for the bf16 layer: 2 bytes an element (bucket alignment aside), not 4."""
     sent = []
 
     class Group:
         def send(self, tensors, dst, tag):
-            sent.append((tag, tensors[0].dtype, tensors[0].numel()))
-            return None
+            sent.append(tensors[0].numel())
 
-    monkeypatch.setattr(channel, "send_object", lambda role, obj, dst, pending, tag=0: sent.append(("meta", obj)))
+    monkeypatch.setattr(channel, "send_object", lambda role, obj, dst, pending, tag=0: sent.append(obj))
+    monkeypatch.setattr(channel, "BUCKET_BYTES", 100)  # one bucket per tensor here
     send_weights(Role(False, 0, 1, 1, Group()), _model(0), 3, 1, [])
-    meta = sent[0][1]
-    assert meta["version"] == 3 and [len(b) for b in meta["buckets"]] == [2, 1]
-    assert [(dtype, n) for tag, dtype, n in sent[1:]] == [(torch.bfloat16, 8 * 8 + 8), (torch.float32, 8 * 4)]
+    meta, sizes = sent[0], sent[1:]
+    assert meta["version"] == 3 and [[m[0] for m in h] for h, _ in meta["buckets"]] == [["0.weight"], ["0.bias"],
+                                                                                        ["1.weight"]]
+    assert sizes == [8 * 8 * 2, 8 * 2, 8 * 4 * 4]
