@@ -104,6 +104,6 @@ class ServerAhead:
         if self.flight is not None:
             self._collect(buf)
 
-    def close(self) -> None:
+    def close(self, wait: bool = True) -> None:
         if self.pool is not None:
-            self.pool.shutdown(wait=True)
+            self.pool.shutdown(wait=wait, cancel_futures=True)

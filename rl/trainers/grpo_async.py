@@ -84,9 +84,12 @@ class AsyncRollouts:
             return self._serve_rollouts()
         try:
             history = fit()
-        finally:
-            if isinstance(self._producer, ServerAhead):
-                self._producer.close()
+        except BaseException:
+            if isinstance(self._producer, ServerAhead):  # a request on its way ends with its HTTP timeout
+                self._producer.close(wait=False)
+            raise
+        if isinstance(self._producer, ServerAhead):
+            self._producer.close()
         if self._channel is not None:
             self._channel.close()
         return history

@@ -56,8 +56,9 @@ class GRPOConfig(OnlineConfig):
                                      "num_generations completions, packed without padding (rl.engine.packing."
                                      "pack_shared_prompts; same log-probs; SDPA models, else the padded batch)")
     max_staleness: int = opt(0, "asynchronous rollouts (TRL's name): the batch of step t is sampled by the policy of "
-                             "step t - k at the oldest, while later steps train; its behaviour log-probs are the old "
-                             "policy of the loss; older samples are dropped (async/dropped_samples). 0: synchronous")
+                             "step t - k at the oldest, while later steps train (a vLLM server samples meanwhile with "
+                             "use_vllm=true vllm_mode=server); its behaviour log-probs correct the loss "
+                             "(off_policy_correction); older samples are dropped (async/dropped_samples). 0: synchronous")
     rollout_processes: int = opt(0, "the last N processes of the launch only sample (our sampler) while the others "
                                  "train; weights sent to them after each optimizer step (docs/rollout.md). 0: none")
     off_policy_correction: Literal[OFF_POLICY_CORRECTIONS] = opt(
