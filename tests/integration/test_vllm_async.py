@@ -36,25 +36,17 @@ def _free_port() -> int:
 
 
 @pytest.fixture
-def servers(tiny_cache, tmp_path):
-    """`start()` -> (port, group port) of a new `rl vllm-serve` process; all of them stopped at the end."""
-    procs = []
-
-    def start():
-        port, group = _free_port(), _free_port()
-        env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
-        log = open(tmp_path / f"server{len(procs)}.log", "w")
-        procs.append((subprocess.Popen([sys.executable, "-m", "rl.rollout.vllm_server", "--model", "tiny:llama-hd64",
-                                        "--host", "127.0.0.1", "--port", str(port), "--group-port", str(group),
-                                        "--max-model-len", str(MAX_LENGTH)], cwd=ROOT, env=env, stdout=log,
-                                       stderr=subprocess.STDOUT), log))
-        return port, group
-
-    yield start
-    for proc, log in procs:
-        proc.kill()
-        proc.wait(30)
-        log.close()
+def server(tiny_cache, tmp_path):
+    port, group = _free_port(), _free_port()
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    log = open(tmp_path / "server.log", "w")
+    proc = subprocess.Popen([sys.executable, "-m", "rl.rollout.vllm_server", "--model", "tiny:llama-hd64", "--host",
+                             "127.0.0.1", "--port", str(port), "--group-port", str(group), "--max-model-len",
+                             str(MAX_LENGTH)], cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
+    yield port, group
+    proc.kill()
+    proc.wait(30)
+    log.close()
 
 
 def spread(prompts, completions, **kw):
@@ -76,13 +68,13 @@ def _grpo(out, port, group, **over):
     return GRPOTrainer(cfg, reward_funcs=[spread], train_prompts=rows)
 
 
-def test_server_samples_ahead_logs_every_step_saves_and_resumes_at_its_rollout_position(tmp_path, servers,
+def test_server_samples_ahead_logs_every_step_saves_and_resumes_at_its_rollout_position(tmp_path, server,
                                                                                           monkeypatch):
     from rl.engine.pipeline import ForwardBackwardPipeline
     from rl.rollout.vllm_engine import VLLMRollout
     from rl.trainers.grpo import GRPOTrainer
 
-    port, group = servers()
+    port, group = server
     events: list[tuple[str, int]] = []
     request, optim_step, sync = GRPOTrainer._server_request, ForwardBackwardPipeline.optim_step, VLLMRollout.sync
 
@@ -131,9 +123,7 @@ def test_server_samples_ahead_logs_every_step_saves_and_resumes_at_its_rollout_p
     assert [(i["step"], i["version"]) for i in extra["async_items"]] == [(2, 1)]
     (tmp_path / "cut" / "checkpoints").mkdir(parents=True)
     shutil.copytree(ckpt, tmp_path / "cut" / "checkpoints" / "checkpoint-2")
-    # the resumed run on a new server (a second trainer cannot join a running server's weight group yet: its
-    # --group-port is still held by the first one's)
-    port, group = servers()
+    # the resumed run joins the same server (its weight group replaces the first run's)
     cut = [r for r in _grpo(tmp_path / "cut", port, group, max_steps=4, resume="auto").train() if "loss" in r]
     assert [r["step"] for r in cut] == [3, 4] and [r["async/policy_version"] for r in cut] == [1, 2]
     assert cut[0]["loss"] == rows[2]["loss"]  # the stored batch, the restored weights: the same step
