@@ -13,45 +13,16 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import socket
-import subprocess
-import sys
 
 import pytest
-
-from tests.conftest import ROOT
 
 if os.environ.get("RL_REQUIRE_VLLM") != "1":
     pytest.importorskip("vllm", reason="vLLM is not installed (the vllm tier runs in .ci/run's vLLM venv)")
 
+from tests.integration.test_vllm import MAX_LENGTH, server  # noqa: E402, F401 - `rl vllm-serve` on the tiny model
+from tests.integration.vllm_rewards import spread  # noqa: E402
+
 pytestmark = pytest.mark.vllm
-
-MAX_LENGTH = 32
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-@pytest.fixture
-def server(tiny_cache, tmp_path):
-    port, group = _free_port(), _free_port()
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
-    log = open(tmp_path / "server.log", "w")
-    proc = subprocess.Popen([sys.executable, "-m", "rl.rollout.vllm_server", "--model", "tiny:llama-hd64", "--host",
-                             "127.0.0.1", "--port", str(port), "--group-port", str(group), "--max-model-len",
-                             str(MAX_LENGTH)], cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
-    yield port, group
-    proc.kill()
-    proc.wait(30)
-    log.close()
-
-
-def spread(prompts, completions, **kw):
-    """Distinct completions get distinct rewards, so every group has spread and every step moves the policy."""
-    return [float(sum(map(ord, c)) % 7) for c in completions]
 
 
 def _grpo(out, port, group, **over):
@@ -74,7 +45,7 @@ def test_server_samples_ahead_logs_every_step_saves_and_resumes_at_its_rollout_p
     from rl.rollout.vllm_engine import VLLMRollout
     from rl.trainers.grpo import GRPOTrainer
 
-    port, group = server
+    _, port, group = server
     events: list[tuple[str, int]] = []
     request, optim_step, sync = GRPOTrainer._server_request, ForwardBackwardPipeline.optim_step, VLLMRollout.sync
 
