@@ -118,7 +118,7 @@ class AsyncRollouts:
             k = self.cfg.max_staleness
             if self.server_ahead:
                 self._producer = ServerAhead(
-                    k, sample=lambda index, version, rollout: self._generation_batch(index, rollout), tag=self._tag,
+                    k, sample=self._score_server_rollout, tag=self._tag,
                     request=self._server_request, fetch=self._server_fetch, sync=self._server_sync,
                     share=self._share_from_main, main=self.accelerator.is_main_process)
             else:
@@ -146,6 +146,13 @@ class AsyncRollouts:
         rollout = to_rollout(flat, local_only(request_of(flat, sp, kw["seed"]), self._vllm.client.generate), pad)
         rows = len(per_process[0]) * kw["num_samples"]
         return [select_rollout([rollout], list(range(p * rows, (p + 1) * rows))) for p in range(len(per_process))]
+
+    def _score_server_rollout(self, index: int, version: int, rollout) -> dict:
+        """The generation batch of `index` from the server's samples of this process's share."""
+        if rollout.prompts[::self.cfg.num_generations] != self.round_prompts(index, 0)[1]:
+            raise RuntimeError(f"the server's samples for generation {index} are not of process "
+                               f"{self.accelerator.process_index}'s prompts")  # a share dealt to the wrong process
+        return self._generation_batch(index, rollout)
 
     def _share_from_main(self, result):
         if self.world > 1:

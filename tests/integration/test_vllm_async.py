@@ -98,3 +98,27 @@ def test_server_samples_ahead_logs_every_step_saves_and_resumes_at_its_rollout_p
     cut = [r for r in _grpo(tmp_path / "cut", port, group, max_steps=4, resume="auto").train() if "loss" in r]
     assert [r["step"] for r in cut] == [3, 4] and [r["async/policy_version"] for r in cut] == [1, 2]
     assert cut[0]["loss"] == rows[2]["loss"]  # the stored batch, the restored weights: the same step
+
+
+@pytest.mark.slow
+def test_two_training_processes_and_one_server(tmp_path, server):
+    """2 training processes (DDP, gloo) + 1 server, max_staleness=1: the main process makes one request for both
+XX
+    staleness 1 after the first) and the engine's mismatch; the run saves."""
+    from tests.conftest import accelerate_cmd, run_cmd
+
+    _, port, group = server
+    out = tmp_path / "m2"
+    run_cmd(accelerate_cmd("launch/grpo.py", "--config", "recipes/tiny/grpo.yaml", f"output_dir={out}",
+                           "model_name=tiny:llama-hd64", "use_vllm=true", "vllm_mode=server", f"vllm_server_port={port}",
+                           f"vllm_group_port={group}", "vllm_server_timeout=300", "max_staleness=1", "max_steps=3",
+                           "per_device_train_batch_size=16", f"max_length={MAX_LENGTH}", "eval_steps=0",
+                           "eval_num_prompts=4", "learning_rate=1e-2",
+                           "reward_funcs=[tests.integration.vllm_rewards:spread]"),
+            timeout=900, env={"RL_NO_PROGRESS": "1"})
+    rows = [r for r in (json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()) if "loss" in r]
+    print("2 processes + server:", [(r["async/policy_version"], r["sampling/sampling_logp_difference/max"]) for r in rows])
+    assert [r["async/policy_version"] for r in rows] == [0, 0, 1]
+    assert [r["async/staleness/1"] for r in rows] == [0, 32, 32]
+    assert rows[0]["sampling/sampling_logp_difference/max"] < 1e-4  # each process trained on its own samples
+    assert (out / "model.safetensors").exists()
