@@ -103,8 +103,9 @@ def test_server_samples_ahead_logs_every_step_saves_and_resumes_at_its_rollout_p
 @pytest.mark.slow
 def test_two_training_processes_and_one_server(tmp_path, server):
     """2 training processes (DDP, gloo) + 1 server, max_staleness=1: the main process makes one request for both
-XX
-    staleness 1 after the first) and the engine's mismatch; the run saves."""
+    processes' prompts and each gets its share (a broadcast; each process checks the samples are of its own
+    prompts); every step logs both shares (2 x 16 samples at staleness 1 after the first) and the engine's
+    mismatch; the run saves."""
     from tests.conftest import accelerate_cmd, run_cmd
 
     _, port, group = server
