@@ -64,7 +64,6 @@ def test_behaviour_equals_trl_async_grpo_loss_and_gradient():
     """TRL 1.16's AsyncGRPOTrainer.compute_loss (trl.experimental.async_grpo), called on a stand-in trainer and a
     model that returns our log-probs, against grpo_loss_fn with off_policy="behaviour" on the same logits: the
     loss, its gradient in the logits and the clip ratio metrics agree."""
-    pytest.importorskip("trl")
     from trl.experimental.async_grpo.async_grpo_trainer import AsyncGRPOTrainer
 
     g = torch.Generator().manual_seed(0)
