@@ -131,17 +131,17 @@ def mean(rows: list[dict], key: str) -> float:
     return statistics.mean(vals) if vals else 0.0
 
 
-def phases(rows: list[dict], server: bool, k: int) -> dict:
+def phases(rows: list[dict], k: int) -> dict:
     """Mean seconds per step after the first: generation (in this process, or the server's), step, waiting, the
     training phase, the weight push. For k = 0 (nothing overlaps) also G, T (the trainer's own work per step:
-    step time minus generating in this process or waiting for the server) and the bound (G + T) / max(G, T) on
-    how much a step could shrink with the two on separate devices."""
+    step time minus generating; k = 0 is the synchronous loop, whichever engine samples) and the bound
+    (G + T) / max(G, T) on how much a step could shrink with the two on separate devices."""
     g, step, wait = mean(rows, "time/generation"), mean(rows, "step_time"), mean(rows, "time/waiting_trainer")
     out = {"generation_s": g, "step_s": step, "waiting_s": wait,
            "training_s": mean(rows, "time/training") or mean(rows, "time/train"),
            "weight_sync_s": mean(rows, "time/weight_sync")}
     if k == 0:
-        t = step - (wait if server else g)
+        t = step - g
         out.update(G_s=g, T_s=t, bound=(g + t) / max(g, t, 1e-9))
     return out
 
@@ -174,6 +174,13 @@ def learning(a, result: dict, out: Path) -> None:
         result["base"] = real.evaluate(a.model_dir, a.eval_n, a.completion)
         out.write_text(json.dumps(result, indent=2))
     rows = result.setdefault("rows", {})
+    for name, row in rows.items():  # the k = 0 phases again from their stored times (an earlier T was step - wait)
+        for run in row["runs"]:
+            ph = run["phases"]
+            if "G_s" in ph:
+                ph.update(T_s=ph["step_s"] - ph["generation_s"])
+                ph["bound"] = (ph["G_s"] + ph["T_s"]) / max(ph["G_s"], ph["T_s"], 1e-9)
+        row.update(summarize(row["runs"]))
     plan = [("ours", k) for k in a.ks.split(",") if "learning" in a.parts] + \
            [("vllm", k) for k in a.vllm_ks.split(",") if "vllm" in a.parts]
     for seed in [int(s) for s in a.seeds.split(",")]:  # seed by seed: an interrupted grid has whole seeds
@@ -185,7 +192,7 @@ def learning(a, result: dict, out: Path) -> None:
             after = real.evaluate(r["model"], a.eval_n, a.completion)
             shutil.rmtree(Path(a.workdir) / f"{sampler}-k{k}-s{seed}", ignore_errors=True)  # ~0.6 GB a model
             runs.append({"seed": seed, "after": after, "gain": after - result["base"], "train_s": r["train_s"],
-                         "phases": phases(r["rows"], sampler == "vllm", int(k)), "load": [r["load_before"], r["load_after"]],
+                         "phases": phases(r["rows"], int(k)), "load": [r["load_before"], r["load_after"]],
                          "rewards": [row["reward"] for row in r["rows"]]})
             rows[f"{sampler} k={k}"].update(summarize(runs))
             print(f"{sampler} k={k} seed {seed}: {100 * result['base']:.1f}% -> {100 * after:.1f}% "
