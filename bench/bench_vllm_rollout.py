@@ -62,11 +62,10 @@ def side(args) -> dict:
         from vllm import SamplingParams
         from vllm.inputs import TokensPrompt
 
-        from rl.rollout.vllm_engine import colocated_llm
+        from rl.rollout.vllm_engine import engine_kwargs, in_process_llm
 
         t = time.time()
-        llm = colocated_llm(path, dtype="float32", max_model_len=512, gpu_memory_utilization=0.3,
-                            tensor_parallel_size=1, enable_sleep_mode=False, seed=0)
+        llm = in_process_llm(engine_kwargs(path, dtype="float32", max_model_len=512, gpu_memory_utilization=0.3))
         out["engine_start_s"] = round(time.time() - t, 1)
 
         def run(prompts, n):

@@ -60,3 +60,16 @@ def importance_weights(old_logp: torch.Tensor, behaviour_logp: torch.Tensor, mas
             clipped.to(mask.dtype).mean() if any_tok else w.new_zeros(()),
     }
     return w, metrics
+
+
+def rollout_correction(cfg, old_logp: torch.Tensor, behaviour_logp: torch.Tensor,
+                       mask: torch.Tensor) -> tuple[torch.Tensor | None, dict[str, float]]:
+    """A trainer's view of the above for one rollout: with use_vllm, (the weights of its policy-gradient term, or
+    None when `vllm_importance_sampling_correction` is off; the metrics as floats); else (None, {}). Reads the keys
+    vllm_importance_sampling_{correction, mode, cap, clip_min} of `cfg` (clip_min: None where the config has none)."""
+    if not getattr(cfg, "use_vllm", False):
+        return None, {}
+    w, metrics = importance_weights(old_logp, behaviour_logp, mask, cfg.vllm_importance_sampling_cap,
+                                    cfg.vllm_importance_sampling_mode,
+                                    getattr(cfg, "vllm_importance_sampling_clip_min", None))
+    return (w if cfg.vllm_importance_sampling_correction else None), {k: float(v) for k, v in metrics.items()}

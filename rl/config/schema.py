@@ -219,9 +219,12 @@ class VLLMKeys:
     vllm_group_port: int = opt(51216, "server: port of the weight-sync group's store (--group-port)")
     vllm_server_timeout: float = opt(240.0, "server: seconds to wait for it to answer, and for any one request "
                                      "or weight transfer, before the run stops with one line")
+    vllm_sync_lora_adapters: bool = opt(
+        False, "colocate, LoRA: the engine applies the policy's adapters with vLLM's LoRA support and only they are "
+        "synced after each step (default: the adapters merged into full weights, TRL's way)")
     vllm_weight_sync_bucket_mb: int = opt(
-        512, "weights travel to the engine packed in buckets of this many MiB, each tensor in its own dtype (verl's "
-        "default size; TRL has no key); 0: one tensor at a time")
+        512, "server: weights travel to it packed in buckets of this many MiB, each tensor in its own dtype (verl's "
+        "default size; TRL has no key); 0: one tensor at a time. A colocated engine reads them in place")
     vllm_importance_sampling_correction: bool = opt(
         True, "weight each token's loss by the truncated ratio pi_old / pi_vllm of the trainer's and the engine's "
         "log-probs (their kernels differ), as TRL and verl do")
@@ -251,6 +254,9 @@ class VLLMKeys:
         if self.use_vllm and self.vllm_enable_sleep_mode and not _has_gpu():
             raise ConfigError("vllm_enable_sleep_mode=true is GPU-only: vLLM's CPU build ignores sleep(), so there is "
                               "no memory to free here; set it to false")
+        if self.use_vllm and self.vllm_sync_lora_adapters and not (self.lora.enabled and self.vllm_mode == "colocate"):
+            raise ConfigError("vllm_sync_lora_adapters=true syncs a LoRA policy's adapters into a colocated engine: it "
+                              "needs lora.enabled=true and vllm_mode=colocate (a server gets the merged weights)")
         if self.vllm_weight_sync_bucket_mb < 0:
             raise ConfigError("key 'vllm_weight_sync_bucket_mb' must be >= 0 (0: one tensor at a time), got "
                               f"{self.vllm_weight_sync_bucket_mb}")

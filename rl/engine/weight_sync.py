@@ -57,15 +57,16 @@ def hf_name(name: str) -> str | None:
     return name.replace(".base_layer.", ".").replace(".modules_to_save.default.", ".")
 
 
-def policy_weights(model) -> Iterator[tuple[str, torch.Tensor]]:
+def policy_weights(model, merge_lora: bool = True) -> Iterator[tuple[str, torch.Tensor]]:
     """Yield (HF name, tensor) for every weight of the policy's LM, a module at a time (see the module
-    docstring). Tensors are valid until the next item is requested under ZeRO-3 (copies), and are the
-    parameters themselves otherwise (the consumer copies them into its own storage)."""
+    docstring). Under ZeRO-3 the tensors are copies; otherwise they are the parameters themselves, to be
+    copied by the consumer before the iteration ends (a LoRA policy's are unmerged then). `merge_lora`
+    False: a LoRA policy's base weights as they are (its adapters travel on their own: rl.rollout.vllm_lora)."""
     lm = policy_module(model)
     zero3 = is_zero3(lm)
     # merging under ZeRO-3 would need every rank's full weights at once; there the adapters are merged
     # per module below instead
-    with (nullcontext() if zero3 else lora_merged(lm)):
+    with (nullcontext() if zero3 or not merge_lora else lora_merged(lm)):
         for mod_name, module in lm.named_modules():
             own = list(module.named_parameters(recurse=False))
             if not own or ".lora_" in f".{mod_name}":
@@ -75,7 +76,7 @@ def policy_weights(model) -> Iterator[tuple[str, torch.Tensor]]:
 
                 with deepspeed.zero.GatheredParameters([p for _, p in own], modifier_rank=None):
                     items = [(n, p.detach().clone()) for n, p in own]
-                parent = lora_parent(lm, mod_name)
+                parent = lora_parent(lm, mod_name) if merge_lora else None
                 if parent is not None:
                     items = merged_zero3(parent, items)
             else:
@@ -134,22 +135,29 @@ def _aligned(n: int) -> int:
     return (n + ALIGN - 1) // ALIGN * ALIGN
 
 
-def pack_buckets(named_tensors: Iterable[tuple[str, torch.Tensor]], bucket_bytes: int) -> Iterator[Bucket]:
+def pack_buckets(named_tensors: Iterable[tuple[str, torch.Tensor]], bucket_bytes: int,
+                 reuse: bool = False) -> Iterator[Bucket]:
     """Pack (name, tensor) pairs, in order, into buckets of at most `bucket_bytes` bytes (offsets aligned to
     ALIGN); a tensor larger than `bucket_bytes` goes alone in a bucket of its own size. The bytes are copied
     as they are (no dtype conversion), so unpacking gives every tensor back bit for bit. Each tensor is copied
     in as it arrives, before the next pair is requested: `policy_weights` may change or free it after (a LoRA
-    policy is unmerged when its iteration ends)."""
+    policy is unmerged when its iteration ends). `reuse`: every bucket fills the same memory, so a bucket (and
+    its views) is valid only until the next one is requested; for a sender that is done with each bucket
+    before it asks for the next (measured on CPU: fresh memory for each bucket cost ~4x the copy itself, in
+    page faults)."""
     if bucket_bytes <= 0:
         raise ValueError(f"bucket_bytes must be > 0, got {bucket_bytes}")
-    buf, metas, used = None, [], 0
+    buf, metas, used, spare = None, [], 0, None
     for name, t in named_tensors:
         nbytes = t.numel() * t.element_size()
         if buf is not None and (_aligned(used) + nbytes > buf.numel() or buf.device != t.device):
             yield Bucket(buf[:used], metas)
+            spare = buf if reuse else None
             buf, metas, used = None, [], 0
         if buf is None:  # (pages of a CPU buffer that stay unused are never touched, so cost nothing)
-            buf = torch.empty(max(bucket_bytes, nbytes), dtype=torch.uint8, device=t.device)
+            size = max(bucket_bytes, nbytes)
+            fits = spare is not None and spare.numel() >= size and spare.device == t.device
+            buf = spare if fits else torch.empty(size, dtype=torch.uint8, device=t.device)
         off = _aligned(used)
         if nbytes:
             buf[off:off + nbytes].copy_(t.detach().contiguous().reshape(-1).view(torch.uint8))
@@ -167,12 +175,3 @@ def unpack_bucket(bucket: Bucket) -> list[tuple[str, torch.Tensor]]:
         out.append((m.name, raw.view(m.dtype).reshape(m.shape)))
     return out
 
-
-def bucketed(named_tensors: Iterable[tuple[str, torch.Tensor]], bucket_bytes: int) -> Iterator[tuple[str, torch.Tensor]]:
-    """The pairs again, each having gone through a bucket (views into it): a loader that takes pairs can be fed
-    from buckets; `bucket_bytes` 0: the pairs as they are (one tensor at a time)."""
-    if bucket_bytes <= 0:
-        yield from named_tensors
-        return
-    for b in pack_buckets(named_tensors, bucket_bytes):
-        yield from unpack_bucket(b)

@@ -61,22 +61,25 @@ def build_tokenizer():
 
 def build_config(family: str, vocab_size: int, hidden: int = 64, layers: int = 2, heads: int = 4,
                  max_positions: int = 1024, task: str = "causal-lm", pad_id: int = 0,
-                 bos_id: int = 1, eos_id: int = 2):
-    """A transformers config of the given family, `hidden` wide and `layers` deep."""
+                 bos_id: int = 1, eos_id: int = 2, head_dim: int | None = None):
+    """A transformers config of the given family, `hidden` wide and `layers` deep; `head_dim` None: hidden / heads
+    (else the attention projections are heads x head_dim wide, as in Gemma or Qwen3)."""
     from transformers import AutoConfig
 
     if family not in FAMILIES:
         raise ValueError(f"unknown family {family!r}; choose one of {', '.join(FAMILIES)}")
     common = dict(vocab_size=vocab_size, pad_token_id=pad_id, bos_token_id=bos_id, eos_token_id=eos_id)
     if family == "gpt2":
+        if head_dim:
+            raise ValueError("gpt2's head_dim is hidden / heads; choose another family for head_dim")
         cfg = AutoConfig.for_model("gpt2", n_embd=hidden, n_layer=layers, n_head=heads,
                                    n_positions=max_positions, **common)
     else:
         extra = dict(hidden_size=hidden, intermediate_size=hidden * 4, num_hidden_layers=layers,
                      num_attention_heads=heads, num_key_value_heads=max(1, heads // 2),
                      max_position_embeddings=max_positions, tie_word_embeddings=True)
-        if family == "gemma":
-            extra["head_dim"] = hidden // heads
+        if family == "gemma" or head_dim:
+            extra["head_dim"] = head_dim or hidden // heads
         cfg = AutoConfig.for_model(family, **extra, **common)
     if task == "classifier":
         cfg.num_labels = 1
@@ -84,8 +87,10 @@ def build_config(family: str, vocab_size: int, hidden: int = 64, layers: int = 2
 
 
 def write_tiny_model(out: str | os.PathLike, family: str = "llama", task: str = "causal-lm",
-                     hidden: int = 64, layers: int = 2, heads: int = 4, seed: int = 0) -> Path:
-    """Write tokenizer + randomly initialised model to `out` and return the path.
+                     hidden: int = 64, layers: int = 2, heads: int = 4, seed: int = 0,
+                     head_dim: int | None = None) -> Path:
+    """Write tokenizer + randomly initialised model to `out` and return the path (`head_dim`: see `build_config`;
+    vLLM's CPU attention needs 32, 64, 80, ... where hidden / heads is 16).
 
     Idempotent: if `out` already holds a model written with the same arguments, it is reused.
     """
@@ -97,7 +102,7 @@ def write_tiny_model(out: str | os.PathLike, family: str = "llama", task: str = 
     # `tokenizer` versions the tokenizer's build, so a cached model from before a change is rebuilt
     # (2: the post-processor adds BOS); the weights depend only on the other fields.
     spec = dict(family=family, task=task, hidden=hidden, layers=layers, heads=heads, seed=seed,
-                tokenizer=TOKENIZER_VERSION)
+                tokenizer=TOKENIZER_VERSION, **({"head_dim": head_dim} if head_dim else {}))
     marker = out / "tiny_spec.json"
     if marker.exists() and json.loads(marker.read_text()) == spec:
         return out
@@ -115,7 +120,7 @@ def write_tiny_model(out: str | os.PathLike, family: str = "llama", task: str = 
         tmp = out.parent / f".{out.name}.tmp-{os.getpid()}"
         tmp.mkdir(parents=True)
         try:
-            _build_into(tmp, family, task, hidden, layers, heads, seed, spec)
+            _build_into(tmp, family, task, hidden, layers, heads, seed, spec, head_dim)
         except BaseException:
             shutil.rmtree(tmp, ignore_errors=True)
             raise
@@ -128,7 +133,7 @@ def write_tiny_model(out: str | os.PathLike, family: str = "llama", task: str = 
 
 
 def _build_into(tmp: Path, family: str, task: str, hidden: int, layers: int, heads: int, seed: int,
-                spec: dict) -> None:
+                spec: dict, head_dim: int | None = None) -> None:
     """Write the tiny model's config, weights, tokenizer and spec marker into `tmp`."""
     import torch
     from huggingface_hub import save_torch_state_dict
@@ -138,8 +143,8 @@ def _build_into(tmp: Path, family: str, task: str, hidden: int, layers: int, hea
     # Headroom above the 259 tokens: some families' tokenizer classes (Qwen2's) add a special token of
     # their own on load, and a multiple of 64 keeps the embedding matmuls aligned.
     vocab_size = 320
-    cfg = build_config(family, vocab_size, hidden, layers, heads, task=task,
-                       pad_id=tok.pad_token_id, bos_id=tok.bos_token_id, eos_id=tok.eos_token_id)
+    cfg = build_config(family, vocab_size, hidden, layers, heads, task=task, pad_id=tok.pad_token_id,
+                       bos_id=tok.bos_token_id, eos_id=tok.eos_token_id, head_dim=head_dim)
     torch.manual_seed(seed)
     cls = AutoModelForSequenceClassification if task == "classifier" else AutoModelForCausalLM
     with without_zero3_init():
@@ -189,8 +194,10 @@ def main(argv=None) -> None:
     p.add_argument("--layers", type=int, default=2, help="number of layers (default 2)")
     p.add_argument("--heads", type=int, default=4, help="attention heads (default 4)")
     p.add_argument("--seed", type=int, default=0, help="initialisation seed (default 0)")
+    p.add_argument("--head-dim", type=int, default=None, help="dimensions per head (default hidden / heads; vLLM's "
+                   "CPU build takes 32, 64, 80, ...)")
     a = p.parse_args(argv)
-    path = write_tiny_model(a.out, a.family, a.task, a.hidden, a.layers, a.heads, a.seed)
+    path = write_tiny_model(a.out, a.family, a.task, a.hidden, a.layers, a.heads, a.seed, a.head_dim)
     print(f"wrote tiny {a.family} {a.task} to {path}")
 
 

@@ -54,7 +54,8 @@ def send_weights(pg, weights: Iterable[tuple[str, torch.Tensor]], bucket_bytes: 
     is a bucket of tensors (rl.engine.weight_sync.pack_buckets); with 0 one tensor, its own bytes (no copy).
     Ends with an end control block. Returns the tensors sent."""
     if bucket_bytes > 0:
-        messages = ((b.header(), b.buffer) for b in pack_buckets(weights, bucket_bytes))
+        # each bucket is sent (and waited for) before the next is packed: one buffer serves them all
+        messages = ((b.header(), b.buffer) for b in pack_buckets(weights, bucket_bytes, reuse=True))
     else:
         messages = (([[n, str(t.dtype).removeprefix("torch."), list(t.shape), 0]], _payload(t)) for n, t in weights)
     n = 0

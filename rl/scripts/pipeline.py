@@ -56,6 +56,9 @@ class PipelineConfig:
     tiny_family: str = opt("llama", "family of the tiny model built when model_name is null")
     tiny_hidden: int = opt(64, "hidden size of the tiny model")
     tiny_layers: int = opt(2, "layers of the tiny model")
+    tiny_head_dim: int | None = opt(None, "dimensions per attention head of the tiny model (4 heads); null: "
+                                    "tiny_hidden / 4, or 64 with use_vllm (vLLM's CPU attention refuses 16)")
+    use_vllm: bool = opt(False, "the GRPO stage samples with vLLM (colocated; grpo.vllm_* keys for more)")
     env_config: dict = opt({"problems_path": "data/tiny/math_train.jsonl"},
                            "training math environment (rl.environments.create_math_problem_env keyword "
                            "arguments): the SFT examples and GRPO prompts come from it")
@@ -90,7 +93,8 @@ def stage_configs(cfg: PipelineConfig, init_model: str, sft_dir: Path, grpo_dir:
     sft = build(SFTConfig, {"seed": cfg.seed, "report_to": cfg.report_to, "overwrite": cfg.overwrite, **cfg.sft,
                             "model_name": init_model, "output_dir": str(sft_dir)}, where="sft")
     grpo = build(GRPOConfig, {"seed": cfg.seed, "report_to": cfg.report_to, "overwrite": cfg.overwrite,
-                              "chat_template": cfg.chat_template, **cfg.grpo,
+                              "chat_template": cfg.chat_template, **({"use_vllm": True} if cfg.use_vllm else {}),
+                              **cfg.grpo,
                               "model_name": init_model if cfg.skip_sft else str(sft_dir),
                               "output_dir": str(grpo_dir), "env_type": cfg.env_type,
                               "env_config": env, "eval_env_config": cfg.eval_env_config,
@@ -235,8 +239,9 @@ def main(argv=None) -> None:
     save_config(cfg, out, "pipeline.yaml")
     # 2. model
     if cfg.model_name is None:
+        head_dim = cfg.tiny_head_dim or (64 if grpo_cfg.use_vllm else None)
         write_tiny_model(init_model, family=cfg.tiny_family, hidden=cfg.tiny_hidden, layers=cfg.tiny_layers,
-                         seed=cfg.seed)
+                         seed=cfg.seed, head_dim=head_dim)
     # both stages' lengths against the model's context now: GRPO's trainer would find its own only after SFT
     conf = load_model_config(init_model, sft_cfg.trust_remote_code)
     try:

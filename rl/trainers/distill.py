@@ -63,9 +63,15 @@ class DistillConfig(OnlineConfig):
                              "distributions at temperature 1, as TRL's GKDTrainer")
     seq_kd: bool = opt(False, "sequence-level KD: off-policy steps train on the teacher's samples instead of "
                        "the data's completions")
+    vllm_importance_sampling_correction: bool = opt(
+        False, "GRPO's and PPO's key: distillation's divergence loss has no policy-gradient term to reweight "
+        "(TRL's GKDConfig has no such key); true is refused")
 
     def __post_init__(self):
         super().__post_init__()
+        if self.vllm_importance_sampling_correction:
+            raise ConfigError("vllm_importance_sampling_correction reweights a policy-gradient term (GRPO, PPO); "
+                              "distillation's divergence loss has none: set it to false")
         if not self.teacher_model_name:
             raise ConfigError("key 'teacher_model_name' is required: the model to distil from")
         if not 0.0 <= self.lmbda <= 1.0:

@@ -81,9 +81,15 @@ class OnlineDPOConfig(OnlineConfig):
     max_staleness: int = opt(0, "GRPO's asynchronous rollouts (docs/rollout.md); online DPO samples each step's "
                              "pairs with the current policy: 0 only")
     rollout_processes: int = opt(0, "GRPO's rollout processes (docs/rollout.md); online DPO: 0 only")
+    vllm_importance_sampling_correction: bool = opt(
+        False, "GRPO's and PPO's key: online DPO's pair loss has no policy-gradient term to reweight (TRL's "
+        "OnlineDPOConfig has no such key); true is refused")
 
     def __post_init__(self):
         super().__post_init__()
+        if self.vllm_importance_sampling_correction:
+            raise ConfigError("vllm_importance_sampling_correction reweights a policy-gradient term (GRPO, PPO); "
+                              "online DPO's pair loss has none: set it to false")
         check("preference_loss", self.loss_type, "loss_type")
         if not needs_reference(self.loss_type):
             raise ConfigError(f"loss_type={self.loss_type} has no reference model, which online DPO's pairs are "

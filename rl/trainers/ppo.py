@@ -47,6 +47,7 @@ from rl.algos.kl import (
     AdaptiveKLController,
     FixedKLController,
 )
+from rl.algos.mismatch import rollout_correction
 from rl.engine.dist import is_deepspeed, zero_stage
 from rl.engine.generation import generate
 from rl.engine.packing import pack_padded
@@ -190,24 +191,23 @@ class PPOTrainer(Trainer):
             pipe.model, partial(self.reference.use, pipe) if self.reference.exists else None, critic, batch, P,
             device=pipe.device, micro_batch_size=cfg.micro_batch_size, temperature=cfg.temperature,
             logprob_chunk_size=cfg.logprob_chunk_size, head_capture=pipe.head_capture)
-        t_score = time.time() - t1
-        # 3. rewards and advantages (fp32, on the device)
-        dev = pipe.device
-        maskf = loss_mask.to(dev).float()
+        t_score, dev, kl_coef = time.time() - t1, pipe.device, self.kl_ctl.value
+        maskf = loss_mask.to(dev).float()  # 3. rewards and advantages (fp32, on the device)
+        is_w, mismatch = rollout_correction(cfg, old_logp, rollout.logprobs[:, :N].to(dev), maskf)  # vLLM's mismatch
         eos_missing = torch.tensor([r != "stop" for r in rollout.finish_reasons], device=dev)
-        kl_coef = self.kl_ctl.value
         exp = ppo_advantages(cfg, scores.to(dev), eos_missing, old_logp, ref_logp, old_values.to(dev), maskf, kl_coef)
         gen = torch.Generator().manual_seed(cfg.seed * 7919 + iteration)
         # 5. the rollout's metrics (averaged over processes), KL controller
         local = {k: float(v) for k, v in rollout_stats(exp, raw_scores.to(dev), eos_missing, maskf).items()}
-        stats = self.reduce({**local, **extra})
+        stats = self.reduce({**local, **extra, **mismatch})
         self.kl_ctl.update(stats["objective/kl"], cfg.per_device_train_batch_size * self.world)
         stats.update({"kl_coef": kl_coef, "time/generation": t_gen, "time/scoring": t_score})
         self.last_rollout = {"prompts": prompt_texts, "responses": responses, "scores": raw_scores.tolist()}
         return {"iteration": iteration, "world": self.world, "P": P, "stats": stats, "last_rollout": self.last_rollout,
                 "data": {"tokens": tokens.to(dev), "mask": maskf, "old_logprobs": exp["old_logp"],
                          "advantages": exp["advantages"], "old_values": exp["old_values"], "returns": exp["returns"],
-                         "ids": batch["input_ids"].to(dev), "attn": batch["attention_mask"].to(dev)},
+                         "ids": batch["input_ids"].to(dev), "attn": batch["attention_mask"].to(dev),
+                         **({} if is_w is None else {"token_weights": is_w})},
                 # packing: the response tokens as labels of the [prompt | response] rows (pack_padded)
                 "labels": torch.cat([torch.full_like(rollout.prompt_ids, -100),
                                      tokens.masked_fill(loss_mask == 0, -100)], 1).cpu(),

@@ -109,11 +109,13 @@ def loss_params(cfg) -> dict:
 
 def policy_loss(model, inputs, outputs, *, P, tokens, mask, old_logprobs, advantages, old_values=None,
                 returns=None, loss_type="ppo", epsilon=0.2, epsilon_high=None, max_length=None, value_clip=0.2,
-                value_coef=1.0, entropy_coef=0.0, temperature=1.0, packed_labels=None, target_index=None):
+                value_coef=1.0, entropy_coef=0.0, temperature=1.0, packed_labels=None, target_index=None,
+                token_weights=None):
     """The engine loss of the policy on rows [prompt P | response N]: the registered policy loss `loss_type`
     (`rl.algos.policy_losses.compute_policy_loss`; "ppo": the clipped surrogate with epsilon = epsilon_high,
     token mean) - entropy_coef * mean entropy, plus value_coef times the clipped value loss when the policy
-    carries the value head (`returns` given). Packed rows (`rl.engine.packing.pack_padded`): their
+    carries the value head (`returns` given). `token_weights` (B, N): the rollout-mismatch correction of a vLLM
+    rollout (`rl.algos.mismatch`), multiplying each token's policy-gradient term. Packed rows (`rl.engine.packing.pack_padded`): their
     `packed_labels` and `target_index` bring the log-probs, entropies and values back to response space,
     where the rest is unchanged."""
     if target_index is not None:
@@ -121,7 +123,7 @@ def policy_loss(model, inputs, outputs, *, P, tokens, mask, old_logprobs, advant
     else:
         logp, entropy = response_logprobs(outputs.logits, tokens, P, temperature, with_entropy=True)
     loss, metrics = compute_policy_loss(logp, old_logprobs, advantages, mask, loss_type=loss_type, epsilon=epsilon,
-                                        epsilon_high=epsilon_high, max_length=max_length)
+                                        epsilon_high=epsilon_high, max_length=max_length, token_weights=token_weights)
     metrics = {k: v for k, v in metrics.items() if k in PPO_METRICS}
     ent = masked_mean(entropy, mask)
     loss = loss - entropy_coef * ent

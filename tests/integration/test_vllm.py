@@ -89,6 +89,7 @@ def colocated(model_dir, **over):
     from rl.rollout.vllm_engine import VLLMRollout
 
     cfg = SimpleNamespace(**{**dict(vllm_mode="colocate", vllm_weight_sync_bucket_mb=512, vllm_enable_sleep_mode=False,
+                                    vllm_sync_lora_adapters=False,
                                     vllm_tensor_parallel_size=1, dtype="float32", max_length=MAX_LENGTH,
                                     vllm_gpu_memory_utilization=0.3, seed=0, verbose=False), **over})
     acc = SimpleNamespace(process_index=0, local_process_index=0, num_processes=1, is_main_process=True)
@@ -129,9 +130,12 @@ def test_engine_logprobs_equal_our_recompute(hd64):
     assert (batch["old_logprobs"] - ours).abs()[m].max() < 1e-4
 
 
-@pytest.mark.parametrize("lora", [False, True], ids=["full", "lora"])
-def test_after_a_step_the_engine_holds_the_updated_policy(hd64, tmp_path, lora):
-    over = {"lora": {"enabled": True, "rank": 4, "alpha": 8, "dropout": 0.0}} if lora else {}
+@pytest.mark.parametrize("sync", ["full", "lora", "lora_adapters"])
+def test_after_a_step_the_engine_holds_the_updated_policy(hd64, tmp_path, sync):
+    """Colocated: full weights; LoRA merged into them; LoRA adapters alone, applied by vLLM's LoRA support (an
+    engine of its own: LoRA enabled)."""
+    lora = {"lora": {"enabled": True, "rank": 4, "alpha": 8, "dropout": 0.0}}
+    over = {"full": {}, "lora": lora, "lora_adapters": {**lora, "vllm_sync_lora_adapters": True}}[sync]
     t = grpo(hd64, tmp_path, spread, max_steps=1, **over)
     t.train()
     before = copy.deepcopy(t.pipeline.unwrapped_model)
@@ -140,7 +144,7 @@ def test_after_a_step_the_engine_holds_the_updated_policy(hd64, tmp_path, lora):
     t._plan["total_steps"] = 2
     t.train_step()
     now_gap, old_gap = engine_vs_policy(t, before)
-    print(f"{'lora' if lora else 'full'}: max |engine - updated| {now_gap:.2e}, mean |engine - old| {old_gap:.2e}")
+    print(f"{sync}: max |engine - updated| {now_gap:.2e}, mean |engine - old| {old_gap:.2e}")
     assert now_gap < 1e-4 and old_gap > 1e-3
     rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     logged = [r for r in rows if "sampling/sampling_logp_difference/max" in r]
@@ -161,46 +165,120 @@ def test_grpo_with_vllm_learns_like_our_sampler(hd64, tmp_path):
     assert gains[True] > 0.2 and gains[False] > 0.2, gains
 
 
+def test_ppo_logs_the_mismatch_of_vllms_samples(hd64, tmp_path):
+    """PPO with use_vllm: its rollouts come from the engine, the mismatch metrics (TRL's names) are logged and the
+    correction's weights are those of an engine that holds the policy (ratio 1 to 1e-4)."""
+    from rl.trainers.ppo import PPOConfig, PPOTrainer
+
+    cfg = PPOConfig(model_name="tiny:llama-hd64", output_dir=str(tmp_path), seed=0, learning_rate=1e-2,
+                    per_device_train_batch_size=8, mini_batch_size=8, num_iterations=1, max_completion_length=4,
+                    max_length=MAX_LENGTH, max_steps=2, dtype="float32", report_to=["jsonl"], logging_steps=1,
+                    use_vllm=True)
+    t = PPOTrainer(cfg, reward_fn=lambda p, r, m=None: [float(sum(map(ord, x)) % 7) for x in r])
+    t.train([f"{a}+{a}=" for a in range(8)])
+    rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    logged = [r for r in rows if "sampling/sampling_logp_difference/max" in r]
+    print("ppo: max |engine - policy| per step", [f"{r['sampling/sampling_logp_difference/max']:.1e}" for r in logged])
+    assert len(logged) == 2 and all(r["sampling/sampling_logp_difference/max"] < 1e-4 for r in logged)
+    assert all(abs(r["sampling/importance_sampling_ratio/mean"] - 1) < 1e-3 for r in logged)
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
 
 
-@pytest.fixture
-def server(tiny_cache, tmp_path):
+@pytest.fixture(scope="module")
+def server(tiny_cache, tmp_path_factory):
+    """One `rl vllm-serve` for the module's server tests (the last of them kills it); --verbose: its log has a
+    line per generate call."""
     port, group = _free_port(), _free_port()
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
-    log = open(tmp_path / "server.log", "w")
+    path = tmp_path_factory.mktemp("server") / "server.log"
+    log = open(path, "w")
     proc = subprocess.Popen([sys.executable, "-m", "rl.rollout.vllm_server", "--model", "tiny:llama-hd64", "--host",
                              "127.0.0.1", "--port", str(port), "--group-port", str(group), "--max-model-len",
-                             str(MAX_LENGTH)], cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
-    yield proc, port, group
+                             str(MAX_LENGTH), "--verbose"], cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
+    yield proc, port, group, path
     proc.kill()
     proc.wait(30)
     log.close()
     if proc.returncode not in (0, -9):
-        print((tmp_path / "server.log").read_text()[-3000:])
+        print(path.read_text()[-3000:])
 
 
-def test_server_mode_syncs_and_a_dead_server_is_one_line(hd64, tmp_path, server):
-    from rl.errors import RunError
-
-    proc, port, group = server
+@pytest.mark.parametrize("bucket_mb", [512, 0], ids=["buckets", "per_tensor"])
+def test_server_mode_syncs(hd64, tmp_path, server, bucket_mb):
+    """After a step the server's engine holds the updated policy, its weights sent in 512 MiB buckets (the default)
+    or one tensor at a time."""
+    proc, port, group, _ = server
     t = grpo(hd64, tmp_path, spread, max_steps=1, vllm_mode="server", vllm_server_port=port,
-             vllm_group_port=group, vllm_server_timeout=300.0)
+             vllm_group_port=group, vllm_server_timeout=300.0, vllm_weight_sync_bucket_mb=bucket_mb)
     t.train()
     before = copy.deepcopy(t.pipeline.unwrapped_model)
     t._plan["total_steps"] = t.cfg.max_steps = 2
     t.train_step()
     now_gap, old_gap = engine_vs_policy(t, before)
-    print(f"server: max |engine - updated| {now_gap:.2e}, mean |engine - old| {old_gap:.2e}")
+    print(f"server ({bucket_mb} MiB): max |engine - updated| {now_gap:.2e}, mean |engine - old| {old_gap:.2e}")
     assert now_gap < 1e-4 and old_gap > 1e-3
+
+
+def test_two_training_processes_one_server_one_call_per_step(tmp_path, server):
+    """A GRPO step of 2 training processes (accelerate launch, gloo) through one server makes one /generate call
+    (both processes' prompts), and draws exactly the completions of the 1-process run of the same global batch
+    (row r of the step samples from the same seed wherever it runs)."""
+    proc, port, group, log = server
+    common = ["--config", "recipes/tiny/grpo.yaml", "model_name=tiny:llama-hd64", "use_vllm=true", "vllm_mode=server",
+              f"vllm_server_port={port}", f"vllm_group_port={group}", "max_steps=1", f"max_length={MAX_LENGTH}",
+              "num_generations=4", "max_completion_length=6", "eval_steps=0", "eval_num_prompts=4",
+              "reward_funcs=[tests.integration.vllm_rewards:record]", "vllm_server_timeout=300"]
+    seen = {}
+    for name, cmd in (("two", accelerate_cmd("launch/grpo.py", *common, "per_device_train_batch_size=8")),
+                      ("one", [sys.executable, "launch/grpo.py", *common, "per_device_train_batch_size=16"])):
+        rec = tmp_path / f"rec-{name}"
+        rec.mkdir()
+        mark = len(log.read_text().splitlines())
+        run_cmd(cmd + [f"output_dir={tmp_path / name}"], timeout=900,
+                env={"RL_NO_PROGRESS": "1", "RL_RECORD_DIR": str(rec)})
+        calls = [line for line in log.read_text().splitlines()[mark:] if "generate:" in line]
+        seen[name] = sorted(tuple(json.loads(line)) for f in rec.iterdir() for line in f.read_text().splitlines())
+        print(name, "process(es):", calls)
+        assert len(calls) == 1 and "4 prompts, 16 completions" in calls[0], calls
+    assert len(seen["two"]) == 16 and seen["two"] == seen["one"]
+    assert len({c for _, c in seen["one"]}) > 4  # samples, not one greedy answer per prompt
+
+
+@pytest.mark.slow
+def test_tensor_parallel_two_processes_share_one_engine(tmp_path):
+    """vllm_tensor_parallel_size=2 on 2 CPU processes: one engine sharded over both (vLLM's external launcher
+    on the launch's gloo group); after each sync its log-probs are the updated policy's."""
+    out = tmp_path / "tp"
+    run_cmd(accelerate_cmd("launch/grpo.py", "--config", "recipes/tiny/grpo.yaml", f"output_dir={out}",
+                           "model_name=tiny:llama-hd64", "use_vllm=true", "vllm_tensor_parallel_size=2", "max_steps=2",
+                           "per_device_train_batch_size=16", f"max_length={MAX_LENGTH}", "eval_steps=0",
+                           "learning_rate=1e-2", "reward_funcs=[tests.integration.vllm_rewards:spread]"),
+            timeout=900, env={"RL_NO_PROGRESS": "1"})
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    train = [r for r in rows if "sampling/sampling_logp_difference/max" in r]
+    print("tp=2: max |engine - policy| per step", [f"{r['sampling/sampling_logp_difference/max']:.1e}" for r in train])
+    assert [r["step"] for r in train] == [1, 2] and all(r["grad_norm"] > 0 for r in train)
+    assert all(r["sampling/sampling_logp_difference/max"] < 1e-4 for r in train), train
+
+
+def test_a_dead_server_is_one_line(hd64, tmp_path, server):
+    from rl.errors import RunError
+
+    proc, port, group, _ = server
+    t = grpo(hd64, tmp_path, spread, max_steps=1, vllm_mode="server", vllm_server_port=port,
+             vllm_group_port=group, vllm_server_timeout=300.0)
+    t.train()
     proc.kill()
     proc.wait(30)
+    t._plan["total_steps"] = t.cfg.max_steps = 2
     t._vllm.client.timeout = 10.0  # every request's bound: a server that is gone cannot hang the run
     with pytest.raises(RunError, match="vLLM server at http://127.0.0.1") as e:
-        t.train_step()  # its rollout asks a server that is gone
+        t.train_step()  # its sync (or rollout) asks a server that is gone
     assert "\n" not in str(e.value)
 
 

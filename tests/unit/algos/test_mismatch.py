@@ -76,3 +76,39 @@ def test_clip_min_and_trls_default_mode_by_hand():
         pytest.approx([0.0, 0.5, 1.0, 0.5], abs=1e-6)
     w, _ = importance_weights(old, beh, mask, cap=3.0, mode="sequence_truncate", clip_min=0.5)
     assert w.flatten().tolist() == pytest.approx([0.5, 0.5, 0.5, 0.0, 1.0, 1.0, 0.0, 0.0], abs=1e-6)
+
+
+def test_ppo_policy_loss_scales_each_tokens_term_by_the_correction():
+    """PPO's engine loss with a vLLM rollout's weights: on-policy (ratio 1) the gradient of token t's log-prob
+    is -A_t w_t / n (token mean over n tokens) instead of -A_t / n; and the weights come from the keys."""
+    from types import SimpleNamespace
+
+    from rl.algos.mismatch import rollout_correction
+    from rl.trainers.ppo_math import policy_loss, response_logprobs
+
+    P, tokens = 2, torch.tensor([[3, 1, 2, 0]])
+    logits = torch.randn(1, P + 4, 5, generator=torch.Generator().manual_seed(0), requires_grad=True)
+    out = SimpleNamespace(logits=logits, value=None)
+    mask = torch.tensor([[1.0, 1.0, 1.0, 0.0]])
+    adv = torch.tensor([[1.0, -2.0, 0.5, 0.0]])
+    old = response_logprobs(logits, tokens, P).detach()
+    w = torch.tensor([[1.0, 0.5, 2.0, 0.0]])
+    grads = []
+    for weights in (None, w):
+        loss, _ = policy_loss(None, None, out, P=P, tokens=tokens, mask=mask, old_logprobs=old, advantages=adv,
+                              token_weights=weights)
+        (g,) = torch.autograd.grad(loss, logits)
+        grads.append(g)
+    # the loss is linear in each token's weight at ratio 1: the weighted gradient is the sum of the per-token
+    # gradients scaled by w, i.e. the unweighted one for tokens whose w is 1 (token 0) and different elsewhere
+    assert torch.allclose(grads[0][0, P - 1], grads[1][0, P - 1])           # token 0: w = 1
+    assert torch.allclose(grads[0][0, P] * 0.5, grads[1][0, P], atol=1e-7)  # token 1: w = 0.5
+    assert torch.allclose(grads[0][0, P + 1] * 2, grads[1][0, P + 1], atol=1e-7)
+    cfg = SimpleNamespace(use_vllm=True, vllm_importance_sampling_correction=True, vllm_importance_sampling_cap=3.0,
+                          vllm_importance_sampling_mode="token_truncate")
+    got, metrics = rollout_correction(cfg, OLD, BEH, MASK)
+    assert got.tolist()[0] == pytest.approx([1.0, math.exp(0.5), math.exp(-1.5), 0.0], abs=1e-6)
+    assert set(metrics) >= {"sampling/sampling_logp_difference/max", "sampling/importance_sampling_ratio/mean"}
+    assert rollout_correction(SimpleNamespace(**{**vars(cfg), "vllm_importance_sampling_correction": False}),
+                              OLD, BEH, MASK)[0] is None
+    assert rollout_correction(SimpleNamespace(use_vllm=False), OLD, BEH, MASK) == (None, {})

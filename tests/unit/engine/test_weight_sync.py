@@ -9,7 +9,7 @@ import json
 import torch
 from transformers import AutoModelForCausalLM
 
-from rl.engine.weight_sync import ALIGN, Bucket, bucketed, hf_name, pack_buckets, policy_weights, unpack_bucket
+from rl.engine.weight_sync import ALIGN, Bucket, hf_name, pack_buckets, policy_weights, unpack_bucket
 from rl.models.loading import apply_lora
 from rl.models.value import PPOModel
 
@@ -106,15 +106,15 @@ def test_a_tensor_larger_than_the_bucket_goes_alone_and_views_share_the_buffer()
     assert torch.equal(view, big) and view.data_ptr() == buckets[1].buffer.data_ptr()  # a view, no copy
 
 
-def test_bucket_header_round_trip_and_bucketed_stream(tiny_llama):
+def test_bucket_header_round_trip_and_a_model_through_buckets(tiny_llama):
     items = _mixed()
     b = next(pack_buckets(items, bucket_bytes=1 << 20))
     again = Bucket.from_header(json.loads(json.dumps(b.header())), b.buffer.clone())
     assert [(n, t.dtype, t.shape) for n, t in unpack_bucket(again)] == [(n, t.dtype, t.shape) for n, t in items]
     model = AutoModelForCausalLM.from_pretrained(tiny_llama, dtype=torch.float32)
     plain = [(n, t.clone()) for n, t in policy_weights(model)]
-    for size in (0, 4096, 1 << 20):  # 0: one tensor at a time, as they come
-        got = [(n, t.clone()) for n, t in bucketed(policy_weights(model), size)]
+    for size in (4096, 1 << 20):  # many buckets, one
+        got = [(n, t.clone()) for b in pack_buckets(policy_weights(model), size) for n, t in unpack_bucket(b)]
         assert [n for n, _ in got] == [n for n, _ in plain]
         assert all(torch.equal(a, b) for (_, a), (_, b) in zip(got, plain))
 
@@ -129,3 +129,13 @@ def test_buckets_of_a_lora_policy_hold_the_merged_weights(tiny_llama):
     expect = {k: v.clone() for k, v in policy_weights(model)}
     got = {n: t for b in pack_buckets(policy_weights(model), 1 << 30) for n, t in unpack_bucket(b)}
     assert set(got) == set(expect) and all(torch.equal(got[k], expect[k]) for k in expect)
+
+
+def test_reused_buckets_fill_one_buffer_and_each_holds_its_own_tensors_while_current():
+    items = [(f"t{i}", torch.full((10,), float(i))) for i in range(5)]  # 40 B each: one per 64 B bucket
+    seen, ptrs = [], set()
+    for b in pack_buckets(items, bucket_bytes=64, reuse=True):
+        ptrs.add(b.buffer.data_ptr())
+        seen += [(n, t.clone()) for n, t in unpack_bucket(b)]  # read before the next bucket is asked for
+    assert len(ptrs) == 1 and [n for n, _ in seen] == [n for n, _ in items]
+    assert all(torch.equal(a, b) for (_, a), (_, b) in zip(seen, items))

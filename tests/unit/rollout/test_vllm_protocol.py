@@ -145,3 +145,32 @@ def test_seeded_requests_follow_our_samplers_rows():
     prompts, samplings = request_of([[1], [2], [3]], {"n": 4, "temperature": 1.0}, seed=100)
     assert [m["seed"] for m in samplings] == [100, 104, 108]  # vLLM draws sample j of a request from seed + j
     assert "seed" not in request_of([[1]], {"n": 4}, seed=None)[1][0]
+
+
+def test_vllm_keys_refused_in_one_line_before_anything_runs(monkeypatch):
+    """Settings this machine or this mode cannot honour are refused when the config is built (the launch scripts'
+    preflight), each in one line that says why and what to set."""
+    from rl.config.parse import build
+    from rl.errors import ConfigError
+    from rl.trainers.distill import DistillConfig
+    from rl.trainers.grpo_config import GRPOConfig
+    from rl.trainers.online_dpo import OnlineDPOConfig
+
+    base = dict(model_name="tiny:llama", output_dir="/tmp/unused", use_vllm=True)
+    monkeypatch.setattr("torch.cuda.is_available", lambda: False)
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    cases = [(GRPOConfig, dict(vllm_enable_sleep_mode=True), "GPU-only"),
+             (GRPOConfig, dict(vllm_tensor_parallel_size=2, vllm_mode="server"), "colocate's"),
+             (GRPOConfig, dict(vllm_tensor_parallel_size=4), "must divide their number \\(2\\)"),
+             (GRPOConfig, dict(vllm_sync_lora_adapters=True), "needs lora.enabled=true"),
+             (GRPOConfig, dict(vllm_weight_sync_bucket_mb=-1), "vllm_weight_sync_bucket_mb"),
+             (OnlineDPOConfig, dict(vllm_importance_sampling_correction=True), "online DPO's pair loss has none"),
+             (DistillConfig, dict(teacher_model_name="tiny:llama", vllm_importance_sampling_correction=True),
+              "distillation's divergence loss has none")]
+    for cls, over, match in cases:
+        with pytest.raises(ConfigError, match=match) as e:
+            build(cls, {**base, **over})
+        assert "\n" not in str(e.value)
+    cfg = build(GRPOConfig, {**base, "vllm_tensor_parallel_size": 2})  # 2 processes, one engine over both
+    assert cfg.vllm_importance_sampling_mode == "sequence_mask" and cfg.vllm_weight_sync_bucket_mb == 512
+    assert not build(OnlineDPOConfig, base).vllm_importance_sampling_correction  # nothing to correct there
