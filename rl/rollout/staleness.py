@@ -5,7 +5,8 @@ The version of the policy is the number of optimizer steps it has taken (the tra
 The batch of step t is sampled by the policy of version `sample_version(t, k, start)` = max(start, t - k):
 the producer runs k steps ahead of the trainer and never further, so the batch of step t can be sampled
 while steps t - k .. t - 1 train. That one schedule is used in both places rollouts run (in the trainer's
-own process, and in rollout processes, rl.rollout.async_workers), which is why the two give the same samples.
+own process or on a vLLM server, rl.rollout.ahead, and in rollout processes, rl.rollout.channel), which is why
+they give the same samples.
 k = 0 is the synchronous loop (each batch sampled by the policy that trains on it).
 
 A batch older than k versions when its step comes (`admit`) is dropped and counted, never trained on: with

@@ -231,24 +231,34 @@ class GRPOTrainer(AsyncRollouts, OnlineTrainer):
             self._gen = {**gb, "batch": {k: v.to(dev) for k, v in gb["batch"].items()}}
         self.async_restore(extra)
 
-    def _sample_round(self, generation: int, round_: int) -> dict:
-        """Sample and score this process's groups of one round; the rewards (overlong shaping included),
-        per-source rewards, components, lengths and truncation flags gathered over processes."""
-        cfg, acc, plan = self.cfg, self.accelerator, self._plan
-        k = plan["prompts_per_process"]
+    def round_prompts(self, generation: int, round_: int, process: int | None = None) -> tuple[list[dict], list]:
+        """The prompt rows of one sampling round that `process` (default: this one) samples, and their token ids."""
+        cfg, plan = self.cfg, self._plan
+        k, p = plan["prompts_per_process"], self.accelerator.process_index if process is None else process
         rows = step_prompts(self.env, self.train_prompts, cfg.order_seed, generation, plan["prompts_per_step"], round_)
-        mine = rows[acc.process_index * k:(acc.process_index + 1) * k]
-        prompt_ids = [encode_prompt(self.tokenizer, r["prompt"], cfg.prompt_budget, cfg.chat_template)
-                      for r in mine]
+        mine = rows[p * k:(p + 1) * k]
+        return mine, [encode_prompt(self.tokenizer, r["prompt"], cfg.prompt_budget, cfg.chat_template) for r in mine]
+
+    def sampling_kwargs(self, generation: int, round_: int) -> dict:
+        """The sampler's keywords of one round (every engine's `generate` takes them)."""
+        cfg, plan = self.cfg, self._plan
         # distinct, reproducible sampling seeds per step, round and process (row r of a call uses seed + r)
-        seed = (cfg.seed * 7_919 + (generation * self.world + acc.process_index) * plan["completions_per_process"]
-                + round_ * 2 ** 40)
+        seed = (cfg.seed * 7_919 + (generation * self.world + self.accelerator.process_index) *
+                plan["completions_per_process"] + round_ * 2 ** 40)
+        return dict(max_new_tokens=cfg.max_completion_length, temperature=cfg.temperature, top_k=cfg.top_k,
+                    top_p=cfg.top_p, seed=seed, num_samples=cfg.num_generations)
+
+    def _sample_round(self, generation: int, round_: int, rollout=None) -> dict:
+        """Sample and score this process's groups of one round; the rewards (overlong shaping included),
+        per-source rewards, components, lengths and truncation flags gathered over processes. `rollout`: this
+        round's samples when they were drawn elsewhere (a vLLM server ahead of the trainer, rl.trainers.grpo_async)."""
+        cfg = self.cfg
+        mine, prompt_ids = self.round_prompts(generation, round_)
         t_gen = time.time()
-        # a multi-turn environment (rl.envs.tool_math) runs whole episodes: tool tokens get labels -100 in to_batch
-        sample = episode_sampler(self, generate, run_episodes, self.env)  # ours or vLLM; episodes if multi-turn
-        rollout = sample(self.pipeline.model, self.tokenizer, prompt_ids, max_new_tokens=cfg.max_completion_length,
-                         temperature=cfg.temperature, top_k=cfg.top_k, top_p=cfg.top_p, seed=seed,
-                         num_samples=cfg.num_generations)
+        if rollout is None:
+            # a multi-turn environment (rl.envs.tool_math) runs whole episodes: tool tokens get labels -100 in to_batch
+            sample = episode_sampler(self, generate, run_episodes, self.env)  # ours or vLLM; episodes if multi-turn
+            rollout = sample(self.pipeline.model, self.tokenizer, prompt_ids, **self.sampling_kwargs(generation, round_))
         t_gen = time.time() - t_gen
         if cfg.optimize_device_cache:
             release_device_cache()
@@ -256,7 +266,7 @@ class GRPOTrainer(AsyncRollouts, OnlineTrainer):
         rep = [r for r in mine for _ in range(cfg.num_generations)]
         columns = reward_columns(rep, rollout.completions())
         local, components = self.reward.score_each([r["prompt"] for r in rep], completions, columns)
-        if cfg.log_completions and acc.is_main_process and round_ == 0:  # TRL's key: this process's rows
+        if cfg.log_completions and self.accelerator.is_main_process and round_ == 0:  # TRL's key: this process's rows
             log_completions(self, generation, [r["prompt"] for r in rep], completions, local)
 
         gather = self.gather
@@ -268,14 +278,15 @@ class GRPOTrainer(AsyncRollouts, OnlineTrainer):
                 "per_func": per_func, "lengths": lengths, "truncated": truncated, "penalty": penalty,
                 "t_gen": t_gen, "components": {name: gather(v) for name, v in components.items()}}
 
-    def _rollout(self, generation: int) -> tuple:
+    def _rollout(self, generation: int, first=None) -> tuple:
         """The step's groups: one round, or with dynamic sampling rounds until every process holds
         prompts_per_process groups with reward spread (rl.trainers.grpo_batch). Returns (this process's
-        rollout, the picked rounds' gathered tensors by key, dapo/* metrics)."""
+        rollout, the picked rounds' gathered tensors by key, dapo/* metrics). `first`: the first round's
+        samples, drawn elsewhere."""
         cfg, W, k, G = self.cfg, self.world, self._plan["prompts_per_process"], self.cfg.num_generations
         rounds, keep = [], []
         for r in range(cfg.max_sampling_rounds if cfg.dynamic_sampling else 1):
-            rounds.append(self._sample_round(generation, r))
+            rounds.append(self._sample_round(generation, r, first if r == 0 else None))
             keep.append(groups_with_spread(rounds[-1]["rewards"], G).view(W, k) if cfg.dynamic_sampling
                         else torch.ones(W, k, dtype=torch.bool))
             if (torch.cat(keep, dim=1).sum(1) >= k).all():
@@ -296,11 +307,12 @@ class GRPOTrainer(AsyncRollouts, OnlineTrainer):
         picked["t_gen"] = sum(ro["t_gen"] for ro in rounds)
         return rollout, picked, dapo
 
-    def _generation_batch(self, generation: int) -> dict:
+    def _generation_batch(self, generation: int, rollout=None) -> dict:
         """What the num_iterations updates of one generation share: sample (dynamic sampling: several
-        rounds), score, advantages, the reference's and (num_iterations > 1) the old policy's log-probs."""
+        rounds), score, advantages, the reference's and (num_iterations > 1) the old policy's log-probs.
+        `rollout`: the (first round's) samples when they were drawn elsewhere."""
         cfg, acc, pipe = self.cfg, self.accelerator, self.pipeline
-        rollout, g, dapo = self._rollout(generation)
+        rollout, g, dapo = self._rollout(generation, rollout)
         advantages_all = compute_advantages(g["rewards"], cfg.num_generations, cfg.advantage_estimator)
         n_local = rollout.tokens.shape[0]
         advantages = advantages_all[acc.process_index * n_local:(acc.process_index + 1) * n_local]
@@ -352,7 +364,8 @@ class GRPOTrainer(AsyncRollouts, OnlineTrainer):
                       temperature=cfg.temperature, num_items=gb["num_items"], **loss_params(cfg),
                       behaviour_logprobs=mb.get("behaviour"), is_cap=cfg.vllm_importance_sampling_clip_max,
                       is_mode=cfg.vllm_importance_sampling_mode, is_apply=cfg.vllm_importance_sampling_correction,
-                      is_clip_min=cfg.vllm_importance_sampling_clip_min)
+                      is_clip_min=cfg.vllm_importance_sampling_clip_min,
+                      **gb.get("loss_kw", {}))  # a stale batch's off-policy correction (rl.trainers.grpo_async)
             if self._share:  # each group's prompt once, its completions attending to it; no padding
                 b = self._shared(mb, P - a)
                 r = pipe.forward_backward(b["input_ids"], None, b["labels"], target_index=b["target_index"],
@@ -375,8 +388,7 @@ class GRPOTrainer(AsyncRollouts, OnlineTrainer):
                 else:
                     sums[key] = sums.get(key, 0.0) + v / len(micro)
         o = pipe.optim_step(max_grad_norm=cfg.max_grad_norm).result()
-        if self._channel is not None:  # the rollout processes get the new weights (version pipe.step)
-            self._channel.send_weights(pipe)
+        self.async_after_step()  # rollout_processes: the new weights (version pipe.step) to them
         if pipe.step % cfg.num_iterations == 0:
             self._gen = None  # used up: its memory is free while the next one is sampled
         row = {"step": pipe.step, **gb["metrics"], **self.reduce(sums), **self.reduce_extremes(extremes),

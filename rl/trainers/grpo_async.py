@@ -1,36 +1,41 @@
-"""GRPO's asynchronous rollouts (issue 41; `max_staleness`, `rollout_processes`; docs/rollout.md).
+"""GRPO's asynchronous rollouts (`max_staleness`, `rollout_processes`; docs/rollout.md): where the batch of each
+step comes from, and the loss of a batch sampled by an older policy.
 
-The batch of step t is sampled by the policy of version max(start, t - k) (`rl.rollout.staleness`), either
-here, in the trainer's process, k steps ahead of the step that trains (`max_staleness=k`,
-`rollout_processes=0`: the same samples as a rollout process would give, deterministic, no overlap on
-one device), or by a rollout process (`rollout_processes=N`, rl.rollout.async_workers) while this one trains.
+The batch of step t is sampled by the policy of version max(start, t - k) (`rl.rollout.staleness`), by one of:
+* this process, k steps ahead of the step that trains (`rl.rollout.ahead.InProcess`: our sampler or a colocated
+  vLLM engine; the same samples a rollout process would give, deterministic, no overlap on one device);
+* a vLLM server while this process trains (`use_vllm=true vllm_mode=server`, `rl.rollout.ahead.ServerAhead`);
+* rollout processes of the launch (`rollout_processes=N`, `rl.rollout.channel`).
+This module hands them `sample(index, version)` and reads nothing of theirs but the batches.
 
-The loss: a batch sampled by an older policy (staleness s > 0) has the log-probs its sampler recorded for
-its tokens as the old policy, so the clipped ratio pi_theta / pi_behaviour does the off-policy correction
-(AReaL's decoupled PPO with the behaviour policy as the proximal one; TRL's async GRPO). A batch of
-staleness 0 was sampled by the very weights that train on it: its old policy is the current one, detached
-(ratio 1), exactly the synchronous loop, so k = 0 through this path equals the plain loop bit for bit.
+The loss: a batch of staleness s > 0 carries the log-probs its sampler recorded for its tokens (ours, or vLLM's)
+as the behaviour policy, and is corrected by `off_policy_correction` (`rl.algos.off_policy`): `behaviour`, TRL's
+AsyncGRPO (the behaviour log-probs are the old policy of the clipped ratio), or `decoupled`, AReaL's decoupled
+PPO (the clip anchored at the current weights, the behaviour weight pi_current / pi_behaviour capped). A batch
+of staleness 0 was sampled by the very weights that train on it: it keeps the synchronous loss (old policy =
+current, detached; with vLLM the mismatch correction of vllm_importance_sampling_*), so k = 0 through this path
+equals the plain loop bit for bit.
 """
 
 from __future__ import annotations
 
 import time
-from types import SimpleNamespace
+
+from accelerate.utils import broadcast_object_list
 
 from rl.engine import segments
 from rl.engine.dist import zero_stage
+from rl.engine.generation import _resolve_ids, generate
+from rl.engine.pipeline import ForwardBackwardPipeline
 from rl.engine.state import PER_PROCESS
 from rl.errors import ConfigError
-from rl.rollout.async_workers import (
-    finish,
-    prune,
-    recv_object,
-    recv_weights,
-    send_object,
-    send_weights,
-    split_world,
-)
-from rl.rollout.staleness import StalenessBuffer, Tagged, last_needed_version, sample_version, staleness_metrics
+from rl.rollout.ahead import InProcess, ServerAhead
+from rl.rollout.channel import TrainerEnd, serve_rollouts, split_world
+from rl.rollout.staleness import StalenessBuffer, Tagged, staleness_metrics
+from rl.rollout.vllm_batching import local_only
+from rl.rollout.vllm_engine import request_of, sampling_params, to_rollout
+from rl.trainers.grpo_batch import select_rollout
+from rl.trainers.sampling import rollout_sampler
 
 
 class AsyncRollouts:
@@ -38,8 +43,9 @@ class AsyncRollouts:
 
     _buffer: StalenessBuffer | None = None
     _start_version = 0  # the first version this process's run has weights of (0, or the resumed step)
-    _channel = None  # TrainerChannel (below) on a training process with rollout_processes
-    _role = None  # rl.rollout.async_workers.Role with rollout_processes
+    _channel: TrainerEnd | None = None  # on a training process with rollout_processes
+    _role = None  # rl.rollout.channel.Role with rollout_processes
+    _producer = None  # InProcess or ServerAhead (rollout_processes=0)
 
     def async_setup(self, cfg) -> None:
         """Before the accelerator: this process's side of the launch (rollout_processes)."""
@@ -47,13 +53,18 @@ class AsyncRollouts:
 
     def async_built(self) -> None:
         """After the accelerator and the policy: the training side's channel, or the rollout side's marks."""
+        cfg = self.cfg
+        if self.server_ahead and (cfg.dynamic_sampling or getattr(self.env, "multi_turn", False)):
+            raise ConfigError("max_staleness with vllm_mode=server samples each step's prompts ahead in one request: "
+                              "dynamic_sampling and multi-turn environments need the rewards first; set "
+                              "max_staleness=0, or use_vllm=false (our sampler samples them ahead in this process)")
         if self._role is None:
             return
         if not self._role.rollout:
             if zero_stage(self.accelerator) == 3:
                 raise ConfigError("rollout_processes does not support ZeRO-3 yet (a rollout process holds whole "
                                   "weights): use DDP or ZeRO-2, or rollout_processes=0")
-            self._channel = TrainerChannel(self._role, self.cfg)
+            self._channel = TrainerEnd(self._role, cfg.max_staleness)
         else:  # a 1-process world of its own: not the run's main process (no files, no final line)
             self.accelerator = _RolloutSide(self.accelerator)
 
@@ -61,11 +72,24 @@ class AsyncRollouts:
     def is_rollout_process(self) -> bool:
         return self._role is not None and self._role.rollout
 
+    @property
+    def server_ahead(self) -> bool:
+        """A vLLM server samples ahead while this process trains."""
+        cfg = self.cfg
+        return bool(cfg.max_staleness and cfg.use_vllm and cfg.vllm_mode == "server" and not cfg.rollout_processes)
+
     def async_train(self, fit):
-        """`fit()` on a training process, the rollout loop on a rollout process."""
+        """`fit()` on a training process, the rollout program on a rollout process."""
         if self.is_rollout_process:
-            return rollout_loop(self)
-        history = fit()
+            return self._serve_rollouts()
+        try:
+            history = fit()
+        except BaseException:
+            if isinstance(self._producer, ServerAhead):  # a request on its way ends with its HTTP timeout
+                self._producer.close(wait=False)
+            raise
+        if isinstance(self._producer, ServerAhead):
+            self._producer.close()
         if self._channel is not None:
             self._channel.close()
         return history
@@ -78,7 +102,7 @@ class AsyncRollouts:
     @property
     def buffered(self) -> bool:
         """Whether steps take their batch from the staleness buffer (k > 0, or rollout processes)."""
-        return bool(self.cfg.max_staleness or self.cfg.rollout_processes or getattr(self, "_force_buffer", False))
+        return bool(self.cfg.max_staleness or self.cfg.rollout_processes)
 
     def _buffer_now(self) -> StalenessBuffer:
         if self._buffer is None:
@@ -88,53 +112,133 @@ class AsyncRollouts:
     def _tag(self, step: int, version: int, gb: dict) -> Tagged:
         return Tagged(step=step, version=version, batch=gb, samples=int(gb["batch"]["input_ids"].shape[0]) * self.world)
 
-    def _fill_in_process(self, step: int) -> None:
-        """Sample every batch up to step + k whose sampling version has come (the current one)."""
-        buf, k, version = self._buffer_now(), self.cfg.max_staleness, self.pipeline.step
-        nxt = buf.next_step(step)
-        while nxt <= step + k and sample_version(nxt, k, self._start_version) <= version:
-            buf.put(self._tag(nxt, version, self._generation_batch(nxt)))
-            nxt += 1
+    # ------------------------------------------------------------------ where the batches come from
+    def _producer_now(self):
+        if self._producer is None:
+            k = self.cfg.max_staleness
+            if self.server_ahead:
+                self._producer = ServerAhead(
+                    k, sample=self._score_server_rollout, tag=self._tag,
+                    request=self._server_request, fetch=self._server_fetch, sync=self._server_sync,
+                    share=self._share_from_main, main=self.accelerator.is_main_process)
+            else:
+                self._producer = InProcess(k, lambda index, version: self._generation_batch(index), self._tag)
+        return self._producer
+
+    def _server_sync(self, version: int) -> None:
+        """The server holds the weights of `version` (the current policy): pushed when it moved on."""
+        rollout_sampler(self, generate)  # builds the engine's client at the first call; syncs the weights
+
+    def _server_request(self, index: int) -> tuple[list, dict]:
+        """Every process's prompt ids of generation `index` and the sampler's keywords (the main process)."""
+        return [self.round_prompts(index, 0, p)[1] for p in range(self.world)], self.sampling_kwargs(index, 0)
+
+    def _server_fetch(self, request: tuple[list, dict]) -> list:
+        """One request to the server for every process's prompts (worker thread, main process): a rollout per
+        process. Not the engine's `generate`, which gathers the processes' prompts itself (a collective); the same
+        request otherwise (rl.rollout.vllm_engine): row r of the call samples from seed + r, and process p's rows
+        follow process p - 1's, so each row gets the seed it has in the synchronous run."""
+        per_process, kw = request
+        flat = [p for prompts in per_process for p in prompts]
+        _, pad, eos = _resolve_ids(self.tokenizer, None)
+        sp = sampling_params(kw["num_samples"], kw["max_new_tokens"], kw["temperature"], kw["top_k"], kw["top_p"],
+                             [eos] if isinstance(eos, int) else list(eos or []))
+        rollout = to_rollout(flat, local_only(request_of(flat, sp, kw["seed"]), self._vllm.client.generate), pad)
+        rows = len(per_process[0]) * kw["num_samples"]
+        return [select_rollout([rollout], list(range(p * rows, (p + 1) * rows))) for p in range(len(per_process))]
+
+    def _score_server_rollout(self, index: int, version: int, rollout) -> dict:
+        """The generation batch of `index` from the server's samples of this process's share."""
+        if rollout.prompts[::self.cfg.num_generations] != self.round_prompts(index, 0)[1]:
+            raise RuntimeError(f"the server's samples for generation {index} are not of process "
+                               f"{self.accelerator.process_index}'s prompts")  # a share dealt to the wrong process
+        return self._generation_batch(index, rollout)
+
+    def _share_from_main(self, result):
+        if self.world > 1:
+            result = broadcast_object_list([result], from_process=0)[0]
+        per_step, seconds = result
+        return [rollouts[self.accelerator.process_index] for rollouts in per_step], seconds
 
     def async_generation_batch(self) -> tuple[dict, dict]:
-        """This step's generation batch from the buffer (sampled ahead here, or received from a rollout
-        process), with the loss's old policy set as the module docstring says, and the step's async/* and
-        time/waiting_* metrics."""
+        """This step's generation batch from the buffer (sampled ahead here or by a vLLM server, or received from
+        a rollout process), the loss's correction set by its staleness (module docstring), and the step's
+        async/* and time/waiting_* metrics."""
         cfg, step = self.cfg, self.pipeline.step
         buf = self._buffer_now()
         t0 = time.time()
         if self._channel is not None:
             if not self._channel.started:
-                self._channel.start(self.pipeline, self._plan["total_steps"])
-            self._channel.receive_into(buf, step, self._tag)
+                self._channel.start(step, self._plan["total_steps"], self.pipeline.unwrapped_model)
+            version, gb = self._channel.receive(step)
+            buf.put(self._tag(step, version, self._received(gb)))
+            waited = time.time() - t0
         else:
-            self._fill_in_process(step)
-        waited = time.time() - t0
+            producer = self._producer_now()
+            producer.fill(buf, step, step, self._start_version, self._plan["total_steps"])
+            waited = producer.waited
         item = buf.take(step, step)
         if item is None:  # dropped as too old (or never sampled): the current policy samples it now
             item = self._tag(step, step, self._generation_batch(step))
-        gb = item.batch
-        batch = dict(gb["batch"])
-        batch.pop("behaviour", None)  # the behaviour policy is the old one here, not a second correction
-        if item.version != step:
-            batch["old"] = batch["old_logprobs"]
-        gb = {**gb, "batch": batch}
-        if self._channel is not None:
-            gb = self._channel.localize(gb, self)
+        gb, loss_kw = item.batch, {}
+        if item.version != step:  # sampled by an older policy: the sampler's log-probs are the behaviour ones
+            batch = {**gb["batch"], "behaviour": gb["batch"]["old_logprobs"]}
+            gb = {**gb, "batch": batch}
+            loss_kw = {"off_policy": cfg.off_policy_correction, "behav_imp_weight_cap": cfg.behav_imp_weight_cap}
         metrics = staleness_metrics(item, step, cfg.max_staleness, buf)
-        # in-process the trainer samples rather than waits (that time is step_time - time/training)
-        metrics["time/waiting_trainer"] = waited if self._channel is not None else 0.0
+        metrics["time/waiting_trainer"] = waited
         if "t_wait" in gb:
             metrics["time/waiting_rollout"] = gb["t_wait"]
-        return gb, metrics
+        if isinstance(self._producer, ServerAhead):
+            metrics["time/weight_sync"] = self._producer.synced
+        return {**gb, "loss_kw": loss_kw}, metrics
+
+    def async_after_step(self) -> None:
+        """After an optimizer step: the rollout processes get the new weights (version pipeline.step)."""
+        if self._channel is not None:
+            self._channel.after_step(self.pipeline.unwrapped_model, self.pipeline.step)
+
+    def _received(self, gb: dict) -> dict:
+        """A batch from a rollout process on this process's device; with several training processes the token
+        count of token_mean and the scalar metrics over all of them (the rollout process saw one share)."""
+        dev = self.accelerator.device
+        gb = {**gb, "batch": {k: v.to(dev) for k, v in gb["batch"].items()}, "world": self.world}
+        if self.world > 1:
+            n = self.accelerator.reduce(gb["batch"]["labels"][:, 1:].ne(-100).sum().float(), "sum")
+            gb["num_items"] = float(n.clamp(min=1)) / (self.world * self.cfg.gradient_accumulation_steps)
+            gb["metrics"] = self.reduce(gb["metrics"])
+        return gb
+
+    # ------------------------------------------------------------------ a rollout process's run
+    def _serve_rollouts(self) -> list[dict]:
+        """This rollout process's program (rl.rollout.channel.serve_rollouts) around `sample(index, version)`:
+        the policy in a pipeline without an optimizer, the generation batches GRPO's own."""
+        cfg = self.cfg
+        self._plan = self.plan()
+        self.pipeline = ForwardBackwardPipeline(self._model, accelerator=self.accelerator,
+                                                gradient_accumulation_steps=cfg.gradient_accumulation_steps,
+                                                micro_batch_size=cfg.per_device_train_batch_size,
+                                                logprob_chunk_size=cfg.logprob_chunk_size)
+        self.reference.place(self.accelerator)
+        self._share = cfg.share_prompt_forward and segments.prefix_sharing(self.pipeline.unwrapped_model)
+
+        def sample(index: int, version: int) -> dict:
+            self.pipeline.step = version  # the weights loaded are this version's
+            return self._generation_batch(index)
+
+        serve_rollouts(self._role, self.pipeline.unwrapped_model, sample, cfg.max_staleness)
+        return []
 
     # ------------------------------------------------------------------ checkpoint part
     def async_checkpoint(self, extra: dict) -> dict:
         """The rollout position (the first step no batch was sampled for) and the drop counts; the batches
-        sampled ahead go per process, so a resume trains on exactly them (in-process sampling)."""
+        sampled ahead (those on their way from a server first) go per process, so a resume trains on exactly
+        them (rollout_processes=0)."""
         if not self.buffered:
             return extra
         buf, step = self._buffer_now(), self.pipeline.step
+        if self._producer is not None:
+            self._producer.drain(buf)
         extra["async"] = {"next_step": buf.next_step(step), **buf.state()}
         if self._channel is None and buf.items:
             own = extra.setdefault(PER_PROCESS, {})
@@ -159,8 +263,6 @@ class AsyncRollouts:
         self._buffer_now().load(state, items)
 
 
-# ------------------------------------------------------------------ rollout processes
-
 class _RolloutSide:
     """A rollout process's accelerator: its own, except that it is never the run's main process."""
 
@@ -172,86 +274,3 @@ class _RolloutSide:
 
     def __getattr__(self, name):
         return getattr(self._acc, name)
-
-
-class TrainerChannel:
-    """A training process's end of the channel (rl.rollout.async_workers): its share of each step's batches
-    from the rollout processes; training process 0 also sends the header and every policy version."""
-
-    def __init__(self, role, cfg):
-        self.role, self.k, self.pending, self.started = role, cfg.max_staleness, [], False
-        self.first = self.total = 0
-
-    def _steps_of(self, w: int) -> list[int]:
-        r = self.role
-        return [t for t in range(self.first, self.total) for i in range(r.trainers) if r.producer(t, i) == w]
-
-    def start(self, pipe, total: int) -> None:
-        """At the first step (after a resume): the rollout position and the weights the run starts from."""
-        self.first, self.total, self.started = pipe.step, total, True
-        if self.role.index == 0:
-            for w in range(self.role.rollouts):
-                send_object(self.role, {"start": pipe.step, "total": total}, self.role.rank_of_rollout(w), self.pending)
-            self._send(pipe)
-
-    def _send(self, pipe) -> None:
-        for w in range(self.role.rollouts):
-            # a version no batch of w's is sampled by would never be received: not sent
-            if pipe.step <= last_needed_version(self._steps_of(w), self.k, self.first):
-                send_weights(self.role, pipe.unwrapped_model, pipe.step, self.role.rank_of_rollout(w), self.pending)
-        prune(self.pending)
-
-    def send_weights(self, pipe) -> None:
-        if self.role.index == 0 and pipe.step < self.total:
-            self._send(pipe)
-
-    def receive_into(self, buf, step: int, tag) -> None:
-        w = self.role.producer(step, self.role.index)
-        gb = recv_object(self.role, self.role.rank_of_rollout(w),
-                         f"rollout process {w} (rank {self.role.rank_of_rollout(w)}) stopped answering")
-        buf.put(tag(step, gb.pop("version"), gb))
-
-    def localize(self, gb: dict, trainer) -> dict:
-        """A received batch on this process's device; with several training processes the token count of
-        token_mean and the scalar metrics over all of them (the rollout process saw one share)."""
-        dev = trainer.accelerator.device
-        gb = {**gb, "batch": {k: v.to(dev) for k, v in gb["batch"].items()}, "world": trainer.world}
-        if trainer.world > 1:
-            n = trainer.accelerator.reduce(gb["batch"]["labels"][:, 1:].ne(-100).sum().float(), "sum")
-            gb["num_items"] = float(n.clamp(min=1)) / (trainer.world * trainer.cfg.gradient_accumulation_steps)
-            gb["metrics"] = trainer.reduce(gb["metrics"])
-        return gb
-
-    def close(self) -> None:
-        finish(self.pending, "a rollout process did not take its last weights")
-
-
-def rollout_loop(trainer) -> list[dict]:
-    """A rollout process's whole run: for its items (step t, trainer share i) in order, the weights of version
-    max(start, t - k) (received in order), then the generation batch, sent to training process i. The batch
-    of (t, i) is sampled as generation t * M + i of a 1-process run, i.e. the prompts of share i of step t
-    (rl.rollout.prompts.prompt_order counts rows by position)."""
-    role, cfg = trainer._role, trainer.cfg
-    header = recv_object(role, 0, "the training processes stopped answering the rollout process")
-    start, total, k, M = header["start"], header["total"], cfg.max_staleness, role.trainers
-    model = trainer._model.to(trainer.accelerator.device)
-    trainer.pipeline = SimpleNamespace(model=model, unwrapped_model=model, accelerator=trainer.accelerator, step=start)
-    trainer._plan = trainer.plan()
-    trainer.reference.place(trainer.accelerator)
-    trainer._share = cfg.share_prompt_forward and segments.prefix_sharing(model)
-    version, pending = None, []
-    for t in range(start, total):
-        for i in range(M):
-            if role.producer(t, i) != role.index:
-                continue
-            t0 = time.time()
-            while version is None or version < sample_version(t, k, start):
-                version = recv_weights(role, model)
-            waited = time.time() - t0
-            trainer.pipeline.step = version
-            gb = trainer._generation_batch(t * M + i)
-            gb.update(version=version, t_wait=waited)
-            send_object(role, gb, i, pending)
-            prune(pending)
-    finish(pending, "the training processes stopped taking batches")
-    return []

@@ -19,6 +19,7 @@ import torch
 
 from rl.algos.advantages import nanstd
 from rl.algos.mismatch import importance_weights
+from rl.algos.off_policy import off_policy_terms
 from rl.algos.policy_losses import grpo_loss
 from rl.config.plan import cadence
 from rl.engine import losses
@@ -174,7 +175,8 @@ def loss_params(cfg) -> dict:
 
 def grpo_loss_fn(logits, labels, attention_mask=None, *, advantages, old_logprobs=None, ref_logprobs=None,
                  temperature: float = 1.0, target_index=None, behaviour_logprobs=None, is_cap: float = 3.0,
-                 is_mode: str = "token_truncate", is_apply: bool = True, is_clip_min: float | None = None, **kw):
+                 is_mode: str = "token_truncate", is_apply: bool = True, is_clip_min: float | None = None,
+                 off_policy: str | None = None, behav_imp_weight_cap: float = 5.0, **kw):
     """Engine signature `(logits, labels, attention_mask, **kw) -> (loss, metrics)`.
 
     old_logprobs/ref_logprobs are (B, T-1) aligned with labels[:, 1:]; old_logprobs None means the
@@ -182,19 +184,24 @@ def grpo_loss_fn(logits, labels, attention_mask=None, *, advantages, old_logprob
     logits and labels are the packed rows' and `target_index` (B, T-1) brings their log-probs back to
     the rollout's padded layout, where the rest of the loss runs as before. behaviour_logprobs (B, T-1):
     the rollout engine's (vLLM's) log-probs of the sampled tokens; their mismatch with the old policy is
-    measured, and with `is_apply` corrected by truncated importance weights (`rl.algos.mismatch`)."""
+    measured, and with `is_apply` corrected by truncated importance weights (`rl.algos.mismatch`).
+    off_policy: a batch sampled by an older policy (max_staleness): its correction by name, `behaviour` or
+    `decoupled` (`rl.algos.off_policy`, with behav_imp_weight_cap), on behaviour_logprobs (the sampler's)."""
     if temperature and temperature != 1.0:
         logits = logits / temperature
     logp, mask = losses.token_logprobs(logits, labels)
     if target_index is not None:
         logp, mask = unpack_targets(logp, target_index), unpack_targets(mask, target_index)
-    old = logp.detach() if old_logprobs is None else old_logprobs
     weights, extra = None, {}
-    if behaviour_logprobs is not None:
-        low = {} if is_clip_min is None else {"clip_min": is_clip_min}  # the config refuses it where unsupported
-        weights, extra = importance_weights(old, behaviour_logprobs, mask, is_cap, is_mode, **low)
-    loss, metrics = grpo_loss(logp, old, advantages, mask, ref_logp=ref_logprobs,
-                              token_weights=weights if is_apply else None, **kw)
+    if off_policy is not None:
+        old, weights, extra = off_policy_terms(off_policy, logp, behaviour_logprobs, mask, behav_imp_weight_cap)
+    else:
+        old = logp.detach() if old_logprobs is None else old_logprobs
+        if behaviour_logprobs is not None:
+            low = {} if is_clip_min is None else {"clip_min": is_clip_min}  # the config refuses it where unsupported
+            weights, extra = importance_weights(old, behaviour_logprobs, mask, is_cap, is_mode, **low)
+            weights = weights if is_apply else None
+    loss, metrics = grpo_loss(logp, old, advantages, mask, ref_logp=ref_logprobs, token_weights=weights, **kw)
     return loss, {**metrics, **extra}
 
 

@@ -7,6 +7,7 @@ from typing import Literal
 
 
 from rl.algos import names
+from rl.algos.off_policy import OFF_POLICY_CORRECTIONS
 from rl.algos.policy_losses import IMPORTANCE_SAMPLING_LEVELS, KIND, LOSS_AGGREGATIONS
 from rl.algos.registry import check, choices, flag
 from rl.config.fields import opt
@@ -64,8 +65,9 @@ class GRPOConfig(RefSyncKeys, OnlineConfig):
                                      "num_generations completions, packed without padding (rl.engine.packing."
                                      "pack_shared_prompts; same log-probs; SDPA models, else the padded batch)")
     max_staleness: int = opt(0, "asynchronous rollouts (TRL's name): the batch of step t is sampled by the policy of "
-                             "step t - k at the oldest, while later steps train; its behaviour log-probs are the old "
-                             "policy of the loss; older samples are dropped (async/dropped_samples). 0: synchronous")
+                             "step t - k at the oldest, while later steps train (a vLLM server samples meanwhile with "
+                             "use_vllm=true vllm_mode=server); its behaviour log-probs correct the loss "
+                             "(off_policy_correction); older samples are dropped (async/dropped_samples). 0: synchronous")
     mask_truncated_completions: bool = opt(False, "completions cut at max_completion_length (no EOS) carry no loss "
                                            "(DAPO's overlong filtering; their reward still counts in the group)")
     log_completions: bool = opt(False, "write the step's prompts, completions and rewards to completions.jsonl in "
@@ -74,6 +76,12 @@ class GRPOConfig(RefSyncKeys, OnlineConfig):
     log_unique_prompts: bool = opt(False, "log_completions: one row per prompt (its first completion)")
     rollout_processes: int = opt(0, "the last N processes of the launch only sample (our sampler) while the others "
                                  "train; weights sent to them after each optimizer step (docs/rollout.md). 0: none")
+    off_policy_correction: Literal[OFF_POLICY_CORRECTIONS] = opt(
+        "behaviour", "max_staleness: the loss of a batch sampled by an older policy: behaviour (TRL's AsyncGRPO: the "
+        "sampler's log-probs are the old policy of the clipped ratio) or decoupled (AReaL's decoupled PPO: the clip "
+        "anchored at the current weights, each token weighted by pi_current / pi_behaviour)")
+    behav_imp_weight_cap: float = opt(5.0, "off_policy_correction=decoupled: a token whose weight pi_current / "
+                                      "pi_behaviour exceeds it leaves the loss (AReaL's name and filter)")
 
     def __post_init__(self):
         super().__post_init__()
@@ -131,9 +139,13 @@ def check_async(cfg: GRPOConfig) -> None:
     if cfg.max_staleness and cfg.num_iterations != 1:
         raise ConfigError(f"max_staleness={cfg.max_staleness} takes num_iterations=1 (each sampled batch is one "
                           f"update), got num_iterations={cfg.num_iterations}")
+    if cfg.behav_imp_weight_cap <= 1:
+        raise ConfigError(f"key 'behav_imp_weight_cap' must be > 1 (a weight of 1 is an on-policy token), got "
+                          f"{cfg.behav_imp_weight_cap}")
     if cfg.rollout_processes and cfg.use_vllm:
-        raise ConfigError("rollout_processes samples with our sampler; with use_vllm=true use vllm_mode=server "
-                          "instead (set rollout_processes=0)")
+        raise ConfigError("rollout_processes samples with our sampler in processes of the launch; with use_vllm=true "
+                          "the vLLM server is the rollout process: start `rl vllm-serve --model <model_name>` and set "
+                          "vllm_mode=server max_staleness=1 rollout_processes=0 (docs/rollout.md)")
 
 
 def grpo_sizes(cfg: GRPOConfig, world: int, n_prompts: int | None = None) -> dict:

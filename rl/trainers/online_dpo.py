@@ -79,6 +79,9 @@ class OnlineDPOConfig(OnlineConfig):
     temperature: float = opt(1.0, "sampling temperature (the loss scores the model itself, temperature 1)")
     missing_eos_penalty: float | None = opt(None, "subtracted from the reward of a completion cut at "
                                             "max_completion_length (TRL's name); null: none")
+    max_staleness: int = opt(0, "GRPO's asynchronous rollouts (docs/rollout.md); online DPO samples each step's "
+                             "pairs with the current policy: 0 only")
+    rollout_processes: int = opt(0, "GRPO's rollout processes (docs/rollout.md); online DPO: 0 only")
     vllm_importance_sampling_correction: bool = opt(
         False, "GRPO's and PPO's key: online DPO's pair loss has no policy-gradient term to reweight (TRL's "
         "OnlineDPOConfig has no such key); true is refused")
@@ -102,6 +105,10 @@ class OnlineDPOConfig(OnlineConfig):
         if self.temperature <= 0:
             raise ConfigError(f"key 'temperature' must be > 0 (two greedy samples are the same answer), "
                               f"got {self.temperature}")
+        for key in ("max_staleness", "rollout_processes"):
+            if getattr(self, key):  # no framework release of the field samples online DPO's pairs ahead
+                raise ConfigError(f"key '{key}': online DPO samples each step's pairs with the current policy; "
+                                  f"asynchronous rollouts are GRPO's (docs/rollout.md): set {key}=0")
 
 
 # ============================================================================ pure pieces

@@ -60,17 +60,21 @@ def test_async_keys_refuse_bad_values(tiny_llama):
         build(GRPOConfig, {**base, "max_staleness": 1, "num_iterations": 2})
     with pytest.raises(ConfigError, match="rollout_processes"):
         build(GRPOConfig, {**base, "rollout_processes": -2})
+    with pytest.raises(ConfigError, match="behav_imp_weight_cap"):
+        build(GRPOConfig, {**base, "behav_imp_weight_cap": 1.0})
+    with pytest.raises(ConfigError, match="off_policy_correction"):
+        build(GRPOConfig, {**base, "off_policy_correction": "tis"})
 
 
 # ------------------------------------------------------------------ the loss
 
-def test_k0_through_the_buffer_is_the_synchronous_loop_bit_for_bit(tmp_path, tiny_llama):
-    """The buffered path with k=0 (forced) against the plain loop: same losses, gradient norms and weights
-    after 3 steps, with a reference model in the loss (beta > 0)."""
+def test_k0_through_the_buffer_is_the_synchronous_loop_bit_for_bit(tmp_path, tiny_llama, monkeypatch):
+    """The buffered path with k=0 (forced by monkeypatching `buffered`) against the plain loop: same losses,
+    gradient norms and weights after 3 steps, with a reference model in the loss (beta > 0)."""
     sync_t = _grpo(tmp_path / "sync", model=tiny_llama, max_steps=3, beta=0.05)
     sync = sync_t.train()
     buf_t = _grpo(tmp_path / "buf", model=tiny_llama, max_steps=3, beta=0.05)
-    buf_t._force_buffer = True
+    monkeypatch.setattr(GRPOTrainer, "buffered", property(lambda self: True))
     buffered = buf_t.train()
     assert all(r["async/staleness"] == 0 for r in buffered if "loss" in r)
     for a, b in zip(sync, buffered):
@@ -83,49 +87,94 @@ def test_k0_through_the_buffer_is_the_synchronous_loop_bit_for_bit(tmp_path, tin
     assert [r["loss"] for r in k1 if "loss" in r] != [r["loss"] for r in sync if "loss" in r]
 
 
-def test_k1_loss_is_the_clipped_surrogate_on_the_carried_behaviour_logprobs(tmp_path, tiny_llama):
+def _before_step(monkeypatch, step: int, look) -> dict:
+    """Run `look(trainer)` just before the trainer's step `step` (0-based: the optimizer step it takes is step
+    + 1) and keep that step's metric row: rows["look"], rows["row"]."""
+    seen, train_step = {}, GRPOTrainer.train_step
+
+    def spy(self):
+        if self.pipeline.step == step:
+            seen["look"] = look(self)
+            seen["row"] = train_step(self)
+            return seen["row"]
+        return train_step(self)
+
+    monkeypatch.setattr(GRPOTrainer, "train_step", spy)
+    return seen
+
+
+@pytest.mark.parametrize("correction", ["behaviour", "decoupled"])
+def test_k1_loss_is_the_chosen_correction_on_the_carried_behaviour_logprobs(tmp_path, tiny_llama, correction,
+                                                                           monkeypatch):
     """Step 2 of max_staleness=1 trains on the batch sampled by the policy of step 0 (version 0) with the
-    policy of version 1: its loss is token_mean(-min(r A, clip(r, 1-eps, 1+eps) A)), r = exp(logp - behaviour),
-    computed here by hand from a plain forward and the log-probs the sampler recorded."""
-    t = _grpo(tmp_path / "k1", model=tiny_llama, max_steps=1, max_staleness=1, epsilon=0.2, epsilon_high=0.2)
-    t.train()
-    (item,) = t._buffer.items
-    assert (item.step, item.version) == (1, 0)
-    b = item.batch["batch"]
-    model = t.pipeline.unwrapped_model
-    with torch.no_grad():
-        logits = model(input_ids=b["input_ids"], attention_mask=b["attention_mask"],
-                       position_ids=position_ids_from_mask(b["attention_mask"])).logits[:, :-1].float()
-    labels = b["labels"][:, 1:]
-    mask = labels.ne(-100)
-    logp = torch.log_softmax(logits / t.cfg.temperature, -1).gather(-1, labels.clamp(min=0)[..., None])[..., 0]
-    behaviour = b["old_logprobs"]  # what the sampler recorded for its tokens, carried with the batch
-    assert (logp - behaviour)[mask].abs().max() > 1e-4  # a step of training separates the two policies
-    A = b["advantages"][:, None]
-    assert A.abs().sum() > 0
-    r = torch.exp(logp - behaviour)
-    per_token = -torch.minimum(r * A, r.clamp(0.8, 1.2) * A)
-    hand = float(per_token[mask].sum() / mask.sum())
-    row = t.train_step()
+    policy of version 1. Computed here by hand from a plain forward and the log-probs the sampler recorded:
+    behaviour (TRL's AsyncGRPO): token_mean(-min(r A, clip(r, 1-eps, 1+eps) A)), r = exp(logp - behaviour);
+    decoupled (AReaL): token_mean(-w A), w = exp(logp - behaviour), 0 where w > behav_imp_weight_cap."""
+
+    def by_hand(t):
+        (item,) = t._buffer.items
+        assert (item.step, item.version) == (1, 0)
+        b = item.batch["batch"]
+        model = t.pipeline.unwrapped_model
+        with torch.no_grad():
+            logits = model(input_ids=b["input_ids"], attention_mask=b["attention_mask"],
+                           position_ids=position_ids_from_mask(b["attention_mask"])).logits[:, :-1].float()
+        labels = b["labels"][:, 1:]
+        mask = labels.ne(-100)
+        logp = torch.log_softmax(logits / t.cfg.temperature, -1).gather(-1, labels.clamp(min=0)[..., None])[..., 0]
+        behaviour = b["old_logprobs"]  # what the sampler recorded for its tokens, carried with the batch
+        assert (logp - behaviour)[mask].abs().max() > 1e-4  # a step of training separates the two policies
+        A = b["advantages"][:, None]
+        assert A.abs().sum() > 0
+        r = torch.exp(logp - behaviour)
+        if correction == "behaviour":
+            per_token = -torch.minimum(r * A, r.clamp(0.8, 1.2) * A)
+        else:
+            per_token = -torch.where(r > 1.02, 0.0, r) * A
+        return float(per_token[mask].sum() / mask.sum()), float((logp - behaviour)[mask].abs().max())
+
+    seen = _before_step(monkeypatch, 1, by_hand)
+    _grpo(tmp_path / "k1", model=tiny_llama, max_steps=2, max_staleness=1, epsilon=0.2, epsilon_high=0.2,
+          off_policy_correction=correction, behav_imp_weight_cap=1.02).train()
+    (hand, diff), row = seen["look"], seen["row"]
     assert row["step"] == 2 and row["async/staleness"] == 1 and row["async/policy_version"] == 0
     assert row["loss"] == pytest.approx(hand, abs=1e-5)
+    assert row["sampling/sampling_logp_difference/max"] == pytest.approx(diff, abs=1e-5)
 
 
-def test_a_batch_k_plus_1_versions_old_is_dropped_and_counted_never_trained_on(tmp_path, tiny_llama):
+def test_a_batch_k_plus_1_versions_old_is_dropped_and_counted_never_trained_on(tmp_path, tiny_llama, monkeypatch):
     """At step 2 of max_staleness=1 the buffered batch is replaced by one tagged version 0 = t - k - 1 whose
     advantages are NaN: trained on, the loss would be NaN. It is dropped (its 8 samples counted) and the
     step trains on a batch the current policy samples."""
-    t = _grpo(tmp_path / "drop", model=tiny_llama, max_steps=2, max_staleness=1)
-    t.train()
-    (item,) = t._buffer.items
-    assert item.step == 2 and item.version == 1
-    poisoned = {**item.batch, "batch": {**item.batch["batch"],
-                                        "advantages": torch.full_like(item.batch["batch"]["advantages"], float("nan"))}}
-    t._buffer.items[0] = Tagged(2, 0, poisoned, samples=8)
-    row = t.train_step()
+
+    def poison(t):
+        (item,) = t._buffer.items
+        assert item.step == 2 and item.version == 1
+        poisoned = {**item.batch, "batch": {**item.batch["batch"], "advantages":
+                                            torch.full_like(item.batch["batch"]["advantages"], float("nan"))}}
+        t._buffer.items[0] = Tagged(2, 0, poisoned, samples=8)
+
+    seen = _before_step(monkeypatch, 2, poison)
+    _grpo(tmp_path / "drop", model=tiny_llama, max_steps=3, max_staleness=1).train()
+    row = seen["row"]
     assert row["async/dropped_samples"] == 8 and row["async/dropped_batches"] == 1
     assert row["async/policy_version"] == 2 and row["async/staleness"] == 0
     assert torch.isfinite(torch.tensor(row["loss"]))
+
+
+def test_nothing_is_sampled_past_the_runs_last_step(tmp_path, tiny_llama, monkeypatch):
+    """max_staleness=2, 3 steps: the batches of steps 0..2 are sampled, never those of steps 3 and 4."""
+    sampled, batch = [], GRPOTrainer._generation_batch
+    monkeypatch.setattr(GRPOTrainer, "_generation_batch",
+                        lambda self, index, rollout=None: sampled.append(index) or batch(self, index, rollout))
+    _grpo(tmp_path / "end", model=tiny_llama, max_steps=3, max_staleness=2).train()
+    assert sampled == [0, 1, 2]
+
+
+def test_rollout_processes_with_vllm_are_refused_naming_the_server_path(tiny_llama):
+    with pytest.raises(ConfigError, match="rl vllm-serve.*vllm_mode=server max_staleness=1 rollout_processes=0"):
+        build(GRPOConfig, dict(model_name=tiny_llama, per_device_train_batch_size=8, num_generations=4,
+                               max_completion_length=4, max_length=16, use_vllm=True, rollout_processes=1))
 
 
 # ------------------------------------------------------------------ resume

@@ -54,7 +54,9 @@ def test_config_errors():
     for bad, match in (({"beta": 0}, "beta"), ({"loss_type": "orpo"}, "loss_type"),
                        ({"temperature": 0}, "temperature"), ({"label_smoothing": 0.1, "loss_type": "ipo"},
                                                                "label_smoothing"),
-                       ({"max_length": 8, "max_completion_length": 8}, "max_length")):
+                       ({"max_length": 8, "max_completion_length": 8}, "max_length"),
+                       ({"max_staleness": 1}, "max_staleness.*asynchronous rollouts are GRPO's"),
+                       ({"rollout_processes": 1}, "rollout_processes.*set rollout_processes=0")):
         with pytest.raises(ConfigError, match=match):
             build(OnlineDPOConfig, {**base, **bad})
 
