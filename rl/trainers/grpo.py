@@ -72,8 +72,9 @@ from rl.rollout.prompts import encode_prompt, step_prompts
 from rl.trainers.grpo_batch import (  # grpo_loss_fn: importable from here, as before
     grpo_loss_fn,
     length_grouped_slices,
+    fold_micro_metrics,
     log_completions,
-    loss_params,
+    micro_loss_kwargs,
     pick_groups,
     picked_rows,
     reward_metrics,
@@ -360,33 +361,23 @@ class GRPOTrainer(AsyncRollouts, OnlineTrainer):
         extremes: dict[str, float] = {}
         for s in micro:
             mb, (a, _) = take_micro_batch(batch, s, with_span=True)
-            kw = dict(advantages=mb["advantages"], old_logprobs=mb.get("old"), ref_logprobs=mb.get("ref"),
-                      temperature=cfg.temperature, num_items=gb["num_items"], **loss_params(cfg),
-                      behaviour_logprobs=mb.get("behaviour"), is_cap=cfg.vllm_importance_sampling_clip_max,
-                      is_mode=cfg.vllm_importance_sampling_mode, is_apply=cfg.vllm_importance_sampling_correction,
-                      is_clip_min=cfg.vllm_importance_sampling_clip_min,
-                      **gb.get("loss_kw", {}))  # a stale batch's off-policy correction (rl.trainers.grpo_async)
+            loss_fn = partial(grpo_loss_fn, **micro_loss_kwargs(cfg, mb, gb))
             if self._share:  # each group's prompt once, its completions attending to it; no padding
                 b = self._shared(mb, P - a)
                 r = pipe.forward_backward(b["input_ids"], None, b["labels"], target_index=b["target_index"],
-                                          loss_fn=partial(grpo_loss_fn, **kw),
+                                          loss_fn=loss_fn,
                                           model_inputs=segments.shared_prefix_inputs(b)).result()
             elif cfg.packing:  # the rows' real tokens packed; positions restart per row, as the sampler counts
                 b = pack_padded(mb["input_ids"], mb["attention_mask"], mb["labels"],
                                 self.tokenizer.pad_token_id or 0)
                 r = pipe.forward_backward(b["input_ids"], None, b["labels"], position_ids=b["position_ids"],
-                                          target_index=b["target_index"], loss_fn=partial(grpo_loss_fn, **kw)
+                                          target_index=b["target_index"], loss_fn=loss_fn
                                           ).result()
             else:  # the sampler's positions: on absolute-position models (GPT-2) left padding shifts them
                 r = pipe.forward_backward(mb["input_ids"], mb["attention_mask"], mb["labels"],
-                                          loss_fn=partial(grpo_loss_fn, **kw),
+                                          loss_fn=loss_fn,
                                           position_ids=position_ids_from_mask(mb["attention_mask"])).result()
-            for key, v in {"loss": r.loss, **r.metrics}.items():
-                if key.endswith(("/max", "/min")):  # extremes over micro-batches, not their mean
-                    pick = max if key.endswith("/max") else min
-                    extremes[key] = pick(extremes.get(key, v), v)
-                else:
-                    sums[key] = sums.get(key, 0.0) + v / len(micro)
+            fold_micro_metrics(sums, extremes, {"loss": r.loss, **r.metrics}, len(micro))
         o = pipe.optim_step(max_grad_norm=cfg.max_grad_norm).result()
         self.async_after_step()  # rollout_processes: the new weights (version pipe.step) to them
         if pipe.step % cfg.num_iterations == 0:

@@ -173,6 +173,27 @@ def loss_params(cfg) -> dict:
                                                 "vespo_lambda_pos", "vespo_k_neg", "vespo_lambda_neg")})
 
 
+def micro_loss_kwargs(cfg, mb: dict, gb: dict) -> dict:
+    """`grpo_loss_fn`'s keywords for micro-batch `mb` of generation batch `gb`: the loss keys, the vLLM
+    mismatch correction's, and a stale batch's off-policy correction (`loss_kw`, rl.trainers.grpo_async)."""
+    return dict(advantages=mb["advantages"], old_logprobs=mb.get("old"), ref_logprobs=mb.get("ref"),
+                temperature=cfg.temperature, num_items=gb["num_items"], **loss_params(cfg),
+                behaviour_logprobs=mb.get("behaviour"), is_cap=cfg.vllm_importance_sampling_clip_max,
+                is_mode=cfg.vllm_importance_sampling_mode, is_apply=cfg.vllm_importance_sampling_correction,
+                is_clip_min=cfg.vllm_importance_sampling_clip_min, **gb.get("loss_kw", {}))
+
+
+def fold_micro_metrics(sums: dict, extremes: dict, metrics: dict, parts: int) -> None:
+    """Add one micro-batch's metrics: `*/max` and `*/min` as extremes over the micro-batches, the rest
+    as their mean over `parts` micro-batches."""
+    for key, v in metrics.items():
+        if key.endswith(("/max", "/min")):
+            pick = max if key.endswith("/max") else min
+            extremes[key] = pick(extremes.get(key, v), v)
+        else:
+            sums[key] = sums.get(key, 0.0) + v / parts
+
+
 def grpo_loss_fn(logits, labels, attention_mask=None, *, advantages, old_logprobs=None, ref_logprobs=None,
                  temperature: float = 1.0, target_index=None, behaviour_logprobs=None, is_cap: float = 3.0,
                  is_mode: str = "token_truncate", is_apply: bool = True, is_clip_min: float | None = None,
