@@ -45,7 +45,7 @@ def test_server_samples_ahead_logs_every_step_saves_and_resumes_at_its_rollout_p
     from rl.rollout.vllm_engine import VLLMRollout
     from rl.trainers.grpo import GRPOTrainer
 
-    _, port, group = server
+    _, port, group, _ = server
     events: list[tuple[str, int]] = []
     request, optim_step, sync = GRPOTrainer._server_request, ForwardBackwardPipeline.optim_step, VLLMRollout.sync
 
@@ -108,7 +108,7 @@ def test_two_training_processes_and_one_server(tmp_path, server):
     mismatch; the run saves."""
     from tests.conftest import accelerate_cmd, run_cmd
 
-    _, port, group = server
+    _, port, group, _ = server
     out = tmp_path / "m2"
     run_cmd(accelerate_cmd("launch/grpo.py", "--config", "recipes/tiny/grpo.yaml", f"output_dir={out}",
                            "model_name=tiny:llama-hd64", "use_vllm=true", "vllm_mode=server", f"vllm_server_port={port}",
