@@ -7,10 +7,26 @@ when it is used). The table below is the whole public surface; it follows the re
 from __future__ import annotations
 
 import importlib
+import logging
 
 from rl.trainers.registry import exports as _trainer_exports
 
 __version__ = "0.1.0"
+
+
+class _NoKernelsHubLine(logging.Filter):
+    """bitsandbytes 0.50 tries a hub kernel at import on CPUs with AVX-512 bf16 (kernels-community's optional
+    4-bit inference speed-up; it falls back to its own kernel) and logs two lines, "Skipping publisher trust
+    check for 'kernels-community/...'" and "Failed to load CPU gemm_4bit_forward from kernels-community ...
+    pip install kernels". We never download it, so the lines are noise in every run; peft imports bitsandbytes
+    at its own import, hence the filters are in place from `import rl` on."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return "kernels-community" not in record.getMessage()
+
+
+for _name in ("bitsandbytes.backends.cpu.ops", "kernels._internals.hf_hub"):
+    logging.getLogger(_name).addFilter(_NoKernelsHubLine())
 
 _EXPORTS = {
     # engine and client

@@ -13,7 +13,6 @@ step (the pipeline steps it itself, not through accelerate's wrapper).
 from __future__ import annotations
 
 import ast
-import logging
 import math
 
 import torch
@@ -23,22 +22,9 @@ from rl.errors import ConfigError, first_line
 BNB_OPTIMS = ("adamw_8bit", "paged_adamw_8bit", "paged_adamw_32bit")
 
 
-class _NoKernelsHubLine(logging.Filter):
-    """bitsandbytes 0.50 logs "Failed to load CPU gemm_4bit_forward from kernels-community ... pip install
-    kernels" at import on CPUs with AVX-512 bf16: its hub kernel is an optional speed-up of 4-bit inference
-    (it falls back to its own kernel), and we never download it, so the line is noise in every run."""
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        return "kernels-community" not in record.getMessage()
-
-
 def import_bitsandbytes():
-    """`import bitsandbytes` without its kernels-community line (the logger exists before the module does,
-    so the filter is in place for the import itself). Every import of bitsandbytes of ours goes through here
-    (the 8-bit optimizers, 4-bit/8-bit model loading)."""
-    log = logging.getLogger("bitsandbytes.backends.cpu.ops")
-    if not any(isinstance(f, _NoKernelsHubLine) for f in log.filters):
-        log.addFilter(_NoKernelsHubLine())
+    """`import bitsandbytes` (every import of it of ours goes through here: the 8-bit optimizers, 4-bit/8-bit
+    model loading); its kernels-community lines are filtered from `import rl` on (rl/__init__.py)."""
     import bitsandbytes
 
     return bitsandbytes

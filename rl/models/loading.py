@@ -22,7 +22,6 @@ import torch
 from safetensors import safe_open
 
 from rl.config.vocabulary import note_ignored
-from rl.engine.optim import import_bitsandbytes
 from rl.errors import ConfigError, disk_full, first_line
 from rl.models.saving import adapter_base
 from rl.models.sources import resolve_model_path
@@ -192,8 +191,6 @@ def load_causal_lm(name: str, dtype: str | torch.dtype | None = "auto", trust_re
         kwargs["revision"] = revision
     if quantization in ("4bit", "8bit"):
         from transformers import BitsAndBytesConfig
-
-        import_bitsandbytes()  # before transformers imports it: without its kernels-community line
 
         o = {"quant_type": "nf4", "nested": True, "storage": None, **(bnb or {})}
         kwargs["quantization_config"] = (
