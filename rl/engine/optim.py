@@ -13,6 +13,7 @@ step (the pipeline steps it itself, not through accelerate's wrapper).
 from __future__ import annotations
 
 import ast
+import importlib
 import math
 
 import torch
@@ -22,20 +23,12 @@ from rl.errors import ConfigError, first_line
 BNB_OPTIMS = ("adamw_8bit", "paged_adamw_8bit", "paged_adamw_32bit")
 
 
-def import_bitsandbytes():
-    """`import bitsandbytes` (every import of it of ours goes through here: the 8-bit optimizers, 4-bit/8-bit
-    model loading); its kernels-community lines are filtered from `import rl` on (rl/__init__.py)."""
-    import bitsandbytes
-
-    return bitsandbytes
-
-
 def bitsandbytes_problem(key: str, value, instead: str) -> str | None:
     """Why bitsandbytes, which `key`=`value` needs, cannot be used here (not installed, or its native
     library does not load), or None: checked before the run starts (the launch scripts' preflight), not at
     the first optimizer step."""
     try:
-        import_bitsandbytes()
+        importlib.import_module("bitsandbytes")  # its kernels-community lines are filtered by rl/__init__.py
     except Exception as e:  # noqa: BLE001 - ImportError, OSError of its native library, RuntimeError: all one line
         reason = (str(e).strip().splitlines() or [""])[0][:160]
         return (f"key '{key}': {key}={value} needs bitsandbytes, which cannot be loaded here ({type(e).__name__}: "
@@ -86,7 +79,7 @@ def _optimizer(model, learning_rate, weight_decay, optim, betas, eps, extra):
     if optim in ("adamw_torch", "adamw_torch_fused"):
         return torch.optim.AdamW(groups, fused=True if optim.endswith("fused") else None, **adam)
     if optim in BNB_OPTIMS:
-        bnb = import_bitsandbytes()  # its 8-bit and paged optimizers run on the CPU too
+        import bitsandbytes as bnb  # its 8-bit and paged optimizers run on the CPU too
 
         cls = {"adamw_8bit": bnb.optim.AdamW8bit, "paged_adamw_8bit": bnb.optim.PagedAdamW8bit,
                "paged_adamw_32bit": bnb.optim.PagedAdamW32bit}[optim]

@@ -203,7 +203,6 @@ def test_model_loading_keys_reach_from_pretrained(monkeypatch):
         raise Stop
 
     monkeypatch.setattr(transformers.AutoModelForCausalLM, "from_pretrained", fake)
-    monkeypatch.setattr(loading, "import_bitsandbytes", lambda: None)
     cfg = build(SFTConfig, {"model_name": "org/model", "model_revision": "v2", "model_init_kwargs": {"use_cache": False,
                             "dtype": "float16"}, "load_in_4bit": True, "use_peft": True, "bnb_4bit_quant_type": "fp4",
                             "use_bnb_nested_quant": True, "attn_implementation": "eager"})
