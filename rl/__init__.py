@@ -27,6 +27,7 @@ class _NoKernelsHubLine(logging.Filter):
 
 for _name in ("bitsandbytes.backends.cpu.ops", "kernels._internals.hf_hub"):
     logging.getLogger(_name).addFilter(_NoKernelsHubLine())
+del _name
 
 _EXPORTS = {
     # engine and client
