@@ -1,5 +1,9 @@
 """rl.engine.fused_head: the one-pass LM head + NLL against the plain F.cross_entropy(hidden @ W.T, targets)."""
 
+import copy
+from functools import partial
+
+import pytest
 import torch
 import torch.nn.functional as F
 
@@ -123,3 +127,56 @@ def test_head_nll_declines_heads_it_cannot_fuse():
     assert head_nll(HeadLogits(hidden, head, 4, ops=(torch.tanh,)), torch.zeros(1, 3, dtype=torch.long)) is None
     wrapped = torch.nn.Sequential(head)
     assert head_nll(HeadLogits(hidden, wrapped, 4), torch.zeros(1, 3, dtype=torch.long)) is None
+
+
+@pytest.mark.parametrize("family,tied,lora", [("llama", True, False), ("llama", False, False), ("qwen2", True, False),
+                                              ("llama", True, True), ("gemma2", True, False)])
+@pytest.mark.parametrize("packed", [False, True])
+def test_sft_loss_through_the_engine_equals_the_full_logits(family, tied, lora, packed):
+    """SFT's loss with the head deferred (fused for a plain linear head; the chunked path for a LoRA or
+    soft-capped head) against `logprob_chunk_size=0` (full logits): loss, nll, accuracy, every gradient."""
+    from rl.engine.packing import pack_examples
+    from rl.engine.pipeline import ForwardBackwardPipeline
+    from rl.trainers.sft import sum_normalised_nll
+    from tests.unit.engine.test_chunked import _batch, _model
+
+    base = _model(family, lora, tie_word_embeddings=tied)
+    ids, mask, labels, _ = _batch(B=3, T=11)
+    kw = {}
+    if packed:
+        rows = [{"input_ids": ids[i][mask[i] == 1].tolist(), "labels": labels[i][mask[i] == 1].tolist()}
+                for i in range(3)]
+        b = pack_examples(rows)
+        ids, mask, labels, kw = b["input_ids"], None, b["labels"], {"position_ids": b["position_ids"]}
+    results = {}
+    for chunk, defer in ((0, False), (None, True)):
+        pipe = ForwardBackwardPipeline(copy.deepcopy(base), device="cpu", logprob_chunk_size=chunk)
+        r = pipe.forward_backward(ids, mask, labels, loss_fn=partial(sum_normalised_nll, scale=0.1),
+                                  defer_head=defer, **kw).result()
+        grads = {n: p.grad.clone() for n, p in pipe.unwrapped_model.named_parameters() if p.requires_grad}
+        results[defer] = (r, grads)
+    (full, full_g), (fused, fused_g) = results[False], results[True]
+    assert fused.loss == pytest.approx(full.loss, rel=1e-5) and full.loss != 0
+    assert fused.metrics["nll"] == pytest.approx(full.metrics["nll"], rel=1e-5)
+    assert fused.metrics["correct"] == full.metrics["correct"] and fused.num_tokens == full.num_tokens
+    assert full_g.keys() == fused_g.keys()
+    for n, g in full_g.items():
+        torch.testing.assert_close(fused_g[n], g, atol=1e-5, rtol=1e-5, msg=n)
+
+
+def test_defer_head_takes_the_fused_path_and_respects_never_chunk(monkeypatch):
+    from rl.engine import fused_head
+    from rl.engine.pipeline import ForwardBackwardPipeline
+    from rl.trainers import sft
+    from tests.unit.engine.test_chunked import _batch, _model
+
+    calls = []
+    real = fused_head.linear_nll
+    monkeypatch.setattr(fused_head, "linear_nll", lambda *a, **k: calls.append(1) or real(*a, **k))
+    ids, mask, labels, _ = _batch()
+    for chunk, expected in ((None, 1), (0, 0)):
+        calls.clear()
+        pipe = ForwardBackwardPipeline(_model("llama"), device="cpu", logprob_chunk_size=chunk)
+        pipe.forward_backward(ids, mask, labels, loss_fn=partial(sft.sum_normalised_nll, scale=1.0),
+                              defer_head=True).result()
+        assert len(calls) == expected
