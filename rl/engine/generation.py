@@ -57,7 +57,7 @@ from dataclasses import dataclass, field
 import torch
 
 from rl.engine.dist import is_zero3, unwrap_module
-from rl.engine.fast_decode import PREPACK_MIN_NEW_TOKENS, prepacked_linears
+from rl.engine.fast_decode import PREPACK_MIN_NEW_TOKENS, preallocated_dynamic_cache, prepacked_linears
 from rl.engine.lora import lora_merged
 from rl.engine.losses import IGNORE_INDEX
 from rl.engine.packing import left_pad, position_ids_from_mask
@@ -362,11 +362,11 @@ def _decode(lm, ids, pmask, prompts, max_new_tokens, temperature, top_k, top_p, 
 
 
 def _make_cache(lm, kind, batch, total):
-    from transformers import DynamicCache, StaticCache
+    from transformers import StaticCache
 
     if kind == "static":
         return StaticCache(config=lm.config, max_cache_len=total)
-    return DynamicCache(config=lm.config)
+    return preallocated_dynamic_cache(lm.config, total)
 
 
 def _check_stop_strings(tok, out_tok, out_mask, t, finished, stop_strings, max_stop, reasons):
