@@ -45,7 +45,7 @@ class _LinearNLL(torch.autograd.Function):
         nll = torch.zeros((), dtype=acc, device=hidden.device)
         correct = torch.zeros((), dtype=torch.int64, device=hidden.device)
         grad_h = torch.empty_like(hidden) if need_h else None
-        grad_w = torch.zeros(weight.shape, dtype=acc, device=weight.device) if need_w else None
+        grad_w = None  # the first chunk's product, then accumulated into (no zero-filled (V, H) first)
         grad_b = torch.zeros(bias.shape, dtype=acc, device=bias.device) if need_b else None
         with torch.autocast(hidden.device.type, enabled=False):  # the dtypes are chosen here, explicitly
             for s in range(0, N, rows):
@@ -67,12 +67,16 @@ class _LinearNLL(torch.autograd.Function):
                 g = g.to(dtype)
                 if need_h:
                     grad_h[s:s + rows] = (g @ w).to(hidden.dtype)
-                if need_w and dtype == acc:
+                if need_w and grad_w is None:
+                    grad_w = (g.t() @ h).to(acc)
+                elif need_w and dtype == acc:
                     grad_w.addmm_(g.t(), h)
                 elif need_w:
                     grad_w.add_((g.t() @ h).to(acc))
                 if need_b:
                     grad_b.add_(g.to(acc).sum(0))
+        if need_w and grad_w is None:  # no position at all
+            grad_w = torch.zeros(weight.shape, dtype=acc, device=weight.device)
         ctx.save_for_backward(*(t for t in (grad_h, grad_w, grad_b) if t is not None))
         ctx.have = (need_h, need_w, need_b)
         ctx.dtypes = (weight.dtype, bias.dtype if bias is not None else None)
@@ -118,8 +122,9 @@ def linear_nll(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor
 
 def plain_head(head) -> bool:
     """Whether `head` is a plain `nn.Linear` (its weight and bias are all there is to it), i.e. one the
-    fused pass can stand in for; a LoRA-wrapped or quantised head is not."""
-    return type(head) is torch.nn.Linear
+    fused pass can stand in for; a LoRA-wrapped or quantised head is not, nor one whose weight ZeRO-3
+    partitions (gathered only inside the module's own call)."""
+    return type(head) is torch.nn.Linear and getattr(head.weight, "ds_id", None) is None
 
 
 def head_nll(logits, labels: torch.Tensor, rows: int = DEFAULT_ROWS):

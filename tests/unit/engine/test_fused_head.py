@@ -180,3 +180,12 @@ def test_defer_head_takes_the_fused_path_and_respects_never_chunk(monkeypatch):
         pipe.forward_backward(ids, mask, labels, loss_fn=partial(sft.sum_normalised_nll, scale=1.0),
                               defer_head=True).result()
         assert len(calls) == expected
+
+
+def test_no_counted_position_gives_zero_gradients():
+    hidden = torch.randn(4, 8, requires_grad=True)
+    weight = torch.randn(20, 8, requires_grad=True)
+    nll, correct = linear_nll(hidden, weight, torch.full((4,), -100))
+    nll.backward()
+    assert float(nll.detach()) == 0.0 and int(correct) == 0
+    assert torch.count_nonzero(hidden.grad) == 0 and torch.count_nonzero(weight.grad) == 0
