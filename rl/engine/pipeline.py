@@ -185,15 +185,12 @@ class ForwardBackwardPipeline(RequestQueue):
         `position_ids=` (a keyword) goes to the model; with it and no `attention_mask` the row is a
         packed one (`rl.engine.packing.pack_examples`) and the model gets no mask either.
         `model_inputs`: more keyword tensors for the model's forward (`rl.engine.segments`' boundaries).
-        `defer_head`: the loss gets a `rl.engine.chunked.HeadLogits` at every size unless
-        `logprob_chunk_size` is 0 (for a loss that computes from it without the full logits, e.g.
-        `rl.engine.fused_head.head_nll`).
+        `defer_head`: the loss gets a `HeadLogits` at any size unless `logprob_chunk_size` is 0 (`rl.engine.fused_head`).
         """
         return self.submit(self._forward_backward, input_ids, attention_mask, labels, loss_fn, loss_kwargs,
                            model_inputs or {}, defer_head)
 
-    def _forward_backward(self, input_ids, attention_mask, labels, loss_fn, loss_kwargs, model_inputs,
-                          defer_head=False):
+    def _forward_backward(self, input_ids, attention_mask, labels, loss_fn, loss_kwargs, model_inputs, defer_head):
         if isinstance(loss_fn, str) and loss_fn not in self.loss_fns:
             raise KeyError(f"unknown loss_fn {loss_fn!r}; built-in: {', '.join(self.loss_fns)}")
         fn = self.loss_fns[loss_fn] if isinstance(loss_fn, str) else loss_fn
@@ -228,13 +225,12 @@ class ForwardBackwardPipeline(RequestQueue):
         The loss may also be returned as `(loss, metrics)`. The next `optim_step` applies it
         like any other micro-batch (the reference made it a no-op). `model_inputs`: more keyword
         tensors for the model's forward; with `position_ids` among them and no `attention_mask` the
-        rows are packed ones (`rl.engine.packing`) and the model gets no mask, as in `forward_backward`.
-        `defer_head`: as in `forward_backward`."""
+        rows are packed ones (`rl.engine.packing`) and the model gets no mask, as in `forward_backward`
+        (`defer_head` too)."""
         return self.submit(self._forward_backward_custom, custom_loss_fn, input_ids, attention_mask,
                            model_inputs or {}, kwargs, defer_head)
 
-    def _forward_backward_custom(self, custom_loss_fn, input_ids, attention_mask, model_inputs, kwargs,
-                                 defer_head=False):
+    def _forward_backward_custom(self, custom_loss_fn, input_ids, attention_mask, model_inputs, kwargs, defer_head):
         self._check_accumulation_room()
         input_ids = self._to_device(input_ids)
         packed = attention_mask is None and model_inputs.get("position_ids") is not None
@@ -257,8 +253,7 @@ class ForwardBackwardPipeline(RequestQueue):
     def head_capture(self, input_ids: torch.Tensor, always: bool = False):
         """The context of a forward of this model: the LM head deferred to the loss, chunk by chunk
         (`rl.engine.chunked.capture_head`), when `logprob_chunk_size` is set or the logits would be large
-        (or, with `always`, whatever their size unless `logprob_chunk_size` is 0).
-        The engine's training forwards use it; a trainer's own scoring forward may too."""
+        (`always`: at any size unless it is 0). The engine's training forwards use it; a trainer's own may too."""
         return auto_capture_head(self.model, input_ids, self.logprob_chunk_size, always=always)
 
     def _check_accumulation_room(self) -> None:
