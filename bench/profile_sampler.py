@@ -18,7 +18,8 @@ runs them synchronously) with hooks installed by this script only:
 FLOP per token: 2 x (the linear weights' elements, the head included) + attention's 4 x layers x heads x
 head_dim x (mean cache length); the fraction of peak divides that rate by the machine's measured fp32 matmul
 rate (a 2048^3 product, `--threads` threads). `--cache hf` runs HF's concatenating DynamicCache instead of
-ours (the before figure). Results: printed, and written to `--out-json` (default
+ours; `--malloc default` leaves glibc's malloc untuned (`--cache hf --malloc default` is the sampler before
+issue 50). Results: printed, and written to `--out-json` (default
 bench/results/profile_sampler.json).
 """
 
@@ -75,6 +76,8 @@ def main() -> None:
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--repeats", type=int, default=1, help="timed calls per setting after one warm-up (the best counts)")
     p.add_argument("--cache", choices=["ours", "hf"], default="ours")
+    p.add_argument("--malloc", choices=["kept", "default"], default="kept",
+                   help="default: glibc's malloc untuned (without rl.engine.host_memory)")
     p.add_argument("--out-json", default=str(ROOT / "bench/results/profile_sampler.json"))
     args = p.parse_args()
 
@@ -113,6 +116,8 @@ def main() -> None:
         if c is not None and getattr(c, "_attn_implementation", None) == "sdpa":
             c._attn_implementation = "timed_sdpa"
     gen.sample_tokens = clock.wrap("sampling", gen.sample_tokens)
+    if args.malloc == "default":
+        gen.keep_freed_memory = lambda: False
     if args.cache == "hf":
         from transformers import DynamicCache
 
@@ -135,6 +140,7 @@ def main() -> None:
     params = sum(m.weight.numel() for m in model.modules() if isinstance(m, torch.nn.Linear))
     heads, hd = cfg.num_attention_heads, getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
     out = {"date": time.strftime("%Y-%m-%d %H:%M"), "model": args.model, "threads": args.threads, "cache": args.cache,
+           "malloc": args.malloc,
            "matmul_peak_gflops": round(peak / 1e9, 1), "linear_params": params, "runs": []}
     for rows in args.rows:
         prompts = prompts_for(rows // GROUP)
