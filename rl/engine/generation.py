@@ -57,7 +57,8 @@ from dataclasses import dataclass, field
 import torch
 
 from rl.engine.dist import is_zero3, unwrap_module
-from rl.engine.fast_decode import PREPACK_MIN_NEW_TOKENS, prepacked_linears
+from rl.engine.fast_decode import PREPACK_MIN_NEW_TOKENS, preallocated_dynamic_cache, prepacked_linears
+from rl.engine.host_memory import keep_freed_memory
 from rl.engine.lora import lora_merged
 from rl.engine.losses import IGNORE_INDEX
 from rl.engine.packing import left_pad, position_ids_from_mask
@@ -254,6 +255,8 @@ def generate(model, tokenizer_or_pad_id, prompts, max_new_tokens: int = 64, temp
         was_training = lm.training
         lm.eval()
         fast = device.type == "cpu" and max_new_tokens >= PREPACK_MIN_NEW_TOKENS
+        if device.type == "cpu":  # the (rows, V) logits and the sampler's temporaries: rl.engine.host_memory
+            keep_freed_memory()
         try:
             with prepacked_linears(lm, len(prompts)) if fast else nullcontext():
                 tokens, logps, gmask, reasons = _decode(lm, ids, pmask, prompts, max_new_tokens, temperature,
@@ -362,11 +365,11 @@ def _decode(lm, ids, pmask, prompts, max_new_tokens, temperature, top_k, top_p, 
 
 
 def _make_cache(lm, kind, batch, total):
-    from transformers import DynamicCache, StaticCache
+    from transformers import StaticCache
 
     if kind == "static":
         return StaticCache(config=lm.config, max_cache_len=total)
-    return DynamicCache(config=lm.config)
+    return preallocated_dynamic_cache(lm.config, total)
 
 
 def _check_stop_strings(tok, out_tok, out_mask, t, finished, stop_strings, max_stop, reasons):

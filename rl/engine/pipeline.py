@@ -176,7 +176,7 @@ class ForwardBackwardPipeline(RequestQueue):
     # ------------------------------------------------------------------ requests
     def forward_backward(self, input_ids, attention_mask=None, labels=None,
                          loss_fn: str | Callable = "cross_entropy", *, model_inputs: dict | None = None,
-                         **loss_kwargs) -> Future:
+                         defer_head: bool = False, **loss_kwargs) -> Future:
         """Forward + loss + backward on one micro-batch; returns Future[ForwardBackwardResult].
 
         `loss_fn` names a built-in loss (see `rl.engine.losses.LOSS_FNS`) or is a callable
@@ -185,11 +185,12 @@ class ForwardBackwardPipeline(RequestQueue):
         `position_ids=` (a keyword) goes to the model; with it and no `attention_mask` the row is a
         packed one (`rl.engine.packing.pack_examples`) and the model gets no mask either.
         `model_inputs`: more keyword tensors for the model's forward (`rl.engine.segments`' boundaries).
+        `defer_head`: the loss gets a `HeadLogits` at any size unless `logprob_chunk_size` is 0 (`rl.engine.fused_head`).
         """
         return self.submit(self._forward_backward, input_ids, attention_mask, labels, loss_fn, loss_kwargs,
-                           model_inputs or {})
+                           model_inputs or {}, defer_head)
 
-    def _forward_backward(self, input_ids, attention_mask, labels, loss_fn, loss_kwargs, model_inputs):
+    def _forward_backward(self, input_ids, attention_mask, labels, loss_fn, loss_kwargs, model_inputs, defer_head):
         if isinstance(loss_fn, str) and loss_fn not in self.loss_fns:
             raise KeyError(f"unknown loss_fn {loss_fn!r}; built-in: {', '.join(self.loss_fns)}")
         fn = self.loss_fns[loss_fn] if isinstance(loss_fn, str) else loss_fn
@@ -208,7 +209,7 @@ class ForwardBackwardPipeline(RequestQueue):
         labels = self._to_device(labels) if labels is not None else input_ids.masked_fill(attention_mask == 0, -100)
         kwargs = {k: self._to_device(v) if torch.is_tensor(v) else v for k, v in loss_kwargs.items()}
         self.model.train()
-        with self.head_capture(input_ids):
+        with self.head_capture(input_ids, always=defer_head):
             outputs = self.model(input_ids=input_ids, attention_mask=None if packed else attention_mask,
                                  use_cache=False, **model_kw)
         loss, metrics = fn(outputs.logits, labels, attention_mask, **kwargs)
@@ -218,17 +219,18 @@ class ForwardBackwardPipeline(RequestQueue):
         return ForwardBackwardResult(loss=float(loss.detach()), metrics=_floats(metrics), num_tokens=n)
 
     def forward_backward_custom(self, custom_loss_fn: Callable, input_ids, attention_mask=None,
-                                model_inputs: dict | None = None, **kwargs) -> Future:
+                                model_inputs: dict | None = None, defer_head: bool = False, **kwargs) -> Future:
         """Backward through `custom_loss_fn(model, inputs, outputs, **kwargs) -> scalar loss`.
 
         The loss may also be returned as `(loss, metrics)`. The next `optim_step` applies it
         like any other micro-batch (the reference made it a no-op). `model_inputs`: more keyword
         tensors for the model's forward; with `position_ids` among them and no `attention_mask` the
-        rows are packed ones (`rl.engine.packing`) and the model gets no mask, as in `forward_backward`."""
+        rows are packed ones (`rl.engine.packing`) and the model gets no mask, as in `forward_backward`
+        (`defer_head` too)."""
         return self.submit(self._forward_backward_custom, custom_loss_fn, input_ids, attention_mask,
-                           model_inputs or {}, kwargs)
+                           model_inputs or {}, kwargs, defer_head)
 
-    def _forward_backward_custom(self, custom_loss_fn, input_ids, attention_mask, model_inputs, kwargs):
+    def _forward_backward_custom(self, custom_loss_fn, input_ids, attention_mask, model_inputs, kwargs, defer_head):
         self._check_accumulation_room()
         input_ids = self._to_device(input_ids)
         packed = attention_mask is None and model_inputs.get("position_ids") is not None
@@ -237,7 +239,7 @@ class ForwardBackwardPipeline(RequestQueue):
                   **{k: self._to_device(v) for k, v in model_inputs.items()}}
         self.model.train()
         call = {**inputs, "attention_mask": None} if packed else inputs  # the loss still sees the 1s mask
-        with self.head_capture(input_ids):
+        with self.head_capture(input_ids, always=defer_head):
             outputs = self.model(**call, use_cache=False)
         out = custom_loss_fn(self.model, inputs, outputs, **kwargs)
         loss, metrics = out if isinstance(out, tuple) else (out, {})
@@ -248,11 +250,11 @@ class ForwardBackwardPipeline(RequestQueue):
         return ForwardBackwardResult(loss=float(loss.detach()), metrics=_floats(metrics),
                                      num_tokens=int(attention_mask.sum()))
 
-    def head_capture(self, input_ids: torch.Tensor):
+    def head_capture(self, input_ids: torch.Tensor, always: bool = False):
         """The context of a forward of this model: the LM head deferred to the loss, chunk by chunk
-        (`rl.engine.chunked.capture_head`), when `logprob_chunk_size` is set or the logits would be large.
-        The engine's training forwards use it; a trainer's own scoring forward may too."""
-        return auto_capture_head(self.model, input_ids, self.logprob_chunk_size)
+        (`rl.engine.chunked.capture_head`), when `logprob_chunk_size` is set or the logits would be large
+        (`always`: at any size unless it is 0). The engine's training forwards use it; a trainer's own may too."""
+        return auto_capture_head(self.model, input_ids, self.logprob_chunk_size, always=always)
 
     def _check_accumulation_room(self) -> None:
         if self.micro_step >= self.gradient_accumulation_steps:

@@ -51,20 +51,27 @@ def _segment_attention(module, query, key, value, attention_mask, dropout: float
         raise ValueError(f"rl_segments attention: cu_seq_lens ends at {bounds[-1]}, the rows hold {R} x {W} positions")
     prefix = prefix_of.tolist() if prefix_of is not None else [-1] * (len(bounds) - 1)
 
-    def span(i):  # segment i as (row, start, end) within its row: a segment never crosses a row
-        r, a = divmod(bounds[i], W)
-        return r, a, a + bounds[i + 1] - bounds[i]
+    rows = [divmod(bounds[i], W)[0] for i in range(len(bounds) - 1)]  # a segment never crosses a row
+    sizes = [[] for _ in range(R)]
+    for i, r in enumerate(rows):
+        sizes[r].append(bounds[i + 1] - bounds[i])
 
+    # q/k/v cut into the segments with unbind + split rather than one slice per segment: in backward a
+    # slice's gradient is a zero tensor of the whole input with the slice copied in, one per segment and
+    # per q/k/v in every layer; split's gradient is one concatenation
+    def pieces(x):
+        return [p[None] for row, n in zip(x.unbind(0), sizes) for p in row.split(n, dim=1)]
+
+    qs, ks, vs = pieces(query), pieces(key), pieces(value)
     outs = []
     for i in range(len(bounds) - 1):
-        r, a, b = span(i)
-        q, k, v = query[r:r + 1, :, a:b], key[r:r + 1, :, a:b], value[r:r + 1, :, a:b]
+        q, k, v = qs[i], ks[i], vs[i]
         mask = None
         if prefix[i] >= 0:  # the prefix's keys first, all visible; then this segment's own, causally
-            pr, pa, pb = span(prefix[i])
-            k = torch.cat([key[pr:pr + 1, :, pa:pb], k], dim=2)
-            v = torch.cat([value[pr:pr + 1, :, pa:pb], v], dim=2)
-            mask = torch.ones(b - a, pb - pa + b - a, dtype=torch.bool, device=query.device).tril(pb - pa)[None, None]
+            n, m = q.shape[2], ks[prefix[i]].shape[2]
+            k = torch.cat([ks[prefix[i]], k], dim=2)
+            v = torch.cat([vs[prefix[i]], v], dim=2)
+            mask = torch.ones(n, m + n, dtype=torch.bool, device=query.device).tril(m)[None, None]
         out, _ = sdpa_attention_forward(module, q, k, v, mask, dropout=dropout, scaling=scaling,
                                         is_causal=mask is None, **kwargs)
         outs.append(out)  # (1, n, H, D)

@@ -23,6 +23,8 @@ from rl.config.plan import epoch_plan
 from rl.config.schema import TrainConfig
 from rl.data.sft import collate, counted_tokens
 from rl.engine import losses, segments
+from rl.engine.chunked import HeadLogits, output_head
+from rl.engine.fused_head import head_nll, plain_head
 from rl.engine.packing import pack_common_prefix, pack_examples
 from rl.trainers.epoch import EpochTrainer, split_even
 
@@ -46,7 +48,16 @@ class SFTConfig(TrainConfig):
 
 def sum_normalised_nll(logits, labels, attention_mask, scale: float):
     """Summed NLL times `scale` (= world * accumulation / tokens in the optimizer step), so that the
-    engine's 1/accumulation and DDP's 1/world leave exactly sum / tokens."""
+    engine's 1/accumulation and DDP's 1/world leave exactly sum / tokens.
+
+    With the LM head deferred (`HeadLogits`, SFT's forwards ask for it) and a plain linear head, the
+    head, the NLL and the accuracy are one pass over the counted positions (`rl.engine.fused_head`):
+    the (B, T, V) logits never exist and the head's matmul is not recomputed in backward."""
+    fused = head_nll(logits, labels) if isinstance(logits, HeadLogits) else None
+    if fused is not None:
+        nll_sum, correct = fused
+        n = (labels[:, 1:] != -100).sum().clamp(min=1)
+        return nll_sum * scale, {"nll": nll_sum.detach() / n, "correct": correct}
     logp, mask = losses.token_logprobs(logits, labels)
     nll_sum = -(logp * mask).sum()
     n = mask.sum().clamp(min=1)
@@ -93,6 +104,9 @@ class SFTTrainer(EpochTrainer):
         # for the whole row's (sum of lengths)^2 score matrix under the block-diagonal mask
         self._segments = cfg.packing and segments.enable(self.pipeline.unwrapped_model)
         self._share = self._segments and cfg.share_prompt_forward and segments.prefix_sharing(self.pipeline.unwrapped_model)
+        # the LM head deferred to the loss only where the loss can fuse it (a plain linear head, not one ZeRO-3
+        # partitions): otherwise small logits stay on the plain path, as before
+        self._fuse = plain_head(output_head(self.pipeline.model))
         self.start_epochs(len(train_examples), eval_examples)
         return self.fit(plan["total_steps"], tracker)
 
@@ -113,15 +127,17 @@ class SFTTrainer(EpochTrainer):
                 if self._segments:
                     inputs = segments.shared_prefix_inputs(b) if shared else segments.model_inputs(b["position_ids"])
                     r = pipe.forward_backward_custom(partial(_packed_nll, labels=b["labels"], scale=scale),
-                                                     b["input_ids"], None, model_inputs=inputs).result()
+                                                     b["input_ids"], None, model_inputs=inputs,
+                                                     defer_head=self._fuse).result()
                     r.num_tokens = int(r.metrics.pop("tokens"))
                 else:
                     r = pipe.forward_backward(b["input_ids"], None, b["labels"], position_ids=b["position_ids"],
-                                              loss_fn=partial(sum_normalised_nll, scale=scale)).result()
+                                              loss_fn=partial(sum_normalised_nll, scale=scale),
+                                              defer_head=self._fuse).result()
             else:
                 b = collate(micro, self.tokenizer.pad_token_id)
                 r = pipe.forward_backward(b["input_ids"], b["attention_mask"], b["labels"],
-                                          loss_fn=partial(sum_normalised_nll, scale=scale)).result()
+                                          loss_fn=partial(sum_normalised_nll, scale=scale), defer_head=self._fuse).result()
             nll_sum += r.metrics["nll"] * r.num_tokens
             n_tok += r.num_tokens
             correct += r.metrics["correct"]
