@@ -15,7 +15,7 @@ same 8 rows on every side. Sides:
                            share_prompt_forward's default)
     ours_packing_noshare   the same with share_prompt_forward: false (every row computes its own prefix)
     ours_packing_mask      the same without rl.engine.segments: SDPA under transformers' block-diagonal mask
-    ours_packing_malloc    ours_packing with glibc's malloc untuned (without rl.engine.host_memory)
+    ours_packing_malloc    ours_packing with glibc's malloc tuned as the sampler tunes it (rl.engine.host_memory)
     trl_padded             TRL SFTConfig defaults (padded batches)
     trl_padding_free       TRL SFTConfig(padding_free=True): one row per batch, position_ids, SDPA
                            under the block-diagonal mask (its varlen kernel is flash attention: GPU only)
@@ -85,13 +85,13 @@ def _setup(spec):
 
 
 def side_ours(spec: dict, packing: bool, bf16: bool, segments: bool = True, share: bool = True,
-              keep_memory: bool = True) -> dict:
+              keep_memory: bool = False) -> dict:
     import torch
 
-    if not keep_memory:  # glibc's malloc as it comes (rl.engine.host_memory not applied)
-        import rl.engine.dist
+    if keep_memory:  # the sampler's malloc tuning, which training does not apply (measured: no gain, more memory)
+        from rl.engine.host_memory import keep_freed_memory
 
-        rl.engine.dist.keep_freed_memory = lambda: False
+        keep_freed_memory()
 
     from rl.config.fields import build
     from rl.data.sft import tokenize_examples
@@ -178,7 +178,7 @@ SIDES = {
     "ours_packing": lambda s: side_ours(s, True, False),
     "ours_packing_mask": lambda s: side_ours(s, True, False, segments=False),
     "ours_packing_noshare": lambda s: side_ours(s, True, False, share=False),
-    "ours_packing_malloc": lambda s: side_ours(s, True, False, keep_memory=False),
+    "ours_packing_malloc": lambda s: side_ours(s, True, False, keep_memory=True),
     "trl_padded": lambda s: side_trl(s, False, False),
     "trl_padding_free": lambda s: side_trl(s, True, False),
     "ours_padded_bf16": lambda s: side_ours(s, False, True),

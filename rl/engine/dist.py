@@ -23,7 +23,6 @@ from typing import Any
 
 import torch
 
-from rl.engine.host_memory import keep_freed_memory
 from rl.errors import ConfigError, RunError
 
 # the variables torch.distributed's env:// init reads; `accelerate launch` (torchrun) sets them all
@@ -137,8 +136,6 @@ def build_accelerator(gradient_accumulation_steps: int = 1, device: str | None =
     from accelerate import Accelerator, DeepSpeedPlugin
     from accelerate.utils import InitProcessGroupKwargs
 
-    if device == "cpu" or not torch.cuda.is_available():  # training on the CPU: rl.engine.host_memory
-        keep_freed_memory()
     _drop_inherited_world()
     ds_plugin = None
     env_ds = os.environ.get("ACCELERATE_USE_DEEPSPEED", "false").lower() == "true"

@@ -13,6 +13,11 @@ same reason; this does it without a preloaded library.
 memory kept for reuse (no trimming), and one arena for all threads (so the engine's worker thread reuses
 the main heap). The peak stays the peak of what is alive at once, plus fragmentation; what the process
 holds no longer shrinks after it. Without glibc (macOS, musl) it does nothing.
+
+Applied by the sampler on the CPU (rl.engine.generation), where it pays: its (rows, V) logits and temporaries
+are fresh pages at every token, and the sampling part of a decode step fell from ~400 to ~90 us per token.
+Training alone does not apply it: measured in SFT (within the rounds' spread) and DPO (5.63 vs 5.57 s per step,
+peak 5.0 vs 4.5 GiB), it gave no speed and cost memory. A GRPO process samples, so its training runs tuned too.
 """
 
 from __future__ import annotations
