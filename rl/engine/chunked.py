@@ -34,6 +34,8 @@ import contextlib
 import torch
 from torch.utils.checkpoint import checkpoint
 
+from rl.engine.dist import is_zero3
+
 IGNORE_INDEX = -100
 
 # Chunking starts when the logits would hold more than AUTO_MIN_ELEMENTS values (B*T*V), and then
@@ -176,7 +178,7 @@ class HeadLogits:
             raise ValueError(f"targets {tuple(targets.shape)} do not match the logits' (B, T) "
                              f"{tuple(self.hidden.shape[:2])}")
         outs = []
-        for s in range(0, T, self.chunk_size):
+        for s in self._starts(T):
             h, y = self.hidden[:, s:s + self.chunk_size], targets[:, s:s + self.chunk_size]
             if torch.is_grad_enabled() and h.requires_grad:
                 outs.append(checkpoint(self._chunk, h, y, with_entropy, use_reentrant=False))
@@ -194,7 +196,20 @@ class HeadLogits:
         if dim not in (-1, self.hidden.dim() - 1):
             return self.materialize().argmax(dim)
         return torch.cat([self._logits(self.hidden[:, s:s + self.chunk_size]).argmax(-1)
-                          for s in range(0, self.hidden.shape[1], self.chunk_size)], dim=1)
+                          for s in self._starts(self.hidden.shape[1])], dim=1)
+
+    def _starts(self, T: int) -> range:
+        """The chunks' first positions. Under ZeRO-3 every call of a partitioned head gathers its weight, a
+        collective, here and again when backward recomputes the chunk: all processes must make as many calls,
+        so the number of chunks is the largest over processes and the extra chunks are empty (measured before:
+        GRPO on 2 CPU processes, whose batches hold different lengths, aborted in gloo with "Received data size
+        doesn't match expected size")."""
+        n = -(-T // self.chunk_size)
+        if torch.distributed.is_available() and torch.distributed.is_initialized() and is_zero3(self.head):
+            count = torch.tensor([n], device=self.hidden.device)
+            torch.distributed.all_reduce(count, op=torch.distributed.ReduceOp.MAX)
+            n = int(count)
+        return range(0, n * self.chunk_size, self.chunk_size)
 
     def _chunk(self, hidden: torch.Tensor, targets: torch.Tensor, with_entropy: bool):
         z = self._logits(hidden).float()

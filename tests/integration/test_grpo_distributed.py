@@ -2,7 +2,9 @@
 each rank with gathered parameters, rewards gathered for the advantages, a frozen reference as its own
 ZeRO-3 engine (beta > 0), and the final model saved gathered. DAPO's dynamic sampling and overlong shaping
 ride along: every rank must take the same number of sampling rounds (decided from gathered rewards) or
-the ZeRO-3 generation would hang."""
+the ZeRO-3 generation would hang. The LM head runs in chunks (logprob_chunk_size, automatic with a real
+vocabulary): every rank must call the partitioned head as often, forward and in backward's recomputation,
+whatever its batch's length, or the gathers mismatch (gloo aborted before rl.engine.chunked equalised them)."""
 
 from __future__ import annotations
 
@@ -19,7 +21,7 @@ def test_grpo_two_process_zero3(tmp_path):
     run_cmd(accelerate_cmd("launch/grpo.py", "--config", "recipes/tiny/grpo.yaml", f"output_dir={out}",
                            "max_steps=2", "per_device_train_batch_size=16", "gradient_accumulation_steps=2", "beta=0.04",
                            "eval_num_prompts=8", "eval_steps=0", "dynamic_sampling=true", "max_sampling_rounds=2",
-                           "overlong_buffer=2", zero3=True),
+                           "overlong_buffer=2", "logprob_chunk_size=3", zero3=True),
             timeout=600, env={"RL_NO_PROGRESS": "1"})
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     train = [r for r in rows if "reward" in r]
