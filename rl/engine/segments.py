@@ -62,6 +62,12 @@ def _segment_attention(module, query, key, value, attention_mask, dropout: float
     def pieces(x):
         return [p[None] for row, n in zip(x.unbind(0), sizes) for p in row.split(n, dim=1)]
 
+    # bf16 on a CPU (dtype: bfloat16): the segments' attention in fp32, whose SDPA kernels run short sequences
+    # faster (2026-12-05, 2 cores, 9 query heads over 3, forward + backward: 42 tokens 1.02 ms in bf16 against
+    # 0.45 ms cast to fp32, 121 tokens 2.48 vs 1.50 ms, 404 tokens 11.8 vs 11.4 ms); the output goes back to bf16
+    dtype = query.dtype
+    if query.device.type == "cpu" and dtype == torch.bfloat16:
+        query, key, value = query.float(), key.float(), value.float()
     qs, ks, vs = pieces(query), pieces(key), pieces(value)
     outs = []
     for i in range(len(bounds) - 1):
@@ -75,7 +81,7 @@ def _segment_attention(module, query, key, value, attention_mask, dropout: float
         out, _ = sdpa_attention_forward(module, q, k, v, mask, dropout=dropout, scaling=scaling,
                                         is_causal=mask is None, **kwargs)
         outs.append(out)  # (1, n, H, D)
-    return torch.cat(outs, dim=1).reshape(R, W, H, D), None
+    return torch.cat(outs, dim=1).reshape(R, W, H, D).to(dtype), None
 
 
 def register() -> None:

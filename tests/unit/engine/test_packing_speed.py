@@ -377,3 +377,39 @@ def test_sft_shares_the_common_prompt_prefix_and_equals_padding(tmp_path, tiny_l
             assert b["loss"] == pytest.approx(a["loss"], abs=1e-5)
             assert b["grad_norm"] == pytest.approx(a["grad_norm"], rel=1e-4)
             assert b["mean_token_accuracy"] == pytest.approx(a["mean_token_accuracy"])
+
+
+def test_bf16_segments_attend_in_fp32_and_give_bf16_back():
+    """Under CPU bf16 the packed segments' attention runs in fp32 (faster SDPA kernels on short sequences):
+    the output and the gradients stay bf16, and equal the fp32 attention of the same bf16 inputs rounded to
+    bf16, within bf16 tolerance of attention computed in bf16 throughout."""
+    from types import SimpleNamespace
+
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    torch.manual_seed(0)
+    module = SimpleNamespace(num_key_value_groups=2, is_causal=True, training=False)
+    W, lens = 24, [7, 12, 5]
+    q = torch.randn(1, 4, W, 16).bfloat16().requires_grad_()
+    k = torch.randn(1, 2, W, 16).bfloat16().requires_grad_()
+    v = torch.randn(1, 2, W, 16).bfloat16().requires_grad_()
+    cu = torch.tensor([0, 7, 19, 24])
+    out, _ = segments._segment_attention(module, q, k, v, None, scaling=0.25, cu_seq_lens_q=cu)
+    assert out.dtype == torch.bfloat16 and out.shape == (1, W, 4, 16)
+    out.float().square().sum().backward()
+    assert q.grad.dtype == k.grad.dtype == v.grad.dtype == torch.bfloat16
+
+    def per_segment(q, k, v):
+        outs, s = [], 0
+        for n in lens:
+            o, _ = sdpa_attention_forward(module, q[:, :, s:s + n], k[:, :, s:s + n], v[:, :, s:s + n], None,
+                                          scaling=0.25, is_causal=True)
+            outs.append(o)
+            s += n
+        return torch.cat(outs, dim=1)
+
+    with torch.no_grad():
+        fp32 = per_segment(q.float(), k.float(), v.float())
+        bf16 = per_segment(q, k, v)
+    assert torch.equal(out.detach(), fp32.bfloat16())
+    assert (out.detach().float() - bf16.float()).abs().max() < 0.05
