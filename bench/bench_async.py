@@ -65,7 +65,7 @@ def run_child(a) -> None:
         temperature=1.0, top_k=0, top_p=1.0, advantage_estimator="grpo", loss_aggregation="token_mean",
         epsilon_low=0.2, epsilon_high=0.2, num_iterations=1, beta=0.0, chat_template=True, dtype="float32",
         gradient_checkpointing=False, report_to=["none"], logging_steps=1, eval_steps=0, save_merged=True,
-        overwrite=True, max_staleness=a.k, rollout_processes=a.rollout_processes,
+        overwrite=True, max_staleness=a.k, rollout_processes=a.rollout_processes, rollout_dtype=a.rollout_dtype,
         lora={"enabled": True, "rank": 8, "alpha": 16, "dropout": 0.0, "target_modules": "all-linear"}, **server))
     rows = [{"prompt": p["question"], "answer": p["answer"]} for p in real.problems(real.DATA / "math_train.jsonl")]
     trainer = GRPOTrainer(cfg, reward_funcs=[real.last_number_reward], train_prompts=rows)
@@ -99,7 +99,8 @@ def start_server(a, seed: int, log: Path) -> tuple[subprocess.Popen, int, int]:
 def child(a, out: str, seed: int, k: int, procs: int = 0, vllm: bool = False, save: bool = True) -> dict:
     args = [str(Path(__file__)), "--child", "--model-dir", a.model_dir, "--out", out, f"--seed={seed}", f"--k={k}",
             f"--rollout-processes={procs}", f"--threads={a.threads if not procs else 1}", f"--steps={a.steps}",
-            f"--lr={a.lr}", f"--prompts={a.prompts}", f"--generations={a.generations}", f"--completion={a.completion}"]
+            f"--lr={a.lr}", f"--prompts={a.prompts}", f"--generations={a.generations}", f"--completion={a.completion}",
+            f"--rollout-dtype={a.rollout_dtype}"]
     args += ["--save"] if save else []
     server = None
     if vllm:
@@ -212,6 +213,8 @@ def main():
     p.add_argument("--vllm-ks", default="0,1", help="max_staleness values with the vLLM server")
     p.add_argument("--eval-n", type=int, default=128)
     p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--rollout-dtype", default="float32", choices=["float32", "bfloat16"],
+                   help="our sampler's linears (GRPO's rollout_dtype); bfloat16 needs a CPU with bf16 instructions")
     p.add_argument("--parts", default="learning,vllm", help="learning, vllm, speed (comma-separated)")
     p.add_argument("--vllm-python", default=str(ROOT / ".venv-vllm" / "bin" / "python"),
                    help="the python of the venv that has vLLM (the server runs there)")
@@ -233,6 +236,8 @@ def main():
     out.parent.mkdir(parents=True, exist_ok=True)
     result = json.loads(out.read_text()) if out.exists() else {}
     config = {k: getattr(a, k) for k in ("steps", "prompts", "generations", "completion", "lr", "eval_n", "threads")}
+    if a.rollout_dtype != "float32":  # (float32 runs stored before the key existed stay comparable)
+        config["rollout_dtype"] = a.rollout_dtype
     if result.get("config", config) != config:
         raise SystemExit(f"{out} holds runs of another configuration; pass another --out-json")
     result["config"] = config

@@ -183,6 +183,7 @@ SIDES = {
     "trl_padding_free": lambda s: side_trl(s, True, False),
     "ours_padded_bf16": lambda s: side_ours(s, False, True),
     "ours_packing_bf16": lambda s: side_ours(s, True, True),
+    "ours_packing_bf16_malloc": lambda s: side_ours(s, True, True, keep_memory=True),
     "trl_padded_bf16": lambda s: side_trl(s, False, True),
     "trl_padding_free_bf16": lambda s: side_trl(s, True, True),
 }

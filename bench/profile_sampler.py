@@ -19,7 +19,8 @@ FLOP per token: 2 x (the linear weights' elements, the head included) + attentio
 head_dim x (mean cache length); the fraction of peak divides that rate by the machine's measured fp32 matmul
 rate (a 2048^3 product, `--threads` threads). `--cache hf` runs HF's concatenating DynamicCache instead of
 ours; `--malloc default` leaves glibc's malloc untuned (`--cache hf --malloc default` is the sampler before
-issue 50). Results: printed, and written to `--out-json` (default
+issue 50). `--dtype bfloat16` samples with bf16 linears (`rollout_dtype: bfloat16`) and measures the peak as a
+bf16 2048^3 product. Results: printed, and written to `--out-json` (default
 bench/results/profile_sampler.json).
 """
 
@@ -54,11 +55,11 @@ class Clock:
         return timed
 
 
-def matmul_peak(threads: int) -> float:
+def matmul_peak(threads: int, dtype) -> float:
     import torch
 
     torch.set_num_threads(threads)
-    a, b = torch.randn(2048, 2048), torch.randn(2048, 2048)
+    a, b = torch.randn(2048, 2048, dtype=dtype), torch.randn(2048, 2048, dtype=dtype)
     a @ b
     best = float("inf")
     for _ in range(5):
@@ -78,6 +79,8 @@ def main() -> None:
     p.add_argument("--cache", choices=["ours", "hf"], default="ours")
     p.add_argument("--malloc", choices=["kept", "default"], default="kept",
                    help="default: glibc's malloc untuned (without rl.engine.host_memory)")
+    p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32",
+                   help="the linears' compute dtype while sampling (generate's dtype=, GRPO's rollout_dtype)")
     p.add_argument("--out-json", default=str(ROOT / "bench/results/profile_sampler.json"))
     args = p.parse_args()
 
@@ -92,7 +95,8 @@ def main() -> None:
     from rl.models.sources import resolve_model_path
 
     torch.set_num_threads(args.threads)
-    peak = matmul_peak(args.threads)
+    dtype = getattr(torch, args.dtype)
+    peak = matmul_peak(args.threads, dtype)
     path = resolve_model_path(args.model)
     tok = load_tokenizer(path)
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
@@ -140,21 +144,21 @@ def main() -> None:
     params = sum(m.weight.numel() for m in model.modules() if isinstance(m, torch.nn.Linear))
     heads, hd = cfg.num_attention_heads, getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
     out = {"date": time.strftime("%Y-%m-%d %H:%M"), "model": args.model, "threads": args.threads, "cache": args.cache,
-           "malloc": args.malloc,
+           "malloc": args.malloc, "dtype": args.dtype,
            "matmul_peak_gflops": round(peak / 1e9, 1), "linear_params": params, "runs": []}
     for rows in args.rows:
         prompts = prompts_for(rows // GROUP)
         P = max(len(x) for x in prompts)
         # a short untimed call at this batch size first (oneDNN's kernels for its shapes, the allocator)
         gen.generate(model, tok.pad_token_id, prompts, max_new_tokens=min(8, args.new_tokens), temperature=1.0,
-                     num_samples=GROUP, seed=0)
+                     num_samples=GROUP, seed=0, dtype=dtype)
         best = None
         for r in range(1, args.repeats + 1):
             clock.t.clear()
             load = os.getloadavg()[0]
             t = time.perf_counter()
             gen.generate(model, tok.pad_token_id, prompts, max_new_tokens=args.new_tokens, temperature=1.0,
-                         num_samples=GROUP, seed=0)
+                         num_samples=GROUP, seed=0, dtype=dtype)
             wall = time.perf_counter() - t
             if r and (best is None or wall < best["wall_s"]):
                 best = {"wall_s": wall, "t": dict(clock.t), "load": load}

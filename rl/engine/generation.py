@@ -209,7 +209,7 @@ def generate(model, tokenizer_or_pad_id, prompts, max_new_tokens: int = 64, temp
              top_k: int = 0, top_p: float = 1.0, stop_token_ids=None, stop_strings=None,
              seed: int | None = None, *, num_samples: int = 1, eos_token_id=None, cache: str = "dynamic",
              compile: bool = False, sync_every: int = 8, drop_finished: bool = True,
-             share_prefill: bool = True) -> Rollout:
+             share_prefill: bool = True, dtype: torch.dtype | None = None) -> Rollout:
     """Sample `max_new_tokens` (at most) after each prompt; see the module docstring.
 
     Args:
@@ -230,6 +230,10 @@ def generate(model, tokenizer_or_pad_id, prompts, max_new_tokens: int = 64, temp
             prompt and repeat its KV cache num_samples times (a GRPO group's G completions share their
             prompt), instead of G identical prefills; the outputs are the same (each row's noise is its
             own), up to float rounding of a batch of another size.
+        dtype: the linear layers' compute dtype while sampling (None: the model's; a name such as
+            "bfloat16" is torch's). torch.bfloat16 on a CPU: bf16 copies of the weights for this call
+            (`prepacked_linears`); on a GPU: autocast. The log-probs are then the bf16 model's, not the
+            fp32 policy's (GRPO's `rollout_dtype`).
     """
     if max_new_tokens < 1:
         raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
@@ -254,11 +258,17 @@ def generate(model, tokenizer_or_pad_id, prompts, max_new_tokens: int = 64, temp
         ids, pmask = left_pad(prompts, pad_id, device)
         was_training = lm.training
         lm.eval()
-        fast = device.type == "cpu" and max_new_tokens >= PREPACK_MIN_NEW_TOKENS
+        dtype = getattr(torch, dtype) if isinstance(dtype, str) else dtype
+        low = dtype is not None and dtype != torch.float32
+        fast = device.type == "cpu" and (max_new_tokens >= PREPACK_MIN_NEW_TOKENS or low)
         if device.type == "cpu":  # the (rows, V) logits and the sampler's temporaries: rl.engine.host_memory
             keep_freed_memory()
+        if fast:
+            precision = prepacked_linears(lm, len(prompts), dtype or torch.float32)
+        else:
+            precision = torch.autocast(device.type, dtype=dtype) if low else nullcontext()
         try:
-            with prepacked_linears(lm, len(prompts)) if fast else nullcontext():
+            with precision:
                 tokens, logps, gmask, reasons = _decode(lm, ids, pmask, prompts, max_new_tokens, temperature,
                                                         top_k, top_p, stop_ids, stop_strings, tok, seed, cache,
                                                         compile, sync_every, drop_finished,

@@ -59,7 +59,7 @@ class EpisodeRollout(Rollout):
 @torch.no_grad()
 def run_episodes(model, tokenizer, prompts: Sequence[Sequence[int]], max_new_tokens: int = 64,
                  temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0, seed: int | None = None, *,
-                 env, num_samples: int = 1, generate_fn: Callable = generate) -> EpisodeRollout:
+                 env, num_samples: int = 1, generate_fn: Callable = generate, dtype=None) -> EpisodeRollout:
     """Run B = len(prompts) x num_samples episodes in lockstep, one `generate` call per turn over the
     rows still going (exactly max_turns calls, for ZeRO-3's collectives); returns their EpisodeRollout
     (rows prompt-major, as `generate`'s).
@@ -67,7 +67,7 @@ def run_episodes(model, tokenizer, prompts: Sequence[Sequence[int]], max_new_tok
     Each turn samples at most the row's remaining budget, stopping at `</tool>` or EOS; a row's turn
     log-probs are those `generate` returned. Turn t uses base seed `seed + t * 1_000_003` (row j of the
     call: + j), so a seeded run repeats exactly. `env` gives max_turns, tools and tool_message (a
-    ToolMathEnv); `generate_fn` (generate's signature) is for tests: a scripted policy."""
+    ToolMathEnv); `generate_fn` (generate's signature) is for tests: a scripted policy. `dtype`: generate's."""
     if max_new_tokens < 1:
         raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
     if seed is None:
@@ -87,7 +87,8 @@ def run_episodes(model, tokenizer, prompts: Sequence[Sequence[int]], max_new_tok
         contexts = [rows[i] + toks[i] for i in active] or [rows[0]]
         budget = max((max_new_tokens - len(toks[i]) for i in active), default=1)
         out = generate_fn(model, tokenizer, contexts, max_new_tokens=budget, temperature=temperature, top_k=top_k,
-                          top_p=top_p, stop_strings=[TOOL_CLOSE], seed=seed + turn * 1_000_003)
+                          top_p=top_p, stop_strings=[TOOL_CLOSE], seed=seed + turn * 1_000_003,
+                          **({} if dtype is None else {"dtype": dtype}))
         pad_id, device = out.pad_token_id, out.prompt_ids.device
         still = []
         for j, i in enumerate(active):

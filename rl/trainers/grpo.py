@@ -247,7 +247,7 @@ class GRPOTrainer(AsyncRollouts, OnlineTrainer):
         seed = (cfg.seed * 7_919 + (generation * self.world + self.accelerator.process_index) *
                 plan["completions_per_process"] + round_ * 2 ** 40)
         return dict(max_new_tokens=cfg.max_completion_length, temperature=cfg.temperature, top_k=cfg.top_k,
-                    top_p=cfg.top_p, seed=seed, num_samples=cfg.num_generations)
+                    top_p=cfg.top_p, seed=seed, num_samples=cfg.num_generations, dtype=cfg.rollout_dtype)
 
     def _sample_round(self, generation: int, round_: int, rollout=None) -> dict:
         """Sample and score this process's groups of one round; the rewards (overlong shaping included),
@@ -330,8 +330,8 @@ class GRPOTrainer(AsyncRollouts, OnlineTrainer):
             ref_lp = self._ref_logprobs(batch, micro, P)
         if cfg.num_iterations > 1:
             old_lp = self._logprobs(pipe.model, batch, micro, P)
-        # vLLM's log-probs of its samples: the mismatch with the trainer's is measured (and corrected)
-        behaviour = batch["old_logprobs"] if cfg.use_vllm else None
+        # vLLM's (our bf16 sampler's) log-probs of its samples: their mismatch with the trainer's is measured, corrected
+        behaviour = batch["old_logprobs"] if cfg.use_vllm or cfg.rollout_dtype != "float32" else None
         per_row = {k: v for k, v in {"advantages": advantages.to(acc.device), "old": old_lp, "ref": ref_lp,
                                      "behaviour": behaviour}.items()
                    if v is not None}

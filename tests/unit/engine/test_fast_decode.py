@@ -85,3 +85,53 @@ def test_layer_operations_match_concatenation():
     ours.update(k, v, 0)
     hf.update(k, v, 0)
     same()
+
+
+bf16_cpu = pytest.mark.skipif(not torch.ops.mkldnn._is_mkldnn_bf16_supported(),
+                              reason="rollout_dtype=bfloat16 needs a CPU with bf16 instructions")
+
+
+@bf16_cpu
+def test_bf16_linears_compute_the_bf16_product_and_are_removed_after():
+    """Inside prepacked_linears(..., torch.bfloat16) a linear returns fp32 holding the bf16 product of the
+    bf16-rounded input and weight (not the fp32 product); after the block the module is plain again."""
+    from rl.engine.fast_decode import prepacked_linears
+
+    torch.manual_seed(0)
+    lin = torch.nn.Sequential(torch.nn.Linear(96, 160))
+    x = torch.randn(5, 96)
+    exact = lin(x)
+    bf16 = torch.nn.functional.linear(x.bfloat16(), lin[0].weight.bfloat16(), lin[0].bias.bfloat16()).float()
+    with prepacked_linears(lin, rows=5, dtype=torch.bfloat16):
+        y = lin(x)
+        assert y.dtype == torch.float32 and y.shape == (5, 160)
+    assert (y - bf16).abs().max() < 2e-2 * bf16.abs().max()  # bf16 rounding of the output, no more
+    assert (y - exact).abs().max() > 1e-4  # not the fp32 product
+    assert "forward" not in lin[0].__dict__ and torch.equal(lin(x), exact)
+
+
+@bf16_cpu
+def test_bf16_sampler_log_probs_are_the_bf16_models_not_the_fp32_policys():
+    """generate(dtype=bfloat16) samples from the bf16 model: its log-probs are the bf16 model's scores of its
+    tokens (a teacher-forced forward with the same bf16 linears, up to bf16's rounding of a different
+    computation order) and differ from the fp32 policy's; the tokens are in the vocabulary, the mask as fp32's."""
+    from rl.engine.fast_decode import prepacked_linears
+
+    model = _model(2)
+    prompts = [[1] + list(range(60, 60 + k)) for k in range(1, 5)]
+    out = generate(model, 0, prompts, max_new_tokens=12, seed=3, temperature=1.0, num_samples=2, dtype="bfloat16")
+    batch = out.to_batch()
+    mask = batch["labels"][:, 1:] != -100
+
+    def score():
+        with torch.no_grad():
+            logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits.float()
+        return torch.log_softmax(logits[:, :-1], -1).gather(-1, batch["input_ids"][:, 1:, None]).squeeze(-1)[mask]
+
+    fp32 = score()
+    with prepacked_linears(model, rows=batch["input_ids"].shape[0], dtype=torch.bfloat16):
+        bf16 = score()
+    sampled = batch["old_logprobs"][mask]
+    to_bf16, to_fp32 = (sampled - bf16).abs().mean(), (sampled - fp32).abs().mean()
+    assert to_fp32 > 1e-5, "the bf16 sampler gave the fp32 model's log-probs"  # measured 3.3e-4 (bf16: 0.0)
+    assert to_bf16 < 0.25 * to_fp32, (float(to_bf16), float(to_fp32))
