@@ -81,6 +81,9 @@ def main() -> None:
                    help="default: glibc's malloc untuned (without rl.engine.host_memory)")
     p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32",
                    help="the linears' compute dtype while sampling (generate's dtype=, GRPO's rollout_dtype)")
+    p.add_argument("--attention", choices=["sdpa", "segments"], default="segments",
+                   help="sdpa: transformers' SDPA; segments: rl_segments, what a trainer's policy samples with "
+                        "(decode steps of grouped-query models as two batched matmuls)")
     p.add_argument("--out-json", default=str(ROOT / "bench/results/profile_sampler.json"))
     args = p.parse_args()
 
@@ -113,7 +116,11 @@ def main() -> None:
                 (clock.phase, name), clock.t[(clock.phase, name)] + time.perf_counter() - mod._t0))
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-    AttentionInterface.register("timed_sdpa", clock.wrap("attention", sdpa_attention_forward))
+    from rl.engine import segments
+
+    # --attention segments: rl.engine.segments' function (a trainer's policy; its grouped decode attention)
+    attention = segments._segment_attention if args.attention == "segments" else sdpa_attention_forward
+    AttentionInterface.register("timed_sdpa", clock.wrap("attention", attention))
     AttentionMaskInterface.register("timed_sdpa", ALL_MASK_ATTENTION_FUNCTIONS["sdpa"])
     for m in model.modules():
         c = getattr(m, "config", None)
@@ -144,7 +151,7 @@ def main() -> None:
     params = sum(m.weight.numel() for m in model.modules() if isinstance(m, torch.nn.Linear))
     heads, hd = cfg.num_attention_heads, getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
     out = {"date": time.strftime("%Y-%m-%d %H:%M"), "model": args.model, "threads": args.threads, "cache": args.cache,
-           "malloc": args.malloc, "dtype": args.dtype,
+           "malloc": args.malloc, "dtype": args.dtype, "attention": args.attention,
            "matmul_peak_gflops": round(peak / 1e9, 1), "linear_params": params, "runs": []}
     for rows in args.rows:
         prompts = prompts_for(rows // GROUP)

@@ -15,7 +15,9 @@ boundaries as `cu_seq_lens_q/k` instead. This module gives CPU (and any SDPA dev
 "rl_segments" runs SDPA causally on each sequence's slice of q/k/v when the forward carries
 `cu_seq_lens_q` (the packed training forwards pass it as a model input), so the attention costs
 sum(len^2); without it (padded batches, generation, evaluation) it IS transformers' SDPA, with
-SDPA's mask. The mask function registered with it is SDPA's, so nothing else changes. Exact: a
+SDPA's mask, except a CPU decode step of a grouped-query model (one query position over the KV cache), which
+runs as two batched matmuls (`_grouped_decode`: 1.05-1.1x the sampler's tokens/s on SmolLM2). The mask function
+registered with it is SDPA's, so nothing else changes. Exact: a
 sequence's tokens see the same keys as under the block-diagonal mask (tests/unit/engine/
 test_packing_speed.py compares logits and gradients with the masked path).
 
@@ -43,6 +45,8 @@ def _segment_attention(module, query, key, value, attention_mask, dropout: float
     for k in ("cu_seq_lens_k", "max_length_q", "max_length_k", "position_ids"):
         kwargs.pop(k, None)
     R, H, W, D = query.shape
+    if cu is None and _grouped_decode_applies(query, key, dropout, kwargs):
+        return _grouped_decode(query, key, value, attention_mask, scaling), None
     if cu is None or key.shape[2] != W:  # not a packed forward (or a cache): plain SDPA
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout,
                                       scaling=scaling, is_causal=is_causal, **kwargs)
@@ -82,6 +86,30 @@ def _segment_attention(module, query, key, value, attention_mask, dropout: float
                                         is_causal=mask is None, **kwargs)
         outs.append(out)  # (1, n, H, D)
     return torch.cat(outs, dim=1).reshape(R, W, H, D).to(dtype), None
+
+
+def _grouped_decode_applies(query, key, dropout, kwargs) -> bool:
+    """A sampler's decode step (one query position) of a grouped-query model on the CPU, with nothing but
+    a padding mask (no soft-capping, sliding window, sinks or dropout)."""
+    return (query.device.type == "cpu" and query.shape[2] == 1 and key.shape[1] < query.shape[1]
+            and not dropout and all(kwargs.get(k) is None for k in ("softcap", "sliding_window", "s_aux")))
+
+
+def _grouped_decode(query, key, value, attention_mask, scaling):
+    """Attention of one new token per row over the KV cache as two batched matmuls, the query heads of a
+    key/value head side by side: (B, kv, g, D) x (B, kv, D, L). SDPA on CPU takes 1.4-2x longer for this
+    shape (measured 2026-12-05, 2 cores, SmolLM2's 9 query heads over 3, 256 rows x 100 cached positions:
+    4.9 ms per layer against 2.3 ms; the sampler's attention 25% shorter, its tokens/s 1.05-1.1x). Same values
+    up to summation order (log-probs within 3e-5 over 24 tokens, the same tokens). Returns (B, 1, H, D)."""
+    B, H, _, D = query.shape
+    kv, L = key.shape[1], key.shape[2]
+    scores = torch.matmul(query.reshape(B, kv, H // kv, D), key.transpose(-1, -2))
+    scores = scores * (scaling if scaling is not None else D ** -0.5)
+    if attention_mask is not None:  # SDPA's mask: (B, 1, 1, >= L), boolean (True: attend) or additive
+        mask = attention_mask[:, :, -1:, -L:]
+        scores = scores.masked_fill(~mask, float("-inf")) if mask.dtype == torch.bool else scores + mask
+    out = torch.matmul(torch.softmax(scores, dim=-1), value)  # (B, kv, g, D)
+    return out.reshape(B, 1, H, D)
 
 
 def register() -> None:
