@@ -209,7 +209,7 @@ def generate(model, tokenizer_or_pad_id, prompts, max_new_tokens: int = 64, temp
              top_k: int = 0, top_p: float = 1.0, stop_token_ids=None, stop_strings=None,
              seed: int | None = None, *, num_samples: int = 1, eos_token_id=None, cache: str = "dynamic",
              compile: bool = False, sync_every: int = 8, drop_finished: bool = True,
-             share_prefill: bool = True, dtype: torch.dtype | None = None) -> Rollout:
+             share_prefill: bool = True, dtype: torch.dtype | str | None = None) -> Rollout:
     """Sample `max_new_tokens` (at most) after each prompt; see the module docstring.
 
     Args:
@@ -258,13 +258,12 @@ def generate(model, tokenizer_or_pad_id, prompts, max_new_tokens: int = 64, temp
         ids, pmask = left_pad(prompts, pad_id, device)
         was_training = lm.training
         lm.eval()
-        dtype = getattr(torch, dtype) if isinstance(dtype, str) else dtype
-        low = dtype is not None and dtype != torch.float32
-        fast = device.type == "cpu" and (max_new_tokens >= PREPACK_MIN_NEW_TOKENS or low)
+        dtype = getattr(torch, dtype) if isinstance(dtype, str) else (dtype or torch.float32)
+        low = dtype != torch.float32
         if device.type == "cpu":  # the (rows, V) logits and the sampler's temporaries: rl.engine.host_memory
             keep_freed_memory()
-        if fast:
-            precision = prepacked_linears(lm, len(prompts), dtype or torch.float32)
+        if device.type == "cpu" and (max_new_tokens >= PREPACK_MIN_NEW_TOKENS or low):
+            precision = prepacked_linears(lm, len(prompts), dtype)
         else:
             precision = torch.autocast(device.type, dtype=dtype) if low else nullcontext()
         try:

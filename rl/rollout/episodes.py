@@ -87,8 +87,7 @@ def run_episodes(model, tokenizer, prompts: Sequence[Sequence[int]], max_new_tok
         contexts = [rows[i] + toks[i] for i in active] or [rows[0]]
         budget = max((max_new_tokens - len(toks[i]) for i in active), default=1)
         out = generate_fn(model, tokenizer, contexts, max_new_tokens=budget, temperature=temperature, top_k=top_k,
-                          top_p=top_p, stop_strings=[TOOL_CLOSE], seed=seed + turn * 1_000_003,
-                          **({} if dtype is None else {"dtype": dtype}))
+                          top_p=top_p, stop_strings=[TOOL_CLOSE], seed=seed + turn * 1_000_003, dtype=dtype)
         pad_id, device = out.pad_token_id, out.prompt_ids.device
         still = []
         for j, i in enumerate(active):
