@@ -10,7 +10,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
 
+from rl.engine.dist import run_as_program  # noqa: E402
 from rl.scripts.chat import main  # noqa: E402
 
 if __name__ == "__main__":
-    main()
+    run_as_program(main)

@@ -9,7 +9,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
 
+from rl.engine.dist import run_as_program  # noqa: E402
 from rl.scripts.train import main  # noqa: E402
 
 if __name__ == "__main__":
-    main(Path(__file__).stem)
+    run_as_program(main, Path(__file__).stem)

@@ -11,6 +11,8 @@
   DDP processes by hand because the k-th backward ran in `no_sync`.
 * `place_frozen` and `reference_ds_config`: a frozen model (a reference) where the policy runs; under
   ZeRO-3 its own DeepSpeed inference engine, so each rank holds a shard of it, like the policy.
+* `run_as_program` / `end_program`: a launch script's `main`, and the process's end without the interpreter's
+  teardown where torch.distributed ran (gloo's threads outlive the process group).
 """
 
 from __future__ import annotations
@@ -19,7 +21,10 @@ import atexit
 import datetime
 import os
 import socket
-from typing import Any
+import sys
+import threading
+from collections.abc import Callable
+from typing import Any, NoReturn
 
 import torch
 
@@ -41,6 +46,46 @@ def _close_process_group() -> None:
             dist.destroy_process_group()
         except Exception:  # noqa: BLE001 - a peer already gone: nothing left to close cleanly
             pass
+
+
+def run_as_program(main: Callable, *args) -> NoReturn:
+    """`main(*args)` as a launched program (launch/<name>.py), then `end_program` with main's exit status
+    (SystemExit's code, 0 when it returns); any other exception keeps Python's own path (traceback, status 1)."""
+    try:
+        main(*args)
+        code = 0
+    except SystemExit as e:
+        code = e.code
+    end_program(code)
+
+
+def end_program(code: int | str | None = 0) -> NoReturn:
+    """End this process with `code` as `sys.exit(code)` would. Where torch.distributed ran, the end is
+    `os._exit` once everything a normal exit finishes is finished: the process group closed (after a barrier),
+    other non-daemon threads joined, the atexit hooks run, stdout and stderr flushed. What it skips is the
+    interpreter's teardown of C++ objects: gloo's worker threads outlive destroy_process_group
+    (docs/operations.md) holding tensors, and a rank that tears them down can abort after a finished, saved run
+    ("terminate called without an active exception", exit -6; seen in a clean-clone CI run on the 2-node SFT
+    test, and once before on ZeRO-3 PPO), which fails the job. A script of one's own under `accelerate launch`
+    calls it last."""
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()):
+        raise SystemExit(code)
+    if code is not None and not isinstance(code, int):  # SystemExit("text"): the text on stderr, status 1
+        print(code, file=sys.stderr)
+        code = 1
+    _close_process_group()
+    for thread in threading.enumerate():  # what the interpreter's exit waits for first
+        if thread is not threading.main_thread() and not thread.daemon:
+            thread.join()
+    atexit._run_exitfuncs()  # noqa: SLF001 - the hooks a normal exit runs (trackers, engines); no public name
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):  # a closed pipe: nothing left to write to
+            pass
+    os._exit(code or 0)
 
 
 def _skip_cpu_shm_op() -> None:

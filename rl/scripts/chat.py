@@ -154,4 +154,6 @@ def main(argv=None) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    from rl.engine.dist import run_as_program
+
+    run_as_program(main)

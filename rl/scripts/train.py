@@ -205,4 +205,6 @@ if __name__ == "__main__":
         print(f"usage: python -m rl.scripts.train {{{','.join(TRAINERS)}}} [--config RECIPE] [key=value ...]",
               file=sys.stderr)
         raise SystemExit(2)
-    main(sys.argv[1], sys.argv[2:])
+    from rl.engine.dist import run_as_program
+
+    run_as_program(main, sys.argv[1], sys.argv[2:])
