@@ -184,7 +184,7 @@ ZERO3_SCRIPT = textwrap.dedent('''
     import json, sys, torch, deepspeed
     
     from rl.engine.client import AsyncTrainingClient
-    from rl.engine.dist import zero_stage
+    from rl.engine.dist import end_program, zero_stage
     from rl.models.loading import load_causal_lm, load_tokenizer
 
     path, out = sys.argv[1], sys.argv[2]
@@ -233,6 +233,7 @@ ZERO3_SCRIPT = textwrap.dedent('''
     res["ref_vs_policy_diff"] = float((r_again - p_again).abs().max())
     client.shutdown()
     json.dump(res, open(f"{out}/rank{rank}.json", "w"))
+    end_program()  # as a launched program ends (docs/operations.md): no abort in the interpreter's teardown
 ''')
 
 

@@ -201,6 +201,7 @@ def test_client_refuses_a_traversing_name_before_queueing(tiny_llama, tmp_path):
 DDP_PARTIAL_SCRIPT = '''
 import json, sys, torch
 from transformers import AutoModelForCausalLM
+from rl.engine.dist import end_program
 from rl.engine.pipeline import ForwardBackwardPipeline
 
 path, out = sys.argv[1], sys.argv[2]
@@ -221,6 +222,8 @@ flat = lambda p: torch.cat([x.detach().flatten() for x in p.unwrapped_model.para
 json.dump({"n": r.metrics["num_micro_batches"], "world": partial.accelerator.num_processes,
            "diff": float((flat(partial) - flat(exact)).abs().max()), "sum": float(flat(partial).double().sum())},
           open(f"{out}/rank{rank}.json", "w"))
+partial.shutdown(); exact.shutdown()
+end_program()  # as a launched program ends (docs/operations.md): no abort in the interpreter's teardown
 '''
 
 
