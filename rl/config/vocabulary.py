@@ -196,6 +196,12 @@ def aliases_of(cls: type) -> dict[str, str]:
     return out
 
 
+def names_of(cls: type, key: str) -> str:
+    """`key` and its other names in schema `cls`, for a message about a key whose spelling the message cannot know
+    (a run-time note): `eval_steps/eval_every`."""
+    return "/".join([key, *sorted(a for a, k in aliases_of(cls).items() if k == key)])
+
+
 def _as_bool(value: Any) -> bool | None:
     if isinstance(value, bool):
         return value

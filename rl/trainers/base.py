@@ -42,18 +42,12 @@ import torch
 
 from rl.config.parse import save_config, to_dict
 from rl.config.plan import cadence
+from rl.config.vocabulary import names_of
 from rl.engine.dist import build_accelerator
 from rl.engine.optim import build_optimizer, build_scheduler
 from rl.engine.pipeline import ForwardBackwardPipeline
-from rl.engine.state import (
-    StopSignal,
-    checkpoint_dir,
-    checkpoint_load_error,
-    checkpoint_name,
-    complete_checkpoints,
-    prune_checkpoints,
-    resolve_resume,
-)
+from rl.engine.state import (StopSignal, checkpoint_dir, checkpoint_load_error, checkpoint_name, complete_checkpoints,
+                             prune_checkpoints, resolve_resume)
 from rl.engine.tracking import CallbackTracker, Tracker  # noqa: F401 - CallbackTracker: importable from here
 from rl.errors import RunError, disk_full
 from rl.models.loading import (
@@ -313,8 +307,9 @@ class Trainer:
                 if evaluate:
                     ev = self.evaluate_now()
                     if ev is None and when.eval and step == when.eval:  # a key without effect: said once
-                        tracker.write(f"warning: eval_steps={self.cfg.eval_steps} evaluates nothing: this run has no "
-                                      f"held-out data (data.eval_path, data.eval_fraction) or eval_env_config")
+                        tracker.write(f"note: {names_of(type(self.cfg), 'eval_steps')}={self.cfg.eval_steps} evaluates "
+                                      f"nothing: this run has no held-out data (data.eval_path, data.eval_fraction) "
+                                      f"or eval_env_config")
                     row.update(ev or {})
                 history.append(row)
                 if when.log_at(step, total_steps) or any(k.startswith("eval") for k in row):

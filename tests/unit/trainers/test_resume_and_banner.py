@@ -99,8 +99,9 @@ def test_a_ppo_critic_is_checked_against_the_policys_tokens_and_length(tmp_path,
 
 
 def test_eval_steps_with_nothing_to_evaluate_says_so_once():
-    """eval_steps without held-out data or an eval environment would have no effect: one `warning:` line at the
-    first step it names (the trainers' evaluate_now returns None), and the run goes on."""
+    """eval_steps without held-out data or an eval environment would have no effect: one `note:` line at the
+    first step it names (the trainers' evaluate_now returns None), by all its names since the reference's
+    eval_every may be the one typed, and the run goes on."""
     from rl.config.schema import TrainConfig
     from rl.trainers.base import CallbackTracker
 
@@ -118,5 +119,5 @@ def test_eval_steps_with_nothing_to_evaluate_says_so_once():
     tracker.write = notes.append
     rows = One().fit(6, tracker)
     assert [r["step"] for r in rows] == [1, 2, 3, 4, 5, 6]
-    assert notes == ["warning: eval_steps=2 evaluates nothing: this run has no held-out data (data.eval_path, "
-                     "data.eval_fraction) or eval_env_config"]
+    assert notes == ["note: eval_steps/eval_every=2 evaluates nothing: this run has no held-out data "
+                     "(data.eval_path, data.eval_fraction) or eval_env_config"]
