@@ -273,6 +273,18 @@ class VLLMKeys:
     vllm_server_base_url: str | None = opt(None, "server: its URL (http://host:port); sets vllm_server_host and "
                                            "vllm_server_port")
 
+    def refuse_correction(self, loss: str) -> None:
+        """For a trainer whose `loss` has no policy-gradient term to reweight: the correction's keys would have no
+        effect, so any of them set is one error line naming it (TRL's config of such a trainer has none of them)."""
+        if self.vllm_importance_sampling_correction:
+            raise ConfigError(f"vllm_importance_sampling_correction reweights a policy-gradient term (GRPO, PPO); "
+                              f"{loss} has none: set it to false")
+        for f in dataclasses.fields(VLLMKeys):
+            shaping = f.name.startswith("vllm_importance_sampling_") and not f.name.endswith("_correction")
+            if shaping and getattr(self, f.name) != f.default:
+                raise ConfigError(f"key '{f.name}' would have no effect: it shapes "
+                                  f"vllm_importance_sampling_correction, which {loss} cannot use; remove it")
+
     def check_vllm(self) -> None:
         if self.vllm_tensor_parallel_size < 1:
             raise ConfigError(f"key 'vllm_tensor_parallel_size' must be at least 1, got {self.vllm_tensor_parallel_size}")

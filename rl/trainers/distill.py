@@ -70,9 +70,7 @@ class DistillConfig(OnlineConfig):
 
     def __post_init__(self):
         super().__post_init__()
-        if self.vllm_importance_sampling_correction:
-            raise ConfigError("vllm_importance_sampling_correction reweights a policy-gradient term (GRPO, PPO); "
-                              "distillation's divergence loss has none: set it to false")
+        self.refuse_correction("distillation's divergence loss")
         if not self.teacher_model_name:
             raise ConfigError("key 'teacher_model_name' is required: the model to distil from")
         if not 0.0 <= self.lmbda <= 1.0:

@@ -89,9 +89,7 @@ class OnlineDPOConfig(OnlineConfig):
     def __post_init__(self):
         self.beta = one_of_list(self.beta, "beta", "one beta for the whole run here (TRL's list gives one per epoch)")
         super().__post_init__()
-        if self.vllm_importance_sampling_correction:
-            raise ConfigError("vllm_importance_sampling_correction reweights a policy-gradient term (GRPO, PPO); "
-                              "online DPO's pair loss has none: set it to false")
+        self.refuse_correction("online DPO's pair loss")
         check("preference_loss", self.loss_type, "loss_type")
         if not needs_reference(self.loss_type):
             raise ConfigError(f"loss_type={self.loss_type} has no reference model, which online DPO's pairs are "

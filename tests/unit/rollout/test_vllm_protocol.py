@@ -167,7 +167,12 @@ def test_vllm_keys_refused_in_one_line_before_anything_runs(monkeypatch):
              (GRPOConfig, dict(vllm_weight_sync_bucket_mb=-1), "vllm_weight_sync_bucket_mb"),
              (OnlineDPOConfig, dict(vllm_importance_sampling_correction=True), "online DPO's pair loss has none"),
              (DistillConfig, dict(teacher_model_name="tiny:llama", vllm_importance_sampling_correction=True),
-              "distillation's divergence loss has none")]
+              "distillation's divergence loss has none"),
+             (OnlineDPOConfig, dict(vllm_importance_sampling_mode="token_mask"),
+              "'vllm_importance_sampling_mode' would have no effect"),
+             (DistillConfig, dict(teacher_model_name="tiny:llama", vllm_importance_sampling_cap=2.0),  # TRL's old name
+              "'vllm_importance_sampling_cap' \\(vllm_importance_sampling_clip_max\\) would have no effect"),
+             (OnlineDPOConfig, dict(vllm_importance_sampling_clip_min=0.1), "clip_min' would have no effect")]
     for cls, over, match in cases:
         with pytest.raises(ConfigError, match=match) as e:
             build(cls, {**base, **over})
