@@ -64,6 +64,11 @@ class PPOConfig(SamplingKeys, VLLMKeys, TrainConfig):
     max_completion_length: int = opt(128, "new tokens per completion at most (the reference's max_new_tokens, "
                                      "--rl-max-new-tokens; its documented default 128)")
     top_k: int = opt(50, "sample from the k most likely tokens (0: all; the reference CLI's default 50)")
+    logprob_chunk_size: int | None = opt(128, "the LM head and log-softmax run over this many positions of each "
+                                         "sequence at a time in training and scoring forwards (the reference's "
+                                         "--rl-chunk-size, its documented default 128; null: automatic; 0: never)")
+    optimize_device_cache: bool = opt(True, "free the accelerator's cached memory between generation and training "
+                                      "(the reference's --rl-optimize-device-cache, documented default true)")
     gamma: float = opt(0.99, "discount factor (0.9-1.0)")
     lam: float = opt(0.95, "GAE lambda (0.9-0.99)")
     epsilon: float = opt(0.2, "clip the policy ratio to [1 - epsilon, 1 + epsilon] (TRL's cliprange)")

@@ -295,6 +295,7 @@ def test_reference_cli_names_are_aliases_with_reference_defaults():
             d.mini_batch_size, d.max_completion_length, d.top_k, d.top_p, d.temperature) == \
         (0.99, 0.95, 0.1, 1.0, 0.2, 0.2, 4, 8, 128, 50, 1.0, 1.0)
     assert d.reward_model_path is None and d.multi_objective is False and d.env_type is None
+    assert (d.logprob_chunk_size, d.optimize_device_cache) == (128, True)  # rl_chunk_size, rl_optimize_device_cache
 
 
 @pytest.mark.parametrize("kw,needle", [
