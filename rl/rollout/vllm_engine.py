@@ -171,14 +171,32 @@ def in_process_llm(kw: dict, verbose: bool = False):
                            "use_vllm=false")
         os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")  # GiB of KV cache (the default takes far more)
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # the engine in this process: in-place weight loads
+    before = _shm_names()
     try:
         llm = vllm.LLM(**kw)
     except Exception as e:  # noqa: BLE001 - vLLM raises many kinds; the user needs the first line
-        raise RunError(f"vLLM could not start on {kw['model']}: {first_line(e)}") from e
+        hint = (f" (a segment left in {SHM} by an earlier run that was killed: remove {SHM}/*cpushm*)"
+                if "create shm" in str(e) else "")
+        raise RunError(f"vLLM could not start on {kw['model']}: {first_line(e)}{hint}") from e
+    _SHM_SEGMENTS.update(n for n in _shm_names() - before if "-cpushm_" in n)  # the TP group's, made just now
     if not _ENGINES:
         atexit.register(_shut_down_engines)
     _ENGINES[key] = llm
     return llm
+
+
+# vLLM's CPU tensor-parallel communicator maps segments in /dev/shm under a name fixed by the TP group and unlinks
+# them only in a C++ static destructor, which a launched program's end skips (os._exit: rl.engine.dist.end_program);
+# left there, the next TP run on the machine fails with "create shm in SHMManager failed. errno: 17".
+SHM = "/dev/shm"
+_SHM_SEGMENTS: set[str] = set()
+
+
+def _shm_names() -> set[str]:
+    try:
+        return set(os.listdir(SHM))
+    except OSError:
+        return set()
 
 
 def _shut_down_engines() -> None:
@@ -190,6 +208,11 @@ def _shut_down_engines() -> None:
         try:
             llm.llm_engine.engine_core.shutdown()
         except Exception:  # noqa: BLE001 - the process is ending; nothing to recover
+            pass
+    while _SHM_SEGMENTS:  # the mappings stay valid until exit; only the names go
+        try:
+            os.unlink(os.path.join(SHM, _SHM_SEGMENTS.pop()))
+        except OSError:  # the other rank of the group unlinked it first
             pass
 
 

@@ -253,8 +253,10 @@ def test_two_training_processes_one_server_one_call_per_step(tmp_path, server):
 @pytest.mark.slow
 def test_tensor_parallel_two_processes_share_one_engine(tmp_path):
     """vllm_tensor_parallel_size=2 on 2 CPU processes: one engine sharded over both (vLLM's external launcher
-    on the launch's gloo group); after each sync its log-probs are the updated policy's."""
+    on the launch's gloo group); after each sync its log-probs are the updated policy's. Its shared-memory
+    segments are gone at exit (one left behind made the next TP run on the machine fail)."""
     out = tmp_path / "tp"
+    shm = set(os.listdir("/dev/shm"))
     run_cmd(accelerate_cmd("launch/grpo.py", "--config", "recipes/tiny/grpo.yaml", f"output_dir={out}",
                            "model_name=tiny:llama-hd64", "use_vllm=true", "vllm_tensor_parallel_size=2", "max_steps=2",
                            "per_device_train_batch_size=16", f"max_length={MAX_LENGTH}", "eval_steps=0",
@@ -265,6 +267,7 @@ def test_tensor_parallel_two_processes_share_one_engine(tmp_path):
     print("tp=2: max |engine - policy| per step", [f"{r['sampling/sampling_logp_difference/max']:.1e}" for r in train])
     assert [r["step"] for r in train] == [1, 2] and all(r["grad_norm"] > 0 for r in train)
     assert all(r["sampling/sampling_logp_difference/max"] < 1e-4 for r in train), train
+    assert not [n for n in set(os.listdir("/dev/shm")) - shm if "cpushm" in n]
 
 
 def test_a_dead_server_is_one_line(hd64, tmp_path, server):
