@@ -218,8 +218,13 @@ def _shut_down_engines() -> None:
 
 def load_weights(llm, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
     """Load (HF name, tensor) pairs into an in-process engine in place (one reload: vLLM checks that every
-    layer got its weights at its end), then forget cached prefixes (their KV entries came from the old weights)."""
-    llm.collective_rpc("reload_weights", kwargs={"weights_iterator": iter(weights)})
+    layer got its weights at its end), then forget cached prefixes (their KV entries came from the old weights).
+    Floating tensors arrive in the engine's dtype: the trainer's fp32 master weights into a bf16 engine (bf16
+    mixed precision) are narrowed here, one tensor at a time, as vLLM would, without its warning per tensor
+    and sync."""
+    dtype = llm.model_config.dtype
+    cast = ((n, t.to(dtype) if t.is_floating_point() and t.dtype != dtype else t) for n, t in weights)
+    llm.collective_rpc("reload_weights", kwargs={"weights_iterator": cast})
     llm.reset_prefix_cache()
 
 

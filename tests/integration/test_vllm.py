@@ -303,3 +303,17 @@ def test_zero3_two_processes_sync_gathered_weights(tmp_path):
     assert all(r["sampling/sampling_logp_difference/max"] < 1e-4 for r in train), train
     assert all(r["grad_norm"] > 0 for r in train)  # the policy moved, so a missed sync would show
     assert (out / "model.safetensors").exists()
+
+
+def test_the_trl_grpo_recipe_trains_with_vllm_with_only_the_model_and_data_overridden(tmp_path):
+    """Issue 46's recipe (tests/data/trl/grpo_qwen7b.yaml: use_vllm true, bf16, push_to_hub) with vLLM installed:
+    only model_name_or_path (the tiny model with head_dim 64, what vLLM's CPU attention takes) and dataset_name
+    are given; the colocated bf16 engine samples against the fp32 trainer, the hub call is recorded
+    (tests/integration/test_trl_recipes.py)."""
+    from tests.integration.test_trl_recipes import DATA, GRPO, _final_metrics, _train
+
+    log, calls = _train("grpo", ["--config", str(GRPO), "model_name_or_path=tiny:qwen2-hd64",
+                                 f"dataset_name={DATA / 'numina_tiny.jsonl'}"], tmp_path)
+    assert "grpo done: 1 steps" in log and [c[0] for c in calls][-1] == "upload_folder", log[-3000:]
+    metrics = _final_metrics(tmp_path / "data/Qwen2.5-7B-Instruct-GRPO/README.md")  # report_to: wandb, no jsonl
+    assert metrics["sampling/sampling_logp_difference/max"] < 0.1, metrics  # a bf16 engine against the fp32 trainer

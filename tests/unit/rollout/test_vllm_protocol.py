@@ -9,9 +9,10 @@ import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
+import torch
 
 from rl.errors import RunError
-from rl.rollout.vllm_engine import require_vllm, sampling_params, to_rollout
+from rl.rollout.vllm_engine import load_weights, require_vllm, sampling_params, to_rollout
 from rl.rollout.vllm_client import ServerClient, model_shape
 
 
@@ -180,3 +181,27 @@ def test_vllm_keys_refused_in_one_line_before_anything_runs(monkeypatch):
     cfg = build(GRPOConfig, {**base, "vllm_tensor_parallel_size": 2})  # 2 processes, one engine over both
     assert cfg.vllm_importance_sampling_mode == "sequence_mask" and cfg.vllm_weight_sync_bucket_mb == 512
     assert not build(OnlineDPOConfig, base).vllm_importance_sampling_correction  # nothing to correct there
+
+
+def test_weights_reach_an_engine_in_its_dtype():
+    """load_weights narrows fp32 master weights to a bf16 engine itself (vLLM would too, with a warning line per
+    tensor at every sync); integer tensors pass as they are; prefixes cached from the old weights are forgotten."""
+    from types import SimpleNamespace
+
+    seen = {}
+
+    class Engine:
+        model_config = SimpleNamespace(dtype=torch.bfloat16)
+
+        def collective_rpc(self, method, kwargs):
+            seen[method] = [(n, t.dtype, t.float()) for n, t in kwargs["weights_iterator"]]
+
+        def reset_prefix_cache(self):
+            seen["reset"] = True
+
+    w = torch.randn(3, 4)
+    load_weights(Engine(), [("a.weight", w), ("b.index", torch.arange(3)),
+                            ("c.bias", torch.ones(2, dtype=torch.bfloat16))])
+    assert [(n, d) for n, d, _ in seen["reload_weights"]] == [("a.weight", torch.bfloat16), ("b.index", torch.int64),
+                                                              ("c.bias", torch.bfloat16)]
+    assert torch.equal(seen["reload_weights"][0][2], w.bfloat16().float()) and seen["reset"]
