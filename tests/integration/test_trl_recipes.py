@@ -120,8 +120,8 @@ def test_the_trl_grpo_recipe_trains_on_the_tiny_model(tmp_path):
     log, calls = _train("grpo", ["--config", str(GRPO), "model_name_or_path=tiny:qwen2",
                                  f"dataset_name={DATA / 'numina_tiny.jsonl'}", *_no_vllm()], tmp_path)
     out = tmp_path / "data/Qwen2.5-7B-Instruct-GRPO"  # the recipe's output_dir, relative to where it runs
-    assert "grpo done: 1 steps" in log and f"pushed data/Qwen2.5-7B-Instruct-GRPO to " \
-                                           f"https://huggingface.co/someone/Qwen2.5-7B-Instruct-GRPO" in log
+    assert "grpo done: 1 steps" in log and "pushed data/Qwen2.5-7B-Instruct-GRPO to " \
+                                           "https://huggingface.co/someone/Qwen2.5-7B-Instruct-GRPO" in log
     assert [c[:2] for c in calls] == [["HfApi", None], ["create_repo", "Qwen2.5-7B-Instruct-GRPO"],
                                       ["upload_folder", "someone/Qwen2.5-7B-Instruct-GRPO"]]  # save_strategy: no
     assert calls[1][2] == {"private": None, "exist_ok": True, "repo_type": "model"}
