@@ -4,10 +4,8 @@ sizes, logging/eval/save cadence, checkpoints, the hub, the `data` and `lora` se
 TrainConfig's keys are TRL's TrainingArguments/ModelConfig keys with their meanings (a TRL recipe file runs
 unchanged: docs/coming-from-trl.md).
 
-Checks that need more than a field's type are here too and return one line or None:
-`report_to_problem` (an unknown metrics sink, or one whose package is not installed; `SINKS`), `steps_problem`
-(a cadence that is neither a step count nor a fraction of the run), `quantization_problem`. Each trainer's own
-schema, in rl.trainers, extends these.
+Checks that need more than a field's type (`report_to_problem`, `steps_problem`, `quantization_problem`) are
+in rl.config.checks. Each trainer's own schema, in rl.trainers, extends these.
 """
 
 from __future__ import annotations
@@ -18,22 +16,14 @@ import os
 import urllib.parse
 from typing import ClassVar, Literal
 
-
-from rl.config.checks import (  # noqa: F401 - SINKS, report_to_problem: their home before
-    SINKS,
-    check_finite,
-    quantization_problem,
-    report_to_problem,
-    steps_problem,
-)
+# SINKS, report_to_problem, DataSection, mixture_problem: importable from here, their home before
+from rl.config.checks import SINKS, check_finite, quantization_problem, report_to_problem, steps_problem  # noqa: F401
 from rl.config.fields import REQUIRED, opt, section
-from rl.config.sections import DataSection, LoraSection, mixture_problem  # noqa: F401 - their home before
+from rl.config.sections import DataSection, LoraSection, mixture_problem  # noqa: F401
 from rl.config.vocabulary import AcceptsAliases, AliasAttributes, note_ignored
 from rl.errors import ConfigError
 
-# --------------------------------------------------------------------------------------------------
-# Sections shared by the trainers
-# --------------------------------------------------------------------------------------------------
+# ------------------------------------------------------------------ sections shared by the trainers
 
 # HF/TRL's `optim` names (the ones this package implements, rl.engine.optim) and the optimizer state bytes
 # per trainable parameter each keeps (the dry-run memory plan counts them): AdamW's two fp32 moments are 8,
@@ -274,14 +264,14 @@ class VLLMKeys:
                                            "vllm_server_port")
 
     def refuse_correction(self, loss: str) -> None:
-        """For a trainer whose `loss` has no policy-gradient term to reweight: the correction's keys would have no
-        effect, so any of them set is one error line naming it (TRL's config of such a trainer has none of them)."""
+        """A trainer whose `loss` has no policy-gradient term: any correction key set would have no effect (TRL's
+        config of such a trainer has none of them), so it is one error line naming it."""
         if self.vllm_importance_sampling_correction:
             raise ConfigError(f"vllm_importance_sampling_correction reweights a policy-gradient term (GRPO, PPO); "
                               f"{loss} has none: set it to false")
-        for f in dataclasses.fields(VLLMKeys):
-            shaping = f.name.startswith("vllm_importance_sampling_") and not f.name.endswith("_correction")
-            if shaping and getattr(self, f.name) != f.default:
+        for f in dataclasses.fields(VLLMKeys):  # mode, clip_max, clip_min: the correction's shape
+            if f.name.startswith("vllm_importance_sampling_") and f.name != "vllm_importance_sampling_correction" \
+                    and getattr(self, f.name) != f.default:
                 raise ConfigError(f"key '{f.name}' would have no effect: it shapes "
                                   f"vllm_importance_sampling_correction, which {loss} cannot use; remove it")
 
