@@ -328,11 +328,10 @@ def hold_run_lock(output_dir: str | Path) -> None:
             raise
         raise RunError(f"no space left on {out} while starting the run (writing {RUN_LOCK}); free space there or "
                        f"give another output_dir, then rerun") from None
-    if not _held:
-        atexit.register(_release_run_locks)
     _held[key] = f
 
 
+@atexit.register
 def _release_run_locks() -> None:
     """At exit, the held lock files closed: the kernel drops the locks with the process anyway, but a file left
     open to the interpreter's teardown is a ResourceWarning in a user's script run with warnings as errors."""
