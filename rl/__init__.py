@@ -14,20 +14,31 @@ from rl.trainers.registry import exports as _trainer_exports
 __version__ = "0.1.0"
 
 
-class _NoKernelsHubLine(logging.Filter):
-    """bitsandbytes 0.50 tries a hub kernel at import on CPUs with AVX-512 bf16 (kernels-community's optional
-    4-bit inference speed-up; it falls back to its own kernel) and logs two lines, "Skipping publisher trust
-    check for 'kernels-community/...'" and "Failed to load CPU gemm_4bit_forward from kernels-community ...
-    pip install kernels". We never download it, so the lines are noise in every run; peft imports bitsandbytes
-    at its own import, hence the filters are in place from `import rl` on."""
+# Libraries' log lines that are noise in every run of ours (logger -> a text in the line), filtered from `import rl`
+# on (the libraries log them at their own import, which comes later):
+# * bitsandbytes 0.50 tries a hub kernel at import on CPUs with AVX-512 bf16 (kernels-community's optional 4-bit
+#   inference speed-up; it falls back to its own kernel) and logs "Skipping publisher trust check for
+#   'kernels-community/...'" and "Failed to load CPU gemm_4bit_forward from kernels-community ... pip install
+#   kernels"; we never download it (peft imports bitsandbytes at its own import).
+# * DeepSpeed logs "[WARNING] ... Setting accelerator to CPU. If you have GPU or other accelerator, we were unable to
+#   detect it." at every import where torch sees no GPU either: a warning in every CPU run, the reference docs'
+#   examples included, that asks nothing of the user.
+_NOISE = {"bitsandbytes.backends.cpu.ops": "kernels-community", "kernels._internals.hf_hub": "kernels-community",
+          "DeepSpeed": "Setting accelerator to CPU."}
+
+
+class _Noise(logging.Filter):
+    def __init__(self, text: str):
+        super().__init__()
+        self.text = text
 
     def filter(self, record: logging.LogRecord) -> bool:
-        return "kernels-community" not in record.getMessage()
+        return self.text not in record.getMessage()
 
 
-for _name in ("bitsandbytes.backends.cpu.ops", "kernels._internals.hf_hub"):
-    logging.getLogger(_name).addFilter(_NoKernelsHubLine())
-del _name
+for _name, _text in _NOISE.items():
+    logging.getLogger(_name).addFilter(_Noise(_text))
+del _name, _text
 
 _EXPORTS = {
     # engine and client
