@@ -65,9 +65,9 @@ class TrainConfig(AliasAttributes, metaclass=AcceptsAliases):
                                  "enable_full_determinism; slower)")
     device: str | None = opt(None, "cpu or cuda (null: the accelerator's device; TRL's use_cpu: true is cpu)")
     learning_rate: float = opt(1e-5, "peak learning rate of AdamW")
-    optim: Literal[OPTIMIZERS] = opt("adamw_torch", "optimizer, by HF/TRL's names: adamw_torch, adamw_torch_fused, "
-                                     "adamw_8bit, paged_adamw_8bit, paged_adamw_32bit (bitsandbytes), "
-                                     "adafactor, sgd")
+    optim: Literal[OPTIMIZERS] = opt("adamw_torch_fused", "optimizer, by HF/TRL's names: adamw_torch_fused (TRL's "
+                                     "default; one kernel, ~4x faster optimizer steps on a CPU), adamw_torch, adamw_8bit, "
+                                     "paged_adamw_8bit, paged_adamw_32bit (bitsandbytes), adafactor, sgd")
     weight_decay: float = opt(0.0, "weight decay (AdamW's decoupled decay; no decay on biases and norms)")
     adam_beta1: float = opt(0.9, "AdamW's beta1")
     adam_beta2: float = opt(0.999, "AdamW's beta2")

@@ -1,6 +1,6 @@
 """Optimizer and learning-rate schedule of every trainer.
 
-`build_optimizer`: the recipe's `optim` (HF/TRL's names: adamw_torch by default, adamw_torch_fused,
+`build_optimizer`: the recipe's `optim` (HF/TRL's names: adamw_torch_fused by default, as TRL's, adamw_torch,
 bitsandbytes' adamw_8bit / paged_adamw_8bit / paged_adamw_32bit, transformers' Adafactor, SGD) over the
 trainable parameters, with no weight decay on biases and norms.
 `build_scheduler`: transformers' `get_scheduler` by its name (TRL's `lr_scheduler_type` and `lr_scheduler_kwargs`:
@@ -55,7 +55,7 @@ def optimizer_arguments(text: str | None) -> dict:
     return out
 
 
-def build_optimizer(model, learning_rate: float, weight_decay: float = 0.0, optim: str = "adamw_torch",
+def build_optimizer(model, learning_rate: float, weight_decay: float = 0.0, optim: str = "adamw_torch_fused",
                     betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8, optim_args: str | None = None):
     """`optim` over trainable parameters; no decay on biases and norms (the usual transformer recipe). `betas` and
     `eps` are AdamW's (TRL's adam_beta1, adam_beta2, adam_epsilon; the 8-bit AdamWs take them too); `optim_args`

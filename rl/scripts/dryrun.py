@@ -149,7 +149,7 @@ def zero_settings(ds_config: str | None = None) -> ZeroSettings:
 # ------------------------------------------------------------------------------- memory estimates
 
 def trainable_states_bytes(n: int, largest: int, world: int, zero: ZeroSettings, trainable: int | None = None,
-                           frozen_bytes: float = 2.0, mixed_precision: bool = True, optim: str = "adamw_torch") -> int:
+                           frozen_bytes: float = 2.0, mixed_precision: bool = True, optim: str = "adamw_torch_fused") -> int:
     """GPU bytes of weights + gradients + AdamW states of a model being trained (formulas in the module
     docstring). n: all parameters, trainable: those with gradients (default all), largest: biggest layer."""
     t = n if trainable is None else trainable
@@ -248,7 +248,7 @@ def estimate_memory(cfg, models: dict, world: int, zero: ZeroSettings) -> list[d
                 note = (note + ", " if note else "") + f"LoRA r={cfg.lora.rank}"
             b = trainable_states_bytes(n, pc.largest_layer, world, zero, t, frozen_p,
                                        mixed_precision=cfg.dtype != "float32", optim=cfg.optim)
-            if cfg.optim != "adamw_torch":
+            if not cfg.optim.startswith("adamw_torch"):
                 note = (note + ", " if note else "") + cfg.optim
         else:
             t = 0
