@@ -15,11 +15,13 @@ same 8 rows on every side. Sides:
                            share_prompt_forward's default)
     ours_packing_noshare   the same with share_prompt_forward: false (every row computes its own prefix)
     ours_packing_mask      the same without rl.engine.segments: SDPA under transformers' block-diagonal mask
-    ours_packing_malloc    ours_packing with glibc's malloc tuned as the sampler tunes it (rl.engine.host_memory)
+    ours_packing_malloc    ours_packing with glibc's malloc tuned as the sampler tunes it (rl.engine.host_memory;
+                           bf16 training on the CPU applies it itself: ours_packing_bf16_untuned is without)
     trl_padded             TRL SFTConfig defaults (padded batches)
     trl_padding_free       TRL SFTConfig(padding_free=True): one row per batch, position_ids, SDPA
                            under the block-diagonal mask (its varlen kernel is flash attention: GPU only)
     *_bf16                 the same with bf16 autocast (ours dtype: bfloat16; TRL bf16=True), fp32 weights
+    trl_*_malloc           TRL's side with the same malloc tuning as ours (what it would gain from it)
 
 Step time is the interval between consecutive optimizer-step ends, wall and process CPU (all threads),
 peak RSS per side process; the load average is printed and saved. Run:
@@ -84,14 +86,21 @@ def _setup(spec):
     return tok, make_rows(spec["rows"], tok, spec["seed"])
 
 
+def _malloc(keep_memory: bool | None) -> None:
+    """None: as shipped (our bf16 training tunes malloc, fp32 training does not); True: tuned; False: never."""
+    from rl.engine import host_memory
+
+    if keep_memory:
+        host_memory.keep_freed_memory()
+    elif keep_memory is False:
+        host_memory.keep_freed_memory = lambda: False
+
+
 def side_ours(spec: dict, packing: bool, bf16: bool, segments: bool = True, share: bool = True,
-              keep_memory: bool = False) -> dict:
+              keep_memory: bool | None = None) -> dict:
     import torch
 
-    if keep_memory:  # the sampler's malloc tuning, which training does not apply (measured: no gain, more memory)
-        from rl.engine.host_memory import keep_freed_memory
-
-        keep_freed_memory()
+    _malloc(keep_memory)
 
     from rl.config.fields import build
     from rl.data.sft import tokenize_examples
@@ -129,8 +138,10 @@ def side_ours(spec: dict, packing: bool, bf16: bool, segments: bool = True, shar
             "x_attn": trainer.pipeline.unwrapped_model.config._attn_implementation, "x_torch_threads": torch.get_num_threads()}
 
 
-def side_trl(spec: dict, padding_free: bool, bf16: bool) -> dict:
+def side_trl(spec: dict, padding_free: bool, bf16: bool, keep_memory: bool | None = None) -> dict:
     import torch
+
+    _malloc(keep_memory)
     from datasets import Dataset
     from torch.utils.data import SequentialSampler
     from transformers import TrainerCallback
@@ -183,9 +194,11 @@ SIDES = {
     "trl_padding_free": lambda s: side_trl(s, True, False),
     "ours_padded_bf16": lambda s: side_ours(s, False, True),
     "ours_packing_bf16": lambda s: side_ours(s, True, True),
-    "ours_packing_bf16_malloc": lambda s: side_ours(s, True, True, keep_memory=True),
+    "ours_packing_bf16_untuned": lambda s: side_ours(s, True, True, keep_memory=False),
     "trl_padded_bf16": lambda s: side_trl(s, False, True),
     "trl_padding_free_bf16": lambda s: side_trl(s, True, True),
+    "trl_padding_free_malloc": lambda s: side_trl(s, True, False, keep_memory=True),
+    "trl_padding_free_bf16_malloc": lambda s: side_trl(s, True, True, keep_memory=True),
 }
 
 

@@ -413,3 +413,65 @@ def test_bf16_segments_attend_in_fp32_and_give_bf16_back():
         bf16 = per_segment(q, k, v)
     assert torch.equal(out.detach(), fp32.bfloat16())
     assert (out.detach().float() - bf16.float()).abs().max() < 0.05
+
+
+@pytest.mark.parametrize("n,m", [(1, 0), (7, 0), (40, 0), (9, 5), (30, 12)])
+def test_bf16_backward_of_a_segment_matches_fp64_at_bf16_precision(n, m):
+    """_BF16Backward (bf16 training on a CPU with native bf16): one segment of n queries over m prefix keys
+    (all visible) and its own n (causal), 6 query heads over 2 key/value heads. Its output is the fp32
+    attention rounded to bf16; its gradients are within bf16 precision of fp64's, as close as SDPA computing
+    in bf16 throughout gets (the relative error of each gradient's largest entry at most twice SDPA's + 1e-3)."""
+    import torch.nn.functional as F
+
+    torch.manual_seed(n + m)
+    q = torch.randn(1, 6, n, 64).bfloat16().requires_grad_()
+    k = torch.randn(1, 2, m + n, 64).bfloat16().requires_grad_()
+    v = torch.randn(1, 2, m + n, 64).bfloat16().requires_grad_()
+    dout = torch.randn(1, 6, n, 64).bfloat16()
+    visible = torch.ones(n, m + n, dtype=torch.bool).tril(m)
+
+    def sdpa(q, k, v):
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=visible, enable_gqa=True)
+
+    def grads(f, cast):
+        for t in (q, k, v):
+            t.grad = None
+        out = f(*(cast(t) for t in (q, k, v)))
+        out.backward(dout.to(out.dtype))
+        return [out.detach().double()] + [t.grad.double() for t in (q, k, v)]
+
+    exact = grads(sdpa, lambda t: t.double())
+    ours = grads(lambda q, k, v: segments._BF16Backward.apply(q, k, v, 64 ** -0.5), lambda t: t)
+    bf16 = grads(sdpa, lambda t: t)
+    assert torch.equal(ours[0], grads(sdpa, lambda t: t.float())[0].bfloat16().double())  # the fp32 forward
+    for name, a, b, e in zip(("dq", "dk", "dv"), ours[1:], bf16[1:], exact[1:]):
+        scale = e.abs().max()
+        assert float((a - e).abs().max() / scale) <= 2 * float((b - e).abs().max() / scale) + 1e-3, name
+
+
+def test_packed_bf16_training_takes_the_bf16_backward_only_with_native_bf16(monkeypatch):
+    """The packed segments under CPU bf16 autocast with gradients: the bf16-matmul backward where the CPU has
+    native bf16 (for segments of BF16_BACKWARD_MIN tokens or more), fp32 SDPA otherwise; both train the same model to within bf16 tolerance (loss and gradients),
+    and a forward without gradients never takes it."""
+    calls = []
+    monkeypatch.setattr(segments, "BF16_BACKWARD_MIN", 1)  # EXAMPLES' segments are 1-9 tokens
+    original = segments._BF16Backward.apply
+    monkeypatch.setattr(segments._BF16Backward, "apply", lambda *a: calls.append(1) or original(*a))
+    b = pack_examples(EXAMPLES)
+    runs = {}
+    for native in (False, True):
+        monkeypatch.setattr(segments, "_native_bf16", lambda native=native: native)
+        model = _model()
+        segments.enable(model)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            runs[native] = _nll_and_grads(model, b["input_ids"], b["labels"], **segments.model_inputs(b["position_ids"]))
+        assert bool(calls) == native
+    assert len(calls) == 2 * 4  # 2 layers x 4 segments
+    assert float(runs[True][1]) == pytest.approx(float(runs[False][1]), rel=1e-2)
+    for n, g in runs[False][2].items():
+        if float(g.norm()) > 1e-6:
+            assert float(torch.nn.functional.cosine_similarity(g.flatten(), runs[True][2][n].flatten(), dim=0)) > 0.99, n
+    calls.clear()
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+        model(input_ids=b["input_ids"], use_cache=False, **segments.model_inputs(b["position_ids"]))
+    assert not calls
