@@ -15,13 +15,12 @@ same 8 rows on every side. Sides:
                            share_prompt_forward's default)
     ours_packing_noshare   the same with share_prompt_forward: false (every row computes its own prefix)
     ours_packing_mask      the same without rl.engine.segments: SDPA under transformers' block-diagonal mask
-    ours_packing_malloc    ours_packing with glibc's malloc tuned as the sampler tunes it (rl.engine.host_memory;
-                           bf16 training on the CPU applies it itself: ours_packing_bf16_untuned is without)
+    ours_packing_untuned   ours_packing without the malloc tuning our CPU training applies (rl.engine.host_memory)
     trl_padded             TRL SFTConfig defaults (padded batches)
     trl_padding_free       TRL SFTConfig(padding_free=True): one row per batch, position_ids, SDPA
                            under the block-diagonal mask (its varlen kernel is flash attention: GPU only)
     *_bf16                 the same with bf16 autocast (ours dtype: bfloat16; TRL bf16=True), fp32 weights
-    trl_*_malloc           TRL's side with the same malloc tuning as ours (what it would gain from it)
+    trl_*_malloc           TRL's side with the malloc tuning ours applies (what TRL would gain from it)
 
 Step time is the interval between consecutive optimizer-step ends, wall and process CPU (all threads),
 peak RSS per side process; the load average is printed and saved. Run:
@@ -87,7 +86,7 @@ def _setup(spec):
 
 
 def _malloc(keep_memory: bool | None) -> None:
-    """None: as shipped (our bf16 training tunes malloc, fp32 training does not); True: tuned; False: never."""
+    """None: as shipped (our CPU training tunes malloc, TRL does not); True: tuned; False: never."""
     from rl.engine import host_memory
 
     if keep_memory:
@@ -189,7 +188,7 @@ SIDES = {
     "ours_packing": lambda s: side_ours(s, True, False),
     "ours_packing_mask": lambda s: side_ours(s, True, False, segments=False),
     "ours_packing_noshare": lambda s: side_ours(s, True, False, share=False),
-    "ours_packing_malloc": lambda s: side_ours(s, True, False, keep_memory=True),
+    "ours_packing_untuned": lambda s: side_ours(s, True, False, keep_memory=False),
     "trl_padded": lambda s: side_trl(s, False, False),
     "trl_padding_free": lambda s: side_trl(s, True, False),
     "ours_padded_bf16": lambda s: side_ours(s, False, True),

@@ -220,7 +220,7 @@ def build_accelerator(gradient_accumulation_steps: int = 1, device: str | None =
                        f"that the port is reachable, or raise RL_DIST_TIMEOUT") from None
     if torch.distributed.is_available() and torch.distributed.is_initialized():  # DeepSpeed's 1 process too
         atexit.register(_close_process_group)
-    if acc.device.type == "cpu" and acc.mixed_precision == "bf16":  # where it pays: rl.engine.host_memory
+    if acc.device.type == "cpu":  # a step's large blocks kept for the next step: rl.engine.host_memory
         from rl.engine.host_memory import keep_freed_memory
 
         keep_freed_memory()

@@ -16,11 +16,12 @@ holds no longer shrinks after it. Without glibc (macOS, musl) it does nothing.
 
 Applied by the sampler on the CPU (rl.engine.generation), where it pays: its (rows, V) logits and temporaries
 are fresh pages at every token, and the sampling part of a decode step fell from ~400 to ~90 us per token.
-Training in fp32 does not apply it: measured in SFT (within the rounds' spread) and DPO (5.63 vs 5.57 s per step,
-peak 5.0 vs 4.5 GiB), it gave no speed and cost memory. bf16 training on the CPU (`rl.engine.dist.build_accelerator`)
-does: its casts and the packed attention's bf16 backward (`rl.engine.segments`) allocate many blocks of 1-30 MiB
-per step; SFT on SmolLM2 took 2.21 s per step tuned against 2.67 s untuned (2026-12-07, 2 rounds, peak 4.8 vs 4.6
-GiB). A GRPO process samples, so its training runs tuned too.
+Training on the CPU applies it too (`rl.engine.dist.build_accelerator`). SmolLM2 SFT, 2 rounds each, 2026-12-07
+(2-core AMD EPYC, AVX512-BF16): bf16 2.21 s per step tuned against 2.67 s untuned (its casts and the packed
+attention's bf16 backward allocate many 1-30 MiB blocks per step), fp32 5.26/5.14 against 5.66/5.39 s, peak memory
+within 4%. (Measured earlier on another 2-core EPYC: no SFT gain beyond the spread, DPO 5.63 vs 5.57 s per step,
+peak 5.0 vs 4.5 GiB.) TRL's trainers gain more from the same tuning (`bench/bench_real_sft.py`'s `trl_*_malloc`
+sides: 11.0 -> 7.2 s per fp32 step, 6.4 -> 4.1 s in bf16), which they do not apply.
 """
 
 from __future__ import annotations

@@ -308,9 +308,10 @@ def test_bf16_autocast_on_cpu_stays_within_bf16_tolerance_of_fp32():
         assert float(g16[n].norm()) == pytest.approx(float(g.norm()), rel=5e-2), n
 
 
-def test_sft_trainer_bf16_on_cpu_autocasts_and_tracks_fp32(tmp_path, tiny_llama):
+def test_sft_trainer_bf16_on_cpu_autocasts_and_tracks_fp32(tmp_path, tiny_llama, monkeypatch):
     """dtype: bfloat16 on CPU: the trainer's accelerator autocasts in bf16 and two steps' losses stay
-    within bf16 tolerance of the fp32 run's."""
+    within bf16 tolerance of the fp32 run's, with the packed segments' backward in fp32 SDPA and in bf16
+    matmuls (`_BF16Backward`, forced here for segments of any length, as if the CPU had native bf16)."""
     from accelerate.state import AcceleratorState
 
     from rl.config.fields import build
@@ -318,18 +319,26 @@ def test_sft_trainer_bf16_on_cpu_autocasts_and_tracks_fp32(tmp_path, tiny_llama)
 
     data = [{"input_ids": list(range(3, 3 + n)), "labels": list(range(3, 3 + n))} for n in (5, 12, 9, 16)]
     rows = {}
-    for dtype in ("float32", "bfloat16"):
+    for run in ("float32", "bfloat16", "bfloat16-matmul-backward"):
+        if run.endswith("backward"):
+            monkeypatch.setattr(segments, "BF16_BACKWARD_MIN", 1)
+            monkeypatch.setattr(segments, "_native_bf16", lambda: True)
+        else:
+            monkeypatch.setattr(segments, "_native_bf16", lambda: False)
+        dtype = run.split("-")[0]
         AcceleratorState._reset_state()  # accelerate keeps one mixed-precision setting per process
-        cfg = build(SFTConfig, dict(model_name=tiny_llama, output_dir=str(tmp_path / dtype), per_device_train_batch_size=4, max_steps=2,
+        cfg = build(SFTConfig, dict(model_name=tiny_llama, output_dir=str(tmp_path / run), per_device_train_batch_size=4, max_steps=2,
                                     learning_rate=1e-3, seed=0, report_to=["none"], packing=True, dtype=dtype))
         t = SFTTrainer(cfg)
-        rows[dtype] = t.train(data)
+        rows[run] = t.train(data)
         assert t.accelerator.mixed_precision == ("bf16" if dtype == "bfloat16" else "no")
         assert next(t.pipeline.unwrapped_model.parameters()).dtype == torch.float32
     AcceleratorState._reset_state()  # leave the process's default (no mixed precision) to the next test
-    for a, b in zip(rows["float32"], rows["bfloat16"]):
-        assert b["loss"] == pytest.approx(a["loss"], rel=2e-2)
-        assert b["grad_norm"] == pytest.approx(a["grad_norm"], rel=1e-1)
+    for run in ("bfloat16", "bfloat16-matmul-backward"):
+        for a, b in zip(rows["float32"], rows[run]):
+            assert b["loss"] == pytest.approx(a["loss"], rel=2e-2), run
+            assert b["grad_norm"] == pytest.approx(a["grad_norm"], rel=1e-1), run
+    assert rows["bfloat16-matmul-backward"][0]["grad_norm"] != rows["bfloat16"][0]["grad_norm"]  # another backward ran
 
 
 def test_common_prefix_by_hand():
