@@ -264,6 +264,11 @@ def _fake_slurm_run(tmp_path: Path, out: Path) -> subprocess.CompletedProcess:
                            f"output_dir={out}"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
 
 
+# long enough for the signal to land mid-run: 60 steps of the tiny recipe on 2 processes took ~1.3 s in a CI run
+# (2026-12-07), and the signal, sent once 3 log lines are written, came after the last step
+SLURM_STEPS = 300
+
+
 def test_sbatch_template_under_slurm(tmp_path, tiny_llama):
     """Real single-node Slurm (Debian's slurm-wlm, started here): submit the template, SIGUSR1 to the
     batch shell mid-run (what --signal=B:USR1@120 does), the trainers checkpoint, the job requeues
@@ -286,7 +291,7 @@ def test_sbatch_template_under_slurm(tmp_path, tiny_llama):
         cluster.env.update(SLURM_ENV, PYTHON=sys.executable, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
         log = tmp_path / "job.out"
         r = cluster.run("sbatch", "--parsable", "--nodes=1", "--cpus-per-task=2", f"--output={log}",
-                        "launch/slurm/train.sbatch", "sft", "recipes/tiny/sft.yaml", "max_steps=60",
+                        "launch/slurm/train.sbatch", "sft", "recipes/tiny/sft.yaml", f"max_steps={SLURM_STEPS}",
                         f"output_dir={out}")
         assert r.returncode == 0, r.stderr
         job = r.stdout.strip().split(";")[0]
@@ -324,7 +329,7 @@ def test_sbatch_template_under_slurm(tmp_path, tiny_llama):
             cluster.run("scancel", job)
             first, log = text, tmp_path / "job2.out"
             r = cluster.run("sbatch", "--parsable", "--nodes=1", "--cpus-per-task=2", f"--output={log}",
-                            "launch/slurm/train.sbatch", "sft", "recipes/tiny/sft.yaml", "max_steps=60",
+                            "launch/slurm/train.sbatch", "sft", "recipes/tiny/sft.yaml", f"max_steps={SLURM_STEPS}",
                             f"output_dir={out}")
             assert r.returncode == 0, r.stderr
             job = r.stdout.strip().split(";")[0]
