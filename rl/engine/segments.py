@@ -88,16 +88,15 @@ def _segment_attention(module, query, key, value, attention_mask, dropout: float
     with torch.autocast("cpu", enabled=False) if low else contextlib.nullcontext():
         for i in range(len(bounds) - 1):
             q, k, v = qs[i], ks[i], vs[i]
-            mask = None
             if prefix[i] >= 0:  # the prefix's keys first, all visible; then this segment's own, causally
-                n, m = q.shape[2], ks[prefix[i]].shape[2]
                 k = torch.cat([ks[prefix[i]], k], dim=2)
                 v = torch.cat([vs[prefix[i]], v], dim=2)
-                mask = _visible(n, m, query.device)[None, None]
             if bf16_backward and q.shape[2] >= BF16_BACKWARD_MIN:
                 scale = scaling if scaling is not None else q.shape[-1] ** -0.5
                 outs.append(_BF16Backward.apply(q, k, v, scale).transpose(1, 2))
                 continue
+            n, m = q.shape[2], k.shape[2] - q.shape[2]
+            mask = _visible(n, m, query.device)[None, None] if m else None
             if low:
                 q, k, v = q.float(), k.float(), v.float()
             out, _ = sdpa_attention_forward(module, q, k, v, mask, dropout=dropout, scaling=scaling,
