@@ -28,6 +28,7 @@ from typing import Any, NoReturn
 
 import torch
 
+from rl.engine import host_memory
 from rl.errors import ConfigError, RunError
 
 # the variables torch.distributed's env:// init reads; `accelerate launch` (torchrun) sets them all
@@ -220,10 +221,8 @@ def build_accelerator(gradient_accumulation_steps: int = 1, device: str | None =
                        f"that the port is reachable, or raise RL_DIST_TIMEOUT") from None
     if torch.distributed.is_available() and torch.distributed.is_initialized():  # DeepSpeed's 1 process too
         atexit.register(_close_process_group)
-    if acc.device.type == "cpu":  # a step's large blocks kept for the next step: rl.engine.host_memory
-        from rl.engine.host_memory import keep_freed_memory
-
-        keep_freed_memory()
+    if acc.device.type == "cpu":  # a step's large blocks kept for the next step
+        host_memory.keep_freed_memory()
     if (env_ds or ds_plugin is not None) and not is_deepspeed(acc):
         # accelerate drops DeepSpeed without a word when it is told to use the CPU (measured: two machines with
         # ACCELERATE_USE_CPU=true trained as plain DDP, "ZeRO stage 0"); a run must not silently lose ZeRO

@@ -25,6 +25,8 @@ from __future__ import annotations
 
 import torch
 
+from rl.engine.chunked import _to_float
+
 IGNORE_INDEX = -100
 
 # Rows of hidden states per chunk when called directly: a (rows, V) fp32 block of 512 x 49,152 is 96 MiB;
@@ -135,8 +137,6 @@ def head_nll(logits, labels: torch.Tensor, rows: int | None = None):
     steps are something else (the caller then takes the chunked path, same numbers). `rows`: positions per
     chunk, by default B x the HeadLogits' chunk size, the block `rl.engine.chunked` would compute at once
     (so `logprob_chunk_size` keeps its meaning)."""
-    from rl.engine.chunked import _to_float
-
     if rows is None:
         rows = logits.chunk_size * logits.hidden.shape[0]
     head = logits.head

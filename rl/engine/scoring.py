@@ -29,7 +29,7 @@ from contextlib import nullcontext
 
 import torch
 
-from rl.engine import losses
+from rl.engine import losses, segments
 from rl.engine.chunked import (
     auto_capture_head,
     auto_chunk_size,
@@ -186,8 +186,6 @@ def _packed_logps(model, batch: dict[str, torch.Tensor], chunk_size: int | None)
     ids = batch["input_ids"]
     inputs = {"position_ids": batch["position_ids"]}
     if "prefix_of" in batch:  # shared prompts (pack_pairs_shared): answers attend to their prompt's segment
-        from rl.engine import segments
-
         if not segments.enable(lm):
             raise ValueError("shared-prompt rows need SDPA attention (rl.engine.segments); this model's is "
                              f"{getattr(getattr(lm, 'config', None), '_attn_implementation', None)!r}")

@@ -11,6 +11,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+from rl.models.gguf import resolve
 from rl.models.tiny import write_tiny_model
 
 TINY_PREFIX = "tiny:"
@@ -23,8 +24,6 @@ def resolve_model_path(name: str, cache_dir: str | os.PathLike | None = None) ->
     Recipes name `model_name: tiny:llama` so that a fresh machine runs them without any download.
     """
     if not name.startswith(TINY_PREFIX):
-        from rl.models.gguf import resolve
-
         return resolve(name)
     spec = name[len(TINY_PREFIX):]
     family, *options = spec.split("-")

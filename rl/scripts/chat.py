@@ -22,6 +22,7 @@ from pathlib import Path
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 from rl.config.vocabulary import add_alias_flag
+from rl.engine.dist import run_as_program
 from rl.errors import ConfigError
 from rl.models.limits import prompt_room
 from rl.scripts.common import fail
@@ -154,6 +155,4 @@ def main(argv=None) -> None:
 
 
 if __name__ == "__main__":
-    from rl.engine.dist import run_as_program
-
     run_as_program(main)

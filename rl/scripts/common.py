@@ -22,6 +22,7 @@ from rl.data.records import has_data
 from rl.engine.optim import bitsandbytes_problem, optim_problem
 from rl.engine.tracking import quiet_third_party
 from rl.errors import ConfigError, DataError, RunError, disk_full, first_line
+from rl.models.gguf import PACKAGED
 from rl.models.loading import bad_safetensors
 from rl.models.reward_format import reward_model_problem
 from rl.models.sources import TINY_PREFIX
@@ -201,8 +202,6 @@ def hub_problem(key: str, name: str) -> str | None:
     network huggingface_hub retried for ~60 s, printing a line per retry, before transformers' error). When the
     hub is unreachable the run goes offline (HF_HUB_OFFLINE=1), so a cached model loads without those retries.
     None for a cached model, a reachable hub, or a name that is not a hub id (a packaged GGUF name)."""
-    from rl.models.gguf import PACKAGED
-
     if name.lower() in PACKAGED or name.startswith(TINY_PREFIX) or Path(name).expanduser().exists():
         return None
     why = "HF_HUB_OFFLINE is set" if os.environ.get("HF_HUB_OFFLINE", "").lower() in ("1", "true", "yes", "on") \

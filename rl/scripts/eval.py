@@ -34,6 +34,7 @@ import yaml
 
 from rl.config.vocabulary import add_alias_flag
 from rl.data.records import SUFFIXES, read_records, where
+from rl.engine.dist import run_as_program
 from rl.envs.registry import make_env
 from rl.errors import (
     ConfigError,
@@ -220,6 +221,4 @@ def main(argv=None) -> None:
 
 
 if __name__ == "__main__":
-    from rl.engine.dist import run_as_program
-
     run_as_program(main)

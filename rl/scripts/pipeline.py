@@ -29,6 +29,7 @@ from typing import Literal
 from rl.config.fields import build, opt
 from rl.config.parse import save_config
 from rl.data.sft import tokenize_examples
+from rl.engine.dist import run_as_program
 from rl.engine.state import previous_run
 from rl.envs.math import create_math_problem_env
 from rl.envs.tool_math import create_tool_math_env
@@ -315,6 +316,4 @@ def main(argv=None) -> None:
 
 
 if __name__ == "__main__":
-    from rl.engine.dist import run_as_program
-
     run_as_program(main)

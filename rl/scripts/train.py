@@ -23,6 +23,7 @@ from rl.config.parse import save_config
 from rl.config.plan import prompts_step_problem
 from rl.data.records import split_eval
 from rl.data.sft import load_sft_records, tokenize_examples
+from rl.engine.dist import run_as_program
 from rl.errors import ConfigError, DataError, RunError
 from rl.models.card import write_model_card
 from rl.models.hub import HubPusher
@@ -205,6 +206,4 @@ if __name__ == "__main__":
         print(f"usage: python -m rl.scripts.train {{{','.join(TRAINERS)}}} [--config RECIPE] [key=value ...]",
               file=sys.stderr)
         raise SystemExit(2)
-    from rl.engine.dist import run_as_program
-
     run_as_program(main, sys.argv[1], sys.argv[2:])
